@@ -1,0 +1,5 @@
+"""The `liandan` command line."""
+
+from liandan.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,5 @@
+import sys
+
+from liandan.cli.main import main
+
+sys.exit(main())

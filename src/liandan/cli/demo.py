@@ -1,0 +1,96 @@
+"""`liandan demo`: the whole system on a laptop CPU in a few minutes, on text that ships with Python.
+
+Reads the corpus, trains a byte-level BPE tokenizer, packs the tokens into a memory-mapped array, trains a
+small Llama with document masking and validation, then samples from it and says where everything is.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from liandan.config import load_config
+
+# A model that learns visibly in a few CPU minutes: ~3.5M parameters, 256-token sequences.
+DEMO_SETTINGS = [
+    "--model.dim=192",
+    "--model.n_layers=4",
+    "--model.n_heads=6",
+    "--model.n_kv_heads=2",
+    "--model.max_seq_len=256",
+    "--model.tie_embeddings=true",
+    "--model.qk_norm=true",
+    "--optim.lr=2e-3",
+    "--optim.weight_decay=0.1",
+    "--schedule.kind=wsd",
+    "--schedule.warmup_steps=30",
+    "--train.steps=300",
+    "--train.global_batch=16",
+    "--train.seq_len=256",
+    "--train.eval_every=50",
+    "--data.tokenizer=bpe",
+    "--data.bpe_vocab_size=4096",
+]
+
+
+def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overrides: list[str]) -> int:
+    from liandan.train import Trainer
+
+    settings = list(DEMO_SETTINGS)
+    if data:
+        settings.append("--data.paths=" + json.dumps(data))
+    if steps is not None:
+        settings.append(f"--train.steps={steps}")
+        settings.append(f"--train.eval_every={max(1, steps // 6)}")
+        settings.append(f"--schedule.warmup_steps={min(30, max(1, steps // 10))}")
+    settings.append(f"--run.output_dir={output_dir}")
+    settings.append(f"--run.name=demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    cfg = load_config(None, settings + overrides)
+
+    trainer = Trainer(cfg, config_name="demo")
+    result = trainer.train()
+    s = result.summary
+    print()
+    print(
+        f"trained {s['parameters'] / 1e6:.1f}M parameters for {s['steps']} steps on {s['tokens']:,} tokens"
+        f" in {s['seconds']:.0f}s ({s['tokens_per_s']:,.0f} tokens/s, {s['dtype']})"
+    )
+    print(f"loss {result.losses[0]:.3f} -> {s['final_loss']:.3f}; validation loss {s['val_loss']:.3f}")
+    prompt = "The for statement"
+    print(f"\nsample, prompted with {prompt!r}:\n  {sample(trainer, prompt)!r}\n")
+    run = result.run_dir
+    print(f"run directory: {run}")
+    for name, what in [
+        ("config.toml", "the resolved run config"),
+        ("data/tokenizer.json", "the trained BPE tokenizer"),
+        ("data/tokens/", "the token array (tokens.bin, doc_starts.npy, meta.json)"),
+        ("metrics.jsonl", "loss, grad norm, lr, tokens/s, MFU, memory, step time per step"),
+        ("events.jsonl", "run events and validation losses"),
+        ("summary.json", "the run's totals"),
+        ("training.png", "loss, learning rate and throughput curves"),
+    ]:
+        if (run / name).exists():
+            print(f"  {name:22s} {what}")
+    return 0
+
+
+@torch.no_grad()
+def sample(trainer, prompt: str, new_tokens: int = 40, temperature: float = 0.8, seed: int = 0) -> str:
+    """A short continuation from the trained model (single process), seeded for repeatability."""
+    model, tokenizer = trainer.model, trainer.tokenizer
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    ids = tokenizer.encode_batch([prompt])[0]
+    limit = trainer.model_args.max_seq_len
+    for _ in range(new_tokens):
+        x = torch.tensor([ids[-limit:]], device=trainer.device)
+        with trainer._autocast():
+            logits = model(x)[0, -1].float() / temperature
+        next_id = int(torch.multinomial(logits.softmax(-1).cpu(), 1, generator=generator))
+        if next_id == tokenizer.eos_id:
+            break
+        ids.append(next_id)
+    return tokenizer.decode(ids)

@@ -1,0 +1,136 @@
+"""`liandan` command line. User mistakes end as one line on stderr and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from liandan import __version__
+from liandan.config import ConfigError, describe, load_config
+from liandan.data.corpus import DataError
+
+USER_ERRORS = (ConfigError, DataError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    if not hasattr(args, "command"):
+        parser.print_help()
+        return 0
+    try:
+        overrides = _overrides(extra)
+        return args.command(args, overrides)
+    except USER_ERRORS as err:
+        _error(str(err))
+        return 2
+    except OSError as err:  # full disk, permissions, unreadable files: the user's environment, not a bug
+        _error(f"{err.strerror or err}: {err.filename}" if err.filename else str(err))
+        return 1
+    except KeyboardInterrupt:
+        _error("interrupted")
+        return 130
+
+
+def _error(message: str) -> None:
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"liandan: error: {message}", file=sys.stderr)
+
+
+def _overrides(extra: list[str]) -> list[str]:
+    for item in extra:
+        if not (item.startswith("--") and "=" in item and "." in item.split("=", 1)[0]):
+            raise ConfigError(f"unrecognised argument '{item}'; overrides look like --section.key=value")
+    return extra
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="liandan",
+        description="Pretrain a language model from raw text. Config keys can be overridden as --section.key=value.",
+    )
+    parser.add_argument("--version", action="version", version=f"liandan {__version__}")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    p = sub.add_parser("train", help="train a model from a TOML run config")
+    p.add_argument("config", help="run config (TOML), e.g. configs/tiny.toml")
+    p.add_argument("--nproc", type=int, default=1, help="local processes to launch through torchrun")
+    p.set_defaults(command=cmd_train)
+
+    p = sub.add_parser("demo", help="tokenize, train and sample a small model end to end on the CPU")
+    p.add_argument("--data", nargs="+", metavar="PATH", help="your own .txt/.jsonl files instead of Python's docs")
+    p.add_argument("--steps", type=int, help="optimizer steps (default 300)")
+    p.add_argument("--output-dir", default="runs", help="where the run directory goes (default: runs)")
+    p.set_defaults(command=cmd_demo)
+
+    p = sub.add_parser("config", help="print a resolved run config, or every key with its default")
+    p.add_argument("config", nargs="?", help="run config (TOML); omit for the defaults")
+    p.add_argument("--keys", action="store_true", help="list every key, its default and what it does")
+    p.set_defaults(command=cmd_config)
+    return parser
+
+
+def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
+    if args.keys:
+        for key, default, help_text in describe():
+            print(f"{key:34s} {default!r:>14}  {help_text}")
+        return 0
+    print(load_config(args.config, overrides).to_toml(), end="")
+    return 0
+
+
+def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
+    cfg = load_config(args.config, overrides)
+    name = Path(args.config).stem
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(args.config, cfg, name, args.nproc, overrides)
+    from liandan.train import Trainer
+
+    result = Trainer(cfg, config_name=name).train()
+    _report(result)
+    return 0
+
+
+def _launch(config: str, cfg, name: str, nproc: int, overrides: list[str]) -> int:
+    """Check what can be checked here, then start `nproc` workers under torchrun with one agreed run name."""
+    from liandan.train.distributed import launch_torchrun
+    from liandan.train.parallelize import resolve_layout
+
+    try:
+        resolve_layout(cfg.parallel, nproc)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    for path in cfg.data.paths:
+        if not Path(path).is_file():
+            raise DataError(f"data file not found: {path}")
+    if not cfg.run.name:
+        overrides = [*overrides, f"--run.name={name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"]
+    code = launch_torchrun(nproc, "liandan.cli", ["train", config, *overrides])
+    return 0 if code == 0 else (2 if code == 2 else 1)
+
+
+def _report(result) -> None:
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    s = result.summary
+    print(
+        f"done: {s['steps']} steps, {s['tokens']:,} tokens in {s['seconds']:.1f}s"
+        f" ({s['tokens_per_s']:,.0f} tokens/s); final loss {s['final_loss']:.4f}"
+        + (f", validation loss {s['val_loss']:.4f}" if s.get("val_loss") is not None else "")
+    )
+    print(f"run directory: {result.run_dir}")
+
+
+def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:
+    from liandan.cli.demo import run_demo
+
+    return run_demo(args.data, args.steps, Path(args.output_dir), overrides)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,275 @@
+"""Typed run configuration: one TOML file describes a whole run, `--section.key=value` overrides it.
+
+Every field carries its type (``Literal`` for choices) and optional bounds in its metadata, so a bad value
+is rejected with a message that names the key, the value and what is allowed. This module is a leaf: it
+imports nothing else from liandan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on Python 3.10
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the CLI prints it as one line."""
+
+
+def _f(default: Any, help: str, *, min: float | None = None, max: float | None = None) -> Any:
+    meta = {"help": help, "min": min, "max": max}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class RunSection:
+    name: str = _f("", "run name; empty means <config name>-<timestamp>")
+    output_dir: str = _f("runs", "parent directory of run directories")
+    seed: int = _f(1234, "seed for model init, data order and dropout-free RNG use", min=0)
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "where to train; auto picks cuda when present")
+    overwrite: bool = _f(False, "allow reusing a run directory that already holds a run")
+
+
+@dataclass
+class ModelSection:
+    vocab_size: int = _f(0, "0 takes the tokenizer's size, rounded up to a multiple of 64", min=0)
+    dim: int = _f(256, "hidden size", min=8)
+    n_layers: int = _f(4, "transformer blocks", min=1)
+    n_heads: int = _f(4, "query heads", min=1)
+    n_kv_heads: int = _f(0, "key/value heads for grouped-query attention; 0 means n_heads", min=0)
+    ffn_dim: int = _f(0, "SwiGLU hidden size; 0 derives 8/3*dim rounded to ffn_multiple_of", min=0)
+    ffn_multiple_of: int = _f(64, "rounding of the derived SwiGLU hidden size", min=1)
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon", min=0.0)
+    rope_theta: float = _f(10000.0, "rotary embedding base", min=1.0)
+    max_seq_len: int = _f(2048, "longest sequence the rotary table covers", min=1)
+    tie_embeddings: bool = _f(False, "share the input embedding with the output head")
+    qk_norm: bool = _f(False, "RMSNorm on queries and keys per head (attention-logit growth fix)")
+    z_loss: float = _f(0.0, "weight of the z-loss term log(Z)^2 on the output logits (PaLM uses 1e-4)", min=0.0)
+    init_std: float = _f(0.02, "std of the normal init; output projections are scaled by 1/sqrt(2*n_layers)", min=0.0)
+    attention: Literal["auto", "flex", "sdpa", "eager"] = _f(
+        "auto", "attention kernel: flex (FlexAttention block masks), sdpa, or eager (reference-style matmuls)"
+    )
+
+
+@dataclass
+class OptimSection:
+    lr: float = _f(3e-4, "peak learning rate", min=0.0)
+    beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
+    beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
+    eps: float = _f(1e-8, "AdamW epsilon", min=0.0)
+    weight_decay: float = _f(0.1, "decoupled weight decay", min=0.0)
+    decay_norms_and_embeddings: bool = _f(False, "also decay norm weights and embeddings")
+    grad_clip: float = _f(1.0, "global gradient-norm clip; 0 disables", min=0.0)
+
+
+@dataclass
+class ScheduleSection:
+    kind: Literal["cosine", "linear", "wsd", "constant"] = _f("cosine", "learning-rate schedule after warmup")
+    warmup_steps: int = _f(100, "linear warmup steps", min=0)
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak", min=0.0, max=1.0)
+    decay_fraction: float = _f(0.2, "wsd: share of steps spent in the 1-sqrt cooldown", min=0.0, max=1.0)
+
+
+@dataclass
+class TrainSection:
+    steps: int = _f(1000, "optimizer steps", min=1)
+    global_batch: int = _f(32, "sequences per optimizer step, summed over data-parallel ranks", min=1)
+    micro_batch: int = _f(0, "sequences per rank per forward pass; 0 means no gradient accumulation", min=0)
+    seq_len: int = _f(256, "tokens per training sequence", min=2)
+    mask: Literal["causal", "document"] = _f("document", "document: no attention across packed documents")
+    dtype: Literal["auto", "fp32", "bf16"] = _f("auto", "compute dtype; auto is bf16 where supported")
+    activation_checkpoint: Literal["none", "selective", "full"] = _f("none", "activation recomputation")
+    compile: bool = _f(False, "torch.compile each transformer block")
+    log_every: int = _f(1, "steps between metric records", min=1)
+    eval_every: int = _f(0, "steps between validation-loss checks; 0 disables", min=0)
+    eval_batches: int = _f(4, "validation batches per check", min=1)
+
+
+@dataclass
+class ParallelSection:
+    dp_replicate: int = _f(1, "data-parallel replicas (DDP, or HSDP with dp_shard > 1)", min=1)
+    dp_shard: int = _f(-1, "FSDP2 shard group size; -1 takes whatever the other dims leave", min=-1)
+    tp: int = _f(1, "tensor-parallel degree", min=1)
+    backend: Literal["auto", "gloo", "nccl"] = _f("auto", "process-group backend; auto: nccl on cuda, gloo on cpu")
+
+
+@dataclass
+class DataSection:
+    paths: list[str] = _f([], "text files (.txt, .jsonl); empty uses the Python documentation corpus")
+    text_field: str = _f("text", "field holding the text in .jsonl records")
+    tokenizer: str = _f("bpe", "byte, bpe (trained on the corpus), or a path to a tokenizer.json")
+    bpe_vocab_size: int = _f(4096, "vocabulary size when training a BPE tokenizer", min=260)
+    val_fraction: float = _f(0.02, "share of sequences held out for validation", min=0.0, max=0.5)
+
+
+@dataclass
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    schedule: ScheduleSection = field(default_factory=ScheduleSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    data: DataSection = field(default_factory=DataSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        import tomli_w
+
+        return tomli_w.dumps(self.to_dict())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# loading, overriding, checking
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read `path` (or defaults), apply `--section.key=value` overrides, check every value."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"'{section}' must be a [section] table")
+        raw[section][key] = value
+    cfg = from_dict(raw)
+    check_config(cfg)
+    return cfg
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    text = item[2:] if item.startswith("--") else item
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"override '{item}' must look like --section.key=value")
+    dotted, value_text = text.split("=", 1)
+    section, key = dotted.split(".", 1)
+    return section, key, _parse_value(value_text)
+
+
+def _parse_value(text: str) -> Any:
+    """A TOML literal (1e-3, true, [\"a\", \"b\"], \"quoted\") or else the bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    sections = {f.name: f for f in dataclasses.fields(Config)}
+    built: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in sections:
+            raise ConfigError(_unknown("section", name, list(sections)))
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{name}' must be a [section] table, got {value!r}")
+        built[name] = _build_section(name, sections[name].default_factory, value)  # type: ignore[misc]
+    return Config(**built)
+
+
+def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(_unknown("key", f"{section}.{key}", [f"{section}.{k}" for k in fields]))
+        kwargs[key] = _coerce(f"{section}.{key}", value, hints[key], fields[key].metadata)
+    return cls(**kwargs)
+
+
+def _unknown(what: str, name: str, allowed: list[str]) -> str:
+    close = difflib.get_close_matches(name, allowed, n=1)
+    hint = f" (did you mean '{close[0]}'?)" if close else ""
+    return f"unknown {what} '{name}'{hint}; allowed: {', '.join(allowed)}"
+
+
+def _coerce(key: str, value: Any, hint: Any, meta: Any) -> Any:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise ConfigError(f"{key} = {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}")
+        return value
+    if origin is list:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key} = {value!r} must be a list of strings")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} = {value!r} must be true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} = {value!r} must be an integer")
+    elif hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key} = {value!r} must be a number")
+        value = float(value)
+    elif hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} = {value!r} must be a string")
+        return value
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{key} = {value!r} is too small; it must be >= {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{key} = {value!r} is too large; it must be <= {hi}")
+    return value
+
+
+def check_config(cfg: Config) -> None:
+    """Checks that involve more than one key."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    if m.dim % m.n_heads:
+        raise ConfigError(f"model.dim = {m.dim} must be divisible by model.n_heads = {m.n_heads}")
+    if (m.dim // m.n_heads) % 2:
+        raise ConfigError(f"head size model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
+    kv = m.n_kv_heads or m.n_heads
+    if m.n_heads % kv:
+        raise ConfigError(f"model.n_kv_heads = {kv} must divide model.n_heads = {m.n_heads}")
+    if t.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
+    if p.dp_shard == 0:
+        raise ConfigError("parallel.dp_shard = 0 is not allowed; use a positive size or -1")
+    if p.tp > 1:
+        if m.n_heads % p.tp or kv % p.tp:
+            raise ConfigError(f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads} and n_kv_heads = {kv}")
+        if m.tie_embeddings:
+            raise ConfigError("model.tie_embeddings = true is not supported with parallel.tp > 1")
+    if t.micro_batch and t.global_batch % t.micro_batch:
+        raise ConfigError(f"train.global_batch = {t.global_batch} must be a multiple of train.micro_batch = {t.micro_batch}")
+    if cfg.schedule.warmup_steps > t.steps:
+        raise ConfigError(f"schedule.warmup_steps = {cfg.schedule.warmup_steps} exceeds train.steps = {t.steps}")
+
+
+def describe(cls: type = Config) -> list[tuple[str, Any, str]]:
+    """(key, default, help) for every key: the source of `liandan config --help-keys`."""
+    rows = []
+    for section in dataclasses.fields(cls):
+        for f in dataclasses.fields(section.default_factory):  # type: ignore[arg-type]
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+            rows.append((f"{section.name}.{f.name}", default, f.metadata.get("help", "")))
+    return rows

@@ -1,0 +1,202 @@
+"""A Llama-style decoder in one file: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention, optional
+tied embeddings, qk-norm and z-loss. The model is plain PyTorch; parallelism, precision and recomputation
+are applied from outside (liandan.train.parallelize), so nothing here knows about them.
+
+Rotary embeddings use the rotate-half layout of Hugging Face's Llama, so weights move between the two
+without permutation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from liandan.model.attention import MaskSpec, PreparedMask, attend, choose_backend
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 32000
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 0
+    ffn_dim: int = 0
+    ffn_multiple_of: int = 64
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    qk_norm: bool = False
+    z_loss: float = 0.0
+    init_std: float = 0.02
+    attention: str = "auto"
+
+    def __post_init__(self) -> None:
+        self.n_kv_heads = self.n_kv_heads or self.n_heads
+        if not self.ffn_dim:
+            hidden = int(2 * (4 * self.dim) / 3)
+            self.ffn_dim = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
+    """(max_seq_len, head_dim) table of [cos | sin] halves, in fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """x: (B, T, H, D); table: (T, D) or (B, T, D) rows for each position."""
+    half = x.shape[-1] // 2
+    cos, sin = table[..., :half], table[..., half:]
+    if table.dim() == 2:
+        cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+    else:
+        cos, sin = cos[:, :, None, :], sin[:, :, None, :]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: PreparedMask) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds only its share of the heads.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: PreparedMask) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        # A ModuleDict keyed by layer index keeps parameter names stable when layers are wrapped or pruned.
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+        self.attention_backend = "sdpa"
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """Normal(0, init_std) everywhere; the projections that write into the residual stream (wo, w2) get
+        init_std / sqrt(2 * n_layers) so the residual's variance does not grow with depth."""
+        std = self.args.init_std
+        out_std = std / math.sqrt(2 * self.args.n_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                last = name.rsplit(".", 1)[-1]
+                nn.init.normal_(module.weight, 0.0, out_std if last in ("wo", "w2") else std)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+        with torch.no_grad():
+            self.rope.copy_(rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
+
+    def configure_attention(self, device: torch.device, training: bool = True) -> str:
+        self.attention_backend = choose_backend(self.args.attention, device, training)
+        return self.attention_backend
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        doc_ids: torch.Tensor | None = None,
+        prefix: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits (B, T, V), or the mean loss when `targets` is given (targets of -1 are ignored).
+
+        doc_ids (B, T): packed-document ids; no attention across documents.
+        prefix (B, T) bool: positions that attend bidirectionally among themselves (prefix-LM).
+        positions (B, T): rotary positions, default 0..T-1.
+        """
+        seq = tokens.shape[1]
+        mask = PreparedMask(MaskSpec(doc_ids, prefix), self.attention_backend, seq, tokens.device)
+        rope = self.rope[:seq] if positions is None else self.rope[positions]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h, rope, mask)
+        logits = self.output(self.norm(h))
+        if targets is None:
+            return logits
+        return lm_loss(logits, targets, self.args.z_loss)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
+    """Mean cross-entropy in fp32 over targets >= 0 (-1 marks a position without a target), plus
+    z_loss * mean(logsumexp(logits)^2), which keeps the softmax normaliser near 1 (PaLM)."""
+    logits = logits.float().flatten(0, 1)
+    targets = targets.flatten()
+    loss = F.cross_entropy(logits, targets, ignore_index=-1)
+    if z_loss:
+        keep = (targets >= 0).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        loss = loss + z_loss * (lse.pow(2) * keep).sum() / keep.sum().clamp(min=1)
+    return loss

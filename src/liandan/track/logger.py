@@ -1,0 +1,135 @@
+"""The logger seam: the trainer reports step metrics and events through `MetricsLogger`, and anything that
+wants them (files, the console, later the run store and the dashboard) implements these three methods."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+
+class MetricsLogger(Protocol):
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def log_event(self, kind: str, **fields: Any) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlLogger:
+    """metrics.jsonl (one record per logged step) and events.jsonl in the run directory, flushed per line
+    so a crash loses nothing already reported."""
+
+    def __init__(self, run_dir: Path):
+        self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, "time": time.time(), **{k: _json_number(v) for k, v in metrics.items()}}
+        self._metrics.write(json.dumps(record) + "\n")
+        self._metrics.flush()
+
+    def log_event(self, kind: str, **fields: Any) -> None:
+        self._events.write(json.dumps({"time": time.time(), "kind": kind, **fields}, default=str) + "\n")
+        self._events.flush()
+
+    def close(self) -> None:
+        self._metrics.close()
+        self._events.close()
+
+
+def _json_number(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)  # JSON has no NaN or inf
+
+
+class ConsoleLogger:
+    """A rich progress bar with the latest loss, throughput and MFU; a plain line every `print_every` steps
+    so logs of non-interactive runs (CI, Slurm) still show progress."""
+
+    def __init__(self, total_steps: int, print_every: int = 0, first_step: int = 0):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.console = Console(stderr=True)
+        self.print_every = print_every or max(1, total_steps // 10)
+        self.progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[status]}"),
+            console=self.console,
+            transient=not sys.stderr.isatty(),
+        )
+        self.task = self.progress.add_task("train", total=total_steps, completed=first_step, status="")
+        self.progress.start()
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        status = format_metrics(metrics)
+        self.progress.update(self.task, completed=step, status=status)
+        if step % self.print_every == 0 and not self.console.is_terminal:
+            self.console.print(f"step {step}: {status}", highlight=False)
+
+    def log_event(self, kind: str, **fields: Any) -> None:
+        if kind == "eval":
+            self.progress.console.print(f"step {fields.get('step')}: validation loss {fields.get('loss'):.4f}")
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def format_metrics(m: dict[str, float]) -> str:
+    parts = []
+    if "loss" in m:
+        parts.append(f"loss {m['loss']:.4f}")
+    if "lr" in m:
+        parts.append(f"lr {m['lr']:.2e}")
+    if "grad_norm" in m:
+        parts.append(f"gnorm {m['grad_norm']:.3f}")
+    if "tokens_per_s" in m:
+        parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
+    if "mfu" in m:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    return "  ".join(parts)
+
+
+class FanOut:
+    """Several loggers as one."""
+
+    def __init__(self, *loggers: MetricsLogger):
+        self.loggers = loggers
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        for lg in self.loggers:
+            lg.log_metrics(step, metrics)
+
+    def log_event(self, kind: str, **fields: Any) -> None:
+        for lg in self.loggers:
+            lg.log_event(kind, **fields)
+
+    def close(self) -> None:
+        for lg in self.loggers:
+            lg.close()
+
+
+class NullLogger:
+    """For ranks other than 0."""
+
+    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def log_event(self, kind: str, **fields: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

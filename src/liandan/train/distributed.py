@@ -1,0 +1,94 @@
+"""Process-group setup from the environment (torchrun, Slurm, or a single process) and launching torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def _adopt_slurm_env(env: dict[str, str]) -> None:
+    """Under `srun` (one task per process) without torchrun, translate Slurm's variables into the ones
+    `init_process_group(init_method="env://")` reads."""
+    if "RANK" in env or "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env.setdefault("LOCAL_WORLD_SIZE", env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0])
+    if "MASTER_ADDR" not in env:
+        env["MASTER_ADDR"] = _first_slurm_host(env)
+    # A port derived from the job id lets several jobs share a node without colliding.
+    env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+
+
+def _first_slurm_host(env: dict[str, str]) -> str:
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        # Without scontrol, take the simplest nodelist forms: "host1,host2" or "prefix[1-4,7]".
+        first = nodelist.split(",")[0]
+        if "[" in first:
+            prefix, rest = first.split("[", 1)
+            first = prefix + rest.split("-")[0].split(",")[0].rstrip("]")
+        return first or "127.0.0.1"
+
+
+def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
+    """Join the process group described by the environment; a lone process runs without one."""
+    _adopt_slurm_env(os.environ)  # type: ignore[arg-type]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("run.device = 'cuda' but no CUDA device is available")
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        if backend == "auto":
+            backend = "nccl" if dev.type == "cuda" else "gloo"
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend=backend, init_method="env://", **kwargs)
+    return DistInfo(rank, world, local_rank, dev)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch_torchrun(nproc: int, module: str, args: list[str]) -> int:
+    """Run `python -m module args...` in `nproc` local processes under torchrun; return its exit code."""
+    env = dict(os.environ)
+    # torchrun sets one thread per process when it is unset; share the cores out instead.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module]
+    cmd += args
+    return subprocess.run(cmd, env=env).returncode

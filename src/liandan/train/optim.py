@@ -1,0 +1,66 @@
+"""AdamW with decay groups, and the learning-rate schedules (warmup then cosine, linear, WSD or constant)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from liandan.config import OptimSection, ScheduleSection
+
+
+def parameter_groups(model: nn.Module, decay_norms_and_embeddings: bool = False) -> tuple[list, list]:
+    """(decayed, not decayed). Matrices of linear layers decay; norm weights, biases and embedding tables
+    do not, unless asked, because shrinking them towards zero changes no capacity but hurts the fit."""
+    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for _, param in model.named_parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))  # a tied head and embedding are one parameter
+        is_matrix = param.dim() >= 2 and id(param) not in embedding_params
+        (decay if is_matrix or decay_norms_and_embeddings else no_decay).append(param)
+    return decay, no_decay
+
+
+def build_optimizer(model: nn.Module, cfg: OptimSection, device: torch.device) -> torch.optim.AdamW:
+    decay, no_decay = parameter_groups(model, cfg.decay_norms_and_embeddings)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # The fused kernel exists on CUDA and CPU; it works on DTensor parameters on CUDA, foreach elsewhere.
+    kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs
+    )
+
+
+def lr_multiplier(step: int, total_steps: int, cfg: ScheduleSection) -> float:
+    """Learning rate at `step` (0-based) as a fraction of the peak.
+
+    Warmup rises linearly to 1 over warmup_steps (the first step trains at 1/warmup_steps, never at zero).
+    Then: cosine or linear decay to min_lr_ratio at the last step; WSD holds 1 until the final
+    decay_fraction of the steps and cools down as 1 - sqrt(progress) (Hägele et al. 2024); constant holds 1.
+    """
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    floor = cfg.min_lr_ratio
+    if cfg.kind == "constant":
+        return 1.0
+    if cfg.kind == "wsd":
+        decay_steps = max(1, round(cfg.decay_fraction * total_steps))
+        decay_start = max(cfg.warmup_steps, total_steps - decay_steps)
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start + 1) / max(1, total_steps - decay_start))
+        return floor + (1.0 - floor) * (1.0 - math.sqrt(progress))
+    span = max(1, total_steps - cfg.warmup_steps - 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.kind == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, total_steps: int, cfg: ScheduleSection
+) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))

@@ -1,0 +1,215 @@
+"""Parallelism, recomputation and compilation, applied to a plain `Transformer` from outside.
+
+One DeviceMesh with named dims ("dp_replicate", "dp_shard", "tp"). The order of application follows
+torchtitan: tensor parallel first (it rewrites the linear layers into DTensor shards), then activation
+checkpointing and torch.compile per block, then data parallelism (FSDP2 `fully_shard`, HSDP on a 2-D
+mesh, or DDP when only replication is asked for).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from liandan.config import ParallelSection
+
+DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.tp
+
+    @property
+    def kind(self) -> str:
+        dp = {(1, 1): "single", (1, 0): "ddp", (0, 1): "fsdp", (0, 0): "hsdp"}[
+            (int(self.dp_replicate == 1), int(self.dp_shard == 1))
+        ]
+        if self.tp > 1:
+            return "tp" if dp == "single" else f"{dp}+tp"
+        return dp
+
+    def __str__(self) -> str:
+        return f"{self.kind} (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, tp={self.tp})"
+
+
+def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:
+    """Fill dp_shard = -1 with what the other dims leave, and check the product is the world size."""
+    shard = cfg.dp_shard
+    if shard == -1:
+        rest = cfg.dp_replicate * cfg.tp
+        if world_size % rest:
+            raise ValueError(
+                f"parallel.dp_replicate * parallel.tp = {rest} does not divide the {world_size} processes"
+            )
+        shard = world_size // rest
+    layout = Layout(cfg.dp_replicate, shard, cfg.tp)
+    if layout.world_size != world_size:
+        raise ValueError(
+            f"parallel layout dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x tp={layout.tp}"
+            f" = {layout.world_size} processes, but {world_size} were launched"
+        )
+    return layout
+
+
+def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
+    if layout.world_size == 1:
+        return None
+    return init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard, layout.tp), mesh_dim_names=DIMS)
+
+
+def dp_coordinates(mesh: DeviceMesh | None, layout: Layout) -> tuple[int, int]:
+    """(rank, size) of this process among the data-parallel ranks: the ones that see different data."""
+    if mesh is None:
+        return 0, 1
+    return mesh.get_local_rank("dp_replicate") * layout.dp_shard + mesh.get_local_rank("dp_shard"), layout.dp_size
+
+
+# ---------------------------------------------------------------------------------------------------------
+# tensor parallel
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style: column-parallel q/k/v and w1/w3, row-parallel wo and w2, vocabulary-parallel
+    embedding, column-parallel head gathered back to full logits. Each rank holds n_heads / tp heads."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        },
+    )
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(),
+    }
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, plan)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# activation checkpointing and compile
+
+
+def _selective_policy():
+    """Keep the outputs of matmuls and attention (expensive to recompute), recompute the cheap pointwise ops
+    and norms in between: most of the memory saving of full recomputation at a fraction of its cost."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    aten = torch.ops.aten
+    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default}
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    ):
+        if hasattr(aten, name):
+            keep.add(getattr(aten, name).default)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    kwargs: dict = {"preserve_rng_state": False}
+    if mode == "selective":
+        kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy())
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, checkpoint_wrapper(block, **kwargs))
+
+
+def apply_compile(model: nn.Module) -> None:
+    """Compile each block separately: blocks are identical, so one compilation serves them all."""
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, torch.compile(block, dynamic=False))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# data parallel
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once for backward: keep them gathered.
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [torch.cuda.current_device()] if dp_mesh.device_type == "cuda" else None
+    return DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    layout: Layout,
+    *,
+    activation_checkpoint: str = "none",
+    compile: bool = False,
+    fsdp_param_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Apply TP, recomputation, compile and data parallelism; returns the module to call (DDP wraps)."""
+    if layout.tp > 1:
+        apply_tp(model, mesh["tp"])
+    apply_activation_checkpointing(model, activation_checkpoint)
+    if compile:
+        apply_compile(model)
+    if uses_fsdp(layout):
+        dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
+        apply_fsdp(model, mesh[dims], fsdp_param_dtype)
+    elif layout.dp_replicate > 1:
+        return apply_ddp(model, mesh["dp_replicate"])
+    return model
+
+
+def uses_fsdp(layout: Layout) -> bool:
+    return layout.dp_shard > 1 or (layout.dp_replicate > 1 and layout.tp > 1)
+
+
+def gradient_sync(model: nn.Module, sync: bool):
+    """Skip the gradient reduction on all but the last micro-batch of an accumulation."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    if not sync and hasattr(model, "no_sync"):  # DDP
+        return model.no_sync()
+    return contextlib.nullcontext()

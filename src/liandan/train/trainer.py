@@ -1,0 +1,317 @@
+"""The training loop, readable top to bottom: set up processes, data, model, parallelism and optimizer, then
+step. Everything around the loop (checkpoints, guards, incident handling, the run store) plugs in through
+`Callback` hooks and the `MetricsLogger` seam, so the loop itself stays short."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from liandan.config import Config, ConfigError
+from liandan.data.loader import Batch, PackedLoader
+from liandan.data.prepare import open_prepared, prepare_tokens
+from liandan.model import ModelArgs, Transformer, count_params, flops_per_token
+from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
+from liandan.train.distributed import DistInfo, init_distributed
+from liandan.train.hardware import device_peak_flops, peak_memory_bytes, resolve_dtype
+from liandan.train.optim import build_optimizer, build_scheduler
+from liandan.train.parallelize import build_mesh, dp_coordinates, gradient_sync, parallelize, resolve_layout, uses_fsdp
+
+
+class Callback:
+    """Hooks into the loop. Subclass and override what you need; every method is optional."""
+
+    def on_train_start(self, trainer: Trainer) -> None: ...
+
+    def before_step(self, trainer: Trainer, step: int) -> None: ...
+
+    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None: ...
+
+    def on_train_end(self, trainer: Trainer, result: TrainResult) -> None: ...
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    val_loss: float | None = None
+    tokens: int = 0
+    seconds: float = 0.0
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+class Trainer:
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path | None = None,
+        callbacks: Sequence[Callback] = (),
+        config_name: str = "run",
+        say: Callable[[str], None] = print,
+    ):
+        self.cfg, self.callbacks = cfg, list(callbacks)
+        self.dist: DistInfo = init_distributed(cfg.run.device, cfg.parallel.backend)
+        self.say = say if self.dist.is_main else (lambda msg: None)
+        self.layout = _config_step(resolve_layout, cfg.parallel, self.dist.world_size)
+        self.mesh = build_mesh(self.layout, self.dist.device.type)
+        self.device = self.dist.device
+        self.dtype = resolve_dtype(cfg.train.dtype, self.device)
+        self.run_dir = self._on_main_then_share(lambda: _make_run_dir(cfg, run_dir, config_name))
+        self.say(f"run directory: {self.run_dir}")
+
+        # Data: rank 0 tokenizes, the others open what it wrote.
+        data_dir = self.run_dir / "data"
+
+        def prepare() -> None:
+            prepare_tokens(cfg.data, data_dir, self.say)
+
+        self._on_main_then_share(prepare)
+        self.tokens, self.tokenizer = open_prepared(data_dir)
+        self.dp_rank, self.dp_size = dp_coordinates(self.mesh, self.layout)
+        t = cfg.train
+        per_rank = t.global_batch // self.dp_size if t.global_batch % self.dp_size == 0 else 0
+        self.micro_batch = t.micro_batch or per_rank
+        if not per_rank or per_rank % self.micro_batch:
+            raise ConfigError(
+                f"train.global_batch = {t.global_batch} must split into {self.dp_size} data-parallel ranks"
+                f" of whole micro-batches of train.micro_batch = {self.micro_batch}"
+            )
+        self.loader = PackedLoader(
+            self.tokens, t.seq_len, t.global_batch, cfg.run.seed, cfg.data.val_fraction, self.dp_rank, self.dp_size
+        )
+
+        # Model: the same seed on every rank gives every rank the same initial weights before sharding.
+        self.model_args = _model_args(cfg, self.tokenizer.vocab_size)
+        torch.manual_seed(cfg.run.seed)
+        model = Transformer(self.model_args)
+        backend = _config_step(model.configure_attention, self.device)
+        model.to(self.device)
+        fsdp = uses_fsdp(self.layout)
+        self.model = parallelize(
+            model,
+            self.mesh,
+            self.layout,
+            activation_checkpoint=t.activation_checkpoint,
+            compile=t.compile,
+            fsdp_param_dtype=self.dtype if fsdp and self.dtype != torch.float32 else None,
+        )
+        # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
+        self.autocast = self.dtype != torch.float32 and not fsdp
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.scheduler = build_scheduler(self.optimizer, t.steps, cfg.schedule)
+
+        self.params = count_params(self.model_args)
+        self.flops_per_token = flops_per_token(self.model_args, t.seq_len)
+        peak, self.peak_source = device_peak_flops(self.device, self.dtype)
+        self.peak_flops = self._sum_over_ranks(peak)
+        self.logger = self._make_logger()
+        self.step = 0
+        self.say(
+            f"model: {self.params.total / 1e6:.2f}M parameters ({self.params.non_embedding / 1e6:.2f}M non-embedding),"
+            f" {t.seq_len} tokens per sequence, attention {backend}, {_dtype_name(self.dtype)},"
+            f" layout {self.layout}, {self.dist.world_size} process(es) on {self.device.type}"
+        )
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        cfg, t = self.cfg, self.cfg.train
+        result = TrainResult(self.run_dir, t.steps)
+        tokens_per_step = t.global_batch * t.seq_len
+        for cb in self.callbacks:
+            cb.on_train_start(self)
+        self.logger.log_event("train_start", step=self.step, layout=str(self.layout), world_size=self.dist.world_size)
+        started = time.perf_counter()
+        self.model.train()
+        while self.step < t.steps:
+            for cb in self.callbacks:
+                cb.before_step(self, self.step)
+            step_start = time.perf_counter()
+            batches = self.loader.next_step(self.micro_batch)
+            loss = self.train_step(batches)
+            grad_norm = self.clip_gradients()
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.step += 1
+
+            if self.step % t.log_every == 0 or self.step == t.steps:
+                loss_value = self._mean_over_ranks(loss)
+                seconds = time.perf_counter() - step_start
+                metrics = {
+                    "loss": loss_value,
+                    "grad_norm": float(grad_norm),
+                    "lr": lr,
+                    "tokens_per_s": tokens_per_step / seconds,
+                    "mfu": self.flops_per_token * tokens_per_step / seconds / self.peak_flops,
+                    "peak_mem_gib": peak_memory_bytes(self.device) / 2**30,
+                    "step_time_s": seconds,
+                }
+                result.losses.append(loss_value)
+                self.logger.log_metrics(self.step, metrics)
+                for cb in self.callbacks:
+                    cb.after_step(self, self.step, metrics)
+                if not math.isfinite(loss_value):
+                    self.logger.log_event("nonfinite_loss", step=self.step, loss=str(loss_value))
+            if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                result.val_loss = self.evaluate()
+                self.logger.log_event("eval", step=self.step, loss=result.val_loss)
+        result.seconds = time.perf_counter() - started
+        result.tokens = t.steps * tokens_per_step
+        self._finish(result)
+        for cb in self.callbacks:
+            cb.on_train_end(self, result)
+        return result
+
+    def train_step(self, batches: list[Batch]) -> torch.Tensor:
+        """Forward and backward over the micro-batches of one step; returns the step's mean loss (detached)."""
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(batches):
+            batch = batch.to(self.device)
+            with gradient_sync(self.model, sync=i == len(batches) - 1), self._autocast():
+                loss = self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)) / len(batches)
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def clip_gradients(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.cfg.optim.grad_clip or float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP/TP
+            norm = norm.full_tensor()
+        return norm.item()
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        batches = self.loader.validation(self.cfg.train.eval_batches, self.micro_batch)
+        total = torch.zeros((), device=self.device)
+        for batch in batches:
+            batch = batch.to(self.device)
+            with self._autocast():
+                total += self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)).float()
+        self.model.train()
+        return self._mean_over_ranks(total / max(1, len(batches)))
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _doc_ids(self, batch: Batch) -> torch.Tensor | None:
+        return batch.doc_ids if self.cfg.train.mask == "document" else None
+
+    def _autocast(self):
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def _mean_over_ranks(self, value: torch.Tensor) -> float:
+        # Tensor-parallel peers hold the same loss, so the mean over all ranks is the mean over data ranks.
+        if self.dist.distributed:
+            value = value.detach().clone()
+            dist.all_reduce(value)
+            value /= self.dist.world_size
+        return float(value)
+
+    def _sum_over_ranks(self, value: float) -> float:
+        if not self.dist.distributed:
+            return value
+        t = torch.tensor(value, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return float(t)
+
+    def _on_main_then_share(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on rank 0 and hand its result (or its user-facing error) to every rank."""
+        if not self.dist.distributed:
+            return fn()
+        box: list[Any] = [None]
+        if self.dist.is_main:
+            try:
+                box[0] = ("ok", fn())
+            except (ConfigError, ValueError, OSError) as err:
+                box[0] = ("error", err)
+        dist.broadcast_object_list(box, src=0)
+        status, value = box[0]
+        if status == "error":
+            raise value
+        return value
+
+    def _make_logger(self) -> MetricsLogger:
+        if not self.dist.is_main:
+            return NullLogger()
+        (self.run_dir / "config.toml").write_text(self.cfg.to_toml())
+        return FanOut(JsonlLogger(self.run_dir), ConsoleLogger(self.cfg.train.steps, first_step=0))
+
+    def _finish(self, result: TrainResult) -> None:
+        self.logger.log_event("train_end", step=self.step, seconds=result.seconds)
+        self.logger.close()
+        if not self.dist.is_main:
+            return
+        tail = result.losses[-max(1, len(result.losses) // 10) :]
+        result.summary = {
+            "steps": self.step,
+            "tokens": result.tokens,
+            "seconds": round(result.seconds, 3),
+            "final_loss": result.losses[-1] if result.losses else None,
+            "final_loss_smoothed": sum(tail) / len(tail) if tail else None,
+            "val_loss": result.val_loss,
+            "parameters": self.params.total,
+            "non_embedding_parameters": self.params.non_embedding,
+            "flops_per_token": self.flops_per_token,
+            "tokens_per_s": result.tokens / result.seconds if result.seconds else None,
+            "peak_flops": self.peak_flops,
+            "peak_flops_source": self.peak_source,
+            "layout": str(self.layout),
+            "world_size": self.dist.world_size,
+            "dtype": _dtype_name(self.dtype),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
+        plot_run(self.run_dir)
+
+
+def _model_args(cfg: Config, tokenizer_vocab: int) -> ModelArgs:
+    m = cfg.model
+    vocab = m.vocab_size or 64 * math.ceil(tokenizer_vocab / 64)  # multiples of 64 keep matmuls aligned
+    if vocab < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size = {vocab} is smaller than the tokenizer's {tokenizer_vocab} tokens")
+    fields = {k: getattr(m, k) for k in ModelArgs.__dataclass_fields__ if k != "vocab_size"}
+    return ModelArgs(vocab_size=vocab, **fields)
+
+
+def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> Path:
+    if run_dir is None:
+        name = cfg.run.name or f"{config_name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+        run_dir = Path(cfg.run.output_dir) / name
+    run_dir = Path(run_dir)
+    if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
+        raise ConfigError(
+            f"run directory {run_dir} already holds a run; choose another --run.name or pass --run.overwrite=true"
+        )
+    if cfg.run.overwrite:
+        for name in ("metrics.jsonl", "events.jsonl", "summary.json"):
+            (run_dir / name).unlink(missing_ok=True)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
+def _config_step(fn: Callable, *args: Any) -> Any:
+    """Setup steps raise ValueError for impossible settings; report them as configuration errors."""
+    try:
+        return fn(*args)
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
