@@ -257,8 +257,9 @@ def check_config(cfg: Config) -> None:
     if p.tp > 1:
         if m.n_heads % p.tp or kv % p.tp:
             raise ConfigError(f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads} and n_kv_heads = {kv}")
-        if m.tie_embeddings:
-            raise ConfigError("model.tie_embeddings = true is not supported with parallel.tp > 1")
+        if m.tie_embeddings or m.qk_norm:
+            what = "tie_embeddings" if m.tie_embeddings else "qk_norm"
+            raise ConfigError(f"model.{what} = true is not supported with parallel.tp > 1 yet")
     if t.micro_batch and t.global_batch % t.micro_batch:
         raise ConfigError(f"train.global_batch = {t.global_batch} must be a multiple of train.micro_batch = {t.micro_batch}")
     if cfg.schedule.warmup_steps > t.steps:

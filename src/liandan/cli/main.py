@@ -91,7 +91,11 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return _launch(args.config, cfg, name, args.nproc, overrides)
     from liandan.train import Trainer
 
-    result = Trainer(cfg, config_name=name).train()
+    trainer = Trainer(cfg, config_name=name)
+    try:
+        result = trainer.train()
+    finally:
+        trainer.close()
     _report(result)
     return 0
 

@@ -24,11 +24,17 @@ def parameter_groups(model: nn.Module, decay_norms_and_embeddings: bool = False)
     return decay, no_decay
 
 
-def build_optimizer(model: nn.Module, cfg: OptimSection, device: torch.device) -> torch.optim.AdamW:
+def build_optimizer(
+    model: nn.Module, cfg: OptimSection, device: torch.device, mixed_tensor_kinds: bool = False
+) -> torch.optim.AdamW:
+    """`mixed_tensor_kinds`: the parameters mix DTensors of different meshes and plain tensors (tensor
+    parallelism), which the multi-tensor kernels cannot take in one call; update them one by one."""
     decay, no_decay = parameter_groups(model, cfg.decay_norms_and_embeddings)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    # The fused kernel exists on CUDA and CPU; it works on DTensor parameters on CUDA, foreach elsewhere.
-    kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    if mixed_tensor_kinds:
+        kwargs = {"foreach": False}
+    else:
+        kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs
     )
@@ -64,3 +70,33 @@ def build_scheduler(
     optimizer: torch.optim.Optimizer, total_steps: int, cfg: ScheduleSection
 ) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))
+
+
+def clip_grad_norm(parameters, max_norm: float) -> float:
+    """Global gradient norm over all parameters, clipped to `max_norm` (inf: measure only).
+
+    Under FSDP and tensor parallelism gradients are DTensors on different meshes (2-D for sharded matrices,
+    1-D for sharded norms) or plain tensors (norm weights replicated by tensor parallelism alone), which a
+    single foreach norm cannot mix; each group is reduced on its own mesh and the squares are summed.
+    """
+    from torch.distributed.tensor import DTensor
+
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in parameters:
+        if p.grad is not None:
+            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(key, []).append(p.grad)
+    if not groups:
+        return 0.0
+    squares = 0.0
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares += float(norm) ** 2
+    total = math.sqrt(squares)
+    if total > max_norm:
+        coef = max_norm / (total + 1e-6)
+        for grads in groups.values():
+            torch._foreach_mul_(grads, coef)
+    return total

@@ -37,9 +37,8 @@ class Layout:
 
     @property
     def kind(self) -> str:
-        dp = {(1, 1): "single", (1, 0): "ddp", (0, 1): "fsdp", (0, 0): "hsdp"}[
-            (int(self.dp_replicate == 1), int(self.dp_shard == 1))
-        ]
+        replicate, shard = self.dp_replicate > 1, self.dp_shard > 1
+        dp = "hsdp" if replicate and shard else "ddp" if replicate else "fsdp" if shard else "single"
         if self.tp > 1:
             return "tp" if dp == "single" else f"{dp}+tp"
         return dp

@@ -22,9 +22,9 @@ from liandan.data.loader import Batch, PackedLoader
 from liandan.data.prepare import open_prepared, prepare_tokens
 from liandan.model import ModelArgs, Transformer, count_params, flops_per_token
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
-from liandan.train.distributed import DistInfo, init_distributed
+from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
 from liandan.train.hardware import device_peak_flops, peak_memory_bytes, resolve_dtype
-from liandan.train.optim import build_optimizer, build_scheduler
+from liandan.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from liandan.train.parallelize import build_mesh, dp_coordinates, gradient_sync, parallelize, resolve_layout, uses_fsdp
 
 
@@ -108,7 +108,7 @@ class Trainer:
         )
         # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
         self.autocast = self.dtype != torch.float32 and not fsdp
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device, mixed_tensor_kinds=self.layout.tp > 1)
         self.scheduler = build_scheduler(self.optimizer, t.steps, cfg.schedule)
 
         self.params = count_params(self.model_args)
@@ -186,12 +186,7 @@ class Trainer:
         return total
 
     def clip_gradients(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        max_norm = self.cfg.optim.grad_clip or float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP/TP
-            norm = norm.full_tensor()
-        return norm.item()
+        return clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -204,6 +199,10 @@ class Trainer:
                 total += self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)).float()
         self.model.train()
         return self._mean_over_ranks(total / max(1, len(batches)))
+
+    def close(self) -> None:
+        """Leave the process group; the trainer cannot step after this."""
+        shutdown_distributed()
 
     # -- helpers ------------------------------------------------------------------------------------------
     def _doc_ids(self, batch: Batch) -> torch.Tensor | None:

@@ -1,0 +1,45 @@
+"""Small shared builders for tests: a corpus written from Python's own documentation and a tiny run config."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from liandan.config import Config, load_config
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def write_corpus(directory: Path, n_docs: int = 40) -> Path:
+    """A .jsonl of real English prose: language-reference topics that ship with Python."""
+    from pydoc_data.topics import topics
+
+    names = sorted(topics)[:n_docs]
+    path = directory / "corpus.jsonl"
+    with path.open("w") as handle:
+        for name in names:
+            handle.write(json.dumps({"id": name, "text": topics[name]}) + "\n")
+    return path
+
+
+def tiny_config(run_dir: Path, corpus: Path, *overrides: str) -> Config:
+    return load_config(
+        None,
+        [
+            f"--run.output_dir={run_dir}",
+            "--run.name=run",
+            "--model.dim=64",
+            "--model.n_layers=2",
+            "--model.n_heads=4",
+            "--model.n_kv_heads=2",
+            "--model.max_seq_len=64",
+            "--train.steps=6",
+            "--train.global_batch=4",
+            "--train.seq_len=64",
+            "--train.dtype=fp32",
+            "--schedule.warmup_steps=2",
+            "--data.tokenizer=byte",
+            f'--data.paths=["{corpus}"]',
+            *overrides,
+        ],
+    )

@@ -1,0 +1,89 @@
+from pathlib import Path
+
+import pytest
+
+from liandan.config import Config, ConfigError, describe, from_dict, load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt2-124m", "llama-1b", "llama-8b"])
+def test_shipped_configs_load(name):
+    cfg = load_config(CONFIGS / f"{name}.toml")
+    assert cfg.model.dim % cfg.model.n_heads == 0
+
+
+def test_overrides_are_typed_and_applied(tmp_path):
+    cfg = load_config(
+        CONFIGS / "tiny.toml",
+        ["--model.dim=96", "--optim.lr=1e-3", "--train.compile=true", '--data.paths=["a.txt", "b.jsonl"]'],
+    )
+    assert cfg.model.dim == 96 and isinstance(cfg.model.dim, int)
+    assert cfg.optim.lr == pytest.approx(1e-3)
+    assert cfg.train.compile is True
+    assert cfg.data.paths == ["a.txt", "b.jsonl"]
+    # a bare word is a string; an int given for a float key becomes a float
+    cfg = load_config(None, ["--train.mask=causal", "--optim.lr=1", "--data.paths=x.txt,y.txt"])
+    assert cfg.train.mask == "causal"
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.data.paths == ["x.txt", "y.txt"]
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(CONFIGS / "llama-8b.toml", ["--train.steps=7000"])
+    path = tmp_path / "resolved.toml"
+    path.write_text(cfg.to_toml())
+    again = load_config(path)
+    assert again == cfg
+    assert again.train.steps == 7000
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("--model.dimm=3", ["unknown key 'model.dimm'", "did you mean 'model.dim'"]),
+        ("--modle.dim=3", ["unknown section 'modle'", "did you mean 'model'"]),
+        ("--model.dim=big", ["model.dim", "'big'", "must be an integer"]),
+        ("--model.dim=2", ["model.dim", "2", "must be >= 8"]),
+        ("--optim.beta2=1.5", ["optim.beta2", "1.5", "must be <= 1.0"]),
+        ("--train.mask=sliding", ["train.mask", "'sliding'", "'causal'", "'document'"]),
+        ("--train.compile=yes", ["train.compile", "'yes'", "true or false"]),
+        ("--model.n_heads=5", ["model.dim = 256", "model.n_heads = 5"]),
+        ("--model.n_kv_heads=3", ["model.n_kv_heads = 3", "must divide model.n_heads = 4"]),
+        ("--train.seq_len=4096", ["train.seq_len = 4096", "model.max_seq_len = 2048"]),
+        ("--parallel.dp_shard=0", ["parallel.dp_shard = 0"]),
+        ("model.dim", ["must look like --section.key=value"]),
+    ],
+)
+def test_bad_values_name_key_value_and_what_is_allowed(override, words):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    for word in words:
+        assert word in message, (word, message)
+    assert "\n" not in message
+
+
+def test_tp_rejects_tied_embeddings():
+    with pytest.raises(ConfigError, match="tie_embeddings"):
+        load_config(None, ["--parallel.tp=2", "--model.tie_embeddings=true"])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\ndim = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+    flat = tmp_path / "flat.toml"
+    flat.write_text("model = 3\n")
+    with pytest.raises(ConfigError, match="must be a \\[section\\] table"):
+        load_config(flat)
+
+
+def test_defaults_are_valid_and_documented():
+    assert from_dict({}) == Config()
+    rows = describe()
+    assert {key for key, _, _ in rows} >= {"model.dim", "train.steps", "parallel.tp", "data.paths"}
+    assert all(help_text for _, _, help_text in rows)
