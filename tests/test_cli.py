@@ -47,7 +47,7 @@ def test_help_lists_commands():
         (["stray"], ["unrecognised argument 'stray'"]),
         (['--data.paths=["/no/such/file.jsonl"]'], ["data file not found: /no/such/file.jsonl"]),
         (["--data.tokenizer=/no/tokenizer.json"], ["tokenizer file not found"]),
-        (["--parallel.tp=2"], ["= 2 processes, but 1 were launched"]),
+        (["--parallel.tp=2"], ["parallel.dp_replicate x parallel.tp = 2 must divide", "but 1 were launched"]),
         (["--run.output_dir=/proc/liandan-runs"], ["/proc/liandan-runs"]),
     ],
 )

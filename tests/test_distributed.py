@@ -93,5 +93,6 @@ def test_impossible_layout_is_refused_before_launch(setup):
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "liandan: error: parallel.dp_replicate * parallel.tp = 3 does not divide the 2 processes"
+        "liandan: error: parallel.dp_replicate x parallel.tp = 3 must divide the number of processes,"
+        " but 2 were launched (set --nproc or the torchrun/srun task count)"
     ]

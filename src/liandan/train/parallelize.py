@@ -54,7 +54,8 @@ def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:
         rest = cfg.dp_replicate * cfg.tp
         if world_size % rest:
             raise ValueError(
-                f"parallel.dp_replicate * parallel.tp = {rest} does not divide the {world_size} processes"
+                f"parallel.dp_replicate x parallel.tp = {rest} must divide the number of processes,"
+                f" but {world_size} were launched (set --nproc or the torchrun/srun task count)"
             )
         shard = world_size // rest
     layout = Layout(cfg.dp_replicate, shard, cfg.tp)
