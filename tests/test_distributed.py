@@ -96,3 +96,13 @@ def test_impossible_layout_is_refused_before_launch(setup):
         "liandan: error: parallel.dp_replicate x parallel.tp = 3 must divide the number of processes,"
         " but 2 were launched (set --nproc or the torchrun/srun task count)"
     ]
+
+
+def test_worker_side_error_is_one_line_from_the_launcher(setup, tmp_path):
+    """An error that only the workers can find (here a missing tokenizer) still ends as one line, exit 2."""
+    config, _ = setup
+    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", "--run.name=bad",
+           f"--data.tokenizer={tmp_path / 'missing.json'}"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"liandan: error: tokenizer file not found: {tmp_path / 'missing.json'}"]

@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _error(message: str) -> None:
+    from liandan.train.distributed import report_worker_error
+
+    if report_worker_error(message):  # a worker under `--nproc`: the launcher prints it once
+        return
     if int(os.environ.get("RANK", "0")) == 0:
         print(f"liandan: error: {message}", file=sys.stderr)
 
@@ -102,7 +106,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _launch(config: str, cfg, name: str, nproc: int, overrides: list[str]) -> int:
     """Check what can be checked here, then start `nproc` workers under torchrun with one agreed run name."""
-    from liandan.train.distributed import launch_torchrun
+    from liandan.train.distributed import launch_local
     from liandan.train.parallelize import resolve_layout
 
     try:
@@ -114,7 +118,9 @@ def _launch(config: str, cfg, name: str, nproc: int, overrides: list[str]) -> in
             raise DataError(f"data file not found: {path}")
     if not cfg.run.name:
         overrides = [*overrides, f"--run.name={name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"]
-    code = launch_torchrun(nproc, "liandan.cli", ["train", config, *overrides])
+    code, message = launch_local(nproc, "liandan.cli", ["train", config, *overrides])
+    if message:
+        _error(message)
     return 0 if code == 0 else (2 if code == 2 else 1)
 
 

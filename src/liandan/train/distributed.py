@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -84,11 +84,44 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def launch_torchrun(nproc: int, module: str, args: list[str]) -> int:
-    """Run `python -m module args...` in `nproc` local processes under torchrun; return its exit code."""
-    env = dict(os.environ)
-    # torchrun sets one thread per process when it is unset; share the cores out instead.
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module]
-    cmd += args
-    return subprocess.run(cmd, env=env).returncode
+ERROR_DIR_ENV = "LIANDAN_ERROR_DIR"
+
+
+def launch_local(nproc: int, module: str, args: list[str]) -> tuple[int, str | None]:
+    """Run `python -m module args...` in `nproc` local processes under torchrun (in this process, so its
+    failure report can be turned into one line). Returns (exit code, the workers' own error message).
+
+    Workers report user-facing errors into a file under $LIANDAN_ERROR_DIR instead of printing them, so
+    the message survives whichever rank torchrun stops first."""
+    import logging
+    import tempfile
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    # torchrun would give each process one thread; share the cores out instead.
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="liandan-errors-") as errors:
+        os.environ[ERROR_DIR_ENV] = errors
+        parsed = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", module, *args])
+        try:
+            run(parsed)
+            return 0, None
+        except ChildFailedError as failure:
+            rank, info = failure.get_first_failure()
+            reports = sorted(Path(errors).glob("rank-*.txt"))
+            if reports:
+                return info.exitcode, reports[0].read_text().strip()
+            return 1, f"worker rank {rank} failed with exit code {info.exitcode}; its output is above"
+        finally:
+            os.environ.pop(ERROR_DIR_ENV, None)
+
+
+def report_worker_error(message: str) -> bool:
+    """In a worker started by `launch_local`, leave `message` for the launcher; False elsewhere."""
+    errors = os.environ.get(ERROR_DIR_ENV)
+    if not errors:
+        return False
+    Path(errors, f"rank-{int(os.environ.get('RANK', '0')):05d}.txt").write_text(message + "\n")
+    return True
