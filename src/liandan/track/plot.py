@@ -27,7 +27,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path | None:
     ax_loss.plot(steps, [r["loss"] for r in records], lw=1, label="train")
     if evals:
         ax_loss.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-", ms=3, label="validation")
-    ax_loss.set(title="loss", xlabel="step", yscale="log")
+    ax_loss.set(title="loss", xlabel="step")
     ax_loss.legend()
     ax_lr.plot(steps, [r.get("lr", 0) for r in records], lw=1)
     ax_lr.set(title="learning rate", xlabel="step")
