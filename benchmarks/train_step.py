@@ -14,7 +14,7 @@ Implementations:
 
 * liandan: `liandan.model.Transformer` through `liandan.train.parallelize.parallelize` (single process) and
   `liandan.train.optim.build_optimizer`, stepped as `Trainer.train` steps it: autocast to bf16 over fp32 master
-  weights, loss from the model, backward, foreach global-norm clip, optimizer and scheduler step, zero_grad.
+  weights, loss from the model, backward, `liandan.train.optim.clip_grad_norm`, optimizer and scheduler step, zero_grad.
   Measured eager and with `compile=True`; the faster of the two is reported as "liandan".
 * hf: `transformers.LlamaForCausalLM` with `attn_implementation="sdpa"`, `torch.optim.AdamW`, autocast for bf16,
   eager, as a typical user runs it.
@@ -42,9 +42,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from liandan.config import OptimSection, ScheduleSection
+import liandan.model.llama as llama
 from liandan.model import ModelArgs, Transformer, count_params, flops_per_token
 from liandan.train.hardware import cpu_supports_bf16, measure_matmul_flops
 from liandan.train.optim import build_optimizer, build_scheduler
+
+try:
+    from liandan.train.optim import clip_grad_norm  # what Trainer.clip_gradients calls
+except ImportError:  # older liandan: Trainer.clip_gradients called torch's foreach clip itself
+
+    def clip_grad_norm(parameters, max_norm: float) -> float:
+        grads = [p for p in parameters if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True).item()
+
 from liandan.train.parallelize import Layout, parallelize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -193,12 +203,24 @@ def autocast(dtype: torch.dtype):
 
 
 def build_liandan(
-    args: ModelArgs, state: dict, dtype: torch.dtype, compile: bool, optim_kwargs: dict | None = None, name: str = ""
+    args: ModelArgs,
+    state: dict,
+    dtype: torch.dtype,
+    compile: bool,
+    optim_kwargs: dict | None = None,
+    compile_loss: bool = False,
+    compile_model: bool = False,
+    name: str = "",
 ) -> Variant:
+    """liandan as `Trainer` sets it up. The keyword options after `compile` model proposed changes to liandan
+    that are not in the package: other AdamW kernel options, a compiled `lm_loss`, a compiled whole model."""
     model = Transformer(args)
     model.load_state_dict(state)
     model.configure_attention(torch.device("cpu"))
     model = parallelize(model, None, Layout(1, 1, 1), compile=compile)
+    if compile_model:
+        model.compile(dynamic=False)
+    loss_fn = torch.compile(llama.lm_loss, dynamic=False) if compile_loss else None
     optim_cfg = OptimSection()
     optimizer = build_optimizer(model, optim_cfg, torch.device("cpu"))
     if optim_kwargs:  # a proposal: the same parameter groups and hyper-parameters with other kernel options
@@ -216,11 +238,11 @@ def build_liandan(
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Trainer.train_step with one micro-batch, then Trainer.clip_gradients and the optimizer/scheduler steps.
         total = torch.zeros(())
-        with autocast(dtype):
+        with autocast(dtype), swap_lm_loss(loss_fn):
             loss = model(inputs, targets) / 1
         loss.backward()
         total += loss.detach()
-        torch.nn.utils.clip_grad_norm_([p for p in params if p.grad is not None], max_norm, foreach=True).item()
+        clip_grad_norm(params, max_norm)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -228,6 +250,20 @@ def build_liandan(
 
     label = name or ("liandan (compile)" if compile else "liandan (eager)")
     return Variant(label, "proposal" if name else "liandan", step, model)
+
+
+@contextlib.contextmanager
+def swap_lm_loss(fn: Callable | None):
+    """Run the model with `fn` in place of liandan.model.llama.lm_loss (the proposal of a compiled loss)."""
+    if fn is None:
+        yield
+        return
+    original = llama.lm_loss
+    llama.lm_loss = fn
+    try:
+        yield
+    finally:
+        llama.lm_loss = original
 
 
 def build_hf(args: ModelArgs, state: dict, dtype: torch.dtype) -> Variant:
@@ -337,9 +373,12 @@ def run_dtype(
     if "plain" in opts.impls:
         variants.append(build_plain(args, state, dtype))
     if opts.proposals:
-        variants.append(
-            build_liandan(args, state, dtype, True, {"fused": True}, name="proposal: liandan (compile) + fused AdamW")
-        )
+        fused = {"fused": True}
+        variants += [
+            build_liandan(args, state, dtype, True, fused, name="proposal A: compile + fused AdamW"),
+            build_liandan(args, state, dtype, True, fused, compile_loss=True, name="proposal B: A + compiled lm_loss"),
+            build_liandan(args, state, dtype, False, fused, compile_model=True, name="proposal C: whole-model compile + fused AdamW"),
+        ]
 
     warm, timed = batches[: opts.warmup], batches[opts.warmup :]
     for v in variants:
@@ -377,6 +416,7 @@ def run_dtype(
             "step_s_mean": total / len(v.step_times),
             "step_s_min": min(v.step_times),
             "step_s_max": max(v.step_times),
+            "step_s": v.step_times,
             "first_step_s": v.first_step_s,
             "warmup_s": v.warmup_s,
             "mfu": fpt * tps / peak,
@@ -397,7 +437,20 @@ def run_dtype(
     if liandan and best_peer:
         summary["ratio_vs_best_peer"] = liandan["tokens_per_s"] / best_peer["tokens_per_s"]
         summary["mfu"] = liandan["mfu"]
+    proposals = {k: r for k, r in rows.items() if r["family"] == "proposal"}
+    if proposals and best_peer:
+        name = max(proposals, key=lambda k: proposals[k]["tokens_per_s"])
+        summary["best_proposal"] = name
+        summary["best_proposal_ratio_vs_best_peer"] = proposals[name]["tokens_per_s"] / best_peer["tokens_per_s"]
+        summary["best_proposal_mfu"] = proposals[name]["mfu"]
     return summary
+
+
+def load_average() -> float | None:
+    try:
+        return float(open("/proc/loadavg").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def cpu_model() -> str:
@@ -416,7 +469,7 @@ def report(results: dict, opts: argparse.Namespace) -> None:
 
     console = Console(width=max(Console().width, 130))
     table = Table(title=f"Training step throughput, batch {opts.batch} x {opts.seq_len} tokens, {opts.steps} timed steps")
-    for col in ("dtype", "implementation", "tokens/s", "step (ms)", "first step (s)", "MFU", "loss first→last"):
+    for col in ("dtype", "implementation", "tokens/s", "tokens/s median step", "step (ms)", "first step (s)", "MFU", "loss first→last"):
         table.add_column(col, justify="left" if col in ("dtype", "implementation") else "right")
     for d in results["dtypes"]:
         for name, r in d["rows"].items():
@@ -425,6 +478,7 @@ def report(results: dict, opts: argparse.Namespace) -> None:
                 d["dtype"],
                 name + mark,
                 f"{r['tokens_per_s']:,.0f}",
+                f"{r['tokens_per_s_median_step']:,.0f}",
                 f"{1000 * r['step_s_mean']:.0f}",
                 f"{r['first_step_s']:.1f}",
                 f"{100 * r['mfu']:.1f}%",
@@ -448,6 +502,18 @@ def report(results: dict, opts: argparse.Namespace) -> None:
             f"{100 * d['mfu']:.1f}%",
             "met" if d["mfu"] >= 0.4 else "not met",
         )
+    for d in results["dtypes"]:
+        if "best_proposal" in d:
+            summary.add_row(
+                f"{d['dtype']} ({d['best_proposal'].split(':')[0]})",
+                "",
+                f"{d['rows'][d['best_proposal']]['tokens_per_s']:,.0f}",
+                "",
+                f"{d['best_proposal_ratio_vs_best_peer']:.2f}x",
+                "(not in src)",
+                f"{100 * d['best_proposal_mfu']:.1f}%",
+                "(not in src)",
+            )
     if "overall" in results:
         o = results["overall"]
         summary.add_section()
@@ -523,6 +589,7 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"the implementations disagree on the same weights (spread {spread:.2e}): not the same model")
 
     started = time.perf_counter()
+    load_start = load_average()
     results: dict = {
         "machine": machine,
         "model": {**asdict(args), "parameters": counts.total, "flops_per_token": flops_per_token(args, opts.seq_len)},
@@ -539,8 +606,12 @@ def main(argv: list[str] | None = None) -> dict:
         (lt, ln), (pt, pn) = max(lian), max(peer)
         results["overall"] = {"liandan": ln, "liandan_tokens_per_s": lt, "best_peer": pn, "best_peer_tokens_per_s": pt, "ratio": lt / pt}
     results["seconds"] = time.perf_counter() - started
+    results["load_average"] = {"start": load_start, "end": load_average()}
     report(results, opts)
-    print(f"total {results['seconds']:.0f}s")
+    print(
+        f"total {results['seconds']:.0f}s; 1-minute load average {load_start} at the start, {load_average()} at the end"
+        f" ({machine['threads']} threads here: more means other processes shared the CPU)"
+    )
     if opts.json:
         with open(opts.json, "w") as f:
             json.dump(results, f, indent=2)

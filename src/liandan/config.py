@@ -114,6 +114,18 @@ class DataSection:
 
 
 @dataclass
+class CheckpointSection:
+    every: int = _f(0, "steps between checkpoints (and one at the end); 0 disables checkpointing", min=0)
+    dir: str = _f("", "where checkpoints go; empty means <run directory>/checkpoints")
+    keep_last: int = _f(3, "newest checkpoints to keep; 0 keeps all", min=0)
+    keep_every: int = _f(0, "also keep every checkpoint whose step is a multiple of this; 0 disables", min=0)
+    async_save: bool = _f(True, "write checkpoints in the background while training continues")
+    resume: Literal["auto", "off"] = _f("auto", "auto: continue from the newest checkpoint that verifies")
+    verify: bool = _f(True, "check every file's checksum before loading")
+    init_from: str = _f("", "a checkpoint directory whose model weights start a new run (optimizer fresh)")
+
+
+@dataclass
 class Config:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -122,6 +134,7 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     parallel: ParallelSection = field(default_factory=ParallelSection)
     data: DataSection = field(default_factory=DataSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

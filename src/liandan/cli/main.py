@@ -9,10 +9,11 @@ from datetime import datetime
 from pathlib import Path
 
 from liandan import __version__
+from liandan.checkpoint.verify import CheckpointError
 from liandan.config import ConfigError, describe, load_config
 from liandan.data.corpus import DataError
 
-USER_ERRORS = (ConfigError, DataError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="run config (TOML); omit for the defaults")
     p.add_argument("--keys", action="store_true", help="list every key, its default and what it does")
     p.set_defaults(command=cmd_config)
+
+    from liandan.cli.checkpoints import add_commands
+
+    add_commands(sub)
     return parser
 
 

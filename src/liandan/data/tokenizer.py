@@ -11,6 +11,8 @@ import xxhash
 from liandan.data.corpus import DataError
 
 EOS = "<|endoftext|>"
+# End-of-document tokens of tokenizers trained elsewhere (GPT-2, Llama 3, Llama 2, Gemma), tried in order.
+EOS_CANDIDATES = (EOS, "<|end_of_text|>", "</s>", "<eos>")
 
 
 class Tokenizer(Protocol):
@@ -50,10 +52,10 @@ class HFTokenizer:
 
     def __init__(self, tok):
         self._tok = tok
-        eos = tok.token_to_id(EOS)
-        if eos is None:
-            raise DataError(f"tokenizer has no '{EOS}' token")
-        self.eos_id = eos
+        ids = [tok.token_to_id(t) for t in EOS_CANDIDATES if tok.token_to_id(t) is not None]
+        if not ids:
+            raise DataError(f"tokenizer has no end-of-document token (one of {', '.join(EOS_CANDIDATES)})")
+        self.eos_id = ids[0]
         self.vocab_size = tok.get_vocab_size()
 
     @classmethod

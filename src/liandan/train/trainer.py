@@ -5,6 +5,7 @@ step. Everything around the loop (checkpoints, guards, incident handling, the ru
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import time
@@ -17,10 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from liandan import __version__
+from liandan.checkpoint.manager import CheckpointManager
 from liandan.config import Config, ConfigError
 from liandan.data.loader import Batch, PackedLoader
 from liandan.data.prepare import open_prepared, prepare_tokens
 from liandan.model import ModelArgs, Transformer, count_params, flops_per_token
+from liandan.resilience.faults import maybe_inject
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
 from liandan.train.hardware import device_peak_flops, peak_memory_bytes, resolve_dtype
@@ -36,6 +40,8 @@ class Callback:
     def before_step(self, trainer: Trainer, step: int) -> None: ...
 
     def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None: ...
+
+    def on_checkpoint(self, trainer: Trainer, step: int) -> None: ...
 
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None: ...
 
@@ -67,14 +73,16 @@ class Trainer:
         self.mesh = build_mesh(self.layout, self.dist.device.type)
         self.device = self.dist.device
         self.dtype = resolve_dtype(cfg.train.dtype, self.device)
-        self.run_dir = self._on_main_then_share(lambda: _make_run_dir(cfg, run_dir, config_name))
+        self.run_dir, resuming = self._on_main_then_share(lambda: _make_run_dir(cfg, run_dir, config_name))
         self.say(f"run directory: {self.run_dir}")
+        self.files = JsonlLogger(self.run_dir) if self.dist.is_main else NullLogger()
 
-        # Data: rank 0 tokenizes, the others open what it wrote.
+        # Data: rank 0 tokenizes (or, resuming, reuses what it tokenized before); the others open it.
         data_dir = self.run_dir / "data"
 
         def prepare() -> None:
-            prepare_tokens(cfg.data, data_dir, self.say)
+            if not (resuming and (data_dir / "tokens" / "meta.json").is_file()):
+                prepare_tokens(cfg.data, data_dir, self.say)
 
         self._on_main_then_share(prepare)
         self.tokens, self.tokenizer = open_prepared(data_dir)
@@ -110,13 +118,23 @@ class Trainer:
         self.autocast = self.dtype != torch.float32 and not fsdp
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, mixed_tensor_kinds=self.layout.tp > 1)
         self.scheduler = build_scheduler(self.optimizer, t.steps, cfg.schedule)
+        self.step = 0
+        c = cfg.checkpoint
+        self.checkpoints = CheckpointManager(
+            Path(c.dir) if c.dir else self.run_dir / "checkpoints",
+            keep_last=c.keep_last,
+            keep_every=c.keep_every,
+            async_save=c.async_save,
+            verify_on_load=c.verify,
+            on_event=self._event,
+        )
+        self._resume_or_init()
 
         self.params = count_params(self.model_args)
         self.flops_per_token = flops_per_token(self.model_args, t.seq_len)
         peak, self.peak_source = device_peak_flops(self.device, self.dtype)
         self.peak_flops = self._sum_over_ranks(peak)
         self.logger = self._make_logger()
-        self.step = 0
         self.say(
             f"model: {self.params.total / 1e6:.2f}M parameters ({self.params.non_embedding / 1e6:.2f}M non-embedding),"
             f" {t.seq_len} tokens per sequence, attention {backend}, {_dtype_name(self.dtype)},"
@@ -132,6 +150,7 @@ class Trainer:
             cb.on_train_start(self)
         self.logger.log_event("train_start", step=self.step, layout=str(self.layout), world_size=self.dist.world_size)
         started = time.perf_counter()
+        first_step = self.step
         self.model.train()
         while self.step < t.steps:
             for cb in self.callbacks:
@@ -167,8 +186,13 @@ class Trainer:
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                 result.val_loss = self.evaluate()
                 self.logger.log_event("eval", step=self.step, loss=result.val_loss)
+            every = cfg.checkpoint.every
+            if every and (self.step % every == 0 or self.step == t.steps):
+                self.save_checkpoint()
+            maybe_inject("step", self.step)
+        self.checkpoints.close()
         result.seconds = time.perf_counter() - started
-        result.tokens = t.steps * tokens_per_step
+        result.tokens = (t.steps - first_step) * tokens_per_step
         self._finish(result)
         for cb in self.callbacks:
             cb.on_train_end(self, result)
@@ -184,6 +208,58 @@ class Trainer:
             loss.backward()
             total += loss.detach()
         return total
+
+    def save_checkpoint(self) -> float:
+        """Save (in the background when asynchronous); returns the seconds training was blocked."""
+        meta = {
+            "format": "liandan-checkpoint",
+            "tokens": self.step * self.cfg.train.global_batch * self.cfg.train.seq_len,
+            "layout": str(self.layout),
+            "scheduler": self.scheduler.state_dict(),
+            "loader": self.loader.state_dict(),
+            "tokenizer": self.tokens.meta["tokenizer"],
+            "model_args": dataclasses.asdict(self.model_args),
+            "config": self.cfg.to_toml(),
+            "liandan_version": __version__,
+        }
+        blocked = self.checkpoints.save(self.step, self.model, self.optimizer, meta)
+        for cb in self.callbacks:
+            cb.on_checkpoint(self, self.step)
+        return blocked
+
+    def _resume_or_init(self) -> None:
+        """Continue from the newest checkpoint that verifies, or start from `init_from` weights."""
+        c = self.cfg.checkpoint
+        path = self.checkpoints.latest_verified() if c.resume == "auto" else None
+        if path is not None:
+            meta = self.checkpoints.load(path, self.model, self.optimizer, verified=True)
+            if meta.get("tokenizer") != self.tokens.meta["tokenizer"]:
+                raise ConfigError(f"checkpoint {path} was trained with another tokenizer than {self.run_dir / 'data'}")
+            self.scheduler.load_state_dict(meta["scheduler"])
+            self.loader.load_state_dict(meta["loader"])
+            self.step = int(meta["step"])
+            if self.dist.is_main:
+                _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+            self.say(f"resumed from {path} at step {self.step}")
+            self._event("resumed", step=self.step, path=str(path), from_layout=meta.get("layout"))
+        elif c.init_from:
+            source = Path(c.init_from)
+            if not (source / "meta.json").is_file():
+                raise ConfigError(f"checkpoint.init_from = {source}: no checkpoint there (meta.json missing)")
+            theirs = json.loads((source / "meta.json").read_text()).get("model_args", {})
+            ours = dataclasses.asdict(self.model_args)
+            shape_keys = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "qk_norm")
+            differ = [f"model.{k} = {ours[k]} (checkpoint: {theirs.get(k)})" for k in shape_keys if theirs.get(k) != ours[k]]
+            if differ:
+                raise ConfigError(f"checkpoint.init_from = {source} has another model shape: {'; '.join(differ)}")
+            self.checkpoints.load(source, self.model)
+            self.say(f"initialised model weights from {source}")
+            self._event("initialised", path=str(source))
+
+    def _event(self, kind: str, **fields: Any) -> None:
+        self.files.log_event(kind, **fields)
+        if kind in ("checkpoint_failed", "checkpoint_rejected"):
+            self.say(f"warning: {kind.replace('_', ' ')}: {fields.get('error')}")
 
     def clip_gradients(self) -> float:
         return clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
@@ -248,7 +324,7 @@ class Trainer:
         if not self.dist.is_main:
             return NullLogger()
         (self.run_dir / "config.toml").write_text(self.cfg.to_toml())
-        return FanOut(JsonlLogger(self.run_dir), ConsoleLogger(self.cfg.train.steps, first_step=0))
+        return FanOut(self.files, ConsoleLogger(self.cfg.train.steps, first_step=self.step))
 
     def _finish(self, result: TrainResult) -> None:
         self.logger.log_event("train_end", step=self.step, seconds=result.seconds)
@@ -286,20 +362,33 @@ def _model_args(cfg: Config, tokenizer_vocab: int) -> ModelArgs:
     return ModelArgs(vocab_size=vocab, **fields)
 
 
-def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> Path:
+def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[Path, bool]:
+    """(run directory, whether it holds checkpoints to resume from). A directory with an earlier run and
+    nothing to resume from is refused unless `run.overwrite` is set."""
     if run_dir is None:
         name = cfg.run.name or f"{config_name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
         run_dir = Path(cfg.run.output_dir) / name
     run_dir = Path(run_dir)
-    if (run_dir / "metrics.jsonl").exists() and not cfg.run.overwrite:
+    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    resumable = cfg.checkpoint.resume == "auto" and any(ckpt_root.glob("step-*/manifest.json"))
+    if (run_dir / "metrics.jsonl").exists() and not resumable and not cfg.run.overwrite:
         raise ConfigError(
-            f"run directory {run_dir} already holds a run; choose another --run.name or pass --run.overwrite=true"
+            f"run directory {run_dir} already holds a run with no checkpoint to resume from;"
+            " choose another --run.name or pass --run.overwrite=true"
         )
-    if cfg.run.overwrite:
+    if cfg.run.overwrite and not resumable:
         for name in ("metrics.jsonl", "events.jsonl", "summary.json"):
             (run_dir / name).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir
+    return run_dir, resumable
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after `step`: they are about to be trained again."""
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
 
 
 def _config_step(fn: Callable, *args: Any) -> Any:

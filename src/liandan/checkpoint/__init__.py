@@ -1,0 +1,1 @@
+"""Checkpoints: sharded, asynchronous, verified saves with exact resume, resharding and interchange."""

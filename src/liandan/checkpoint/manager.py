@@ -1,0 +1,330 @@
+"""Sharded, asynchronous, verified checkpoints with torch.distributed.checkpoint (DCP).
+
+Layout of `<root>/step-00000100/`:
+    .metadata, __*_*.distcp   model and optimizer shards, written by DCP from every rank
+    rank-00000.pt ...         each rank's RNG states (tensors and numbers only: loads with weights_only)
+    meta.json                 step, tokens, layout, scheduler and loader state, config, tokenizer, version
+    manifest.json             written last: size and xxh64 of every file; its presence means complete
+
+A save goes to `step-XXXXXXXX.tmp/`, is fsync'd, gets its manifest and is renamed into place, so a crash
+at any moment leaves either a complete checkpoint or a `.tmp` directory that loading ignores. With
+`async_save`, DCP copies the state to host memory and writes it in a background thread while training
+goes on; rank 0 then writes the manifest and renames. The next save waits for the previous one. Model
+and optimizer state are saved under layout-independent names (get_state_dict), so a checkpoint loads
+into any other parallel layout and world size: DCP reshards on load.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from liandan.checkpoint.verify import CheckpointError, fsync_path, total_bytes, verify, write_manifest
+from liandan.resilience.faults import maybe_inject
+
+STEP_DIR = re.compile(r"^step-(\d{8})$")
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+@dataclass
+class SaveOutcome:
+    step: int
+    path: Path
+    ok: bool
+    seconds: float = 0.0
+    blocking_seconds: float = 0.0
+    error: str | None = None
+
+
+class CheckpointManager:
+    def __init__(
+        self,
+        root: Path,
+        *,
+        keep_last: int = 3,
+        keep_every: int = 0,
+        async_save: bool = True,
+        verify_on_load: bool = True,
+        on_event=None,
+    ):
+        self.root = Path(root)
+        self.keep_last, self.keep_every = keep_last, keep_every
+        self.async_save, self.verify_on_load = async_save, verify_on_load
+        self.on_event = on_event or (lambda kind, **fields: None)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world_size = dist.get_world_size() if self.distributed else 1
+        # Checkpoint collectives run in DCP's background thread: give them their own process group so
+        # they never interleave with the training step's collectives.
+        self.group = dist.new_group(backend="gloo") if self.distributed else None
+        self._pending: tuple[int, Path, Any, threading.Thread | None, float, float] | None = None
+        self._finalize_error: BaseException | None = None
+        self.outcomes: list[SaveOutcome] = []
+
+    # -- saving -------------------------------------------------------------------------------------------
+    def save(self, step: int, model: torch.nn.Module, optimizer, meta: dict[str, Any]) -> float:
+        """Start saving; returns the seconds training was blocked. Errors are reported, never raised."""
+        self.wait()
+        started = time.perf_counter()
+        final = self.root / step_dir_name(step)
+        tmp = final.with_name(final.name + ".tmp")
+        # Local preparation may fail on one rank only (a full disk, say); all ranks agree before DCP's
+        # collectives start, so a failure never leaves a peer waiting in one of them.
+        error: BaseException | None = None
+        try:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir(parents=True)
+        except Exception as err:
+            error = err
+        if self._all_ok(error is None):  # also the barrier: the directory exists for every rank after it
+            try:
+                torch.save(rng_state(), tmp / f"rank-{self.rank:05d}.pt")
+                if self.rank == 0:
+                    meta = {**meta, "step": step, "world_size": self.world_size, "saved_at": time.time()}
+                    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+            except Exception as err:
+                error = err
+        if not self._all_ok(error is None):
+            return self._report_failure(step, tmp, error or RuntimeError("another rank failed"), started).seconds
+        try:
+            if optimizer is None:  # weights only (an imported model)
+                state = {"model": get_model_state_dict(model)}
+            else:
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+                state = {"model": model_sd, "optim": optim_sd}
+            if self.async_save:
+                future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+            else:
+                dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+                future = None
+        except Exception as err:  # a failed save must not end the run: report it, keep training
+            return self._report_failure(step, tmp, err, started).seconds
+        blocking = time.perf_counter() - started
+        thread = None
+        if self.rank == 0:
+            thread = threading.Thread(target=self._finalize, args=(step, tmp, final, future), daemon=True)
+            thread.start()
+        self._pending = (step, tmp, future, thread, started, blocking)
+        if not self.async_save:
+            self.wait()
+        return blocking
+
+    def _finalize(self, step: int, tmp: Path, final: Path, future) -> None:
+        try:
+            if future is not None:
+                future.result()  # all ranks' shards and DCP's metadata are on disk once rank 0's save is done
+            maybe_inject("save", step)
+            write_manifest(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            tmp.rename(final)
+            fsync_path(self.root)
+        except BaseException as err:
+            self._finalize_error = err
+
+    def wait(self) -> SaveOutcome | None:
+        """Block until the pending save is complete (or failed); apply retention after a success."""
+        if self._pending is None:
+            return None
+        step, tmp, future, thread, started, blocking = self._pending
+        self._pending = None
+        error: BaseException | None = None
+        if thread is not None:
+            thread.join()
+            error, self._finalize_error = self._finalize_error, None
+        elif future is not None:
+            try:
+                future.result()
+            except BaseException as err:
+                error = err
+        if error is not None:
+            return self._report_failure(step, tmp, error, started)
+        outcome = SaveOutcome(step, self.root / step_dir_name(step), True, time.perf_counter() - started, blocking)
+        self.outcomes.append(outcome)
+        if self.rank == 0:
+            self.apply_retention()
+            self.on_event("checkpoint_saved", step=step, path=str(outcome.path), seconds=round(outcome.seconds, 3),
+                          blocking_seconds=round(blocking, 3))  # fmt: skip
+        return outcome
+
+    def _report_failure(self, step: int, tmp: Path, err: BaseException, started: float) -> SaveOutcome:
+        message = f"{type(err).__name__}: {str(err).strip()}"
+        try:  # a full disk often surfaces as a writer error deep inside DCP: say how much room there was
+            message += f" (free space on {self.root}: {shutil.disk_usage(self.root).free / 2**20:,.1f} MiB)"
+        except OSError:
+            pass
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # give back the space a partial save took
+        outcome = SaveOutcome(step, tmp, False, time.perf_counter() - started, error=message)
+        self.outcomes.append(outcome)
+        if self.rank == 0:
+            self.on_event("checkpoint_failed", step=step, error=message)
+        return outcome
+
+    def close(self) -> None:
+        self.wait()
+
+    def _all_ok(self, ok: bool) -> bool:
+        if not self.distributed:
+            return ok
+        flag = torch.tensor([1 if ok else 0])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+    # -- finding and loading ------------------------------------------------------------------------------
+    def complete_checkpoints(self) -> list[Path]:
+        """Directories with a manifest, oldest first (not yet verified)."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if STEP_DIR.match(p.name) and (p / "manifest.json").is_file()]
+        return sorted(found, key=lambda p: p.name)
+
+    def latest_verified(self) -> Path | None:
+        """The newest checkpoint that verifies; failures are reported as events. Rank 0 decides for all."""
+        box: list[Any] = [None]
+        if self.rank == 0:
+            for path in reversed(self.complete_checkpoints()):
+                try:
+                    verify(path, checksums=self.verify_on_load)
+                except CheckpointError as err:
+                    self.on_event("checkpoint_rejected", path=str(path), error=str(err))
+                    continue
+                box[0] = str(path)
+                break
+        if self.distributed:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        return Path(box[0]) if box[0] else None
+
+    def load(self, path: Path, model: torch.nn.Module, optimizer=None, verified: bool = False) -> dict[str, Any]:
+        """Load model (and optimizer) state into whatever layout they have now; returns meta.json, with
+        this rank's RNG states restored where the world size is unchanged."""
+        path = Path(path)
+        if not verified and self.rank == 0:
+            verify(path, checksums=self.verify_on_load)
+        if optimizer is None:
+            state = {"model": get_model_state_dict(model)}
+            dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+            set_model_state_dict(model, state["model"])
+        else:
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        meta = json.loads((path / "meta.json").read_text())
+        rank_file = path / f"rank-{self.rank:05d}.pt"
+        if meta.get("world_size") == self.world_size and rank_file.is_file():
+            set_rng_state(torch.load(rank_file, weights_only=True))
+        return meta
+
+    # -- retention ----------------------------------------------------------------------------------------
+    def apply_retention(self) -> list[Path]:
+        """Keep the newest `keep_last` complete checkpoints and every `keep_every`-th step; never the newest
+        one. Removes stale `.tmp` directories of interrupted saves. Returns what was deleted."""
+        complete = self.complete_checkpoints()
+        if not complete:
+            return []
+        keep = set(complete[-self.keep_last :]) if self.keep_last else set(complete)
+        keep.add(complete[-1])
+        if self.keep_every:
+            keep |= {p for p in complete if int(p.name[5:]) % self.keep_every == 0}
+        deleted = [p for p in complete if p not in keep]
+        deleted += [p for p in self.root.glob("step-*.tmp") if p.name[:-4] < complete[-1].name]
+        for path in deleted:
+            shutil.rmtree(path, ignore_errors=True)
+        return deleted
+
+
+# ---------------------------------------------------------------------------------------------------------
+# RNG states as tensors and plain numbers, so they load with torch.load(weights_only=True)
+
+
+def rng_state() -> dict[str, Any]:
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, key, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def describe_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
+    """What `liandan ckpt info` shows: step, tokens, layout, size and whether it verifies."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {path}")
+    info: dict[str, Any] = {"path": str(path), "bytes": total_bytes(path)}
+    meta_path = path / "meta.json"
+    if meta_path.is_file():
+        meta = json.loads(meta_path.read_text())
+        for key in ("step", "tokens", "world_size", "layout", "liandan_version", "tokenizer", "saved_at"):
+            info[key] = meta.get(key)
+    try:
+        verify(path, checksums=checksums)
+        info["verified"] = True
+    except CheckpointError as err:
+        info["verified"] = False
+        info["error"] = str(err)
+    return info
+
+
+def load_model(path: Path, verify_checksums: bool = True):
+    """A checkpoint's model on the CPU in one process, whatever layout saved it: (Transformer, meta)."""
+    from liandan.model import ModelArgs, Transformer
+
+    path = Path(path)
+    verify(path, checksums=verify_checksums)
+    meta = json.loads((path / "meta.json").read_text())
+    if "model_args" not in meta:
+        raise CheckpointError(f"{path / 'meta.json'} does not describe the model (model_args missing)")
+    model = Transformer(ModelArgs(**meta["model_args"]))
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    set_model_state_dict(model, state["model"])
+    return model, meta
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A step directory, or the newest complete one under a checkpoints directory or a run directory."""
+    path = Path(path)
+    if (path / "manifest.json").is_file() or (path / "meta.json").is_file():
+        return path
+    for root in (path, path / "checkpoints"):
+        steps = sorted(p for p in root.glob("step-*") if STEP_DIR.match(p.name)) if root.is_dir() else []
+        if steps:
+            return steps[-1]
+    raise CheckpointError(f"no checkpoint at {path}")

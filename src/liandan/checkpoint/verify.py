@@ -1,0 +1,83 @@
+"""Manifests: what makes a checkpoint directory complete and trustworthy.
+
+A checkpoint is complete only when `manifest.json` exists; it is written last, after every other file has
+been written and fsync'd, and lists each file's size and xxh64 checksum. Verification re-reads every file
+and names the first one that is missing, truncated or changed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import xxhash
+
+MANIFEST = "manifest.json"
+FORMAT = "liandan-checkpoint"
+VERSION = 1
+_CHUNK = 8 << 20
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted or used; the message names the checkpoint and the file."""
+
+
+def file_digest(path: Path) -> str:
+    h = xxhash.xxh64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path) -> dict:
+    """fsync every file in `directory`, then write the manifest atomically (temp file, fsync, rename)."""
+    files = {}
+    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
+        fsync_path(path)
+        files[str(path.relative_to(directory))] = {"bytes": path.stat().st_size, "xxh64": file_digest(path)}
+    manifest = {"format": FORMAT, "version": VERSION, "files": files}
+    tmp = directory / (MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / MANIFEST)
+    fsync_path(directory)
+    return manifest
+
+
+def verify(directory: Path, checksums: bool = True) -> None:
+    """Raise CheckpointError unless every file of the manifest is present with its size and checksum."""
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{directory}: incomplete checkpoint ({MANIFEST} missing)")
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise CheckpointError(f"{path}: unreadable manifest") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path}: not a version-{VERSION} {FORMAT} manifest")
+    for name, expected in files.items():
+        file = directory / name
+        if not file.is_file():
+            raise CheckpointError(f"{directory}: file {name} is missing")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise CheckpointError(f"{directory}: file {name} has {size} bytes, the manifest says {expected['bytes']}")
+        if checksums and file_digest(file) != expected["xxh64"]:
+            raise CheckpointError(f"{directory}: file {name} fails its checksum (contents changed)")
+
+
+def total_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())

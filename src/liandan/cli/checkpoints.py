@@ -1,0 +1,130 @@
+"""`liandan ckpt info`, `liandan export` and `liandan import`: looking into and converting checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+
+from liandan.checkpoint.verify import CheckpointError
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("ckpt", help="inspect checkpoints")
+    p.add_argument("action", choices=["info"], help="info: step, tokens, layout, size and verification")
+    p.add_argument("path", help="a checkpoint, a checkpoints directory or a run directory")
+    p.add_argument("--no-checksums", action="store_true", help="check sizes only (fast)")
+    p.set_defaults(command=cmd_ckpt_info)
+
+    p = sub.add_parser("export", help="write a checkpoint's model as Hugging Face Llama or one safetensors file")
+    p.add_argument("checkpoint", help="a checkpoint, or a run directory (its newest checkpoint)")
+    p.add_argument("out", help="output directory (--hf) or .safetensors file (--consolidated)")
+    kind = p.add_mutually_exclusive_group(required=True)
+    kind.add_argument("--hf", action="store_true", help="safetensors + config.json + tokenizer for transformers")
+    kind.add_argument("--consolidated", action="store_true", help="one .safetensors file in liandan's naming")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weight dtype of an --hf export")
+    p.set_defaults(command=cmd_export)
+
+    p = sub.add_parser("import", help="turn Hugging Face Llama weights into a checkpoint to train from")
+    p.add_argument("source", help="a directory with config.json and *.safetensors")
+    p.add_argument("out", help="checkpoint directory to create; train with --checkpoint.init_from=OUT")
+    p.add_argument("--hf", action="store_true", required=True, help="the source is in Hugging Face format")
+    p.set_defaults(command=cmd_import)
+
+
+def _user_error(err: Exception) -> CheckpointError:
+    return CheckpointError(str(err))
+
+
+def cmd_ckpt_info(args: argparse.Namespace, overrides: list[str]) -> int:
+    from liandan.checkpoint.manager import STEP_DIR, describe_checkpoint
+
+    path = Path(args.path)
+    if not path.exists():
+        raise CheckpointError(f"no such path: {path}")
+    candidates = [path] if (path / "meta.json").is_file() or (path / "manifest.json").is_file() else []
+    if not candidates:
+        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        candidates = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name) or p.name.endswith(".tmp"))
+    if not candidates:
+        raise CheckpointError(f"no checkpoints under {path}")
+    for candidate in candidates:
+        info = describe_checkpoint(candidate, checksums=not args.no_checksums)
+        status = "verified" if info["verified"] else f"NOT VERIFIED: {info['error']}"
+        saved = info.get("saved_at")
+        when = datetime.fromtimestamp(saved, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if saved else "?"
+        print(f"{candidate}")
+        print(f"  step {info.get('step')}, tokens {info.get('tokens') or 0:,}, saved {when}")
+        print(f"  layout {info.get('layout')} over {info.get('world_size')} process(es)")
+        print(f"  size {info['bytes'] / 2**20:,.1f} MiB, liandan {info.get('liandan_version')}, {status}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
+    import torch
+
+    from liandan.checkpoint import hf
+    from liandan.checkpoint.manager import load_model, resolve_checkpoint
+
+    source = resolve_checkpoint(Path(args.checkpoint))
+    model, meta = load_model(source)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    out = Path(args.out)
+    try:
+        if args.consolidated:
+            hf.save_consolidated(state, model.args, out)
+        else:
+            tokenizer = _tokenizer_of(source)
+            dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+            hf.export_hf(state, model.args, out, tokenizer_json=tokenizer, dtype=dtype)
+    except ValueError as err:
+        raise _user_error(err) from None
+    print(f"exported step {meta['step']} of {source} to {out}")
+    return 0
+
+
+def _tokenizer_of(checkpoint: Path) -> Path | None:
+    """The run's tokenizer.json, found beside the checkpoints (<run>/checkpoints/step-N -> <run>/data)."""
+    for run_dir in (checkpoint.parent.parent, checkpoint.parent):
+        path = run_dir / "data" / "tokenizer.json"
+        if path.is_file() and "liandan" not in json.loads(path.read_text()):
+            return path
+    return None
+
+
+def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
+    from liandan.checkpoint import hf
+    from liandan.checkpoint.manager import CheckpointManager
+    from liandan.model import Transformer
+
+    source, out = Path(args.source), Path(args.out)
+    try:
+        state, model_args = hf.import_hf(source)
+    except (ValueError, FileNotFoundError) as err:
+        raise _user_error(err) from None
+    model = Transformer(model_args)
+    model.load_state_dict(state, strict=True)
+    manager = CheckpointManager(out.parent / f".{out.name}-staging", async_save=False)
+    meta = {"format": "liandan-checkpoint", "tokens": 0, "layout": "imported", "model_args": _asdict(model_args),
+            "imported_from": str(source.resolve())}  # fmt: skip
+    manager.save(0, model, None, meta)
+    saved = manager.root / "step-00000000"
+    if not (saved / "manifest.json").is_file():
+        raise CheckpointError(f"could not write the checkpoint under {manager.root}: {manager.outcomes[-1].error}")
+    if out.exists():
+        raise CheckpointError(f"{out} already exists")
+    saved.rename(out)
+    shutil.rmtree(manager.root, ignore_errors=True)
+    if (source / "tokenizer.json").is_file():
+        shutil.copy(source / "tokenizer.json", out / "tokenizer.json")
+    print(f"imported {source} into {out}: train with --checkpoint.init_from={out}"
+          + (f" --data.tokenizer={out / 'tokenizer.json'}" if (out / "tokenizer.json").is_file() else ""))
+    return 0
+
+
+def _asdict(args) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(args)
