@@ -73,7 +73,8 @@ def assert_same_weights(a, b):
 
 
 def test_kill_and_resume_is_bit_identical(config, straight):
-    train(config, "killed", faults="kill@step:6", expect="killed")
+    # the kill run saves synchronously so that step 4's checkpoint is surely complete at step 6
+    train(config, "killed", "--checkpoint.async_save=false", faults="kill@step:6", expect="killed")
     assert sorted(p.name for p in (run_dir(config, "killed") / "checkpoints").iterdir()) == ["step-00000004"]
     assert len(losses(config, "killed")) == 6
     done = train(config, "killed")

@@ -1,0 +1,67 @@
+"""Checkpoints move between parallel layouts: save with one, stop, resume with another.
+
+A run of 8 steps saves at step 4 and is killed after step 6; the same run directory is then resumed with a
+different layout. Steps 5-8 must match a one-process run of all 8 steps to the distributed tolerance of
+test_distributed.py (relative 1e-5, fp32): model, optimizer, scheduler and loader state all carried over,
+with the same global batch on any number of data-parallel ranks.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import tiny_config, write_corpus
+
+pytestmark = pytest.mark.slow
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reshard")
+    config = root / "tiny.toml"
+    cfg = tiny_config(root / "runs", write_corpus(root), "--train.steps=8", "--checkpoint.every=4", "--run.name=")
+    config.write_text(cfg.to_toml())
+    _train(config, "reference", 1)
+    return config, _losses(config, "reference")
+
+
+def _train(config, name, nproc, *overrides, faults=None):
+    env = {k: v for k, v in os.environ.items() if k != "LIANDAN_FAULTS"}
+    if faults:
+        env["LIANDAN_FAULTS"] = faults
+    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--nproc={nproc}", f"--run.name={name}", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+
+
+def _losses(config, name):
+    lines = (config.parent / "runs" / name / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ((2, []), (1, [])),  # FSDP2 on 2 ranks -> 1 process
+        ((1, []), (2, [])),  # 1 process -> FSDP2 on 2 ranks
+        ((2, []), (4, ["--parallel.tp=2"])),  # FSDP2 -> FSDP2 x TP (2 x 2)
+        ((2, ["--parallel.tp=2"]), (2, ["--parallel.dp_replicate=2"])),  # TP -> DDP
+    ],
+    ids=["fsdp2-to-1", "1-to-fsdp2", "fsdp2-to-fsdp2xtp2", "tp2-to-ddp2"],
+)
+def test_resume_in_another_layout(setup, before, after):
+    config, reference = setup
+    name = f"reshard-{before[0]}{''.join(before[1])}-to-{after[0]}{''.join(after[1])}".replace("--parallel.", "-")
+    # synchronous saves, so the checkpoint of step 4 is complete when the kill after step 6 comes
+    killed = _train(config, name, before[0], *before[1], "--checkpoint.async_save=false", faults="kill@step:6:0")
+    assert killed.returncode != 0
+    assert len(_losses(config, name)) == 6
+    done = _train(config, name, after[0], *after[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "at step 4" in done.stdout
+    assert _losses(config, name) == pytest.approx(reference, rel=RTOL)
+    events = [json.loads(e) for e in (config.parent / "runs" / name / "events.jsonl").read_text().splitlines()]
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert resumed and resumed[-1]["step"] == 4
