@@ -33,6 +33,7 @@ DEMO_SETTINGS = [
     "--train.eval_every=50",
     "--data.tokenizer=bpe",
     "--data.bpe_vocab_size=4096",
+    "--checkpoint.every=100",
 ]
 
 
@@ -46,6 +47,7 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
         settings.append(f"--train.steps={steps}")
         settings.append(f"--train.eval_every={max(1, steps // 6)}")
         settings.append(f"--schedule.warmup_steps={min(30, max(1, steps // 10))}")
+        settings.append(f"--checkpoint.every={max(1, steps // 3)}")
     settings.append(f"--run.output_dir={output_dir}")
     settings.append(f"--run.name=demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
     cfg = load_config(None, settings + overrides)
@@ -62,6 +64,8 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     prompt = "The for statement"
     print(f"\nsample, prompted with {prompt!r}:\n  {sample(trainer, prompt)!r}\n")
     run = result.run_dir
+    show_checkpoints(run)
+    export_for_transformers(trainer, run)
     print(f"run directory: {run}")
     for name, what in [
         ("config.toml", "the resolved run config"),
@@ -71,10 +75,31 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
         ("events.jsonl", "run events and validation losses"),
         ("summary.json", "the run's totals"),
         ("training.png", "loss, learning rate and throughput curves"),
+        ("checkpoints/", "sharded, verified checkpoints (liandan ckpt info <run>/checkpoints)"),
+        ("hf/", "the final model for Hugging Face transformers (LlamaForCausalLM + tokenizer)"),
     ]:
         if (run / name).exists():
             print(f"  {name:22s} {what}")
     return 0
+
+
+def show_checkpoints(run: Path) -> None:
+    from liandan.checkpoint.manager import describe_checkpoint
+
+    print("checkpoints:")
+    for path in sorted((run / "checkpoints").glob("step-*")):
+        info = describe_checkpoint(path)
+        status = "verified" if info["verified"] else f"NOT VERIFIED ({info['error']})"
+        print(f"  {path.name}: step {info['step']}, {info['bytes'] / 2**20:.1f} MiB, {status}")
+
+
+def export_for_transformers(trainer, run: Path) -> None:
+    from liandan.checkpoint.hf import export_hf
+
+    state = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
+    tokenizer = run / "data" / "tokenizer.json"
+    export_hf(state, trainer.model_args, run / "hf", tokenizer_json=tokenizer if tokenizer.is_file() else None)
+    print(f"exported for transformers: AutoModelForCausalLM.from_pretrained('{run / 'hf'}')\n")
 
 
 @torch.no_grad()

@@ -183,10 +183,14 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
-        logits = self.output(self.norm(h))
         if targets is None:
-            return logits
-        return lm_loss(logits, targets, self.args.z_loss)
+            return self.output(self.norm(h))
+        return self.head_loss(h, targets)
+
+    def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Final norm, output projection and loss: one unit, so it can be compiled as one (the fp32 logits
+        of a large vocabulary are the biggest tensor of a small model's step)."""
+        return lm_loss(self.output(self.norm(h)), targets, self.args.z_loss)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:

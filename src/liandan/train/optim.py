@@ -28,13 +28,19 @@ def build_optimizer(
     model: nn.Module, cfg: OptimSection, device: torch.device, mixed_tensor_kinds: bool = False
 ) -> torch.optim.AdamW:
     """`mixed_tensor_kinds`: the parameters mix DTensors of different meshes and plain tensors (tensor
-    parallelism), which the multi-tensor kernels cannot take in one call; update them one by one."""
+    parallelism), which the multi-tensor kernels cannot take in one call; update them one by one. Plain
+    tensors get the fused kernel (CUDA and CPU); sharded DTensors on the CPU take the foreach path."""
     decay, no_decay = parameter_groups(model, cfg.decay_norms_and_embeddings)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    from torch.distributed.tensor import DTensor
+
+    sharded = any(isinstance(p, DTensor) for p in decay + no_decay)
     if mixed_tensor_kinds:
         kwargs = {"foreach": False}
+    elif device.type == "cuda" or not sharded:
+        kwargs = {"fused": True}
     else:
-        kwargs = {"fused": True} if device.type == "cuda" else {"foreach": True}
+        kwargs = {"foreach": True}
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs
     )

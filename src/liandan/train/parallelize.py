@@ -151,9 +151,11 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
 
 def apply_compile(model: nn.Module) -> None:
-    """Compile each block separately: blocks are identical, so one compilation serves them all."""
+    """Compile each block separately (blocks are identical, so one compilation serves them all) and the
+    head with its loss."""
     for name, block in list(model.layers.named_children()):
         model.layers.register_module(name, torch.compile(block, dynamic=False))
+    model.head_loss = torch.compile(model.head_loss, dynamic=False)
 
 
 # ---------------------------------------------------------------------------------------------------------
