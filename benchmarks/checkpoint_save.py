@@ -4,9 +4,9 @@ DCP save and a plain `torch.save` of the full state.
 The state is a liandan `Transformer` of a few tens of millions of fp32 parameters after one AdamW step, so it
 holds the weights and AdamW's two moment buffers (three fp32 copies, a few hundred MB). Single process, CPU.
 
-    python benchmarks/checkpoint_save.py                        # ~60M parameters, 3 repetitions
+    python benchmarks/checkpoint_save.py                        # ~60M parameters, 5 repetitions
     python benchmarks/checkpoint_save.py --params-millions 20 --reps 2
-    python benchmarks/checkpoint_save.py --json results.json
+    python benchmarks/checkpoint_save.py --json results.json   # what docs/benchmarks.md reports
 
 Methods, each repetition in a fresh directory under --dir (default: the system temp directory), deleted
 afterwards, with `os.sync()` before and after so that write-back of one save does not land on the next:
@@ -20,6 +20,11 @@ afterwards, with `os.sync()` before and after so that write-back of one save doe
 * manager async: `CheckpointManager(root, async_save=True).save(...)`; "blocking" is the seconds it returns
   (the time training would be blocked: staging the state in host memory and starting the writer), "total" the
   time until `manager.wait()` returns (the checkpoint complete, with its manifest).
+  One manager serves all repetitions of a mode, as one serves a run, so its staging buffers are reused.
+
+The script prints the async blocking time over each synchronous save and whether it meets the target (at most
+10% of the synchronous manager save), and, for the synchronous manager save, the share of its time that save()
+reports as blocking.
 
 The methods run in interleaved rounds (one repetition of each per round), so a load spike from another process
 is shared rather than landing on one method; one untimed round on a tiny model first warms up imports and thread
@@ -29,35 +34,31 @@ pools. Medians over the repetitions are reported. MB/s is the bytes of the state
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import platform
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
-import types
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from unittest import mock
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-import liandan.checkpoint.manager as manager_module
 from liandan.checkpoint.manager import CheckpointManager
+from liandan.checkpoint.verify import fsync_path
 from liandan.config import OptimSection
 from liandan.model import ModelArgs, Transformer, count_params
 from liandan.train.optim import build_optimizer
 
 TARGET = 0.10  # async blocking time at most this fraction of the synchronous save
 METHODS = ("torch.save", "dcp.save", "manager sync", "manager async")
-PROPOSALS = ("manager async, reused stager",)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -100,14 +101,6 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 # ---------------------------------------------------------------------------------------------------------
 # the methods: each takes a fresh directory and returns {"seconds": ..., [other timings]}, leaving its output
 # in that directory
@@ -131,8 +124,17 @@ def save_dcp(model, optimizer, out: Path, step: int) -> dict[str, float]:
     return {"seconds": time.perf_counter() - started}
 
 
+# One manager per mode lives across the repetitions, as one lives across a run's saves: the first repetition
+# pays for allocating the host staging buffers, the later ones show the steady state. Each finished checkpoint
+# is moved into the repetition's directory so that it is measured and deleted like the other methods' output.
+_MANAGERS: dict[bool, CheckpointManager] = {}
+
+
 def _manager_save(model, optimizer, out: Path, step: int, async_save: bool) -> dict[str, float]:
-    manager = CheckpointManager(out, async_save=async_save, keep_last=1)
+    if async_save not in _MANAGERS:
+        _MANAGERS[async_save] = CheckpointManager(out.parent / f"manager-{'async' if async_save else 'sync'}",
+                                                  async_save=async_save, keep_last=0)  # fmt: skip
+    manager = _MANAGERS[async_save]
     meta = {"model_args": dict(vars(model.args)), "tokens": step * 1000}
     started = time.perf_counter()
     blocking = manager.save(step, model, optimizer, meta)
@@ -141,9 +143,11 @@ def _manager_save(model, optimizer, out: Path, step: int, async_save: bool) -> d
     total = time.perf_counter() - started
     if outcome is None or not outcome.ok:
         raise RuntimeError(f"checkpoint save failed: {outcome.error if outcome else 'no outcome'}")
+    outcome.path.rename(out / outcome.path.name)
     if async_save:
         return {"seconds": total, "blocking": blocking, "returned": returned}
-    return {"seconds": returned, "blocking": blocking}
+    # save() waited for the whole save; `blocking` is what it reported as the time training was blocked
+    return {"seconds": returned, "reported_blocking": blocking}
 
 
 def save_manager_sync(model, optimizer, out: Path, step: int) -> dict[str, float]:
@@ -154,31 +158,11 @@ def save_manager_async(model, optimizer, out: Path, step: int) -> dict[str, floa
     return _manager_save(model, optimizer, out, step, async_save=True)
 
 
-# Proposal, not in the package: the manager keeps one DCP stager for its lifetime and passes it to every
-# async_save. `dcp.async_save` otherwise makes a new DefaultStager per call and closes it when the save is done,
-# so every save allocates (and page-faults in) a fresh host copy of the whole state; a kept stager caches its
-# host storages (per source storage) and later saves only copy into them. The manager already waits for the
-# previous save before staging the next, so the writer never reads a buffer being overwritten. Emulated here
-# by handing the manager a `dcp` whose async_save passes the kept stager; like a run's manager, it lives
-# across the repetitions, so the first repetition pays the allocation and the later ones show the steady state.
-_KEPT_STAGER: DefaultStager | None = None
-
-
-def save_manager_async_reused_stager(model, optimizer, out: Path, step: int) -> dict[str, float]:
-    global _KEPT_STAGER
-    if _KEPT_STAGER is None:
-        _KEPT_STAGER = DefaultStager(StagingOptions(False, False, False, False))  # async_save's own default
-    shim = types.SimpleNamespace(save=dcp.save, async_save=functools.partial(dcp.async_save, async_stager=_KEPT_STAGER))
-    with mock.patch.object(manager_module, "dcp", shim):
-        return _manager_save(model, optimizer, out, step, async_save=True)
-
-
 SAVERS: dict[str, Callable[..., dict[str, float]]] = {
     "torch.save": save_torch,
     "dcp.save": save_dcp,
     "manager sync": save_manager_sync,
     "manager async": save_manager_async,
-    "manager async, reused stager": save_manager_async_reused_stager,
 }
 
 
@@ -235,9 +219,10 @@ def summarise(results: dict[str, list[dict[str, float]]], nbytes: int) -> dict[s
             "mb_per_s": nbytes / 1e6 / seconds,
             "bytes_on_disk": runs[-1]["bytes_on_disk"],
         }
-        if "blocking" in runs[0]:
-            blocking = statistics.median(r["blocking"] for r in runs)
-            row.update(blocking=blocking, blocking_all=[r["blocking"] for r in runs])
+        for key in ("blocking", "reported_blocking"):
+            if key in runs[0]:
+                row[key] = statistics.median(r[key] for r in runs)
+                row[f"{key}_all"] = [r[key] for r in runs]
         summary[name] = row
     return summary
 
@@ -249,30 +234,35 @@ def print_report(summary, ratios, info) -> None:
     except ImportError:  # plain text where rich is missing
         Console = None
 
+    sync = summary.get("manager sync", {}).get("seconds")
     rows = []
-    for name in METHODS + PROPOSALS:
+
+    def add(label: str, seconds: float, runs: list[float], digits: int) -> None:
+        ratio = f"{seconds / sync:.3f}" if sync else ""
+        rows.append((label, f"{seconds:.{digits}f}", f"{info['state_mb'] / seconds:,.0f}",
+                     f"{min(runs):.{digits}f}-{max(runs):.{digits}f}", ratio))  # fmt: skip
+
+    for name in METHODS:
         if name not in summary:
             continue
         s = summary[name]
-        spread = ", ".join(f"{x:.2f}" for x in s["seconds_all"])
         if name.startswith("manager async"):
-            bspread = ", ".join(f"{x:.3f}" for x in s["blocking_all"])
-            label = name + (" (proposal)" if name in PROPOSALS else "")
-            rows.append((f"{label}: blocking", f"{s['blocking']:.3f}", f"{info['state_mb'] / s['blocking']:,.0f}",
-                         bspread))  # fmt: skip
-            rows.append((f"{label}: total", f"{s['seconds']:.2f}", f"{s['mb_per_s']:,.0f}", spread))
+            label = name
+            add(f"{label}: blocking", s["blocking"], s["blocking_all"], 3)
+            add(f"{label}: total", s["seconds"], s["seconds_all"], 2)
         else:
-            rows.append((name, f"{s['seconds']:.2f}", f"{s['mb_per_s']:,.0f}", spread))
+            add(name, s["seconds"], s["seconds_all"], 2)
 
     title = (f"Checkpoint save, {info['params'] / 1e6:.1f}M parameters + AdamW: {info['state_mb']:,.0f} MB of "
              f"tensors, median of {info['reps']}")  # fmt: skip
     if Console is not None:
         table = Table(title=title)
-        for col, justify in (("method", "left"), ("seconds", "right"), ("MB/s", "right"), ("runs (s)", "right")):
-            table.add_column(col, justify=justify)
+        table.add_column("method", no_wrap=True)
+        for col in ("seconds", "MB/s", "min-max (s)", "/ manager sync"):
+            table.add_column(col, justify="right", no_wrap=True)
         for row in rows:
             table.add_row(*row)
-        console = Console()
+        console = Console(width=None if sys.stdout.isatty() else 120)
         console.print(table)
         out = console.print
     else:
@@ -287,15 +277,13 @@ def print_report(summary, ratios, info) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--params-millions", type=float, default=60.0, help="model size (default 60)")
-    parser.add_argument("--reps", type=int, default=3, help="timed repetitions of each method (default 3)")
-    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where to save (default: temp dir)")
-    parser.add_argument("--methods", nargs="+", choices=METHODS + PROPOSALS, default=list(METHODS))
-    parser.add_argument("--proposals", action="store_true",
-                        help="also time the manager with a stager kept across saves (not in the package)")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions of each method (default 5)")
+    parser.add_argument(
+        "--dir", type=Path, default=Path(tempfile.gettempdir()), help="where to save (default: the temp directory)"
+    )
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument("--json", type=Path, help="write the results here")
     opts = parser.parse_args()
-    if opts.proposals:
-        opts.methods += [m for m in PROPOSALS if m not in opts.methods]
     # DCP says once per save that it is saving in a single process, which is the point here
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
@@ -332,6 +320,8 @@ def main() -> None:
                 print(f"  round {rep + 1}: {name:<28} {r['seconds']:6.2f} s{extra}", flush=True)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+        for manager in _MANAGERS.values():
+            manager.close()
 
     summary = summarise(results, nbytes)
     ratios: dict[str, object] = {}
@@ -347,13 +337,8 @@ def main() -> None:
             ratios["target (async blocking <= 10% of sync save)"] = "met" if met else "NOT met"
     if "manager sync" in summary:  # what a synchronous save() reports as its blocking time, against the truth
         ratios["manager sync: seconds save() reports as blocking / seconds it blocks"] = (
-            summary["manager sync"]["blocking"] / summary["manager sync"]["seconds"]
+            summary["manager sync"]["reported_blocking"] / summary["manager sync"]["seconds"]
         )
-    for name in PROPOSALS:
-        if name in summary and "manager sync" in summary:
-            ratios[f"proposal: {name} blocking / manager sync save"] = (
-                summary[name]["blocking"] / summary["manager sync"]["seconds"]
-            )
     info["load_average_end"] = list(os.getloadavg())
     info["wall_seconds"] = time.perf_counter() - started
     print_report(summary, ratios, info)

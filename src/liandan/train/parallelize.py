@@ -152,7 +152,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
 def apply_compile(model: nn.Module) -> None:
     """Compile each block separately (blocks are identical, so one compilation serves them all) and the
-    head with its loss."""
+    head with its loss. Without sharding the whole model is compiled instead, which fuses across blocks."""
     for name, block in list(model.layers.named_children()):
         model.layers.register_module(name, torch.compile(block, dynamic=False))
     model.head_loss = torch.compile(model.head_loss, dynamic=False)
@@ -193,8 +193,10 @@ def parallelize(
     if layout.tp > 1:
         apply_tp(model, mesh["tp"])
     apply_activation_checkpointing(model, activation_checkpoint)
-    if compile:
-        apply_compile(model)
+    if compile and (uses_fsdp(layout) or layout.tp > 1):
+        apply_compile(model)  # per block: FSDP2 and TP hooks sit between blocks
+    elif compile:
+        model.compile(dynamic=False)  # whole graph, in place (parameter names unchanged)
     if uses_fsdp(layout):
         dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
         apply_fsdp(model, mesh[dims], fsdp_param_dtype)
