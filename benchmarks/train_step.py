@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import platform
 import statistics
 import subprocess
@@ -42,7 +41,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from liandan.config import OptimSection, ScheduleSection
-import liandan.model.llama as llama
 from liandan.model import ModelArgs, Transformer, count_params, flops_per_token
 from liandan.train.hardware import cpu_supports_bf16, measure_matmul_flops
 from liandan.train.optim import build_optimizer, build_scheduler
@@ -187,7 +185,7 @@ def liandan_to_hf(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, to
 @dataclass
 class Variant:
     name: str  # e.g. "liandan (compile)"
-    family: str  # "liandan", "hf", "plain" or "proposal"
+    family: str  # "liandan", "hf" or "plain"
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # one full training step; returns the loss
     model: nn.Module
     first_step_s: float = 0.0
@@ -202,35 +200,14 @@ def autocast(dtype: torch.dtype):
     return torch.autocast("cpu", dtype=dtype)
 
 
-def build_liandan(
-    args: ModelArgs,
-    state: dict,
-    dtype: torch.dtype,
-    compile: bool,
-    optim_kwargs: dict | None = None,
-    compile_loss: bool = False,
-    compile_model: bool = False,
-    name: str = "",
-) -> Variant:
-    """liandan as `Trainer` sets it up. The keyword options after `compile` model proposed changes to liandan
-    that are not in the package: other AdamW kernel options, a compiled `lm_loss`, a compiled whole model."""
+def build_liandan(args: ModelArgs, state: dict, dtype: torch.dtype, compile: bool) -> Variant:
+    """liandan as `Trainer` sets it up."""
     model = Transformer(args)
     model.load_state_dict(state)
     model.configure_attention(torch.device("cpu"))
     model = parallelize(model, None, Layout(1, 1, 1), compile=compile)
-    if compile_model:
-        model.compile(dynamic=False)
-    loss_fn = torch.compile(llama.lm_loss, dynamic=False) if compile_loss else None
     optim_cfg = OptimSection()
     optimizer = build_optimizer(model, optim_cfg, torch.device("cpu"))
-    if optim_kwargs:  # a proposal: the same parameter groups and hyper-parameters with other kernel options
-        optimizer = torch.optim.AdamW(
-            [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups],
-            lr=optim_cfg.lr,
-            betas=(optim_cfg.beta1, optim_cfg.beta2),
-            eps=optim_cfg.eps,
-            **optim_kwargs,
-        )
     scheduler = build_scheduler(optimizer, 1_000_000, ScheduleSection(kind="constant", warmup_steps=0))
     params = [p for p in model.parameters()]
     max_norm = optim_cfg.grad_clip
@@ -238,7 +215,7 @@ def build_liandan(
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         # Trainer.train_step with one micro-batch, then Trainer.clip_gradients and the optimizer/scheduler steps.
         total = torch.zeros(())
-        with autocast(dtype), swap_lm_loss(loss_fn):
+        with autocast(dtype):
             loss = model(inputs, targets) / 1
         loss.backward()
         total += loss.detach()
@@ -248,22 +225,7 @@ def build_liandan(
         optimizer.zero_grad(set_to_none=True)
         return total
 
-    label = name or ("liandan (compile)" if compile else "liandan (eager)")
-    return Variant(label, "proposal" if name else "liandan", step, model)
-
-
-@contextlib.contextmanager
-def swap_lm_loss(fn: Callable | None):
-    """Run the model with `fn` in place of liandan.model.llama.lm_loss (the proposal of a compiled loss)."""
-    if fn is None:
-        yield
-        return
-    original = llama.lm_loss
-    llama.lm_loss = fn
-    try:
-        yield
-    finally:
-        llama.lm_loss = original
+    return Variant("liandan (compile)" if compile else "liandan (eager)", "liandan", step, model)
 
 
 def build_hf(args: ModelArgs, state: dict, dtype: torch.dtype) -> Variant:
@@ -372,13 +334,6 @@ def run_dtype(
         variants.append(build_hf(args, state, dtype))
     if "plain" in opts.impls:
         variants.append(build_plain(args, state, dtype))
-    if opts.proposals:
-        fused = {"fused": True}
-        variants += [
-            build_liandan(args, state, dtype, True, fused, name="proposal A: compile + fused AdamW"),
-            build_liandan(args, state, dtype, True, fused, compile_loss=True, name="proposal B: A + compiled lm_loss"),
-            build_liandan(args, state, dtype, False, fused, compile_model=True, name="proposal C: whole-model compile + fused AdamW"),
-        ]
 
     warm, timed = batches[: opts.warmup], batches[opts.warmup :]
     for v in variants:
@@ -437,12 +392,6 @@ def run_dtype(
     if liandan and best_peer:
         summary["ratio_vs_best_peer"] = liandan["tokens_per_s"] / best_peer["tokens_per_s"]
         summary["mfu"] = liandan["mfu"]
-    proposals = {k: r for k, r in rows.items() if r["family"] == "proposal"}
-    if proposals and best_peer:
-        name = max(proposals, key=lambda k: proposals[k]["tokens_per_s"])
-        summary["best_proposal"] = name
-        summary["best_proposal_ratio_vs_best_peer"] = proposals[name]["tokens_per_s"] / best_peer["tokens_per_s"]
-        summary["best_proposal_mfu"] = proposals[name]["mfu"]
     return summary
 
 
@@ -502,18 +451,6 @@ def report(results: dict, opts: argparse.Namespace) -> None:
             f"{100 * d['mfu']:.1f}%",
             "met" if d["mfu"] >= 0.4 else "not met",
         )
-    for d in results["dtypes"]:
-        if "best_proposal" in d:
-            summary.add_row(
-                f"{d['dtype']} ({d['best_proposal'].split(':')[0]})",
-                "",
-                f"{d['rows'][d['best_proposal']]['tokens_per_s']:,.0f}",
-                "",
-                f"{d['best_proposal_ratio_vs_best_peer']:.2f}x",
-                "(not in src)",
-                f"{100 * d['best_proposal_mfu']:.1f}%",
-                "(not in src)",
-            )
     if "overall" in results:
         o = results["overall"]
         summary.add_section()
@@ -541,7 +478,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     p.add_argument("--peak-sizes", default="1024,2048", help="square matmul sizes for the peak")
     p.add_argument("--peak-seconds", type=float, default=1.5, help="seconds per peak measurement")
-    p.add_argument("--proposals", action="store_true", help="also time proposed liandan changes (not in src)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write the results to this file")
     opts = p.parse_args(argv)

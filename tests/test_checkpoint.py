@@ -20,7 +20,7 @@ STEPS = 8
 def config(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     path = root / "tiny.toml"
-    cfg = tiny_config(root / "runs", write_corpus(root), f"--train.steps={STEPS}", "--checkpoint.every=4", "--run.name=")
+    cfg = tiny_config(root / "runs", write_corpus(root), f"--train.steps={STEPS}", "--checkpoint.every=4", "--run.name=", "--resilience.supervise=false")
     path.write_text(cfg.to_toml())
     return path
 

@@ -22,6 +22,7 @@ import re
 import shutil
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,9 +39,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from liandan.checkpoint.verify import CheckpointError, fsync_path, total_bytes, verify, write_manifest
-from liandan.resilience.faults import maybe_inject
+from liandan.faults import maybe_inject
 
 STEP_DIR = re.compile(r"^step-(\d{8})$")
+# DCP notes on every single-process save and load that it runs without a process group, which is intended.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 def step_dir_name(step: int) -> str:
@@ -157,6 +160,7 @@ class CheckpointManager:
                 shutil.rmtree(final)
             tmp.rename(final)
             fsync_path(self.root)
+            maybe_inject("saved", step, final)
         except BaseException as err:
             self._finalize_error = err
 

@@ -76,10 +76,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", action="store_true", help="list every key, its default and what it does")
     p.set_defaults(command=cmd_config)
 
+    p = sub.add_parser("incidents", help="the timeline of a run's failures, restarts and recoveries, and its goodput")
+    p.add_argument("run", help="a run directory")
+    p.set_defaults(command=cmd_incidents)
+
     from liandan.cli.checkpoints import add_commands
 
     add_commands(sub)
     return parser
+
+
+def cmd_incidents(args: argparse.Namespace, overrides: list[str]) -> int:
+    from liandan.resilience.incidents import timeline
+
+    lines = timeline(Path(args.run))
+    print("\n".join(lines) if lines else "no incidents")
+    return 0
 
 
 def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -96,7 +108,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     name = Path(args.config).stem
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
-    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+    external = "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ  # torchrun or srun started us
+    if cfg.resilience.supervise and not external and "LIANDAN_SUPERVISED" not in os.environ:
+        return _supervise(args.config, cfg, name, args.nproc, overrides)
+    if args.nproc > 1 and not external:
         return _launch(args.config, cfg, name, args.nproc, overrides)
     from liandan.train import Trainer
 
@@ -109,9 +124,19 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def _launch(config: str, cfg, name: str, nproc: int, overrides: list[str]) -> int:
-    """Check what can be checked here, then start `nproc` workers under torchrun with one agreed run name."""
-    from liandan.train.distributed import launch_local
+def _supervise(config: str, cfg, name: str, nproc: int, overrides: list[str]) -> int:
+    """Run the workers under the supervisor, which restarts them after crashes and hangs."""
+    from liandan.resilience.supervisor import Supervisor
+
+    _check_launch(cfg, nproc)
+    run_name = cfg.run.name or f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    worker = [sys.executable, "-m", "liandan.cli", "train", config, f"--nproc={nproc}", *overrides, f"--run.name={run_name}"]
+    run_dir = Path(cfg.run.output_dir) / run_name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return Supervisor(cfg, worker, run_dir, nproc=nproc).run()
+
+
+def _check_launch(cfg, nproc: int) -> None:
     from liandan.train.parallelize import resolve_layout
 
     try:
@@ -121,6 +146,13 @@ def _launch(config: str, cfg, name: str, nproc: int, overrides: list[str]) -> in
     for path in cfg.data.paths:
         if not Path(path).is_file():
             raise DataError(f"data file not found: {path}")
+
+
+def _launch(config: str, cfg, name: str, nproc: int, overrides: list[str]) -> int:
+    """Check what can be checked here, then start `nproc` workers under torchrun with one agreed run name."""
+    from liandan.train.distributed import launch_local
+
+    _check_launch(cfg, nproc)
     if not cfg.run.name:
         overrides = [*overrides, f"--run.name={name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"]
     code, message = launch_local(nproc, "liandan.cli", ["train", config, *overrides])
@@ -133,11 +165,14 @@ def _report(result) -> None:
     if int(os.environ.get("RANK", "0")) != 0:
         return
     s = result.summary
-    print(
-        f"done: {s['steps']} steps, {s['tokens']:,} tokens in {s['seconds']:.1f}s"
-        f" ({s['tokens_per_s']:,.0f} tokens/s); final loss {s['final_loss']:.4f}"
-        + (f", validation loss {s['val_loss']:.4f}" if s.get("val_loss") is not None else "")
-    )
+    if s.get("final_loss") is None:  # resumed from a checkpoint of the last step: nothing left to train
+        print(f"nothing to train: the run is complete at step {s.get('steps')}")
+    else:
+        print(
+            f"done: {s['steps']} steps, {s['tokens']:,} tokens in {s['seconds']:.1f}s"
+            f" ({s['tokens_per_s'] or 0:,.0f} tokens/s); final loss {s['final_loss']:.4f}"
+            + (f", validation loss {s['val_loss']:.4f}" if s.get("val_loss") is not None else "")
+        )
     print(f"run directory: {result.run_dir}")
 
 

@@ -1,1 +1,1 @@
-"""Resilience: surviving crashes, hangs and bad steps. Today: fault injection for testing recovery."""
+"""Resilience: the run supervisor (restarts after crashes and hangs), incidents and goodput."""

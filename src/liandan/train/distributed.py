@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from dataclasses import dataclass
@@ -110,9 +111,11 @@ def launch_local(nproc: int, module: str, args: list[str]) -> tuple[int, str | N
             return 0, None
         except ChildFailedError as failure:
             rank, info = failure.get_first_failure()
+            if os.environ.get("LIANDAN_FAILURE_FILE"):  # for the supervisor's incident record
+                Path(os.environ["LIANDAN_FAILURE_FILE"]).write_text(json.dumps({"rank": rank, "exitcode": info.exitcode}))
             reports = sorted(Path(errors).glob("rank-*.txt"))
-            if reports:
-                return info.exitcode, reports[0].read_text().strip()
+            if reports:  # a user error: exit 2 whichever rank torchrun saw end first
+                return 2, reports[0].read_text().strip()
             return 1, f"worker rank {rank} failed with exit code {info.exitcode}; its output is above"
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)

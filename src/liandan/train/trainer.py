@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +25,8 @@ from liandan.config import Config, ConfigError
 from liandan.data.loader import Batch, PackedLoader
 from liandan.data.prepare import open_prepared, prepare_tokens
 from liandan.model import ModelArgs, Transformer, count_params, flops_per_token
-from liandan.resilience.faults import maybe_inject
+from liandan.faults import maybe_inject
+from liandan.train.heartbeat import Heartbeat
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
 from liandan.train.hardware import device_peak_flops, peak_memory_bytes, resolve_dtype
@@ -76,6 +78,9 @@ class Trainer:
         self.run_dir, resuming = self._on_main_then_share(lambda: _make_run_dir(cfg, run_dir, config_name))
         self.say(f"run directory: {self.run_dir}")
         self.files = JsonlLogger(self.run_dir) if self.dist.is_main else NullLogger()
+        self.heartbeat = Heartbeat(self.run_dir / "heartbeat", self.dist.rank)
+        self.heartbeat.enable_stack_dumps()
+        self.heartbeat.beat(0, "startup")
 
         # Data: rank 0 tokenizes (or, resuming, reuses what it tokenized before); the others open it.
         data_dir = self.run_dir / "data"
@@ -156,14 +161,19 @@ class Trainer:
             for cb in self.callbacks:
                 cb.before_step(self, self.step)
             step_start = time.perf_counter()
+            self.heartbeat.beat(self.step, "data")
             batches = self.loader.next_step(self.micro_batch)
+            maybe_inject("data", self.step + 1)
+            self.heartbeat.beat(self.step, "forward_backward")
             loss = self.train_step(batches)
+            self.heartbeat.beat(self.step, "optimizer")
             grad_norm = self.clip_gradients()
             lr = self.scheduler.get_last_lr()[0]
             self.optimizer.step()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
+            self.heartbeat.beat(self.step, "step_end")
 
             if self.step % t.log_every == 0 or self.step == t.steps:
                 loss_value = self._mean_over_ranks(loss)
@@ -184,13 +194,17 @@ class Trainer:
                 if not math.isfinite(loss_value):
                     self.logger.log_event("nonfinite_loss", step=self.step, loss=str(loss_value))
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
+                self.heartbeat.beat(self.step, "eval")
                 result.val_loss = self.evaluate()
                 self.logger.log_event("eval", step=self.step, loss=result.val_loss)
             every = cfg.checkpoint.every
             if every and (self.step % every == 0 or self.step == t.steps):
+                self.heartbeat.beat(self.step, "checkpoint")
                 self.save_checkpoint()
             maybe_inject("step", self.step)
+        self.heartbeat.beat(self.step, "checkpoint")
         self.checkpoints.close()
+        self.heartbeat.beat(self.step, "done")
         result.seconds = time.perf_counter() - started
         result.tokens = (t.steps - first_step) * tokens_per_step
         self._finish(result)
@@ -278,6 +292,7 @@ class Trainer:
 
     def close(self) -> None:
         """Leave the process group; the trainer cannot step after this."""
+        self.heartbeat.close()
         shutdown_distributed()
 
     # -- helpers ------------------------------------------------------------------------------------------
@@ -371,13 +386,17 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
     run_dir = Path(run_dir)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     resumable = cfg.checkpoint.resume == "auto" and any(ckpt_root.glob("step-*/manifest.json"))
-    if (run_dir / "metrics.jsonl").exists() and not resumable and not cfg.run.overwrite:
+    # A supervised restart with nothing to resume from starts the run over.
+    overwrite = cfg.run.overwrite or int(os.environ.get("LIANDAN_ATTEMPT", "0")) > 0
+    if (run_dir / "metrics.jsonl").exists() and not resumable and not overwrite:
         raise ConfigError(
             f"run directory {run_dir} already holds a run with no checkpoint to resume from;"
             " choose another --run.name or pass --run.overwrite=true"
         )
-    if cfg.run.overwrite and not resumable:
-        for name in ("metrics.jsonl", "events.jsonl", "summary.json"):
+    if overwrite and not resumable:
+        # A restart keeps events.jsonl: the incidents that led to it are part of the run's history.
+        restarting = not cfg.run.overwrite
+        for name in ("metrics.jsonl", "summary.json") if restarting else ("metrics.jsonl", "events.jsonl", "summary.json"):
             (run_dir / name).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir, resumable

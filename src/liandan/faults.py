@@ -1,0 +1,71 @@
+"""Fault injection for tests of the recovery machinery: off unless $LIANDAN_FAULTS names faults.
+
+Format: comma-separated `ACTION@POINT:STEP[:RANK]`, for example
+    LIANDAN_FAULTS="kill@step:6"          SIGKILL every rank after optimizer step 6
+    LIANDAN_FAULTS="kill@save:4:0"        SIGKILL rank 0 while finalising the checkpoint of step 4
+    LIANDAN_FAULTS="hang@data:5:1"        rank 1 sleeps forever while loading the batch of step 5
+    LIANDAN_FAULTS="corrupt@saved:8"      flip a byte in a shard of the checkpoint of step 8 once it is complete
+    LIANDAN_FAULTS="enospc@save:4"        raise ENOSPC while writing the checkpoint of step 4
+
+Points: `data` (loading the batch of step STEP), `step` (after optimizer step STEP), `save` (a checkpoint's
+shards written, its manifest not yet), `saved` (a checkpoint complete; its path is passed along). Actions:
+`kill` (SIGKILL), `exit` (exit code 1 at once), `raise` (RuntimeError), `hang` (sleep forever), `enospc`
+(OSError ENOSPC), `corrupt` (flip one byte of a checkpoint shard; `saved` only).
+
+Real faults are transient: these fire in the first attempt of a supervised run only ($LIANDAN_ATTEMPT = 0 or
+unset). Faults in $LIANDAN_FAULTS_ALWAYS fire in every attempt, the way a deterministic bug would.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import threading
+from pathlib import Path
+
+ENV, ENV_ALWAYS = "LIANDAN_FAULTS", "LIANDAN_FAULTS_ALWAYS"
+
+
+def _parse(spec: str) -> list[tuple[str, str, int, int | None]]:
+    out = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        action, where = item.split("@", 1)
+        parts = where.split(":")
+        rank = int(parts[2]) if len(parts) > 2 else None
+        out.append((action, parts[0], int(parts[1]), rank))
+    return out
+
+
+def _active() -> list[tuple[str, str, int, int | None]]:
+    faults = _parse(os.environ.get(ENV_ALWAYS, ""))
+    if int(os.environ.get("LIANDAN_ATTEMPT", "0")) == 0:
+        faults += _parse(os.environ.get(ENV, ""))
+    return faults
+
+
+def maybe_inject(point: str, step: int, path: Path | None = None) -> None:
+    """Fire every configured fault that matches this point, step and rank."""
+    if ENV not in os.environ and ENV_ALWAYS not in os.environ:
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    for action, where, at_step, at_rank in _active():
+        if where != point or at_step != step or (at_rank is not None and at_rank != rank):
+            continue
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "exit":
+            os._exit(1)
+        elif action == "raise":
+            raise RuntimeError(f"injected fault at {point} {step} on rank {rank}")
+        elif action == "hang":
+            threading.Event().wait()  # forever; only a signal ends this process now
+        elif action == "enospc":
+            raise OSError(errno.ENOSPC, f"No space left on device (injected at {point} {step})")
+        elif action == "corrupt" and path is not None:
+            shard = sorted(Path(path).glob("*.distcp"))[0]
+            data = bytearray(shard.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            shard.write_bytes(bytes(data))
+        else:
+            raise ValueError(f"{ENV}: cannot do '{action}' at '{point}'")

@@ -1,0 +1,56 @@
+"""Heartbeats: every rank says, in a small file, which step and phase it is in, so a watchdog outside the
+process can tell a slow step from a hang and name the rank and the phase that stopped."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+PHASES = ("startup", "data", "forward_backward", "optimizer", "checkpoint", "eval", "done")
+
+
+class Heartbeat:
+    def __init__(self, directory: Path, rank: int):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self.path = self.directory / f"rank-{rank:05d}.json"
+        self.host = socket.gethostname()
+        self._stacks = None
+
+    def beat(self, step: int, phase: str) -> None:
+        record = {"rank": self.rank, "pid": os.getpid(), "host": self.host, "step": step, "phase": phase,
+                  "time": time.time()}  # fmt: skip
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.path)  # readers never see half a record
+
+    def enable_stack_dumps(self) -> Path:
+        """On SIGUSR1, write every thread's Python stack to stacks/rank-R.txt (for the hang watchdog)."""
+        stacks = self.directory / "stacks"
+        stacks.mkdir(exist_ok=True)
+        path = stacks / f"rank-{self.rank:05d}.txt"
+        self._stacks = open(path, "w")
+        faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True, chain=False)
+        return path
+
+    def close(self) -> None:
+        if self._stacks is not None:
+            faulthandler.unregister(signal.SIGUSR1)
+            self._stacks.close()
+            self._stacks = None
+
+
+def read_heartbeats(directory: Path) -> list[dict]:
+    out = []
+    for path in sorted(Path(directory).glob("rank-*.json")):
+        try:
+            out.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue  # being replaced right now
+    return out
