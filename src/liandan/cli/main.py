@@ -80,9 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="a run directory")
     p.set_defaults(command=cmd_incidents)
 
-    from liandan.cli.checkpoints import add_commands
+    from liandan.cli import checkpoints, fit_cmd, forecast_cmd, plan_cmd
 
-    add_commands(sub)
+    for module in (checkpoints, plan_cmd, fit_cmd, forecast_cmd):
+        module.add_commands(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""Foresight: FLOP and memory planning, scaling-law fits, compute-optimal plans, loss forecasts, sweeps."""
