@@ -24,12 +24,12 @@ from liandan.checkpoint.manager import CheckpointManager
 from liandan.config import Config, ConfigError
 from liandan.data.loader import Batch, PackedLoader
 from liandan.data.prepare import open_prepared, prepare_tokens
-from liandan.model import ModelArgs, Transformer, count_params, flops_per_token
 from liandan.faults import maybe_inject
-from liandan.train.heartbeat import Heartbeat
+from liandan.model import ModelArgs, Transformer, count_params, flops_per_token
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
 from liandan.train.hardware import device_peak_flops, peak_memory_bytes, resolve_dtype
+from liandan.train.heartbeat import Heartbeat
 from liandan.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from liandan.train.parallelize import build_mesh, dp_coordinates, gradient_sync, parallelize, resolve_layout, uses_fsdp
 
