@@ -1,5 +1,187 @@
-"""Command-line commands (registered by liandan.cli.main)."""
+"""`liandan forecast`: the final loss of a run in progress, from its partial curve and its known schedule."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from liandan.config import ConfigError
+
+WORSE_EXIT = 3
 
 
 def add_commands(sub) -> None:
-    """Register this module's subcommands on the `liandan` subparsers object."""
+    p = sub.add_parser(
+        "forecast",
+        help="forecast a run's final loss from its partial loss curve (learning-rate-annealing scaling law)",
+        description=(
+            "Forecast the final training loss of RUN from the loss records so far and the learning-rate"
+            " schedule in its config.toml. --backtest replays finished runs instead, forecasting from the"
+            " first 10/20/50% of their steps."
+        ),
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directory (with --backtest: one or more finished runs)")
+    p.add_argument("--reference", metavar="RUN2", help="flag RUN when its forecast is worse than this run's final loss")
+    p.add_argument("--fail-if-worse", action="store_true", help="exit 3 when RUN is forecast worse than --reference")
+    p.add_argument("--upto", type=int, metavar="STEP", help="use only the records up to STEP")
+    p.add_argument("--backtest", action="store_true", help="replay finished runs from a share of their steps")
+    p.add_argument(
+        "--fractions", default="0.1,0.2,0.5", metavar="F,F,...", help="shares of the steps a backtest forecasts from"
+    )
+    p.add_argument("--confidence", type=float, default=0.8, help="coverage of the interval (default 0.8)")
+    p.add_argument("--samples", type=int, default=48, help="bootstrap refits behind the interval (default 48)")
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    p.set_defaults(command=cmd_forecast)
+
+
+def cmd_forecast(args: argparse.Namespace, overrides: list[str]) -> int:
+    if overrides:
+        raise ConfigError(f"forecast takes no config overrides (got {overrides[0]})")
+    if not 0.0 < args.confidence < 1.0:
+        raise ConfigError(f"--confidence = {args.confidence} must lie between 0 and 1")
+    if args.samples < 0:
+        raise ConfigError(f"--samples = {args.samples} must not be negative")
+    options = {"confidence": args.confidence, "samples": args.samples}
+    if args.backtest:
+        if args.reference or args.fail_if_worse or args.upto is not None:
+            raise ConfigError("--backtest takes only runs, --fractions, --confidence and --samples")
+        return _backtest(args, options)
+    if len(args.runs) != 1:
+        raise ConfigError(f"forecast takes one run (got {len(args.runs)}); use --backtest to replay several")
+    if args.fail_if_worse and not args.reference:
+        raise ConfigError("--fail-if-worse needs --reference RUN2")
+    return _forecast(args, options)
+
+
+def _forecast(args: argparse.Namespace, options: dict) -> int:
+    from liandan.plan.forecast import forecast_run, measured_final_loss, read_run
+
+    run = Path(args.runs[0])
+    f = forecast_run(run, upto_step=args.upto, **options)
+    reference = None
+    if args.reference:
+        ref = read_run(args.reference)
+        if ref.finished:
+            reference = ("final loss", measured_final_loss(ref.steps, ref.losses))
+        else:
+            reference = ("forecast final loss", forecast_run(args.reference, **options).final_loss)
+    worse = reference is not None and f.final_loss > reference[1]
+    if args.json:
+        import json
+
+        out = {"run": str(run), **f.to_dict()}
+        if reference:
+            out.update(reference=str(args.reference), reference_loss=reference[1], worse=worse)
+        print(json.dumps(out, indent=2))
+    else:
+        pct = round(100 * f.confidence)
+        print(f"run {run}: step {f.observed_step} of {f.total_steps} ({100 * f.observed_fraction:.0f}% observed)")
+        print(f"forecast final loss  {f.final_loss:.4f}   {pct}% interval [{f.low:.4f}, {f.high:.4f}]")
+        print(f"  fitted loss now {f.current_loss:.4f}; " + _annealing_note(f))
+        print(f"  schedule-free power law: {f.power_law:.4f} [{f.power_low:.4f}, {f.power_high:.4f}]")
+        if reference:
+            what, value = reference
+            if worse:
+                sure = "the whole interval lies above it" if f.low > value else "within the interval"
+                print(
+                    f"WORSE than reference {args.reference} ({what} {value:.4f}): +{f.final_loss - value:.4f}, {sure}"
+                )
+            else:
+                sure = "the whole interval lies below it" if f.high < value else "within the interval"
+                print(
+                    f"not worse than reference {args.reference} ({what} {value:.4f}): {f.final_loss - value:+.4f}, {sure}"
+                )
+    return WORSE_EXIT if worse and args.fail_if_worse else 0
+
+
+def _annealing_note(f) -> str:
+    if f.fit.C == 0.0:
+        return "constant learning rate: no annealing term"
+    if f.annealing_seen < 0.2:
+        return f"annealing {100 * f.annealing_seen:.0f}% seen: its effect comes mostly from the prior"
+    return f"annealing {100 * f.annealing_seen:.0f}% seen"
+
+
+def _backtest(args: argparse.Namespace, options: dict) -> int:
+    from liandan.plan.forecast import backtest
+
+    try:
+        fractions = [float(x) for x in args.fractions.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"--fractions = {args.fractions!r} must be numbers separated by commas") from None
+    if not fractions or not all(0.0 < x <= 1.0 for x in fractions):
+        raise ConfigError(f"--fractions = {args.fractions!r} must be shares in (0, 1]")
+    rows = backtest(args.runs, fractions, **options)
+    if args.json:
+        import json
+
+        print(json.dumps([_row_dict(r) for r in rows], indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    pct = round(100 * options["confidence"])
+    table = Table(title="forecast backtest: final training loss forecast from the start of finished runs")
+    for name, justify in [
+        ("run", "left"),
+        ("schedule", "left"),
+        ("seen", "right"),
+        ("from step", "right"),
+        ("forecast", "right"),
+        (f"{pct}% interval", "right"),
+        ("actual", "right"),
+        ("error", "right"),
+        ("in interval", "center"),
+        ("power law", "right"),
+        ("power error", "right"),
+    ]:
+        table.add_column(name, justify=justify)
+    for r in rows:
+        f = r.forecast
+        head = [Path(r.run).name, r.schedule, f"{100 * r.fraction:.0f}%", f"{r.upto_step}/{r.total_steps}"]
+        if f is None:
+            table.add_row(*head, "-", r.note, f"{r.actual:.4f}", "-", "-", "-", "-")
+            continue
+        table.add_row(
+            *head,
+            f"{f.final_loss:.4f}",
+            f"[{f.low:.4f}, {f.high:.4f}]",
+            f"{r.actual:.4f}",
+            f"{100 * r.error:+.2f}%",
+            "yes" if r.covered else "no",
+            f"{f.power_law:.4f}",
+            f"{100 * r.power_error:+.2f}%",
+        )
+    console = Console(width=160, highlight=False)
+    console.print(table)
+    for fraction in dict.fromkeys(r.fraction for r in rows):
+        done = [r for r in rows if r.fraction == fraction and r.forecast is not None]
+        if not done:
+            continue
+        mean = sum(abs(r.error) for r in done) / len(done)
+        worst = max(abs(r.error) for r in done)
+        power = sum(abs(r.power_error) for r in done) / len(done)
+        inside = sum(bool(r.covered) for r in done)
+        console.print(
+            f"from {100 * fraction:.0f}% of the steps: mean |error| {100 * mean:.2f}% (worst {100 * worst:.2f}%),"
+            f" {inside}/{len(done)} in the interval; power law mean |error| {100 * power:.2f}%"
+        )
+    return 0
+
+
+def _row_dict(r) -> dict:
+    out = {
+        "run": r.run,
+        "schedule": r.schedule,
+        "fraction": r.fraction,
+        "upto_step": r.upto_step,
+        "total_steps": r.total_steps,
+        "actual": r.actual,
+        "error": r.error,
+        "power_error": r.power_error,
+        "covered": r.covered,
+        "note": r.note,
+    }
+    if r.forecast is not None:
+        out.update(r.forecast.to_dict())
+    return out

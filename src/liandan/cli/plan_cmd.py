@@ -1,5 +1,259 @@
-"""Command-line commands (registered by liandan.cli.main)."""
+"""`liandan plan CONFIG`: parameters, FLOPs, memory per device, the smallest layout that fits, time and cost."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from liandan.config import ConfigError, load_config
 
 
 def add_commands(sub) -> None:
     """Register this module's subcommands on the `liandan` subparsers object."""
+    p = sub.add_parser(
+        "plan",
+        help="parameters, FLOPs, memory per device, the smallest layout that fits, run time and cost",
+        description="Plan a run from its config alone: no data, no weights, no devices. Numbers are estimates;"
+        " docs/planning.md says how they are made and how far they were off on measured runs.",
+    )
+    p.add_argument("config", help="run config (TOML), e.g. configs/llama-8b.toml")
+    p.add_argument(
+        "--nproc",
+        default=None,
+        help="devices (processes) to plan for; default: the fewest the config's [parallel] admits",
+    )
+    p.add_argument(
+        "--device", default="h100", help="accelerator: h100, h200, a100, a100-40gb, b200, mi300x, ... (default h100)"
+    )
+    p.add_argument("--device-memory-gib", default=None, help="memory per device in GiB, instead of the device table's")
+    p.add_argument(
+        "--headroom",
+        default="0.1",
+        help="share of device memory kept free for the CUDA context, NCCL and fragmentation (default 0.1)",
+    )
+    p.add_argument("--mfu", default="0.4", help="assumed model FLOPs utilisation for the time estimate (default 0.4)")
+    p.add_argument("--price-per-device-hour", default=None, help="price of one device-hour, for a cost estimate")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(command=cmd_plan)
+
+
+def _number(flag: str, text: str | None, kind: type = float):
+    if text is None:
+        return None
+    try:
+        return kind(text)
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ConfigError(f"{flag} = {text!r} must be {what}") from None
+
+
+def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
+    nproc = _number("--nproc", args.nproc, int)
+    memory_gib = _number("--device-memory-gib", args.device_memory_gib)
+    headroom = _number("--headroom", args.headroom)
+    mfu = _number("--mfu", args.mfu)
+    price = _number("--price-per-device-hour", args.price_per_device_hour)
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc = {nproc} must be at least 1")
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"--mfu = {mfu:g} must be in (0, 1]")
+    if price is not None and price < 0:
+        raise ConfigError(f"--price-per-device-hour = {price:g} must not be negative")
+
+    from liandan.plan.devices import resolve_device
+    from liandan.plan.memory import plan_config
+
+    device = resolve_device(args.device, memory_gib)
+    cfg = load_config(args.config, overrides)
+    plan = plan_config(cfg, device, nproc=nproc, mfu=mfu, price_per_device_hour=price, headroom=headroom)
+    if args.json:
+        print(json.dumps(_jsonable(plan), indent=2))
+    else:
+        print_plan(plan, cfg, args.config)
+    return 0
+
+
+def _jsonable(plan) -> dict:
+    out = dataclasses.asdict(plan)
+    m = plan.memory
+    out["memory"]["total"] = m.total
+    out["memory"]["activations"]["total"] = m.activations.total
+    out["memory"]["states"]["total"] = m.states.total
+    out["memory"]["layout"]["kind"] = m.layout.kind
+    if plan.smallest is not None:
+        out["smallest"]["estimate"]["total"] = plan.smallest.estimate.total
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# printing
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale or unit == "KiB":
+            return f"{n / scale:,.2f} {unit}"
+    return f"{n:.0f} B"  # pragma: no cover
+
+
+def _count(n: float) -> str:
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{suffix}"
+    return f"{n:.0f}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 2 * 86400:
+        return f"{seconds / 86400:,.1f} days"
+    if seconds >= 2 * 3600:
+        return f"{seconds / 3600:,.1f} hours"
+    if seconds >= 120:
+        return f"{seconds / 60:,.1f} minutes"
+    return f"{seconds:,.1f} seconds"
+
+
+def _ac_word(mode: str) -> str:
+    return {"none": "no recomputation", "selective": "selective recomputation", "full": "full recomputation"}[mode]
+
+
+def print_plan(plan, cfg, config_path: str) -> None:
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from liandan.plan.memory import GIB, usable_bytes
+
+    console = Console(width=None if sys.stdout.isatty() else 110, highlight=False)
+    m, a, p, d, t = plan.memory, plan.model, plan.params, plan.device, cfg.train
+    usable = usable_bytes(d.memory_gib, plan.headroom)
+
+    console.print(
+        f"[bold]plan[/bold] {config_path}: {plan.nproc} x {d.name} ({d.memory_gib:g} GiB,"
+        f" dense bf16 peak {d.peak_tflops_bf16:g} TFLOP/s)"
+    )
+
+    console.print("\n[bold]Model and FLOPs[/bold]")
+    table = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
+    table.add_column("")
+    table.add_column("", justify="right")
+    table.add_column("")
+    table.add_row("parameters", f"{p.total:,}", _count(p.total))
+    table.add_row(
+        "  embedding", f"{p.embedding:,}", _count(p.embedding) + (" (tied with the head)" if a.tie_embeddings else "")
+    )
+    table.add_row("  non-embedding", f"{p.non_embedding:,}", _count(p.non_embedding))
+    f = plan.flops
+    attn = 12.0 * a.n_layers * a.n_heads * a.head_dim * t.seq_len
+    table.add_row(
+        "FLOPs per token", f"{f.per_token:.3e}", f"PaLM 6N + 12·L·H·Q·T = {f.per_token - attn:.3e} + {attn:.3e}"
+    )
+    table.add_row("tokens", f"{f.tokens:.3e}", f"{t.steps:,} steps x {t.global_batch:,} sequences x {t.seq_len:,}")
+    table.add_row("FLOPs for the run", f"{f.total:.3e}", f"6ND alone: {f.six_nd:.3e}")
+    console.print(table)
+
+    title = (
+        f"Memory per device: {m.layout}, micro-batch {m.micro_batch} x {m.seq_len} tokens, {m.dtype},"
+        f" {_ac_word(m.activation_checkpoint)}"
+    )
+    console.print(f"\n[bold]{title}[/bold]")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("part")
+    table.add_column("size", justify="right")
+    table.add_column("how")
+    shard = {"fsdp": f"sharded over dp_shard={m.layout.dp_shard}", "ddp": "replicated", "single": "whole"}[m.sharding]
+    tp_note = f", /tp={m.layout.tp}" if m.layout.tp > 1 else ""
+    table.add_row(
+        "parameters", _size(m.states.params), f"fp32, {_count(m.params_per_device)} per device ({shard}{tp_note})"
+    )
+    table.add_row("gradients", _size(m.states.grads), "fp32")
+    table.add_row("optimizer", _size(m.states.optimizer), "fp32 Adam m and v")
+    table.add_row("transient", _size(m.transient), m.transient_what)
+    acts = m.activations
+    table.add_row(
+        "activations",
+        _size(acts.layers),
+        f"{a.n_layers} layers x {_size(acts.per_layer)} ({acts.formula}, {m.attention} attention)",
+    )
+    if acts.recompute:
+        table.add_row("recomputed layer", _size(acts.recompute), "one block rebuilt at a time in backward")
+    if acts.masks:
+        table.add_row("attention masks", _size(acts.masks), "dense (b, 1, s, s) document masks kept by SDPA")
+    table.add_row(
+        "head and loss", _size(acts.head), f"fp32 logits, log-softmax, gradient ({20 if a.z_loss else 12} B per logit)"
+    )
+    verdict = "fits" if plan.fits else "[bold red]does NOT fit[/bold red]"
+    table.add_row(
+        "[bold]total[/bold]", f"[bold]{_size(m.total)}[/bold]",
+        f"{verdict} in {usable / GIB:,.1f} of {d.memory_gib:g} GiB ({plan.headroom:.0%} headroom)",
+    )  # fmt: skip
+    console.print(table)
+
+    title = (
+        f"ZeRO paper accounting: Ψ = {_count(m.params_per_rank)} parameters per tensor-parallel rank,"
+        f" Nd = {m.layout.dp_size}, {'2 + 2 + 12' if m.dtype == 'bf16' else '4 + 4 + 8'} bytes per parameter"
+    )
+    console.print(f"\n[bold]{title}[/bold]")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("stage", "shards", "parameters", "gradients", "optimizer", "total"):
+        table.add_column(col, justify="left" if col in ("stage", "shards") else "right")
+    for z in m.zero:
+        s = z.states
+        table.add_row(z.name, z.sharded, _size(s.params), _size(s.grads), _size(s.optimizer), _size(s.total))
+    s = m.states
+    table.add_row(
+        f"liandan ({m.sharding})", "fp32 states" + (", all sharded" if m.sharding == "fsdp" else ""),
+        _size(s.params), _size(s.grads), _size(s.optimizer), _size(s.total), style="bold",
+    )  # fmt: skip
+    console.print(table)
+
+    title = (
+        f"Activations per layer (Korthikanti et al. 2022): s={t.seq_len}, b={m.micro_batch}, h={a.dim},"
+        f" a={a.n_heads}, t={m.layout.tp}, {m.dtype}"
+    )
+    console.print(f"\n[bold]{title}[/bold]")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("recomputation", "parallel", "formula", "paper", f"{m.attention} attention", ""):
+        table.add_column(col, justify="right" if col not in ("recomputation", "parallel", "formula", "") else "left")
+    for v in plan.variants:
+        table.add_row(
+            v.checkpoint,
+            v.parallel,
+            v.formula,
+            _size(v.paper_bytes),
+            _size(v.kernel_bytes),
+            "<- this run" if v.used else "",
+        )
+    console.print(table)
+    if m.layout.tp > 1:
+        console.print("  (sequence parallelism is not in liandan yet: its rows show what it would save)")
+
+    fit = plan.smallest
+    if fit is None:
+        console.print(
+            f"\n[bold red]No layout fits[/bold red] {d.name} ({usable / GIB:,.1f} GiB usable) at this micro-batch."
+        )
+    else:
+        console.print(
+            f"\n[bold]Smallest layout that fits[/bold] {d.name} ({usable / GIB:,.1f} GiB usable):"
+            f" --nproc {fit.nproc}, {fit.layout}, {_ac_word(fit.activation_checkpoint)},"
+            f" micro-batch {fit.micro_batch}: {_size(fit.estimate.total)} per device"
+        )
+
+    r = plan.time
+    peak = r.peak_flops_per_device / 1e12
+    title = f"Time and cost: {r.nproc} x {d.name} at MFU {r.mfu:.2f} of {peak:g} TFLOP/s ({m.dtype})"
+    console.print(f"\n[bold]{title}[/bold]")
+    table = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
+    table.add_column("")
+    table.add_column("", justify="right")
+    table.add_row("tokens per second", f"{f.tokens / r.seconds:,.0f}")
+    table.add_row("wall clock", _duration(r.seconds))
+    table.add_row("device-hours", f"{r.device_hours:,.0f}" if r.device_hours >= 100 else f"{r.device_hours:.3g}")
+    if r.cost is not None:
+        table.add_row(
+            "cost", f"{r.cost:,.0f} (at {r.cost / r.device_hours if r.device_hours else 0:g} per device-hour)"
+        )
+    console.print(table)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -86,9 +87,10 @@ class Supervisor:
             stale.unlink(missing_ok=True)
         env = dict(os.environ, LIANDAN_SUPERVISED="1", LIANDAN_ATTEMPT=str(number), PYTHONUNBUFFERED="1",
                    LIANDAN_FAILURE_FILE=str(self.logs / "failure.json"))  # fmt: skip
-        env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a dead peer fails the collective, not hangs
-        env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")  # NCCL flight recorder for hang forensics
-        env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        if shutil.which("nvidia-smi"):  # NCCL settings, only where NCCL can run
+            env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a dead peer fails the collective, not hangs
+            env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the NCCL flight recorder, for hang forensics
+            env.setdefault("TORCH_FR_DUMP_ON_TIMEOUT", "1")
         attempt = Attempt(number, time.time())
         log = self._log = open(self.logs / f"attempt-{number}.log", "w")
         self.proc = subprocess.Popen(
@@ -129,7 +131,9 @@ class Supervisor:
                         self.step_seconds.append(now - last_step_time)
                     top_step, last_step_time = step, now
                     self._note_recovery(step)
-            if now - last_change > self.hang_timeout(started=top_step >= 0 and bool(self.step_seconds)):
+            finishing = bool(beats) and all(b["phase"] == "done" for b in beats)
+            started = top_step >= 0 and bool(self.step_seconds) and not finishing  # shutdown may take a while
+            if now - last_change > self.hang_timeout(started=started):
                 attempt.hang = True
                 self._handle_hang(attempt, beats, now - last_change)
                 break
@@ -165,10 +169,12 @@ class Supervisor:
         attempt.stacks = {b["rank"]: _read(stacks_dir / f"rank-{b['rank']:05d}.txt") for b in beats}
         attempt.stalled = stalled
         attempt.beats = beats
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # torchrun starts each worker in a session of its own: end every group, not only the launcher's.
+        for pgid in {self.proc.pid, *(b["pid"] for b in beats)}:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
     def _record_failure(self, attempt: Attempt) -> dict:
         beats = getattr(attempt, "beats", None) or read_heartbeats(self.heartbeat_dir)
