@@ -324,7 +324,7 @@ def test_cli_json_overrides_and_a_layout_that_does_not_fit(capsys):
 # run and subtracted.
 
 M_MMAP_THRESHOLD = -3
-TOLERANCE = 0.25  # measured: within 15% (docs/planning.md)
+TOLERANCE = 0.35  # measured: within 15% on a quiet machine, up to 29% under a loaded CI run (docs/planning.md)
 STATES = ["--model.n_layers=4", "--model.max_seq_len=32", "--train.seq_len=32", "--train.global_batch=1"]
 ACTIVATIONS = ["--model.dim=64", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=4",
                "--model.max_seq_len=128", "--train.seq_len=128", "--train.global_batch=16"]  # fmt: skip

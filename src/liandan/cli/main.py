@@ -27,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.command(args, overrides)
     except USER_ERRORS as err:
         _error(str(err))
+        _leave_process_group()  # a worker that exits inside a live gloo group aborts noisily
         return 2
     except OSError as err:  # full disk, permissions, unreadable files: the user's environment, not a bug
         _error(f"{err.strerror or err}: {err.filename}" if err.filename else str(err))
@@ -34,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _error(message: str) -> None:
