@@ -151,6 +151,12 @@ class Config:
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
 
+    def run_name(self, config_name: str) -> str:
+        """`run.name`, or `<config name>-<timestamp>` when it is empty."""
+        from datetime import datetime
+
+        return self.run.name or f"{config_name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
     def to_toml(self) -> str:
         import tomli_w
 

@@ -228,14 +228,8 @@ class CheckpointManager:
         """The newest checkpoint that verifies; failures are reported as events. Rank 0 decides for all."""
         box: list[Any] = [None]
         if self.rank == 0:
-            for path in reversed(self.complete_checkpoints()):
-                try:
-                    verify(path, checksums=self.verify_on_load)
-                except CheckpointError as err:
-                    self.on_event("checkpoint_rejected", path=str(path), error=str(err))
-                    continue
-                box[0] = str(path)
-                break
+            found = newest_verified(self.root, self.verify_on_load, self.on_event)
+            box[0] = str(found) if found else None
         if self.distributed:
             dist.broadcast_object_list(box, src=0, group=self.group)
         return Path(box[0]) if box[0] else None
@@ -277,6 +271,20 @@ class CheckpointManager:
         for path in deleted:
             shutil.rmtree(path, ignore_errors=True)
         return deleted
+
+
+def newest_verified(root: Path, checksums: bool = True, on_event=None) -> Path | None:
+    """The newest complete checkpoint under `root` that verifies; each one that fails is reported."""
+    complete = sorted(p for p in Path(root).glob("step-*") if STEP_DIR.match(p.name) and (p / "manifest.json").is_file())
+    for path in reversed(complete):
+        try:
+            verify(path, checksums=checksums)
+        except CheckpointError as err:
+            if on_event:
+                on_event("checkpoint_rejected", path=str(path), error=str(err))
+            continue
+        return path
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------

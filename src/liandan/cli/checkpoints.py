@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 from datetime import datetime, timezone
@@ -107,7 +108,7 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     model = Transformer(model_args)
     model.load_state_dict(state, strict=True)
     manager = CheckpointManager(out.parent / f".{out.name}-staging", async_save=False)
-    meta = {"format": "liandan-checkpoint", "tokens": 0, "layout": "imported", "model_args": _asdict(model_args),
+    meta = {"format": "liandan-checkpoint", "tokens": 0, "layout": "imported", "model_args": dataclasses.asdict(model_args),
             "imported_from": str(source.resolve())}  # fmt: skip
     manager.save(0, model, None, meta)
     saved = manager.root / "step-00000000"
@@ -122,9 +123,3 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"imported {source} into {out}: train with --checkpoint.init_from={out}"
           + (f" --data.tokenizer={out / 'tokenizer.json'}" if (out / "tokenizer.json").is_file() else ""))
     return 0
-
-
-def _asdict(args) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(args)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from datetime import datetime
 from pathlib import Path
 
 from liandan import __version__
@@ -88,9 +87,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="a run directory")
     p.set_defaults(command=cmd_incidents)
 
-    from liandan.cli import checkpoints, fit_cmd, forecast_cmd, plan_cmd
+    from liandan.cli import checkpoints, data_cmd, fit_cmd, forecast_cmd, plan_cmd, sweep_cmd
 
-    for module in (checkpoints, plan_cmd, fit_cmd, forecast_cmd):
+    for module in (data_cmd, checkpoints, plan_cmd, fit_cmd, forecast_cmd, sweep_cmd):
         module.add_commands(sub)
     return parser
 
@@ -138,7 +137,7 @@ def _supervise(config: str, cfg, name: str, nproc: int, overrides: list[str]) ->
     from liandan.resilience.supervisor import Supervisor
 
     _check_launch(cfg, nproc)
-    run_name = cfg.run.name or f"{name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    run_name = cfg.run_name(name)
     worker = [sys.executable, "-m", "liandan.cli", "train", config, f"--nproc={nproc}", *overrides, f"--run.name={run_name}"]
     run_dir = Path(cfg.run.output_dir) / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -163,7 +162,7 @@ def _launch(config: str, cfg, name: str, nproc: int, overrides: list[str]) -> in
 
     _check_launch(cfg, nproc)
     if not cfg.run.name:
-        overrides = [*overrides, f"--run.name={name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"]
+        overrides = [*overrides, f"--run.name={cfg.run_name(name)}"]
     code, message = launch_local(nproc, "liandan.cli", ["train", config, *overrides])
     if message:
         _error(message)

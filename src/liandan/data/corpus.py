@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 class DataError(ValueError):
@@ -24,6 +25,8 @@ class Document:
     source: str
     doc_id: str
     text: str
+    # What the pipeline learned about the document on the way (language, scores, ...): JSON-serializable.
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from liandan.config import Config
+from liandan.track.logger import read_metrics
 from liandan.train.heartbeat import read_heartbeats
 
 POLL_S = 0.2
@@ -226,7 +227,7 @@ class Supervisor:
 
     def _finish(self, started: float, restarts: int, gave_up: str | None) -> None:
         wall = time.time() - started
-        kept = sum(r.get("step_time_s", 0.0) for r in _metrics(self.run_dir))
+        kept = sum(r.get("step_time_s", 0.0) for r in read_metrics(self.run_dir))
         goodput = kept / wall if wall else 0.0
         summary_path = self.run_dir / "summary.json"
         summary = _read_json(summary_path)
@@ -261,32 +262,18 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _latest_complete_step(root: Path, cfg: Config) -> int:
     """The step the next attempt resumes from: the newest checkpoint that verifies, as the workers will
     find it (0 when none does)."""
-    from liandan.checkpoint.verify import CheckpointError, verify
+    from liandan.checkpoint.manager import newest_verified
 
-    root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else root
-    candidates = sorted((p for p in root.glob("step-*") if p.name[5:].isdigit()), reverse=True)
-    for path in candidates:
-        try:
-            verify(path, checksums=cfg.checkpoint.verify)
-        except CheckpointError:
-            continue
-        return int(path.name[5:])
-    return 0
+    found = newest_verified(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else root, cfg.checkpoint.verify)
+    return int(found.name[5:]) if found else 0
 
 
 def _seconds_since_step(run_dir: Path, step: int) -> float:
     """Wall time from the end of `step` (the checkpoint resumed from) to now: work that is redone."""
-    records = _metrics(run_dir)
+    records = read_metrics(run_dir)
     times = [r["time"] for r in records if r["step"] == step]
     start = times[-1] if times else (records[0]["time"] - records[0].get("step_time_s", 0) if records else time.time())
     return time.time() - start

@@ -12,7 +12,6 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -381,8 +380,7 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
     """(run directory, whether it holds checkpoints to resume from). A directory with an earlier run and
     nothing to resume from is refused unless `run.overwrite` is set."""
     if run_dir is None:
-        name = cfg.run.name or f"{config_name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
-        run_dir = Path(cfg.run.output_dir) / name
+        run_dir = Path(cfg.run.output_dir) / cfg.run_name(config_name)
     run_dir = Path(run_dir)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     resumable = cfg.checkpoint.resume == "auto" and any(ckpt_root.glob("step-*/manifest.json"))

@@ -1,0 +1,146 @@
+"""The small base of every pipeline step: a stream of documents in, a stream out, with counts and the reason
+for every document dropped.
+
+A `Filter` answers "why drop this?" (a short reason, or None to keep); a `Transform` rewrites a document and
+counts what it changed. Steps are registered by name so a pipeline TOML can list them:
+
+    [[steps]]
+    name = "gopher_quality"
+    min_words = 50
+
+Every dropped document is handed to `on_drop` (the pipeline writes them to a rejects file), so nothing
+vanishes without a record.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from liandan.config import ConfigError
+from liandan.data.corpus import Document
+
+
+@dataclass
+class StepStats:
+    name: str
+    documents_in: int = 0
+    documents_out: int = 0
+    dropped: Counter = field(default_factory=Counter)  # reason -> documents
+    changed: Counter = field(default_factory=Counter)  # what a transform changed -> documents
+
+    def merge(self, other: StepStats) -> StepStats:
+        self.documents_in += other.documents_in
+        self.documents_out += other.documents_out
+        self.dropped.update(other.dropped)
+        self.changed.update(other.changed)
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "documents_in": self.documents_in,
+            "documents_out": self.documents_out,
+            "dropped": dict(sorted(self.dropped.items())),
+            "changed": dict(sorted(self.changed.items())),
+        }
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> StepStats:
+        return cls(
+            raw["name"], raw["documents_in"], raw["documents_out"], Counter(raw["dropped"]), Counter(raw["changed"])
+        )
+
+    def summary(self) -> str:
+        drops = ", ".join(f"{n} {why}" for why, n in self.dropped.most_common()) or "none dropped"
+        return f"{self.name}: {self.documents_in} in, {self.documents_out} out ({drops})"
+
+
+DropHandler = Callable[[Document, str, str], None]  # (document, step name, reason)
+
+
+class Step:
+    """Base of all steps. Subclasses set `name` and implement `apply`."""
+
+    name: ClassVar[str] = "step"
+
+    def __init__(self) -> None:
+        self.stats = StepStats(self.name)
+        self.on_drop: DropHandler | None = None
+
+    def apply(self, doc: Document) -> Document | None:
+        """The document to pass on, or None after calling `self.drop(doc, reason)`."""
+        raise NotImplementedError
+
+    def drop(self, doc: Document, reason: str) -> None:
+        self.stats.dropped[reason] += 1
+        if self.on_drop is not None:
+            self.on_drop(doc, self.name, reason)
+
+    def __call__(self, docs: Iterable[Document]) -> Iterator[Document]:
+        for doc in docs:
+            self.stats.documents_in += 1
+            out = self.apply(doc)
+            if out is not None:
+                self.stats.documents_out += 1
+                yield out
+
+
+class Filter(Step):
+    """Keeps or drops each document; `check` says why it should go."""
+
+    def check(self, doc: Document) -> str | None:
+        raise NotImplementedError
+
+    def apply(self, doc: Document) -> Document | None:
+        reason = self.check(doc)
+        if reason is None:
+            return doc
+        self.drop(doc, reason)
+        return None
+
+
+class Transform(Step):
+    """Rewrites each document; records what it changed with `self.stats.changed[what] += 1`."""
+
+    def transform(self, doc: Document) -> Document:
+        raise NotImplementedError
+
+    def apply(self, doc: Document) -> Document | None:
+        out = self.transform(doc)
+        if not out.text.strip():
+            self.drop(out, "empty after " + self.name)
+            return None
+        return out
+
+
+STEPS: dict[str, type[Step]] = {}
+
+
+def register(cls: type[Step]) -> type[Step]:
+    """Class decorator: make a step available to pipeline configs under `cls.name`."""
+    if cls.name in STEPS and STEPS[cls.name] is not cls:
+        raise ValueError(f"two pipeline steps are named '{cls.name}'")
+    STEPS[cls.name] = cls
+    return cls
+
+
+def build_step(spec: dict[str, Any]) -> Step:
+    """A step from its config table: `name` picks the class, the other keys are its keyword arguments."""
+    spec = dict(spec)
+    name = spec.pop("name", None)
+    if name not in STEPS:
+        raise ConfigError(f"unknown pipeline step {name!r}; known steps: {', '.join(sorted(STEPS))}")
+    cls = STEPS[name]
+    params = inspect.signature(cls.__init__).parameters
+    allowed = [p for p in params if p != "self"]
+    for key in spec:
+        if key not in allowed:
+            raise ConfigError(f"step '{name}' has no option '{key}'; options: {', '.join(allowed) or 'none'}")
+    try:
+        return cls(**spec)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(f"step '{name}': {err}") from None
