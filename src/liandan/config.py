@@ -111,6 +111,8 @@ class DataSection:
     tokenizer: str = _f("bpe", "byte, bpe (trained on the corpus), or a path to a tokenizer.json")
     bpe_vocab_size: int = _f(4096, "vocabulary size when training a BPE tokenizer", min=260)
     val_fraction: float = _f(0.02, "share of sequences held out for validation", min=0.0, max=0.5)
+    stores: list[str] = _f([], "token stores written by `liandan data run`; when set, paths and tokenizer are unused")
+    weights: list[float] = _f([], "mixture weight of each store (normalized); empty weighs stores by their tokens")
 
 
 @dataclass
@@ -137,6 +139,12 @@ class ResilienceSection:
 
 
 @dataclass
+class ForecastSection:
+    every: int = _f(0, "forecast the final loss from the curve so far every this many steps; 0 disables", min=0)
+    reference_loss: float = _f(0.0, "flag the run when its forecast final loss is worse than this; 0 disables", min=0.0)
+
+
+@dataclass
 class Config:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -147,6 +155,7 @@ class Config:
     data: DataSection = field(default_factory=DataSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     resilience: ResilienceSection = field(default_factory=ResilienceSection)
+    forecast: ForecastSection = field(default_factory=ForecastSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -245,6 +254,14 @@ def _coerce(key: str, value: Any, hint: Any, meta: Any) -> Any:
     if origin is list:
         if isinstance(value, str):
             value = [v for v in value.split(",") if v]
+        (item,) = typing.get_args(hint)
+        if item is float:
+            numbers = isinstance(value, list) and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in value
+            )
+            if not numbers:
+                raise ConfigError(f"{key} = {value!r} must be a list of numbers")
+            return [float(v) for v in value]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{key} = {value!r} must be a list of strings")
         return value
