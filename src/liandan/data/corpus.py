@@ -1,13 +1,13 @@
-"""Reading raw text documents: the user's .txt/.jsonl files, or the built-in corpus that ships with Python.
+"""Raw text documents: the `Document` type, reading the user's files, and the built-in corpus that ships with
+Python.
 
-This is the minimal reader the trainer needs; malformed records are counted and skipped with the reason,
-never fatal and never silent.
+The file formats themselves live in `liandan.data.readers`; malformed records are counted and skipped with the
+reason, never fatal and never silent.
 """
 
 from __future__ import annotations
 
 import ast
-import json
 import sysconfig
 from collections import Counter
 from collections.abc import Iterator
@@ -41,55 +41,22 @@ class ReadStats:
 
 
 def read_documents(paths: list[str], text_field: str = "text", stats: ReadStats | None = None) -> Iterator[Document]:
-    """Documents from .txt (one document per file) and .jsonl (one per line) files, in the order given."""
+    """Documents from the given files in order: a .txt is one document, a .jsonl one per line (see
+    `liandan.data.readers` for parquet, compression and the other text modes)."""
+    from liandan.data.readers import read_file  # readers builds on the types above
+
     stats = stats if stats is not None else ReadStats()
+
+    def name_bad_text_file(reject: dict[str, Any]) -> None:
+        # A whole text file skipped for one bad byte is worth naming in the summary, as it always was.
+        if reject["reason"] == "invalid UTF-8" and reject["record"] is None:
+            stats.skipped["invalid UTF-8"] -= 1
+            if not stats.skipped["invalid UTF-8"]:
+                del stats.skipped["invalid UTF-8"]
+            stats.skipped[f"invalid UTF-8 in {Path(reject['file']).name} at byte {reject['byte']}"] += 1
+
     for name in paths:
-        path = Path(name)
-        if not path.is_file():
-            raise DataError(f"data file not found: {path}")
-        if path.suffix == ".jsonl":
-            yield from _read_jsonl(path, text_field, stats)
-        elif path.suffix in (".txt", ".md", ".text", ""):
-            raw = path.read_bytes()
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as err:
-                stats.skipped[f"invalid UTF-8 in {path.name} at byte {err.start}"] += 1
-                continue
-            if text.strip():
-                stats.documents += 1
-                stats.characters += len(text)
-                yield Document(str(path), path.stem, text)
-            else:
-                stats.skipped["empty document"] += 1
-        else:
-            raise DataError(f"unsupported data file type '{path.suffix}' for {path}; use .txt or .jsonl")
-
-
-def _read_jsonl(path: Path, text_field: str, stats: ReadStats) -> Iterator[Document]:
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, 1):
-            if not raw.strip():
-                continue
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                stats.skipped["invalid UTF-8"] += 1
-                continue
-            except json.JSONDecodeError:
-                stats.skipped["malformed JSON"] += 1
-                continue
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                stats.skipped[f"no string field '{text_field}'"] += 1
-                continue
-            if not text.strip():
-                stats.skipped["empty document"] += 1
-                continue
-            stats.documents += 1
-            stats.characters += len(text)
-            doc_id = str(record.get("id", f"{path.stem}:{number}"))
-            yield Document(str(path), doc_id, text)
+        yield from read_file(name, source=str(name), text_field=text_field, stats=stats, on_reject=name_bad_text_file)
 
 
 # Parts of the standard library that are tests, demos or GUI code rather than prose-bearing modules.
