@@ -32,6 +32,9 @@ def _f(default: Any, help: str, *, min: float | None = None, max: float | None =
     return field(default=default, metadata=meta)
 
 
+option = _f  # the public name, for other typed configs (data pipelines, sweeps) built the same way
+
+
 @dataclass
 class RunSection:
     name: str = _f("", "run name; empty means <config name>-<timestamp>")
@@ -178,17 +181,9 @@ class Config:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Read `path` (or defaults), apply `--section.key=value` overrides, check every value."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            raw = tomllib.loads(path.read_text(encoding="utf-8"))
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
-            raise ConfigError(f"{path} is not valid TOML: {err}") from None
+    raw: dict[str, Any] = read_toml(path) if path is not None else {}
     for item in overrides:
-        section, key, value = _parse_override(item)
+        section, key, value = parse_override(item)
         raw.setdefault(section, {})
         if not isinstance(raw[section], dict):
             raise ConfigError(f"'{section}' must be a [section] table")
@@ -198,7 +193,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     return cfg
 
 
-def _parse_override(item: str) -> tuple[str, str, Any]:
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path} is not valid TOML: {err}") from None
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
     text = item[2:] if item.startswith("--") else item
     if "=" not in text or "." not in text.split("=", 1)[0]:
         raise ConfigError(f"override '{item}' must look like --section.key=value")
@@ -223,11 +228,11 @@ def from_dict(raw: dict[str, Any]) -> Config:
             raise ConfigError(_unknown("section", name, list(sections)))
         if not isinstance(value, dict):
             raise ConfigError(f"'{name}' must be a [section] table, got {value!r}")
-        built[name] = _build_section(name, sections[name].default_factory, value)  # type: ignore[misc]
+        built[name] = build_section(name, sections[name].default_factory, value)  # type: ignore[misc]
     return Config(**built)
 
 
-def _build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
+def build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     kwargs = {}

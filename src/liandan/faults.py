@@ -8,7 +8,8 @@ Format: comma-separated `ACTION@POINT:STEP[:RANK]`, for example
     LIANDAN_FAULTS="enospc@save:4"        raise ENOSPC while writing the checkpoint of step 4
 
 Points: `data` (loading the batch of step STEP), `step` (after optimizer step STEP), `save` (a checkpoint's
-shards written, its manifest not yet), `saved` (a checkpoint complete; its path is passed along). Actions:
+shards written, its manifest not yet), `saved` (a checkpoint complete; its path is passed along); in the data
+pipeline, `clean` and `tokenize` (task STEP's output written, its done marker not yet). Actions:
 `kill` (SIGKILL), `exit` (exit code 1 at once), `raise` (RuntimeError), `hang` (sleep forever), `enospc`
 (OSError ENOSPC), `corrupt` (flip one byte of a checkpoint shard; `saved` only).
 

@@ -1,7 +1,137 @@
-"""Placeholder: commands are added here."""
+"""`liandan data run | inspect | info | steps`: the data pipeline from the command line."""
 
 from __future__ import annotations
 
+import argparse
+import inspect
+from pathlib import Path
+
+from liandan.config import ConfigError
+
 
 def add_commands(sub) -> None:
-    return None
+    data = sub.add_parser("data", help="clean, deduplicate, inspect and tokenize raw text into token stores")
+    actions = data.add_subparsers(title="actions", metavar="ACTION")
+    data.set_defaults(command=lambda args, overrides: (data.print_help(), 0)[1])
+
+    p = actions.add_parser("run", help="run a pipeline TOML (resumes an interrupted run)")
+    p.add_argument("pipeline", help="pipeline config (TOML), e.g. configs/data/shared-en-zh.toml")
+    p.add_argument("--executor", choices=["local", "ray"], help="override pipeline.executor")
+    p.add_argument("--workers", type=int, help="override pipeline.workers")
+    p.add_argument("--overwrite", action="store_true", help="discard earlier output made with another config")
+    p.set_defaults(command=cmd_run)
+
+    p = actions.add_parser("inspect", help="statistics and anomaly flags of raw or cleaned text files")
+    p.add_argument("paths", nargs="+", help=".txt/.jsonl/.parquet files (optionally .gz/.zst); one source each")
+    p.add_argument("--out", required=True, help="directory for report.html, report.md and report.json")
+    p.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.parquet records")
+    p.add_argument("--txt-mode", choices=["file", "paragraph", "line"], default="paragraph", help="documents of a .txt")
+    p.add_argument("--baseline", help="an earlier report.json: flag statistics that shifted since")
+    p.add_argument("--tokenizer", help="a tokenizer.json, for token-length statistics")
+    p.set_defaults(command=cmd_inspect)
+
+    p = actions.add_parser("info", help="what a token store holds; --verify checks every checksum")
+    p.add_argument("store", help="a token store directory (with manifest.json)")
+    p.add_argument("--verify", action="store_true", help="read every shard and compare its checksum")
+    p.set_defaults(command=cmd_info)
+
+    p = actions.add_parser("steps", help="the registered pipeline steps and their options")
+    p.set_defaults(command=cmd_steps)
+
+
+def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
+    from liandan.data.pipeline import run_pipeline
+    from liandan.data.pipeline_config import load_pipeline
+
+    if args.executor:
+        overrides = [*overrides, f"--pipeline.executor={args.executor}"]
+    if args.workers is not None:
+        overrides = [*overrides, f"--pipeline.workers={args.workers}"]
+    cfg = load_pipeline(args.pipeline, overrides)
+    result = run_pipeline(cfg, overwrite=args.overwrite)
+    _print_summary(result.summary)
+    return 0
+
+
+def _print_summary(s: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    read = s["read"]
+    skipped = sum(read["skipped"].values())
+    console.print(f"read {read['documents']:,} documents ({read['characters']:,} characters); {skipped:,} malformed records rejected")
+    table = Table(title="steps")
+    for column in ("step", "in", "out", "dropped (top reasons)"):
+        table.add_column(column)
+    for step in s["steps"]:
+        top = sorted(step["dropped"].items(), key=lambda kv: -kv[1])[:3]
+        table.add_row(step["name"], f"{step['documents_in']:,}", f"{step['documents_out']:,}", ", ".join(f"{k} {v:,}" for k, v in top))
+    console.print(table)
+    d = s["dedup"]
+    console.print(
+        f"dedup: {d.get('removed', 0):,} of {d.get('documents', 0):,} documents removed"
+        + "".join(f", {k.replace('_', ' ')} {v:,}" for k, v in d.items() if k in ("exact_duplicates", "near_duplicates", "clusters"))
+    )
+    console.print(f"tokenizer: {s['tokenizer']['spec']} (vocabulary {s['tokenizer']['vocab_size']:,})")
+    for name, store in s["stores"].items():
+        console.print(f"store {name}: {store['documents']:,} documents, {store['tokens']:,} tokens -> {store['path']}")
+    if "report" in s:
+        flags = s["report"]["flags"]
+        console.print(f"report: {s['report']['path']}/report.html ({len(flags)} anomaly flag(s))")
+        for flag in flags:
+            console.print(f"  [yellow]flag[/yellow] {flag}")
+    console.print(f"train on it: --data.stores='[{', '.join(repr(v['path']) for v in s['stores'].values())}]'")
+
+
+def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
+    from liandan.data.corpus import ReadStats
+    from liandan.data.inspect import inspect_sources
+    from liandan.data.readers import read_file
+    from liandan.data.tokenizer import HFTokenizer
+
+    if overrides:
+        raise ConfigError(f"unrecognised argument '{overrides[0]}'")
+    sources = {}
+    for name in args.paths:
+        path = Path(name)
+        source = path.name.split(".")[0]
+        if source in sources:
+            source = name
+        sources[source] = read_file(
+            path, source=source, text_field=args.text_field, txt_mode=args.txt_mode, stats=ReadStats(), on_reject=None
+        )
+    tokenizer = HFTokenizer.load(args.tokenizer) if args.tokenizer else None
+    baseline = Path(args.baseline) if args.baseline else None
+    report = inspect_sources(sources, Path(args.out), tokenizer=tokenizer, baseline=baseline)
+    print(f"report: {Path(args.out) / 'report.html'} ({len(report.flags)} anomaly flag(s))")
+    for flag in report.flags:
+        print(f"  flag: {getattr(flag, 'message', flag)}")
+    return 0
+
+
+def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
+    from liandan.data.store import TokenStore, verify_store
+
+    store = TokenStore(Path(args.store))
+    print(f"store {args.store}: {store.num_documents:,} documents, {store.num_tokens:,} tokens in {len(store.shards)} shard(s)")
+    print(f"tokenizer {store.fingerprint} (vocabulary {store.vocab_size:,}, end-of-document id {store.eos_id})")
+    if args.verify:
+        problems = verify_store(Path(args.store))
+        for problem in problems:
+            print(f"  problem: {problem}")
+        print("verified: every checksum matches" if not problems else f"{len(problems)} problem(s)")
+        return 0 if not problems else 1
+    return 0
+
+
+def cmd_steps(args: argparse.Namespace, overrides: list[str]) -> int:
+    from liandan.data.steps import load_builtin_steps
+
+    for name, cls in sorted(load_builtin_steps().items()):
+        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        print(f"{name:20s} {doc}")
+        for param in list(inspect.signature(cls.__init__).parameters.values())[1:]:
+            default = "" if param.default is inspect.Parameter.empty else f" = {param.default!r}"
+            print(f"    {param.name}{default}")
+    return 0

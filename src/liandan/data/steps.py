@@ -128,8 +128,16 @@ def register(cls: type[Step]) -> type[Step]:
     return cls
 
 
+def load_builtin_steps() -> dict[str, type[Step]]:
+    """Every step that ships with liandan, registered by importing its module."""
+    from liandan.data import decontam, langid, normalize, quality  # noqa: F401
+
+    return STEPS
+
+
 def build_step(spec: dict[str, Any]) -> Step:
     """A step from its config table: `name` picks the class, the other keys are its keyword arguments."""
+    load_builtin_steps()
     spec = dict(spec)
     name = spec.pop("name", None)
     if name not in STEPS:

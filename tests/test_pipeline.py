@@ -1,0 +1,239 @@
+"""The data pipeline end to end: stages, rejects, dedup, stores, resume after a real kill, local vs Ray."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from liandan.config import ConfigError
+from liandan.data.corpus import DataError
+from liandan.data.pipeline import read_jsonl_zst, run_pipeline
+from liandan.data.pipeline_config import InputSpec, PipelineConfig, PipelineSection, load_pipeline
+
+PLANTED_COPIES = 6  # exact copies planted in the English input
+PLANTED_NEAR = 4  # near copies (a few words changed)
+MALFORMED = 3
+
+
+def _topics() -> list[tuple[str, str]]:
+    from pydoc_data.topics import topics
+
+    return [(name, topics[name]) for name in sorted(topics) if len(topics[name].split()) > 80]
+
+
+def write_inputs(root: Path) -> Path:
+    """English topics (with planted exact and near duplicates and malformed records) as jsonl, and a second
+    source as gzipped paragraphs of text; returns the pipeline TOML."""
+    topics = _topics()[:45]
+    lines = [json.dumps({"id": name, "text": text}) for name, text in topics]
+    for i in range(PLANTED_COPIES):
+        name, text = topics[i]
+        lines.append(json.dumps({"id": f"copy-{name}", "text": text}))
+    for i in range(PLANTED_NEAR):
+        name, text = topics[10 + i]
+        words = text.split()
+        words[len(words) // 2] = "changed"
+        lines.append(json.dumps({"id": f"near-{name}", "text": " ".join(words)}))
+    lines += ["{not json", json.dumps({"id": "x", "body": "no text field"}), json.dumps({"id": "y", "text": "  "})]
+    (root / "docs.jsonl").write_text("\n".join(lines) + "\n")
+    paragraphs = [re.sub(r"\n\s*\n", "\n", text) for _, text in _topics()[45:]]
+    with gzip.open(root / "more.txt.gz", "wt") as handle:
+        handle.write("\n\n".join(paragraphs))
+    toml = root / "pipeline.toml"
+    toml.write_text(
+        """
+[pipeline]
+output = "out"
+workers = 2
+
+[[inputs]]
+name = "docs"
+paths = ["docs.jsonl"]
+
+[[inputs]]
+name = "more"
+paths = ["more.txt.gz"]
+txt_mode = "paragraph"
+
+[[steps]]
+name = "normalize"
+
+[[steps]]
+name = "gopher_repetition"
+
+[dedup]
+threshold = 0.8
+
+[tokenizer]
+vocab_size = 600
+"""
+    )
+    return toml
+
+
+def store_bytes(out: Path) -> dict[str, bytes]:
+    """Every output file's bytes, but for the two that name input paths (which differ between test folders)."""
+    return {
+        str(p.relative_to(out)): p.read_bytes()
+        for sub in ("stores", "clean", "dedup", "tokenizer")
+        for p in sorted((out / sub).rglob("*"))
+        if p.is_file() and not p.name.endswith((".stats.json", ".rejects.jsonl.zst"))
+    }
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("pipeline")
+    cfg = load_pipeline(write_inputs(root))
+    result = run_pipeline(cfg, say=lambda m: None)
+    return root / "out", result.summary
+
+
+def test_every_stage_leaves_its_output(finished):
+    out, summary = finished
+    assert (out / "pipeline.toml").is_file()
+    assert set(summary["stores"]) == {"docs", "more"}
+    for name in ("docs", "more"):
+        assert (out / "stores" / name / "manifest.json").is_file()
+    assert (out / "report" / "report.html").is_file()
+    assert (out / "tokenizer" / "tokenizer.json").is_file()
+    assert json.loads((out / "summary.json").read_text()) == summary
+
+
+def test_malformed_records_are_rejected_with_reasons_not_lost(finished):
+    out, summary = finished
+    assert sum(summary["read"]["skipped"].values()) == MALFORMED
+    rejects = [r for f in sorted((out / "clean").glob("*.rejects.jsonl.zst")) for r in read_jsonl_zst(f)]
+    read_rejects = [r for r in rejects if r["step"] == "read"]
+    assert len(read_rejects) == MALFORMED
+    assert all(r["reason"] for r in read_rejects)
+    # every document read is accounted for: kept by the steps or written to a rejects file with its step
+    first, last = summary["steps"][0], summary["steps"][-1]
+    assert first["documents_in"] == summary["read"]["documents"]
+    dropped = sum(sum(s["dropped"].values()) for s in summary["steps"])
+    assert first["documents_in"] - last["documents_out"] == dropped == len(rejects) - len(read_rejects)
+
+
+def test_planted_duplicates_are_removed_and_nothing_else(finished):
+    from liandan.data.dedup import MinHasher, NearDedupParams
+
+    out, summary = finished
+    docs = list(read_jsonl_zst(out / "clean" / "00000.jsonl.zst")) + list(read_jsonl_zst(out / "clean" / "00001.jsonl.zst"))
+    remove = np.concatenate([np.load(out / "dedup" / f"0000{i}.remove.npy") for i in (0, 1)])
+    cluster = np.concatenate([np.load(out / "dedup" / f"0000{i}.cluster.npy") for i in (0, 1)])
+    assert len(remove) == len(docs) == len(cluster)
+    planted = {i for i, d in enumerate(docs) if d["id"].startswith(("copy-", "near-"))}
+    assert len(planted) >= PLANTED_COPIES + PLANTED_NEAR - 2  # a planted copy goes only if its original was filtered
+    removed = set(np.flatnonzero(remove).tolist())
+    assert planted <= removed
+    # anything else removed really is a near duplicate of the document its cluster keeps (pydoc topics repeat
+    # each other in places), judged by exact Jaccard of the shingle sets
+    hasher = MinHasher(NearDedupParams())
+    for i in removed - planted:
+        keeper = min(np.flatnonzero(cluster == cluster[i]))
+        a, b = hasher.shingles(docs[i]["text"]), hasher.shingles(docs[keeper]["text"])
+        assert len(np.intersect1d(a, b)) / len(np.union1d(a, b)) > 0.6, docs[i]["id"]
+    assert summary["dedup"]["removed"] == len(removed)
+    kept_docs = sum(1 for i, d in enumerate(docs) if d["source"] == "docs" and i not in removed)
+    assert summary["stores"]["docs"]["documents"] == kept_docs
+
+
+def test_stores_feed_the_training_loader(finished):
+    from liandan.data.store import TokenStore
+
+    out, summary = finished
+    store = TokenStore(out / "stores" / "docs", expect_tokenizer=summary["tokenizer"]["fingerprint"])
+    assert store.num_documents == summary["stores"]["docs"]["documents"]
+    assert store.num_tokens == summary["stores"]["docs"]["tokens"] > 10_000
+    with pytest.raises(DataError):
+        TokenStore(out / "stores" / "docs", expect_tokenizer="another-tokenizer")
+
+
+def test_resume_after_a_real_kill_redoes_nothing_finished(finished, tmp_path):
+    reference, _ = finished
+    toml = write_inputs(tmp_path)
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "liandan.cli", "data", "run", str(toml), "--workers=1"]
+    env = {**os.environ, "LIANDAN_FAULTS": "kill@tokenize:1"}
+    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode == -9, first.stderr[-2000:]
+    assert (out / "state" / "tokenize-00000.json").is_file()
+    assert not (out / "state" / "tokenize-00001.json").exists()
+    finished_files = {p: p.stat().st_mtime_ns for p in (out / "clean").glob("*") if p.is_file()}
+    finished_files[out / "state" / "tokenize-00000.json"] = (out / "state" / "tokenize-00000.json").stat().st_mtime_ns
+    second = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert {p: p.stat().st_mtime_ns for p in finished_files} == finished_files
+    assert store_bytes(out) == store_bytes(reference)
+
+
+def test_ray_executor_writes_the_same_bytes(finished, tmp_path):
+    pytest.importorskip("ray", reason="the ray executor needs ray installed")
+    reference, _ = finished
+    cfg = load_pipeline(write_inputs(tmp_path), ["--pipeline.executor=ray", "--pipeline.inspect=false"])
+    run_pipeline(cfg, say=lambda m: None)
+    assert store_bytes(tmp_path / "out") == store_bytes(reference)
+
+
+def test_another_config_does_not_resume_into_old_output(finished, tmp_path):
+    toml = write_inputs(tmp_path)
+    cfg = load_pipeline(toml, ["--pipeline.inspect=false", "--dedup.near=false", "--tokenizer.kind=byte"])
+    run_pipeline(cfg, say=lambda m: None)
+    with pytest.raises(DataError, match="another pipeline config.*dedup"):
+        run_pipeline(load_pipeline(toml, ["--pipeline.inspect=false", "--tokenizer.kind=byte"]), say=lambda m: None)
+    # changing only where the work runs is fine
+    run_pipeline(load_pipeline(toml, ["--pipeline.inspect=false", "--dedup.near=false", "--tokenizer.kind=byte", "--pipeline.workers=1"]), say=lambda m: None)
+
+
+def test_pipeline_built_in_python(tmp_path):
+    from liandan.data.normalize import Normalize
+
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for _, t in _topics()[:20]))
+    cfg = PipelineConfig(
+        pipeline=PipelineSection(output=str(tmp_path / "out"), workers=1, inspect=False),
+        inputs=[InputSpec(name="a", paths=[str(tmp_path / "a.jsonl")])],
+        steps=[Normalize()],
+    )
+    cfg.tokenizer.kind = "byte"
+    cfg.check()
+    summary = run_pipeline(cfg, say=lambda m: None).summary
+    assert summary["stores"]["a"]["documents"] == 20
+    assert summary["steps"][0]["name"] == "normalize"
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ('[[inputs]]\nname = "a"\npaths = ["missing.jsonl"]\n', "data file not found"),
+        ('[[inputs]]\nname = "a"\npaths = ["x.jsonl"]\n[[steps]]\nname = "no_such_step"\n', "unknown pipeline step 'no_such_step'"),
+        ('[[inputs]]\nname = "a"\npaths = ["x.jsonl"]\n[[steps]]\nname = "normalize"\nbogus = 1\n', "step 'normalize' has no option 'bogus'"),
+        ('[[inputs]]\nname = "a"\npaths = ["x.jsonl"]\n[dedup]\nthreshold = 2\n', "dedup.threshold = 2"),
+        ("[pipeline]\nworkers = 1\n", "no \\[\\[inputs\\]\\]"),
+    ],
+)
+def test_bad_pipeline_files_end_in_one_line(tmp_path, body, message):
+    import re
+
+    (tmp_path / "x.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    toml = tmp_path / "p.toml"
+    toml.write_text(body)
+    run = subprocess.run(
+        [sys.executable, "-m", "liandan.cli", "data", "run", str(toml)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.search(message, lines[0]), run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_config_errors_raise_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="only \\[pipeline\\]"):
+        load_pipeline(None, ["--model.dim=3"])
