@@ -90,9 +90,17 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     out = done.stdout
     assert "Python documentation corpus" in out
     assert "sample, prompted with 'The for statement'" in out
-    run_dir = next(tmp_path.iterdir())
-    for name in ("config.toml", "metrics.jsonl", "summary.json", "training.png", "data/tokenizer.json"):
+    run_dir, data_dir = sorted(tmp_path.iterdir())  # demo-<time> and demo-<time>-data
+    for name in ("config.toml", "metrics.jsonl", "summary.json", "training.png", "hf/config.json"):
         assert (run_dir / name).exists(), name
+    for name in ("summary.json", "stores/corpus/manifest.json", "stores/corpus/tokenizer.json", "report/report.html"):
+        assert (data_dir / name).exists(), name
+    summary = json.loads((data_dir / "summary.json").read_text())
+    assert [s["name"] for s in summary["steps"]] == ["normalize", "language", "gopher_repetition"]
+    import tomllib
+
+    config = tomllib.loads((run_dir / "config.toml").read_text())
+    assert config["data"]["stores"] == [str(data_dir / "stores" / "corpus")]
     assert f"run directory: {run_dir}" in out
 
 
@@ -101,4 +109,7 @@ def test_demo_on_users_chinese_and_english_files(tmp_path):
     files = [SHARED_DATA / "corpus" / "zh-classics.jsonl", SHARED_DATA / "corpus" / "en-shakespeare.txt"]
     done = liandan("demo", "--data", *files, "--steps=4", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=1024")
     assert done.returncode == 0, done.stderr
-    assert "zh-classics.jsonl" in done.stdout and "5407 documents" in done.stdout
+    data_dir = next(p for p in tmp_path.iterdir() if p.name.endswith("-data"))
+    summary = json.loads((data_dir / "summary.json").read_text())
+    assert summary["read"]["documents"] > 5407  # every Chinese record and Shakespeare's paragraphs
+    assert summary["stores"]["corpus"]["tokens"] > 100_000

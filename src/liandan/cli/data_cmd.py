@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import json
 from pathlib import Path
 
 from liandan.config import ConfigError
@@ -49,11 +50,11 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
         overrides = [*overrides, f"--pipeline.workers={args.workers}"]
     cfg = load_pipeline(args.pipeline, overrides)
     result = run_pipeline(cfg, overwrite=args.overwrite)
-    _print_summary(result.summary)
+    print_summary(result.summary)
     return 0
 
 
-def _print_summary(s: dict) -> None:
+def print_summary(s: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -81,7 +82,8 @@ def _print_summary(s: dict) -> None:
         console.print(f"report: {s['report']['path']}/report.html ({len(flags)} anomaly flag(s))")
         for flag in flags:
             console.print(f"  [yellow]flag[/yellow] {flag}")
-    console.print(f"train on it: --data.stores='[{', '.join(repr(v['path']) for v in s['stores'].values())}]'")
+    stores = json.dumps([v["path"] for v in s["stores"].values()])
+    console.print(f"train on it: --data.stores='{stores}'", soft_wrap=True)
 
 
 def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -1,7 +1,9 @@
 """`liandan demo`: the whole system on a laptop CPU in a few minutes, on text that ships with Python.
 
-Reads the corpus, trains a byte-level BPE tokenizer, packs the tokens into a memory-mapped array, trains a
-small Llama with document masking and validation, then samples from it and says where everything is.
+Runs the data pipeline on the corpus (normalize, language tags, repetition filter, exact and near dedup, a
+byte-level BPE, a token store and an inspection report), trains a small Llama on the store with document
+masking, validation and verified checkpoints, then samples from it, exports it for `transformers` and says
+where everything is.
 """
 
 from __future__ import annotations
@@ -37,19 +39,51 @@ DEMO_SETTINGS = [
 ]
 
 
+def prepare_data(data: list[str] | None, out: Path, vocab_size: int) -> dict:
+    """The data pipeline over the user's files (or Python's documentation), into a token store at `out`."""
+    from liandan.cli.data_cmd import print_summary
+    from liandan.data.corpus import ReadStats, python_docs_corpus
+    from liandan.data.pipeline import run_pipeline
+    from liandan.data.pipeline_config import InputSpec, PipelineConfig, PipelineSection, TokenizerSection
+
+    if data:
+        paths = [str(Path(p).resolve()) for p in data]
+    else:
+        raw = out / "raw" / "python-docs.jsonl"
+        raw.parent.mkdir(parents=True, exist_ok=True)
+        stats = ReadStats()
+        with raw.open("w", encoding="utf-8") as handle:
+            for doc in python_docs_corpus(stats):
+                handle.write(json.dumps({"id": doc.doc_id, "text": doc.text}, ensure_ascii=False) + "\n")
+        print(f"wrote the Python documentation corpus (pydoc topics + stdlib docstrings): {stats.summary()}")
+        paths = [str(raw)]
+    cfg = PipelineConfig(
+        pipeline=PipelineSection(output=str(out), workers=2),
+        inputs=[InputSpec(name="corpus", paths=paths, txt_mode="paragraph")],
+        steps=[{"name": "normalize"}, {"name": "language"}, {"name": "gopher_repetition"}],
+        tokenizer=TokenizerSection(vocab_size=vocab_size),
+    )
+    cfg.check()
+    summary = run_pipeline(cfg).summary
+    print_summary(summary)
+    return summary
+
+
 def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overrides: list[str]) -> int:
     from liandan.train import Trainer
 
+    name = f"demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     settings = list(DEMO_SETTINGS)
-    if data:
-        settings.append("--data.paths=" + json.dumps(data))
+    vocab_size = load_config(None, settings + overrides).data.bpe_vocab_size  # checks the overrides, too
+    data_summary = prepare_data(data, output_dir / f"{name}-data", vocab_size)
+    settings.append("--data.stores=" + json.dumps([s["path"] for s in data_summary["stores"].values()]))
     if steps is not None:
         settings.append(f"--train.steps={steps}")
         settings.append(f"--train.eval_every={max(1, steps // 6)}")
         settings.append(f"--schedule.warmup_steps={min(30, max(1, steps // 10))}")
         settings.append(f"--checkpoint.every={max(1, steps // 3)}")
     settings.append(f"--run.output_dir={output_dir}")
-    settings.append(f"--run.name=demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}")
+    settings.append(f"--run.name={name}")
     cfg = load_config(None, settings + overrides)
 
     trainer = Trainer(cfg, config_name="demo")
@@ -65,12 +99,22 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     print(f"\nsample, prompted with {prompt!r}:\n  {sample(trainer, prompt)!r}\n")
     run = result.run_dir
     show_checkpoints(run)
-    export_for_transformers(trainer, run)
+    store = Path(next(iter(data_summary["stores"].values()))["path"])
+    export_for_transformers(trainer, run, store / "tokenizer.json")
+    data_dir = Path(data_summary["output"])
+    print(f"data directory: {data_dir}")
+    for name, what in [
+        ("clean/", "cleaned documents, and every dropped record with its step and reason (*.rejects.jsonl.zst)"),
+        ("dedup/stats.json", "exact and near duplicates found"),
+        ("stores/corpus/", "the token store: shards with self-describing headers, provenance, manifest, tokenizer"),
+        ("report/report.html", "the inspection report: distributions, repeated lines, anomaly flags"),
+        ("summary.json", "what every stage did"),
+    ]:
+        if (data_dir / name).exists():
+            print(f"  {name:22s} {what}")
     print(f"run directory: {run}")
     for name, what in [
         ("config.toml", "the resolved run config"),
-        ("data/tokenizer.json", "the trained BPE tokenizer"),
-        ("data/tokens/", "the token array (tokens.bin, doc_starts.npy, meta.json)"),
         ("metrics.jsonl", "loss, grad norm, lr, tokens/s, MFU, memory, step time per step"),
         ("events.jsonl", "run events and validation losses"),
         ("summary.json", "the run's totals"),
@@ -93,11 +137,10 @@ def show_checkpoints(run: Path) -> None:
         print(f"  {path.name}: step {info['step']}, {info['bytes'] / 2**20:.1f} MiB, {status}")
 
 
-def export_for_transformers(trainer, run: Path) -> None:
+def export_for_transformers(trainer, run: Path, tokenizer: Path) -> None:
     from liandan.checkpoint.hf import export_hf
 
     state = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
-    tokenizer = run / "data" / "tokenizer.json"
     export_hf(state, trainer.model_args, run / "hf", tokenizer_json=tokenizer if tokenizer.is_file() else None)
     print(f"exported for transformers: AutoModelForCausalLM.from_pretrained('{run / 'hf'}')\n")
 
