@@ -1,0 +1,160 @@
+"""Forecasts of the final loss while a run trains: when they are made, what they write, the flag against a
+reference loss, and that training itself is untouched."""
+
+import json
+import logging
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import tiny_config, write_corpus
+from liandan.config import ScheduleSection
+from liandan.plan.forecast import schedule_fractions
+from liandan.plan.live_forecast import LiveForecaster
+from liandan.train import Trainer
+from liandan.train.callbacks import ForecastCallback, default_callbacks
+
+STEPS = 40
+SHAPE = [
+    "--model.dim=32",
+    "--model.n_layers=1",
+    "--model.n_heads=2",
+    "--model.n_kv_heads=1",
+    "--model.max_seq_len=32",
+    "--train.seq_len=32",
+    "--train.global_batch=8",
+    f"--train.steps={STEPS}",
+    "--schedule.warmup_steps=4",
+    "--optim.lr=1e-2",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("corpus"), n_docs=20)
+
+
+def events(run_dir, kind):
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+def decaying_curve(steps):
+    s = np.arange(1, steps + 1)
+    return s, 2.0 + 3.0 * (s / 5.0) ** -0.5 + np.random.default_rng(0).normal(0.0, 0.01, steps)
+
+
+# --------------------------------------------------------------------------------------------------------
+# the forecaster alone
+
+
+def test_forecasts_fall_due_on_logged_steps():
+    lr = schedule_fractions(ScheduleSection(kind="cosine", warmup_steps=5), 100)
+    f = LiveForecaster(lr, 100, every=10, samples=0)  # no interval: only when forecasts fall due matters here
+    due = []
+    for step in range(3, 101, 3):  # logged every 3 steps: due at the first logged step past each multiple of 10
+        f.observe(step, 5.0 - step / 50)
+        if f.due():
+            due.append(step)
+            f.forecast()
+    assert due == [12, 21, 30, 42, 51, 60, 72, 81, 90]  # never at the last step, 99 being the last logged here
+    f.observe(100, float("nan"))
+    assert not f.due()
+
+
+def test_too_few_records_skip_quietly_and_a_failed_fit_with_a_debug_note(caplog):
+    lr = schedule_fractions(ScheduleSection(kind="cosine", warmup_steps=20), 200)
+    steps, losses = decaying_curve(200)
+    quiet = LiveForecaster(lr, 200, every=10)
+    quiet.resume(steps[:12], losses[:12])  # all within the warmup: fewer than 8 records to fit
+    with caplog.at_level(logging.DEBUG, logger="liandan.plan.live_forecast"):
+        assert quiet.forecast() is None
+    assert not caplog.records
+
+    broken = LiveForecaster(np.full(200, np.nan), 200, every=10)  # a schedule the fit cannot use
+    broken.resume(steps[:100], losses[:100])
+    with caplog.at_level(logging.DEBUG, logger="liandan.plan.live_forecast"):
+        assert broken.forecast() is None
+    assert "forecast at step 100 skipped: ValueError" in caplog.text
+
+
+def test_resumed_curve_and_the_flag():
+    lr = schedule_fractions(ScheduleSection(kind="cosine", warmup_steps=20), 200)
+    steps, losses = decaying_curve(200)
+    f = LiveForecaster(lr, 200, every=25, reference_loss=1.0)
+    f.resume(steps[:104], losses[:104])  # a run resumed at step 104: the next forecast is at 125
+    f.observe(105, losses[104])
+    assert not f.due()
+    for step in range(106, 126):
+        f.observe(step, losses[step - 1])
+    assert f.due()
+    result = f.forecast()
+    assert result.step == 125 and result.total_steps == 200
+    assert result.low <= result.final_loss <= result.high
+    # the curve flattens towards 2.2: far above 1.0 even at the interval's low end
+    assert result.worse_than_reference and result.central_worse_than_reference
+    assert f.newly_flagged(result) and not f.newly_flagged(result)  # flagged once
+    event = result.to_event()
+    assert event["reference_loss"] == 1.0 and event["step"] == 125 and event["seconds"] >= 0
+
+
+# --------------------------------------------------------------------------------------------------------
+# in training
+
+
+def test_forecasting_writes_events_and_leaves_training_untouched(tmp_path, corpus):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        plain_cfg = tiny_config(tmp_path, corpus, *SHAPE, "--run.name=plain")
+        assert default_callbacks(plain_cfg) == []
+        plain = Trainer(plain_cfg, say=lambda m: None).train()
+
+        cfg = tiny_config(
+            tmp_path, corpus, *SHAPE, "--run.name=forecast", "--forecast.every=10", "--forecast.reference_loss=0.01"
+        )
+        callbacks = default_callbacks(cfg)
+        assert [type(c) for c in callbacks] == [ForecastCallback]
+        said = []
+        forecast = Trainer(cfg, callbacks=callbacks, say=said.append).train()
+    finally:
+        torch.set_num_threads(threads)
+
+    assert forecast.losses == plain.losses  # bit for bit
+    assert forecast.val_loss == plain.val_loss
+    made = events(forecast.run_dir, "forecast")
+    assert [e["step"] for e in made] == [20, 30]  # at step 10 only 6 records lie past the warmup: skipped
+    for e in made:
+        assert e["total_steps"] == STEPS and e["confidence"] == 0.8 and e["reference_loss"] == 0.01
+        assert math.isfinite(e["final_loss"]) and e["low"] <= e["final_loss"] <= e["high"]
+        assert e["worse_than_reference"] is True
+        assert 0 <= e["seconds"] < 10
+    console = [line for line in said if line.startswith("step ") and "forecast final loss" in line]
+    assert [line.split(":")[0] for line in console] == ["step 20", "step 30"]
+    flags = events(forecast.run_dir, "forecast_worse_than_reference")
+    assert len(flags) == 1 and flags[0]["step"] == 20 and flags[0]["low"] > 0.01
+    warnings = [line for line in said if line.startswith("warning:")]
+    assert len(warnings) == 1 and "worse than the reference 0.0100" in warnings[0]
+    assert not events(plain.run_dir, "forecast")
+
+
+def test_liandan_train_forecasts_when_asked(tmp_path, corpus):
+    config = tmp_path / "tiny.toml"
+    config.write_text(tiny_config(tmp_path, corpus, *SHAPE, "--run.name=cli").to_toml())
+    done = subprocess.run(
+        [sys.executable, "-m", "liandan.cli", "train", config, "--resilience.supervise=false", "--forecast.every=15"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "step 15: forecast final loss" in done.stdout and "step 30: forecast final loss" in done.stdout
+    assert "warning:" not in done.stdout  # no reference, no flag
+    made = events(tmp_path / "cli", "forecast")
+    assert [e["step"] for e in made] == [15, 30]
+    assert all("reference_loss" not in e for e in made)
