@@ -1,7 +1,8 @@
-"""From the `[data]` config to a token array on disk: read, (train a) tokenizer, tokenize.
+"""From the `[data]` config to the token stores a run trains on.
 
-This is the minimal path the trainer uses until the full data pipeline produces token stores; the trainer
-only ever sees the resulting `TokenArray` through `PackedLoader`.
+`[data] stores` names stores written by the data pipeline; they are opened as they are. Otherwise the run
+reads `[data] paths` (or the Python documentation corpus), makes its tokenizer and writes a one-shard store
+into its own data directory.
 """
 
 from __future__ import annotations
@@ -10,9 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from liandan.config import DataSection
-from liandan.data.corpus import Document, ReadStats, python_docs_corpus, read_documents
-from liandan.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, make_tokenizer
-from liandan.data.tokens import TokenArray, write_token_array
+from liandan.data.corpus import DataError, Document, ReadStats, python_docs_corpus, read_documents
+from liandan.data.store import TokenStore, shard_path, write_manifest, write_shard
+from liandan.data.tokenizer import Tokenizer, make_tokenizer
 
 
 def load_documents(cfg: DataSection, stats: ReadStats) -> list[Document]:
@@ -21,22 +22,30 @@ def load_documents(cfg: DataSection, stats: ReadStats) -> list[Document]:
     return list(python_docs_corpus(stats))
 
 
-def prepare_tokens(cfg: DataSection, out_dir: Path, say: Callable[[str], None] = print) -> tuple[TokenArray, Tokenizer]:
-    """Write `out_dir/tokenizer.json` and the token array under `out_dir/tokens/`."""
+def prepare_store(cfg: DataSection, out_dir: Path, say: Callable[[str], None] = print) -> tuple[TokenStore, Tokenizer]:
+    """Tokenize the configured documents into a one-shard store at `out_dir` (with its tokenizer.json)."""
     stats = ReadStats()
     docs = load_documents(cfg, stats)
     source = ", ".join(cfg.paths) if cfg.paths else "the Python documentation corpus (pydoc topics + stdlib docstrings)"
     say(f"read {source}: {stats.summary()}")
+    if not docs:
+        raise DataError(f"{source} holds no documents to train on")
     tokenizer = make_tokenizer(cfg.tokenizer, (d.text for d in docs), cfg.bpe_vocab_size)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(out_dir / "tokenizer.json")
-    array = write_token_array(docs, tokenizer, out_dir / "tokens")
-    say(f"tokenized with {cfg.tokenizer} (vocabulary {tokenizer.vocab_size}): {len(array):,} tokens")
-    return array, tokenizer
+    shard = write_shard(docs, tokenizer, shard_path(out_dir, 0))
+    write_manifest(out_dir, [shard], tokenizer)
+    say(f"tokenized with {cfg.tokenizer} (vocabulary {tokenizer.vocab_size}): {shard.tokens:,} tokens")
+    return TokenStore(out_dir), tokenizer
 
 
-def open_prepared(out_dir: Path) -> tuple[TokenArray, Tokenizer]:
-    array = TokenArray(out_dir / "tokens")
-    if array.meta["tokenizer"] == ByteTokenizer().fingerprint():
-        return array, ByteTokenizer()
-    return array, HFTokenizer.load(out_dir / "tokenizer.json")
+def open_prepared(out_dir: Path) -> tuple[TokenStore, Tokenizer]:
+    store = TokenStore(out_dir)
+    return store, store.tokenizer
+
+
+def open_stores(paths: list[str]) -> tuple[list[TokenStore], Tokenizer]:
+    """The stores of `[data] stores`, which must all share one tokenizer, and that tokenizer."""
+    if not paths:
+        raise DataError("no token stores given")
+    stores = [TokenStore(paths[0])]
+    stores += [TokenStore(p, expect_tokenizer=stores[0].fingerprint) for p in paths[1:]]
+    return stores, stores[0].tokenizer
