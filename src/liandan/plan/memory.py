@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from liandan.config import Config, ConfigError
 from liandan.model.counts import ParamCounts, count_params, flops_per_token
@@ -462,7 +463,9 @@ def plan_model_args(cfg: Config) -> ModelArgs:
     vocab = m.vocab_size
     if not vocab:
         spec = cfg.data.tokenizer
-        if spec == "byte":
+        if cfg.data.stores:  # a pipeline's store carries its tokenizer beside its manifest
+            tokenizer_vocab = _tokenizer_file_vocab(str(Path(cfg.data.stores[0]) / "tokenizer.json"))
+        elif spec == "byte":
             tokenizer_vocab = 257
         elif spec == "bpe":
             tokenizer_vocab = cfg.data.bpe_vocab_size
@@ -474,8 +477,6 @@ def plan_model_args(cfg: Config) -> ModelArgs:
 
 
 def _tokenizer_file_vocab(path: str) -> int:
-    from pathlib import Path
-
     if not Path(path).is_file():
         raise ConfigError(f"tokenizer file not found: {path} (or set model.vocab_size to plan without it)")
     from tokenizers import Tokenizer
