@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -145,16 +146,20 @@ def load_pipeline(path: str | Path | None, overrides: list[str] | tuple[str, ...
     specs = []
     for item in inputs:
         spec = build_section("inputs", InputSpec, item)
-        spec.paths = [p if Path(p).is_absolute() else str(base / p) for p in spec.paths]
+        spec.paths = [_relative_to(base, p) for p in spec.paths]
         specs.append(spec)
     steps = [_resolve_step_paths(dict(s), base) for s in steps]
     for key in ("output", "baseline"):
         value = getattr(built["pipeline"], key)
         if value and not Path(value).is_absolute() and not any(o.startswith(f"--pipeline.{key}=") for o in overrides):
-            setattr(built["pipeline"], key, str(base / value))
+            setattr(built["pipeline"], key, _relative_to(base, value))
     cfg = PipelineConfig(inputs=specs, steps=steps, **built)
     cfg.check()
     return cfg
+
+
+def _relative_to(base: Path, path: str) -> str:
+    return path if Path(path).is_absolute() else os.path.normpath(base / path)
 
 
 # Step options that name files: like input paths, they are relative to the pipeline file.
@@ -164,7 +169,7 @@ _PATH_OPTIONS = ("eval_files",)
 def _resolve_step_paths(spec: dict[str, Any], base: Path) -> dict[str, Any]:
     for key in _PATH_OPTIONS:
         if isinstance(spec.get(key), list):
-            spec[key] = [p if Path(p).is_absolute() else str(base / p) for p in spec[key]]
+            spec[key] = [_relative_to(base, p) for p in spec[key]]
     return spec
 
 
