@@ -74,6 +74,7 @@ threshold = 0.8
 
 [tokenizer]
 vocab_size = 600
+special_tokens = ["<|user|>", "<|assistant|>"]
 """
     )
     return toml
@@ -104,7 +105,12 @@ def test_every_stage_leaves_its_output(finished):
     for name in ("docs", "more"):
         assert (out / "stores" / name / "manifest.json").is_file()
     assert (out / "report" / "report.html").is_file()
-    assert (out / "tokenizer" / "tokenizer.json").is_file()
+    from liandan.data.tokenizer import HFTokenizer
+
+    tokenizer = HFTokenizer.load(out / "tokenizer" / "tokenizer.json")
+    assert tokenizer.vocab_size == 600
+    ids = tokenizer.encode_batch(["<|user|>hi<|assistant|>"])[0]
+    assert ids[0] == tokenizer._tok.token_to_id("<|user|>") and tokenizer._tok.token_to_id("<|assistant|>") in ids
     assert json.loads((out / "summary.json").read_text()) == summary
 
 

@@ -265,7 +265,7 @@ def tokenizer_stage(cfg: PipelineConfig, tasks: list[Task], out: Path, kept: int
                 index += 1
 
     say(f"training a {cfg.tokenizer.vocab_size}-token BPE on every {stride} of {kept:,} documents")
-    tokenizer = train_bpe(sample(), cfg.tokenizer.vocab_size)
+    tokenizer = train_bpe(sample(), cfg.tokenizer.vocab_size, cfg.tokenizer.special_tokens)
     tmp = path.with_name("tokenizer.json.tmp")
     tokenizer.save(tmp)
     os.replace(tmp, path)

@@ -71,6 +71,7 @@ class TokenizerSection:
     kind: str = _f("bpe", "bpe (trained on a sample of the cleaned corpus), byte, or a path to a tokenizer.json")
     vocab_size: int = _f(8192, "BPE vocabulary size", min=260)
     sample_documents: int = _f(50_000, "documents, spread evenly over the corpus, that train the BPE", min=1)
+    special_tokens: list[str] = _f([], "tokens the BPE keeps whole besides <|endoftext|> (e.g. chat markers)")
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -85,9 +85,9 @@ class HFTokenizer:
         return xxhash.xxh64_hexdigest(self._tok.to_str().encode("utf-8"))
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
+def train_bpe(texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str] = ()) -> HFTokenizer:
     """Byte-level BPE (GPT-2 style pre-tokenisation, no unknown tokens), trained on `texts`. Deterministic for
-    the same texts in the same order."""
+    the same texts in the same order. `<|endoftext|>` is id 0; `special_tokens` follow it, never split."""
     from tokenizers import Tokenizer as _Tok
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -96,7 +96,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> HFTokenizer:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[EOS],
+        special_tokens=[EOS, *(t for t in special_tokens if t != EOS)],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
