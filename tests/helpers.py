@@ -22,6 +22,18 @@ def write_corpus(directory: Path, n_docs: int = 40) -> Path:
     return path
 
 
+# The smallest model worth training in a test: a trial or a forecast run is mostly process start-up.
+MICRO_MODEL = [
+    "--model.dim=32",
+    "--model.n_layers=1",
+    "--model.n_heads=2",
+    "--model.n_kv_heads=1",
+    "--model.max_seq_len=32",
+    "--train.seq_len=32",
+    "--train.global_batch=8",
+]
+
+
 def tiny_config(run_dir: Path, corpus: Path, *overrides: str) -> Config:
     return load_config(
         None,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import tiny_config, write_corpus
+from helpers import MICRO_MODEL, tiny_config, write_corpus
 from liandan.config import ScheduleSection
 from liandan.plan.forecast import schedule_fractions
 from liandan.plan.live_forecast import LiveForecaster
@@ -20,13 +20,7 @@ from liandan.train.callbacks import ForecastCallback, default_callbacks
 
 STEPS = 40
 SHAPE = [
-    "--model.dim=32",
-    "--model.n_layers=1",
-    "--model.n_heads=2",
-    "--model.n_kv_heads=1",
-    "--model.max_seq_len=32",
-    "--train.seq_len=32",
-    "--train.global_batch=8",
+    *MICRO_MODEL,
     f"--train.steps={STEPS}",
     "--schedule.warmup_steps=4",
     "--optim.lr=1e-2",

@@ -11,7 +11,7 @@ import numpy as np
 import optuna
 import pytest
 
-from helpers import tiny_config, write_corpus
+from helpers import MICRO_MODEL, tiny_config, write_corpus
 from liandan.cli.main import main
 from liandan.config import ConfigError, ScheduleSection
 from liandan.plan.forecast import annealing_areas, schedule_fractions
@@ -29,13 +29,7 @@ def base(tmp_path_factory):
     cfg = tiny_config(
         root,
         corpus,
-        "--model.dim=32",
-        "--model.n_layers=1",
-        "--model.n_heads=2",
-        "--model.n_kv_heads=1",
-        "--model.max_seq_len=32",
-        "--train.seq_len=32",
-        "--train.global_batch=8",
+        *MICRO_MODEL,
         "--train.steps=20",
         "--train.eval_every=20",
         "--train.eval_batches=2",
