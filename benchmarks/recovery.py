@@ -16,10 +16,10 @@ with a checkpoint every 20 steps, twice: once without faults and once with five 
     python benchmarks/recovery.py --json results.json  # what docs/benchmarks.md reports
 
 $LIANDAN_FAULTS fires in the first attempt only, so one fault per attempt needs a per-attempt schedule: the
-supervisor's worker command is this script in its worker mode (`--attempt-faults SCHEDULE -- COMMAND...`),
-which sets $LIANDAN_FAULTS_ALWAYS to the schedule's entry for $LIANDAN_ATTEMPT (none after the last) and
-execs the real worker, `python -m liandan.cli train CONFIG --nproc=2 --run.name=NAME`, the command `liandan
-train` gives the supervisor. The supervisor runs in this process: `Supervisor(cfg, command, run_dir, 2).run()`.
+supervisor's `attempt_env` hook sets $LIANDAN_FAULTS_ALWAYS to the schedule's entry for each attempt (none
+after the last). The worker command is the one `liandan train` gives the supervisor, `python -m liandan.cli
+train CONFIG --nproc=2 --run.name=NAME`, and the supervisor runs in this process:
+`Supervisor(cfg, command, run_dir, 2, attempt_env=...).run()`.
 
 Reported per incident, from the run's events.jsonl: what was injected, what the supervisor detected (crash or
 hang), the step, the rank, the steps and seconds lost (the supervisor's: redone work from the resumed
@@ -43,29 +43,16 @@ train_start: backoff, launch, start-up, checkpoint load), end and the rest. The 
 
 from __future__ import annotations
 
-import os
-import sys
-
-if __name__ == "__main__" and sys.argv[1:2] == ["--attempt-faults"]:
-    # Worker mode, before any heavy import: pick this attempt's faults, then become the real worker.
-    import json
-
-    schedule, command = json.loads(sys.argv[2]), sys.argv[4:]
-    attempt = int(os.environ.get("LIANDAN_ATTEMPT", "0"))
-    os.environ.pop("LIANDAN_FAULTS", None)
-    os.environ.pop("LIANDAN_FAULTS_ALWAYS", None)
-    if attempt < len(schedule) and schedule[attempt]:
-        os.environ["LIANDAN_FAULTS_ALWAYS"] = schedule[attempt]
-    os.execv(command[0], command)
-
 import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import platform
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -74,6 +61,7 @@ import torch
 
 from liandan.checkpoint.manager import load_model
 from liandan.config import load_config
+from liandan.resilience.processes import alive
 from liandan.resilience.supervisor import Supervisor
 from liandan.train.heartbeat import read_heartbeats
 
@@ -137,22 +125,18 @@ def machine() -> dict:
 
 
 # -- running ---------------------------------------------------------------------------------------------
-def _alive(pid: int, marker: str) -> bool:
-    """Whether `pid` is a live (not zombie) process whose command line contains `marker`."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        return state != "Z" and marker in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except (OSError, IndexError):
-        return False
-
-
 def run_supervised(config: Path, cfg, name: str, schedule: list[str], log: Path, verbose: bool) -> dict:
     """One supervised run: the supervisor's exit code, its start and end, and for each failure the ranks'
     heartbeats when the supervisor reported it and the worker processes still alive then."""
     run_dir = Path(cfg.run.output_dir) / name
     run_dir.mkdir(parents=True, exist_ok=True)
     worker = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--nproc={NPROC}", f"--run.name={name}"]
-    command = [sys.executable, str(Path(__file__).resolve()), "--attempt-faults", json.dumps(schedule), "--", *worker]
+    for key in ("LIANDAN_FAULTS", "LIANDAN_FAULTS_ALWAYS"):
+        os.environ.pop(key, None)
+
+    def attempt_env(number: int) -> dict[str, str]:
+        return {"LIANDAN_FAULTS_ALWAYS": schedule[number]} if number < len(schedule) else {}
+
     failures: list[dict] = []
     out = sys.stdout
 
@@ -162,7 +146,7 @@ def run_supervised(config: Path, cfg, name: str, schedule: list[str], log: Path,
             # The supervisor has waited for the launcher to exit: a worker alive now outlives its attempt. It
             # is ended here, after the supervisor's own handling, so that it does not hold memory (or, for a
             # hung rank, live forever); the time it cost the supervisor is measured all the same.
-            leaked = [b["pid"] for b in beats if _alive(b["pid"], str(config))]
+            leaked = [b["pid"] for b in beats if alive(b["pid"])]
             for pid in leaked:
                 os.kill(pid, signal.SIGKILL)
             failures.append({"time": time.time(), "beats": beats, "leaked_pids": leaked})
@@ -170,7 +154,7 @@ def run_supervised(config: Path, cfg, name: str, schedule: list[str], log: Path,
                 message += f" [{len(leaked)} worker process(es) of the failed attempt still alive: ended]"
         print(f"  [{name}] {message}", file=out, flush=True)
 
-    supervisor = Supervisor(cfg, command, run_dir, nproc=NPROC, say=say)
+    supervisor = Supervisor(cfg, worker, run_dir, nproc=NPROC, say=say, attempt_env=attempt_env)
     started = time.time()
     with open(log, "w") as sink:
         # The supervisor relays the workers' output to sys.stdout/sys.stderr: to a log unless --verbose.
@@ -209,12 +193,15 @@ def analyse(result: dict, planned: list[dict]) -> dict:
     restarts = [e for e in events if e["kind"] == "restart"]
     recovered = [e for e in events if e["kind"] == "recovered"]
     starts = [e for e in events if e["kind"] == "train_start"]  # one per attempt that got to its first step
+    resumed = [e for e in events if e["kind"] == "resumed"]
     per_attempt = len(starts) == len(incidents) + 1
     rows = []
     for i, incident in enumerate(incidents):
         nxt = incidents[i + 1]["time"] if i + 1 < len(incidents) else float("inf")
         rec = next((r for r in recovered if incident["time"] <= r["time"] < nxt), None)
         restart = next((r for r in restarts if incident["time"] <= r["time"] < nxt), None)
+        loaded = next((r for r in resumed if incident["time"] <= r["time"] < nxt), None)
+        next_start = next((r for r in starts if incident["time"] <= r["time"] < nxt), None)
         seen = result["failures"][i] if i < len(result["failures"]) else {"beats": [], "leaked_pids": []}
         fault_time = min((b["time"] for b in seen["beats"]), default=None)
         plan = planned[incident["attempt"]] if incident["attempt"] < len(planned) else None
@@ -248,6 +235,13 @@ def analyse(result: dict, planned: list[dict]) -> dict:
             "redone_work_s": redone,
             "restart_s": restart_s,
             "leaked_workers": len(seen["leaked_pids"]),
+            # where a restart goes: launch, imports, process group, model and checkpoint load (to "resumed",
+            # backoff left out); the set-up after the load (to "train_start"); the first step
+            "to_resumed_s": loaded["time"] - incident["time"] - (restart["after_seconds"] if restart else 0)
+            if loaded
+            else None,
+            "resumed_to_start_s": next_start["time"] - loaded["time"] if loaded and next_start else None,
+            "start_to_step_s": rec["time"] - next_start["time"] if rec and next_start else None,
         }
         if incident["failure"] == "hang":
             ev = incident["evidence"]
@@ -323,6 +317,12 @@ def print_report(info: dict, clean: dict, faults: dict, weights: dict, verdict: 
                   f"{r['timeout_s']:.1f}s; {r['stalled_s'] / r['timeout_s']:.2f}x "
                   f"({'within' if r['hang_within_target'] else 'NOT within'} {HANG_TARGET:g}x); incident recorded "
                   f"{r['stall_to_incident_s']:.1f}s after the last progress")  # fmt: skip
+    print()
+    print("restart breakdown (s): | # | launch to checkpoint loaded | set-up after the load | first step |")
+    for r in faults["incidents"]:
+        print(
+            f"| {r['attempt']} | {_f(r['to_resumed_s'], 2)} | {_f(r['resumed_to_start_s'], 2)} | {_f(r['start_to_step_s'], 2)} |"
+        )
     leaked = [(r["attempt"], r["leaked_workers"]) for r in faults["incidents"] if r["leaked_workers"]]
     if leaked:
         print(

@@ -116,14 +116,16 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     name = Path(args.config).stem
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
-    external = "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ  # torchrun or srun started us
+    # torchrun or srun started us; with $LIANDAN_NNODES, srun starts one supervisor per node instead
+    external = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and "LIANDAN_NNODES" not in os.environ)
     if cfg.resilience.supervise and not external and "LIANDAN_SUPERVISED" not in os.environ:
         return _supervise(args.config, cfg, name, args.nproc, overrides)
     if args.nproc > 1 and not external:
         return _launch(args.config, cfg, name, args.nproc, overrides)
     from liandan.train import Trainer
+    from liandan.train.callbacks import default_callbacks
 
-    trainer = Trainer(cfg, config_name=name)
+    trainer = Trainer(cfg, config_name=name, callbacks=default_callbacks(cfg))
     try:
         result = trainer.train()
     finally:

@@ -9,7 +9,7 @@ from pathlib import Path
 from liandan.checkpoint.verify import CheckpointError
 
 SHOWN = ("incident", "restart", "recovered", "gave_up", "resumed", "checkpoint_failed", "checkpoint_rejected",
-         "nonfinite_loss", "supervisor_end")  # fmt: skip
+         "nonfinite_loss", "node_excluded", "node_refused", "supervisor_end")  # fmt: skip
 
 
 def read_events(run_dir: Path) -> list[dict]:
@@ -41,10 +41,19 @@ def timeline(run_dir: Path) -> list[str]:
 def _describe(e: dict) -> str:
     kind = e["kind"]
     if kind == "incident":
-        return (f"{e['failure'].upper():5s} step {e['step']} rank {e['rank']} on {e['host']}: {e['cause']}; "
-                f"lost {e['steps_lost']} step(s), {e['seconds_lost']:.1f}s; resumes from step {e['resume_step']}")
+        seen = f" (seen by {e['reported_by']})" if e.get("reported_by") not in (None, e["host"]) else ""
+        return (
+            f"{e['failure'].upper():5s} step {e['step']} rank {e['rank']} on {e['host']}{seen}: {e['cause']}; "
+            f"lost {e['steps_lost']} step(s), {e['seconds_lost']:.1f}s; resumes from step {e['resume_step']}"
+        )
     if kind == "restart":
-        return f"restart {e['attempt']} after {e['after_seconds']:.1f}s backoff"
+        return f"restart {e['attempt']}" + (
+            f" after {e['after_seconds']:.1f}s backoff" if e["after_seconds"] else " at once"
+        )
+    if kind == "node_excluded":
+        return f"NODE EXCLUDED: {e['node']} after {e['failures']} failures attributed to it"
+    if kind == "node_refused":
+        return f"node {e['node']} refused to join: excluded ({e.get('reason')})"
     if kind == "recovered":
         return f"recovered: step {e['step']} done {e['seconds']:.1f}s after the failure"
     if kind == "gave_up":

@@ -1,10 +1,14 @@
 """The run supervisor: starts the workers, watches them, and restarts them after a crash or a hang from the
 newest verified checkpoint, until the run finishes or a restart budget is spent.
 
-A crash is a non-zero exit (a signal, an exception, a rank dying). A hang is no heartbeat progress from any
-rank for longer than a timeout learned from the step times seen so far (hang_factor x median, at least
-hang_floor_s; startup_timeout_s before the first step): the supervisor then asks every rank for its Python
-stacks (SIGUSR1, faulthandler), records them, kills the workers and restarts. Every failure is an incident
+On one node the supervisor starts the ranks itself (it hosts their rendezvous store, as torchrun's agent
+would), so it sees the first rank to fail to the millisecond and ends the others at once. On several nodes
+each node's supervisor runs torchrun's elastic agent (see nodes.py). A crash is a rank that exits non-zero.
+A hang is no heartbeat progress for longer than the timeout of the phases the ranks are in: for the parts of
+a training step hang_factor x the median step time (at least hang_floor_s); for checkpoints and evaluation
+hang_factor x the longest one seen (startup_timeout_s before one has been seen); startup_timeout_s for the
+start-up and the teardown after the last step. The supervisor then asks every rank for its Python stacks
+(SIGUSR1, faulthandler), records them, and kills every process of the attempt. Every failure is an incident
 in events.jsonl with its evidence and the steps and seconds it cost; the run's goodput (the share of wall
 time spent on steps that were kept) goes into summary.json.
 """
@@ -16,96 +20,181 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from liandan.config import Config
+from liandan.resilience import handoff, nodes
+from liandan.resilience.processes import TOKEN_ENV, DeathClock, StandbyPool, end_processes, module_command
 from liandan.track.logger import read_metrics
-from liandan.train.heartbeat import read_heartbeats
+from liandan.train.heartbeat import STEP_PHASES, read_heartbeats
 
 POLL_S = 0.2
+STACKS_WAIT_S = 2.0  # faulthandler writes from a signal handler: it is there in milliseconds, or never
+ATTRIBUTION_GRACE_S = 5.0  # how long a node waits for the other nodes' view of a failure
+SLOW_PHASES = ("checkpoint", "eval")
+EXCLUDED_EXIT = 3  # this node is excluded from the run: it does not join (the other nodes carry on)
 
 
 @dataclass
 class Attempt:
     number: int
     started: float
+    token: str
+    procs: list[tuple[int | None, subprocess.Popen]] = field(default_factory=list)  # (rank or None, process)
     exit_code: int | None = None
+    failed_rank: int | None = None
+    failed_at: float | None = None
+    user_error: str | None = None
     hang: bool = False
+    stalled: float = 0.0
+    timeout: float = 0.0
+    beats: list[dict] = field(default_factory=list)
+    stacks: dict = field(default_factory=dict)
+    exits: dict[int, tuple[float, int]] = field(default_factory=dict)  # rank -> (time, exit code)
+    survivors: list[int] = field(default_factory=list)
+    ended: bool = False
     last_lines: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30))
 
 
 class Supervisor:
-    def __init__(self, cfg: Config, worker_cmd: list[str], run_dir: Path, nproc: int = 1, say=print):
+    def __init__(self, cfg: Config, worker_cmd: list[str], run_dir: Path, nproc: int = 1, say=print,
+                 attempt_env: Callable[[int], dict[str, str]] | None = None):  # fmt: skip
         self.cfg, self.r, self.nproc = cfg, cfg.resilience, nproc
         self.worker_cmd, self.run_dir, self.say = worker_cmd, Path(run_dir), say
+        self.attempt_env = attempt_env or (lambda number: {})
         self.heartbeat_dir = self.run_dir / "heartbeat"
-        self.logs = self.run_dir / "logs"
+        self.node = nodes.node_name()
+        self.rendezvous = nodes.rendezvous_from_env(default_id=self.run_dir.name)
+        self.logs = self.run_dir / "logs" / self.node if self.rendezvous else self.run_dir / "logs"
+        self.errors = self.logs / "errors"  # where workers leave a user error's message
+        self.exclusions = nodes.ExclusionList(self.run_dir, nodes.failure_limit()) if self.rendezvous else None
+        self.id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.module = module_command(worker_cmd)
+        self.use_standby = bool(self.module) and not self.rendezvous and os.environ.get("LIANDAN_STANDBY", "1") != "0"
+        self.standby = StandbyPool(nproc)
         self.step_seconds: list[float] = []
+        self.phase_seconds: dict[str, list[float]] = {p: [] for p in SLOW_PHASES}
         self.pending_recovery: dict | None = None
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> int:
         started = time.time()
         self.logs.mkdir(parents=True, exist_ok=True)
+        (self.logs / handoff.FILE).unlink(missing_ok=True)  # a verdict is handed over only moments after it
+        if self.exclusions and self.node in self.exclusions.excluded():
+            return self._refuse(self.exclusions.excluded()[self.node])
         failures: list[tuple[str, int]] = []
-        restarts = 0
-        while True:
-            attempt = self._start(restarts)
-            self._watch(attempt)
-            if attempt.exit_code == 0 and not attempt.hang:
-                self._finish(started, restarts, gave_up=None)
-                return 0
-            if attempt.exit_code == 2 and not attempt.hang:
-                return 2  # a user error (bad config, missing file): it said so; restarting cannot help
-            incident = self._record_failure(attempt)
-            failures.append((incident["cause"], incident["step"]))
-            repeats = _trailing_repeats(failures)
-            reason = None
-            if repeats >= self.r.same_failure_limit:
-                reason = f"the same failure ({incident['cause']}) recurred {repeats} times at step {incident['step']}"
-            elif restarts >= self.r.max_restarts:
-                reason = f"the restart budget ({self.r.max_restarts}) is spent"
-            if reason:
-                self._event("gave_up", reason=reason, step=incident["step"])
-                self.say(f"liandan: supervisor gave up: {reason}; last failure: {incident['summary']}")
-                self._finish(started, restarts, gave_up=reason)
-                return 1
-            restarts += 1
-            delay = min(60.0, self.r.backoff_s * 2 ** (restarts - 1))
-            self.say(f"supervisor: {incident['summary']}; restart {restarts}/{self.r.max_restarts} in {delay:.1f}s")
-            self._event("restart", attempt=restarts, after_seconds=delay, step=incident["step"])
-            time.sleep(delay)  # backoff: a flapping node or file system gets a moment to recover
+        restarts, streak, last_resume = 0, 0, None
+        attempt = None
+        try:
+            while True:
+                attempt = self._start(restarts)
+                self._watch(attempt)
+                self._end(attempt)
+                if attempt.exit_code == 0 and not attempt.hang:
+                    self._finish(started, restarts, gave_up=None)
+                    return 0
+                if attempt.user_error is not None:  # a bad config, a missing file: restarting cannot help
+                    if not self.rendezvous:  # torchrun's agent has printed it already
+                        print(f"liandan: error: {attempt.user_error}", file=sys.stderr)
+                    return 2
+                self._prepare_standby(restarts + 1)  # its imports overlap the bookkeeping below
+                incident = self._record_failure(attempt)
+                ours = incident["host"] == self.node or not self.rendezvous
+                if self.exclusions and ours:
+                    count, excluded = self.exclusions.record_failure(self.node, {k: incident[k] for k in
+                                                                     ("time", "cause", "step", "summary")})  # fmt: skip
+                    if excluded:
+                        return self._leave(count, incident)
+                # Progress since the last failure (a newer checkpoint) starts a fresh streak: restart at once.
+                streak = streak + 1 if last_resume is not None and incident["resume_step"] <= last_resume else 1
+                last_resume = incident["resume_step"]
+                reason = None
+                if ours:  # a failure that began on another node is that node's to count
+                    failures.append((incident["cause"], incident["step"]))
+                    repeats = _trailing_repeats(failures)
+                    if repeats >= self.r.same_failure_limit:
+                        reason = f"the same failure ({incident['cause']}) recurred {repeats} times at step {incident['step']}"
+                if reason is None and restarts >= self.r.max_restarts:
+                    reason = f"the restart budget ({self.r.max_restarts}) is spent"
+                if reason:
+                    self._event("gave_up", reason=reason, step=incident["step"])
+                    self.say(f"liandan: supervisor gave up: {reason}; last failure: {incident['summary']}")
+                    self._finish(started, restarts, gave_up=reason)
+                    return 1
+                restarts += 1
+                delay = 0.0 if streak == 1 else min(60.0, self.r.backoff_s * 2 ** (streak - 2))
+                self.say(f"supervisor: {incident['summary']}; restart {restarts}/{self.r.max_restarts}"
+                         + (f" in {delay:.1f}s" if delay else " now"))  # fmt: skip
+                self._event("restart", attempt=restarts, after_seconds=delay, step=incident["step"])
+                time.sleep(delay)  # a failure that recurs without progress: give the node or file system a moment
+        finally:
+            if attempt is not None:  # interrupted or not: leave nothing running
+                self._end(attempt)
+            self.standby.dismiss()
 
     def _start(self, number: int) -> Attempt:
-        for stale in self.heartbeat_dir.glob("rank-*.json"):
-            stale.unlink(missing_ok=True)
+        self._clear_heartbeats()
+        attempt = Attempt(number, time.time(), token=f"{self.id}-{number}")
+        shutil.rmtree(self.errors, ignore_errors=True)
+        self.errors.mkdir()
+        env = self._env(number)
+        self.clock = DeathClock()
+        self.store = None
+        if self.rendezvous:  # torchrun's elastic agent, in a process that reports the first failure
+            command = [sys.executable, "-m", "liandan.resilience.agent", f"--nproc={self.nproc}",
+                       *self.rendezvous.torchrun_args(), "--", *self.worker_cmd]  # fmt: skip
+            attempt.procs.append((None, self._popen(command, env)))
+        else:
+            if self.nproc > 1:  # the ranks' rendezvous store, hosted here as torchrun's agent would
+                import torch.distributed as dist
+
+                self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            standby = self.standby.take(number)
+            for rank in range(self.nproc):
+                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.nproc),
+                            "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(self.store.port if self.store else 0),
+                            "TORCHELASTIC_USE_AGENT_STORE": str(self.store is not None)}  # fmt: skip
+                proc = standby[rank].go(*self.module, rank_env) if standby else None
+                attempt.procs.append((rank, proc or self._popen(self.worker_cmd, rank_env)))
+        self._log = open(self.logs / f"attempt-{number}.log", "w")  # noqa: SIM115 - closed when the attempt ends
+        lock = threading.Lock()
+        self.relays = []
+        for _, proc in attempt.procs:
+            self.clock.watch(proc.pid)
+            for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                relay = threading.Thread(target=self._relay, args=(stream, sink, self._log, lock, attempt), daemon=True)
+                relay.start()
+                self.relays.append(relay)
+        return attempt
+
+    def _env(self, number: int) -> dict[str, str]:
         env = dict(os.environ, LIANDAN_SUPERVISED="1", LIANDAN_ATTEMPT=str(number), PYTHONUNBUFFERED="1",
-                   LIANDAN_FAILURE_FILE=str(self.logs / "failure.json"))  # fmt: skip
+                   LIANDAN_ERROR_DIR=str(self.errors), LIANDAN_FAILURE_FILE=str(self.logs / "failure.json"),
+                   **{TOKEN_ENV: f"{self.id}-{number}"})  # fmt: skip
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))  # share the cores
         if shutil.which("nvidia-smi"):  # NCCL settings, only where NCCL can run
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a dead peer fails the collective, not hangs
             env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the NCCL flight recorder, for hang forensics
             env.setdefault("TORCH_FR_DUMP_ON_TIMEOUT", "1")
-        attempt = Attempt(number, time.time())
-        log = self._log = open(self.logs / f"attempt-{number}.log", "w")
-        self.proc = subprocess.Popen(
-            self.worker_cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True,  # its own process group: a hang is ended by killing the whole group
-        )  # fmt: skip
-        lock = threading.Lock()
-        self.relays = [
-            threading.Thread(target=self._relay, args=(stream, sink, log, lock, attempt), daemon=True)
-            for stream, sink in ((self.proc.stdout, sys.stdout), (self.proc.stderr, sys.stderr))
-        ]
-        for relay in self.relays:
-            relay.start()
-        return attempt
+        verified = self.logs / handoff.FILE
+        if verified.is_file():
+            env[handoff.ENV] = str(verified)
+        return {**env, **self.attempt_env(number)}
+
+    @staticmethod
+    def _popen(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+        return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
 
     @staticmethod
     def _relay(stream, sink, log, lock: threading.Lock, attempt: Attempt) -> None:
@@ -118,100 +207,210 @@ class Supervisor:
                 log.flush()
                 attempt.last_lines.append(line.rstrip("\n"))
 
+    # -- standby workers ----------------------------------------------------------------------------------
+    def _prepare_standby(self, number: int) -> None:
+        """Start attempt `number`'s worker processes now, so that their start-up is done when needed."""
+        if self.use_standby and self.standby.number != number:
+            self.standby.prepare(number, self._env(number))
+
+    # -- watching -----------------------------------------------------------------------------------------
     def _watch(self, attempt: Attempt) -> None:
-        last_key, last_change, last_step_time, top_step = None, time.time(), None, -1
-        while self.proc.poll() is None:
-            beats = read_heartbeats(self.heartbeat_dir)
-            key = tuple((b["rank"], b["step"], b["phase"]) for b in beats)
+        last_key, last_change, last_step_time, top_step, progressed = None, time.time(), None, -1, False
+        seen: dict[int, dict] = {}
+        while True:
+            self.clock.wait(POLL_S)
+            if self._exited(attempt):
+                break
+            beats = self._beats(attempt)
             now = time.time()
+            for beat in beats:
+                if self.rendezvous and beat["host"] == self.node:
+                    self.clock.watch(beat["pid"])  # the local workers' exact death times, for attribution
+                before = seen.get(beat["rank"])
+                moved = before and (before["step"], before["phase"]) != (beat["step"], beat["phase"])
+                if moved and before["phase"] in SLOW_PHASES:
+                    self.phase_seconds[before["phase"]].append(beat["time"] - before["time"])
+                seen[beat["rank"]] = beat
+            key = tuple((b["rank"], b["step"], b["phase"]) for b in beats)
             if key != last_key:
                 last_key, last_change = key, now
-                step = max((b["step"] for b in beats), default=-1)
+                step = max((b["step"] for b in beats if b["phase"] != "startup"), default=-1)
                 if step > top_step:
-                    if last_step_time is not None and top_step >= 0:
-                        self.step_seconds.append(now - last_step_time)
+                    if last_step_time is not None:
+                        self.step_seconds.append((now - last_step_time) / (step - top_step))
+                        progressed = True
+                        self._prepare_standby(attempt.number + 1)
                     top_step, last_step_time = step, now
                     self._note_recovery(step)
-            finishing = bool(beats) and all(b["phase"] == "done" for b in beats)
-            started = top_step >= 0 and bool(self.step_seconds) and not finishing  # shutdown may take a while
-            if now - last_change > self.hang_timeout(started=started):
-                attempt.hang = True
-                self._handle_hang(attempt, beats, now - last_change)
+            timeout = self.hang_timeout([b["phase"] for b in beats], progressed)
+            if now - last_change > timeout:
+                attempt.hang, attempt.timeout, attempt.stalled = True, timeout, now - last_change
+                self._handle_hang(attempt, beats)
                 break
-            time.sleep(POLL_S)
-        attempt.exit_code = self.proc.wait()
-        final = max((b["step"] for b in read_heartbeats(self.heartbeat_dir)), default=-1)
+        final = max((b["step"] for b in self._beats(attempt)), default=-1)
         self._note_recovery(final)  # the last steps may have run between two polls
-        for relay in self.relays:
-            relay.join(timeout=10)
-        self._log.close()
 
-    def hang_timeout(self, started: bool) -> float:
-        if not started:
-            return self.r.startup_timeout_s
-        return max(self.r.hang_floor_s, self.r.hang_factor * statistics.median(self.step_seconds[-50:]))
+    def _exited(self, attempt: Attempt) -> bool:
+        """Whether the attempt is over: every rank done, or one failed (whose exit is then recorded)."""
+        for rank, proc in attempt.procs:
+            code = proc.poll()
+            if code is not None and (rank or 0) not in attempt.exits:
+                attempt.exits[rank or 0] = (self.clock.deaths.get(proc.pid, time.time()), code)
+        failed = sorted((when, rank, code) for rank, (when, code) in attempt.exits.items() if code != 0)
+        if failed:
+            attempt.failed_at, attempt.failed_rank, attempt.exit_code = failed[0]
+            if self.rendezvous:  # the agent names the rank that failed first
+                report = _read_json(self.logs / "failure.json")
+                attempt.failed_rank = report.get("rank")
+                local = [self.clock.deaths[p] for p in self.clock.deaths if p != attempt.procs[0][1].pid]
+                attempt.failed_at = min(local, default=attempt.failed_at)
+            reports = sorted(self.errors.glob("rank-*.txt"))
+            if attempt.exit_code == 2:
+                attempt.user_error = reports[0].read_text().strip() if reports else "a worker ended with a user error"
+            return True
+        if len(attempt.exits) == len(attempt.procs):
+            attempt.exit_code = 0
+            return True
+        return False
+
+    def _beats(self, attempt: Attempt) -> list[dict]:
+        """This attempt's heartbeats (older files of other nodes' earlier attempts left out)."""
+        return [b for b in read_heartbeats(self.heartbeat_dir) if b["time"] >= attempt.started]
+
+    def _clear_heartbeats(self) -> None:
+        for stale in self.heartbeat_dir.glob("rank-*.json"):
+            beat = _read_json(stale)
+            if not self.rendezvous or beat.get("host") in (None, self.node):  # other nodes clear their own
+                stale.unlink(missing_ok=True)
+
+    def hang_timeout(self, phases: list[str], progressed: bool = True) -> float:
+        """No progress for longer than this is a hang: the most generous timeout of the ranks' phases."""
+        return max((self._phase_timeout(p, progressed) for p in phases), default=self.r.startup_timeout_s)
+
+    def _phase_timeout(self, phase: str, progressed: bool) -> float:
+        r = self.r
+        if phase in STEP_PHASES and self.step_seconds and (progressed or not self.cfg.train.compile):
+            return max(r.hang_floor_s, r.hang_factor * statistics.median(self.step_seconds[-50:]))
+        if phase in SLOW_PHASES and self.phase_seconds[phase]:
+            return max(r.hang_floor_s, r.hang_factor * max(self.phase_seconds[phase][-20:]))
+        return r.startup_timeout_s  # start-up, the teardown after the last step, a first checkpoint or eval
 
     # -- failures -----------------------------------------------------------------------------------------
-    def _handle_hang(self, attempt: Attempt, beats: list[dict], stalled: float) -> None:
+    def _handle_hang(self, attempt: Attempt, beats: list[dict]) -> None:
+        local = [b for b in beats if not self.rendezvous or b["host"] == self.node]
         stacks_dir = self.heartbeat_dir / "stacks"
-        before = {p: p.stat().st_size for p in stacks_dir.glob("rank-*.txt")} if stacks_dir.is_dir() else {}
-        for beat in beats:
+        paths = {b["rank"]: stacks_dir / f"rank-{b['rank']:05d}.txt" for b in beats}
+        before = {rank: _size(path) for rank, path in paths.items()}
+        for beat in local:
             try:
                 os.kill(beat["pid"], signal.SIGUSR1)
             except (ProcessLookupError, PermissionError):
                 pass
-        deadline = time.time() + 5.0  # faulthandler writes from a signal handler: give it a moment
-        while time.time() < deadline and not all(
-            (stacks_dir / f"rank-{b['rank']:05d}.txt").is_file()
-            and (stacks_dir / f"rank-{b['rank']:05d}.txt").stat().st_size > before.get(stacks_dir / f"rank-{b['rank']:05d}.txt", 0)
-            for b in beats
-        ):  # fmt: skip
-            time.sleep(0.05)
-        attempt.stacks = {b["rank"]: _read(stacks_dir / f"rank-{b['rank']:05d}.txt") for b in beats}
-        attempt.stalled = stalled
+        deadline = time.time() + STACKS_WAIT_S
+        while time.time() < deadline and any(_size(paths[b["rank"]]) <= before[b["rank"]] for b in local):
+            time.sleep(0.02)
+        attempt.stacks = {rank: _read(path) for rank, path in paths.items()}
         attempt.beats = beats
-        # torchrun starts each worker in a session of its own: end every group, not only the launcher's.
-        for pgid in {self.proc.pid, *(b["pid"] for b in beats)}:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        attempt.failed_at = max((b["time"] for b in beats), default=attempt.started)  # the last progress
+        attempt.exit_code = -signal.SIGKILL
+        self._end(attempt)
+
+    def _end(self, attempt: Attempt) -> None:
+        """Kill whatever is left of the attempt, its workers' own sessions and children included."""
+        if attempt.ended:
+            return
+        attempt.ended = True
+        pids = [proc.pid for _, proc in attempt.procs] + [b["pid"] for b in attempt.beats if b["host"] == self.node]
+        attempt.survivors = end_processes(attempt.token, pids)
+        for _, proc in attempt.procs:
+            proc.wait()
+        for relay in self.relays:
+            relay.join(timeout=2)  # every writer is gone: the pipes are at their end
+        self._log.close()
+        self.clock.close()
+        self.store = None
+        if attempt.exit_code is None:
+            attempt.exit_code = -signal.SIGKILL
 
     def _record_failure(self, attempt: Attempt) -> dict:
-        beats = getattr(attempt, "beats", None) or read_heartbeats(self.heartbeat_dir)
+        beats = attempt.beats or self._beats(attempt)
         step = max((b["step"] for b in beats), default=0)
-        resume_step = _latest_complete_step(self.run_dir / "checkpoints", self.cfg)
-        host = socket.gethostname()
+        resume_step = self._resume_step()
+        failed_at = attempt.failed_at or time.time()
+        host, attribution = self.node, None
         if attempt.hang:
             # The rank that stopped first: the oldest heartbeat (its peers then wait for it in a collective).
-            stuck = min(beats, key=lambda b: b["time"]) if beats else {}
-            cause = f"hang in {stuck.get('phase', '?')}"
-            rank = stuck.get("rank")
-            evidence = {"stalled_seconds": round(attempt.stalled, 1), "timeout_seconds": round(self.hang_timeout(True), 1),
+            stuck = min(beats, key=lambda b: b["time"]) if beats else {"phase": "startup", "host": self.node}
+            cause = f"hang in {stuck['phase']}"
+            rank, host = stuck.get("rank"), stuck["host"]
+            evidence = {"stalled_seconds": round(attempt.stalled, 1), "timeout_seconds": round(attempt.timeout, 1),
                         "ranks": beats, "stacks": attempt.stacks}  # fmt: skip
-            summary = f"hang: no progress for {attempt.stalled:.0f}s, rank {rank} stuck in {stuck.get('phase')} at step {step}"
-            kind = "hang"
+            summary = (
+                f"hang: no progress for {attempt.stalled:.0f}s, rank {rank} stuck in {stuck['phase']} at step {step}"
+            )
+            kind, since = "hang", stuck.get("time", attempt.started)
         else:
             code = attempt.exit_code
-            cause = f"signal {signal.Signals(-code).name}" if code and code < 0 else f"exit code {code}"
-            failure = _read_json(self.logs / "failure.json")
-            rank = failure.get("rank", 0 if self.nproc == 1 else None)
-            if failure.get("exitcode") is not None and failure["exitcode"] < 0:
-                cause = f"signal {signal.Signals(-failure['exitcode']).name}"
-            elif failure.get("exitcode") is not None:
-                cause = f"exit code {failure['exitcode']}"
-            evidence = {"exit_code": code, "last_lines": list(attempt.last_lines)}
+            cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            if self.rendezvous:
+                report = _read_json(self.logs / "failure.json")
+                if report.get("exitcode") is not None:
+                    code = report["exitcode"]
+                    cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+            rank = attempt.failed_rank
+            pids = {rank: proc.pid for rank, proc in attempt.procs}
+            exits = {
+                r: {"code": c, "after_s": round(t - failed_at, 3), "pid": pids.get(r)}
+                for r, (t, c) in attempt.exits.items()
+            }
+            evidence = {"exit_code": code, "last_lines": list(attempt.last_lines), "exits": exits}
             summary = f"crash: rank {rank} ended with {cause} at step {step}"
-            kind = "crash"
-        lost_steps = max(0, step - resume_step)
+            kind, since = "crash", failed_at
+        if self.rendezvous:
+            output = _read(self.logs / f"attempt-{attempt.number}.log", 1 << 20)
+            secondary = kind == "crash" and nodes.lost_a_peer(output)
+            nodes.write_report(
+                self.run_dir, self.node, {"since": since, "origin": host, "cause": cause, "secondary": secondary}
+            )
+            participants = {}
+            for b in beats:
+                participants[b["host"]] = max(participants.get(b["host"], 0.0), b["time"])
+            host, attribution = nodes.attribute(self.run_dir, attempt.started, participants, ATTRIBUTION_GRACE_S)
+            summary += f" (attributed to node {host})"
+            rank = rank if host == self.node or attempt.hang else None  # a local rank means nothing there
         incident = {"failure": kind, "cause": cause, "step": step, "rank": rank, "host": host, "attempt": attempt.number,
-                    "resume_step": resume_step, "steps_lost": lost_steps,
-                    "seconds_lost": round(_seconds_since_step(self.run_dir, resume_step), 2), "evidence": evidence,
-                    "summary": summary}  # fmt: skip
-        self._event("incident", **incident)
+                    "resume_step": resume_step, "steps_lost": max(0, step - resume_step),
+                    "seconds_lost": round(self._redone_seconds(attempt, resume_step, failed_at), 2),
+                    "workers_left_alive": attempt.survivors, "evidence": evidence, "summary": summary}  # fmt: skip
+        if self.rendezvous:
+            incident.update(reported_by=self.node, attribution=attribution)
+        incident["time"] = self._event("incident", **incident)
         self.pending_recovery = {"failed_at": time.time(), "step": resume_step}
         (self.logs / "failure.json").unlink(missing_ok=True)
         return incident
+
+    def _resume_step(self) -> int:
+        """The step the next attempt resumes from: the newest checkpoint that verifies, as the workers will
+        find it (0 when none does). The verdict is handed to the workers, who then need not verify again."""
+        c = self.cfg.checkpoint
+        root = Path(c.dir) if c.dir else self.run_dir / "checkpoints"
+        found = handoff.verify_and_hand_over(root, c.verify, self.logs / handoff.FILE, self._event)
+        return int(found.name[5:]) if found else 0
+
+    def _redone_seconds(self, attempt: Attempt, resume_step: int, failed_at: float) -> float:
+        """Seconds of this attempt's work that the next one does again: from when this attempt stood at the
+        resumed checkpoint (its start of training, or the last record at or before that step) to the failure."""
+        began = None
+        for e in _read_events(self.run_dir):
+            if e["kind"] == "train_start" and e["time"] >= attempt.started and e["step"] >= resume_step:
+                began = e["time"]
+                break
+        if began is None:
+            records = [
+                r for r in read_metrics(self.run_dir) if r["time"] >= attempt.started and r["step"] <= resume_step
+            ]
+            began = records[-1]["time"] if records else None
+        return max(0.0, failed_at - began) if began is not None else 0.0
 
     def _note_recovery(self, step: int) -> None:
         """The first completed step after a restart: how long recovery took."""
@@ -220,10 +419,26 @@ class Supervisor:
             self._event("recovered", step=step, seconds=round(seconds, 2))
             self.pending_recovery = None
 
+    # -- nodes --------------------------------------------------------------------------------------------
+    def _refuse(self, entry: dict) -> int:
+        path = self.exclusions.path
+        self._event("node_refused", node=self.node, reason=entry.get("reason"))
+        print(f"liandan: node {self.node} is excluded from run {self.run_dir} ({entry.get('reason')}); it does not "
+              f"join, the other nodes carry on. To let it join again, remove it from {path}.", file=sys.stderr)  # fmt: skip
+        return EXCLUDED_EXIT
+
+    def _leave(self, count: int, incident: dict) -> int:
+        self._event("node_excluded", node=self.node, failures=count, step=incident["step"])
+        print(f"liandan: node {self.node} is excluded from run {self.run_dir} after {count} failures attributed to "
+              f"it; the other nodes carry on without it (list: {self.exclusions.path})", file=sys.stderr)  # fmt: skip
+        return EXCLUDED_EXIT
+
     # -- bookkeeping --------------------------------------------------------------------------------------
-    def _event(self, kind: str, **fields) -> None:
+    def _event(self, kind: str, **fields) -> float:
+        now = time.time()
         with open(self.run_dir / "events.jsonl", "a") as f:
-            f.write(json.dumps({"time": time.time(), "kind": kind, **fields}, default=str) + "\n")
+            f.write(json.dumps({"time": now, "kind": kind, **fields}, default=str) + "\n")
+        return now
 
     def _finish(self, started: float, restarts: int, gave_up: str | None) -> None:
         wall = time.time() - started
@@ -248,9 +463,16 @@ def _trailing_repeats(failures: list[tuple[str, int]]) -> int:
     return n
 
 
-def _read(path: Path) -> str:
+def _size(path: Path) -> int:
     try:
-        return path.read_text()[-20000:]
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _read(path: Path, tail: int = 20000) -> str:
+    try:
+        return path.read_text(errors="replace")[-tail:]
     except OSError:
         return ""
 
@@ -262,18 +484,9 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _latest_complete_step(root: Path, cfg: Config) -> int:
-    """The step the next attempt resumes from: the newest checkpoint that verifies, as the workers will
-    find it (0 when none does)."""
-    from liandan.checkpoint.manager import newest_verified
-
-    found = newest_verified(Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else root, cfg.checkpoint.verify)
-    return int(found.name[5:]) if found else 0
-
-
-def _seconds_since_step(run_dir: Path, step: int) -> float:
-    """Wall time from the end of `step` (the checkpoint resumed from) to now: work that is redone."""
-    records = read_metrics(run_dir)
-    times = [r["time"] for r in records if r["step"] == step]
-    start = times[-1] if times else (records[0]["time"] - records[0].get("step_time_s", 0) if records else time.time())
-    return time.time() - start
+def _read_events(run_dir: Path) -> list[dict]:
+    try:
+        lines = (run_dir / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    return [json.loads(line) for line in lines if line.strip()]

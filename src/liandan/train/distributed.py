@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,9 +89,12 @@ def shutdown_distributed() -> None:
 ERROR_DIR_ENV = "LIANDAN_ERROR_DIR"
 
 
-def launch_local(nproc: int, module: str, args: list[str]) -> tuple[int, str | None]:
+def launch_local(
+    nproc: int, module: str, args: list[str], rendezvous: list[str] | None = None
+) -> tuple[int, str | None]:
     """Run `python -m module args...` in `nproc` local processes under torchrun (in this process, so its
     failure report can be turned into one line). Returns (exit code, the workers' own error message).
+    `rendezvous`: torchrun's options for a multi-node elastic rendezvous instead of a single node.
 
     Workers report user-facing errors into a file under $LIANDAN_ERROR_DIR instead of printing them, so
     the message survives whichever rank torchrun stops first."""
@@ -105,14 +109,19 @@ def launch_local(nproc: int, module: str, args: list[str]) -> tuple[int, str | N
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="liandan-errors-") as errors:
         os.environ[ERROR_DIR_ENV] = errors
-        parsed = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", module, *args])
+        where = rendezvous if rendezvous is not None else ["--standalone"]
+        parser = get_args_parser()
+        parser.allow_abbrev = False  # the worker's own options (--nproc=...) are not torchrun's abbreviated
+        parsed = parser.parse_args([*where, f"--nproc_per_node={nproc}", "-m", module, *args])
         try:
             run(parsed)
             return 0, None
         except ChildFailedError as failure:
             rank, info = failure.get_first_failure()
             if os.environ.get("LIANDAN_FAILURE_FILE"):  # for the supervisor's incident record
-                Path(os.environ["LIANDAN_FAILURE_FILE"]).write_text(json.dumps({"rank": rank, "exitcode": info.exitcode}))
+                Path(os.environ["LIANDAN_FAILURE_FILE"]).write_text(
+                    json.dumps({"rank": rank, "exitcode": info.exitcode, "time": time.time()})
+                )
             reports = sorted(Path(errors).glob("rank-*.txt"))
             if reports:  # a user error: exit 2 whichever rank torchrun saw end first
                 return 2, reports[0].read_text().strip()

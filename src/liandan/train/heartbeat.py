@@ -7,11 +7,13 @@ import faulthandler
 import json
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 
-PHASES = ("startup", "data", "forward_backward", "optimizer", "checkpoint", "eval", "done")
+from liandan.resilience.nodes import node_name
+
+PHASES = ("startup", "data", "forward_backward", "optimizer", "step_end", "checkpoint", "eval", "done")
+STEP_PHASES = ("data", "forward_backward", "optimizer", "step_end")  # the parts of a training step
 
 
 class Heartbeat:
@@ -20,7 +22,7 @@ class Heartbeat:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.path = self.directory / f"rank-{rank:05d}.json"
-        self.host = socket.gethostname()
+        self.host = node_name()  # $LIANDAN_NODE_NAME, Slurm's node name, or the host name
         self._stacks = None
 
     def beat(self, step: int, phase: str) -> None:
@@ -35,7 +37,7 @@ class Heartbeat:
         stacks = self.directory / "stacks"
         stacks.mkdir(exist_ok=True)
         path = stacks / f"rank-{self.rank:05d}.txt"
-        self._stacks = open(path, "w")
+        self._stacks = open(path, "w")  # noqa: SIM115 - open for the signal handler until close()
         faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True, chain=False)
         return path
 

@@ -22,9 +22,10 @@ from liandan import __version__
 from liandan.checkpoint.manager import CheckpointManager
 from liandan.config import Config, ConfigError
 from liandan.data.loader import Batch, PackedLoader
-from liandan.data.prepare import open_prepared, prepare_tokens
+from liandan.data.prepare import open_prepared, open_stores, prepare_store
 from liandan.faults import maybe_inject
 from liandan.model import ModelArgs, Transformer, count_params, flops_per_token
+from liandan.resilience.handoff import newest_checkpoint
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
 from liandan.train.hardware import device_peak_flops, peak_memory_bytes, resolve_dtype
@@ -81,15 +82,20 @@ class Trainer:
         self.heartbeat.enable_stack_dumps()
         self.heartbeat.beat(0, "startup")
 
-        # Data: rank 0 tokenizes (or, resuming, reuses what it tokenized before); the others open it.
-        data_dir = self.run_dir / "data"
+        # Data: token stores from the data pipeline, or rank 0 tokenizes `[data] paths` into a store in the run
+        # directory (resuming, it reuses that store) and the others open it.
+        if cfg.data.stores:
+            self.stores, self.tokenizer = open_stores(cfg.data.stores)
+        else:
+            data_dir = self.run_dir / "data"
 
-        def prepare() -> None:
-            if not (resuming and (data_dir / "tokens" / "meta.json").is_file()):
-                prepare_tokens(cfg.data, data_dir, self.say)
+            def prepare() -> None:
+                if not (resuming and (data_dir / "manifest.json").is_file()):
+                    prepare_store(cfg.data, data_dir, self.say)
 
-        self._on_main_then_share(prepare)
-        self.tokens, self.tokenizer = open_prepared(data_dir)
+            self._on_main_then_share(prepare)
+            store, self.tokenizer = open_prepared(data_dir)
+            self.stores = [store]
         self.dp_rank, self.dp_size = dp_coordinates(self.mesh, self.layout)
         t = cfg.train
         per_rank = t.global_batch // self.dp_size if t.global_batch % self.dp_size == 0 else 0
@@ -100,8 +106,9 @@ class Trainer:
                 f" of whole micro-batches of train.micro_batch = {self.micro_batch}"
             )
         self.loader = PackedLoader(
-            self.tokens, t.seq_len, t.global_batch, cfg.run.seed, cfg.data.val_fraction, self.dp_rank, self.dp_size
-        )
+            self.stores, t.seq_len, t.global_batch, cfg.run.seed, cfg.data.val_fraction, self.dp_rank, self.dp_size,
+            weights=cfg.data.weights or None,
+        )  # fmt: skip
 
         # Model: the same seed on every rank gives every rank the same initial weights before sharding.
         self.model_args = _model_args(cfg, self.tokenizer.vocab_size)
@@ -201,9 +208,8 @@ class Trainer:
                 self.heartbeat.beat(self.step, "checkpoint")
                 self.save_checkpoint()
             maybe_inject("step", self.step)
-        self.heartbeat.beat(self.step, "checkpoint")
+        self.heartbeat.beat(self.step, "done")  # the teardown: the last save may still be writing
         self.checkpoints.close()
-        self.heartbeat.beat(self.step, "done")
         result.seconds = time.perf_counter() - started
         result.tokens = (t.steps - first_step) * tokens_per_step
         self._finish(result)
@@ -230,7 +236,7 @@ class Trainer:
             "layout": str(self.layout),
             "scheduler": self.scheduler.state_dict(),
             "loader": self.loader.state_dict(),
-            "tokenizer": self.tokens.meta["tokenizer"],
+            "tokenizer": self.stores[0].fingerprint,
             "model_args": dataclasses.asdict(self.model_args),
             "config": self.cfg.to_toml(),
             "liandan_version": __version__,
@@ -243,11 +249,12 @@ class Trainer:
     def _resume_or_init(self) -> None:
         """Continue from the newest checkpoint that verifies, or start from `init_from` weights."""
         c = self.cfg.checkpoint
-        path = self.checkpoints.latest_verified() if c.resume == "auto" else None
+        path = newest_checkpoint(self.checkpoints) if c.resume == "auto" else None  # the supervisor's verdict, if fresh
         if path is not None:
             meta = self.checkpoints.load(path, self.model, self.optimizer, verified=True)
-            if meta.get("tokenizer") != self.tokens.meta["tokenizer"]:
-                raise ConfigError(f"checkpoint {path} was trained with another tokenizer than {self.run_dir / 'data'}")
+            if meta.get("tokenizer") != self.stores[0].fingerprint:
+                data = ", ".join(str(s.path) for s in self.stores)
+                raise ConfigError(f"checkpoint {path} was trained with another tokenizer than the data in {data}")
             self.scheduler.load_state_dict(meta["scheduler"])
             self.loader.load_state_dict(meta["loader"])
             self.step = int(meta["step"])

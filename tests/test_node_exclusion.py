@@ -1,0 +1,152 @@
+"""Multi-node runs: failures attributed to the node where they began, a node that keeps failing excluded
+(the list kept with the run), an excluded node refusing to join, and the other nodes carrying on.
+
+Two "nodes" are two supervisors on this machine ($LIANDAN_NODE_NAME), each with one worker, meeting in
+torchrun's elastic c10d rendezvous on 127.0.0.1.
+"""
+
+import json
+import multiprocessing
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import tiny_config, write_corpus
+from liandan.resilience.nodes import ExclusionList, attribute, write_report
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_env(node: str, port: int, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
+    env.update(LIANDAN_NODE_NAME=node, LIANDAN_NNODES="1:2", LIANDAN_RDZV_ENDPOINT=f"127.0.0.1:{port}", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nodes")
+    cfg = tiny_config(root / "runs", write_corpus(root), "--train.steps=8", "--checkpoint.every=2", "--run.name=",
+                      "--resilience.backoff_s=0", "--resilience.hang_floor_s=20", "--resilience.max_restarts=4",
+                      "--checkpoint.async_save=false", "--train.global_batch=2")  # fmt: skip
+    path = root / "tiny.toml"
+    path.write_text(cfg.to_toml())
+    return path
+
+
+def _train(config, name, env, **kwargs):
+    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=1", f"--run.name={name}"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+
+
+def _events(run_dir, kind):
+    lines = (run_dir / "events.jsonl").read_text().splitlines()
+    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+
+
+def test_failing_node_is_excluded_and_the_others_carry_on(config):
+    """node-b's worker is killed at step 3 in every attempt: after two failures attributed to it, node-b
+    leaves and node-a finishes the run alone from the newest checkpoint."""
+    port, run_dir = _free_port(), config.parent / "runs" / "elastic"
+    a = _train(config, "elastic", _node_env("node-a", port, LIANDAN_RDZV_LAST_CALL_S="3"))
+    b = _train(config, "elastic", _node_env("node-b", port, LIANDAN_RDZV_LAST_CALL_S="3",
+                                            LIANDAN_FAULTS_ALWAYS="kill@step:3"))  # fmt: skip
+    _, err_b = b.communicate(timeout=240)
+    _, err_a = a.communicate(timeout=240)
+    assert b.returncode == 3, err_b[-3000:]
+    assert "node node-b is excluded" in err_b and "after 2 failures attributed to it" in err_b
+    assert a.returncode == 0, err_a[-3000:]
+    assert (run_dir / "checkpoints" / "step-00000008" / "manifest.json").is_file()
+    listed = json.loads((run_dir / "excluded_nodes.json").read_text())["nodes"]
+    assert listed["node-b"]["excluded"] and len(listed["node-b"]["failures"]) == 2
+    assert "node-a" not in listed
+    assert (run_dir / "excluded_nodes.txt").read_text().strip() == "node-b"
+    incidents = _events(run_dir, "incident")
+    assert incidents and all(i["host"] == "node-b" for i in incidents)  # both nodes' records blame node-b
+    assert {i["reported_by"] for i in incidents} == {"node-a", "node-b"}
+    [excluded] = _events(run_dir, "node_excluded")
+    assert excluded["node"] == "node-b"
+    # The last attempt ran on node-a alone: one rank.
+    assert _events(run_dir, "train_start")[-1]["world_size"] == 1
+
+
+def test_excluded_node_refuses_to_join(config):
+    run_dir = config.parent / "runs" / "refused"
+    run_dir.mkdir(parents=True)
+    exclusions = ExclusionList(run_dir, limit=2)
+    for step in (3, 5):
+        exclusions.record_failure("node-b", {"cause": "signal SIGKILL", "step": step})
+    started = time.time()
+    b = _train(config, "refused", _node_env("node-b", _free_port()))
+    _, err = b.communicate(timeout=60)
+    assert b.returncode == 3
+    assert f"node node-b is excluded from run {run_dir}" in err and "Traceback" not in err
+    assert not (run_dir / "logs" / "node-b" / "attempt-0.log").exists()  # no worker was started
+    [refused] = _events(run_dir, "node_refused")
+    assert refused["node"] == "node-b" and refused["time"] >= started
+
+
+def test_bad_node_settings_are_one_line_errors(config):
+    env = _node_env("node-a", 1234)
+    env["LIANDAN_NNODES"] = "two"
+    done = subprocess.run([sys.executable, "-m", "liandan.cli", "train", str(config), "--run.name=bad"], env=env,
+                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        == "liandan: error: $LIANDAN_NNODES = 'two' must be a node count N or a range MIN:MAX, e.g. 2:4"
+    )
+
+
+def _add_failures(run_dir, node, n):
+    exclusions = ExclusionList(run_dir, limit=1000)
+    for i in range(n):
+        exclusions.record_failure(node, {"step": i})
+
+
+def test_concurrent_supervisors_lose_no_failure(tmp_path):
+    """Supervisors of different nodes update the list at the same moments: the file lock keeps every count."""
+    ctx = multiprocessing.get_context("spawn")
+    workers = [ctx.Process(target=_add_failures, args=(tmp_path, f"node-{i}", 40)) for i in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=60)
+        assert w.exitcode == 0
+    nodes = ExclusionList(tmp_path).read()["nodes"]
+    assert {name: len(entry["failures"]) for name, entry in nodes.items()} == {f"node-{i}": 40 for i in range(3)}
+
+
+def test_attribution_prefers_the_earliest_own_failure(tmp_path):
+    start = time.time()
+    # node-a's worker died first; node-b's died after, of the lost connection (a secondary failure)
+    write_report(
+        tmp_path, "node-b", {"since": start + 1.0, "origin": "node-b", "cause": "exit code 1", "secondary": True}
+    )
+    write_report(
+        tmp_path, "node-a", {"since": start + 1.2, "origin": "node-a", "cause": "signal SIGKILL", "secondary": False}
+    )
+    node, evidence = attribute(tmp_path, start, {"node-a": start, "node-b": start}, grace_s=1.0)
+    assert node == "node-a" and evidence["silent"] == []
+    # a hang seen from node-c: the stalled rank is on node-b, whatever node-c's own timing
+    write_report(
+        tmp_path, "node-c", {"since": start + 0.5, "origin": "node-b", "cause": "hang in data", "secondary": False}
+    )
+    assert attribute(tmp_path, start, {"node-a": start, "node-c": start}, grace_s=1.0)[0] == "node-b"
+    # a node that never reports (its machine is gone) and beat last before anyone failed is the origin
+    later = time.time()
+    write_report(
+        tmp_path, "node-a", {"since": later + 2.0, "origin": "node-a", "cause": "exit code 1", "secondary": True}
+    )
+    node, evidence = attribute(tmp_path, later, {"node-a": later + 1.9, "node-d": later + 0.5}, grace_s=0.3)
+    assert node == "node-d" and evidence["silent"] == ["node-d"]
