@@ -135,7 +135,10 @@ class ResilienceSection:
     supervise: bool = _f(True, "run the workers under a supervisor that restarts them after a crash or hang")
     max_restarts: int = _f(5, "restarts before the supervisor gives up", min=0)
     same_failure_limit: int = _f(2, "give up when the same failure recurs at the same step this many times", min=1)
-    backoff_s: float = _f(1.0, "wait before the first restart; doubles per restart, at most 60 s", min=0.0)
+    backoff_s: float = _f(
+        1.0, "wait before restarting after a failure that recurred without progress; doubles per repeat, at most 60 s",
+        min=0.0,
+    )
     hang_factor: float = _f(10.0, "a hang is no progress for this many median step times...", min=1.0)
     hang_floor_s: float = _f(60.0, "...but never less than this many seconds", min=0.1)
     startup_timeout_s: float = _f(1800.0, "no progress before the first step for this long is a hang", min=1.0)
