@@ -265,7 +265,8 @@ class Supervisor:
                 local = [self.clock.deaths[p] for p in self.clock.deaths if p != attempt.procs[0][1].pid]
                 attempt.failed_at = min(local, default=attempt.failed_at)
             reports = sorted(self.errors.glob("rank-*.txt"))
-            if attempt.exit_code == 2:
+            if reports or attempt.exit_code == 2:  # a user error, whichever rank was seen to end first
+                attempt.exit_code = 2
                 attempt.user_error = reports[0].read_text().strip() if reports else "a worker ended with a user error"
             return True
         if len(attempt.exits) == len(attempt.procs):
