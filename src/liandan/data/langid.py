@@ -21,6 +21,8 @@ _LETTER = re.compile(r"[^\W\d_]")
 
 @register
 class Language(Filter):
+    """Tags each document with its language (fastText lid.176, bundled) and keeps the listed languages."""
+
     name = "language"
 
     def __init__(self, languages: list[str] = [], min_score: float = 0.0, sample_chars: int = 2000):  # noqa: B006

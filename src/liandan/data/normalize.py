@@ -58,6 +58,8 @@ _FTFY_CONFIG = ftfy.TextFixerConfig(
 
 @register
 class Normalize(Transform):
+    """Unicode NFC, mojibake repair, control characters, whitespace, and optionally HTML to text."""
+
     name = "normalize"
 
     def __init__(

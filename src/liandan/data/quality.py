@@ -73,6 +73,8 @@ def repeats(items: Iterable[str]) -> tuple[int, int]:
 
 @register
 class GopherQuality(Filter):
+    """Gopher's quality rules (Rae et al. 2021): length, word shape, symbols, bullets, ellipses, stop words."""
+
     name = "gopher_quality"
 
     def __init__(
@@ -357,6 +359,8 @@ def _too_long(token: str, limit: int) -> bool:
 
 @register
 class FineWebQuality(Filter):
+    """FineWeb's rules: punctuated lines, short lines, duplicated-line characters, newlines per word."""
+
     name = "fineweb_quality"
 
     def __init__(
