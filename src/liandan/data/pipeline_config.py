@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from liandan.config import ConfigError, build_section, option as _f, parse_override, read_toml
+from liandan.config import ConfigError, build_section, parse_override, read_toml
+from liandan.config import option as _f
 from liandan.data.steps import Step, build_step
 
 
