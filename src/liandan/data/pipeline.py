@@ -355,9 +355,9 @@ def _claim_output(cfg: PipelineConfig, out: Path, overwrite: bool) -> None:
     resolved = out / "pipeline.toml"
     ours = _output_defining(cfg.to_dict())
     if resolved.is_file() and not overwrite:
-        import tomllib
+        from liandan.config import read_toml
 
-        theirs = _output_defining(tomllib.loads(resolved.read_text()))
+        theirs = _output_defining(read_toml(resolved))
         if theirs != ours:
             changed = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
             raise DataError(
