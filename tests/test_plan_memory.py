@@ -414,10 +414,25 @@ def _can_reset_peak() -> bool:
 linux_only = pytest.mark.skipif(not _can_reset_peak(), reason="needs Linux /proc/self/clear_refs and VmHWM")
 
 
+def measure_in_fresh_process(root: Path, names) -> dict[str, tuple[float, float]]:
+    """`measure_runs` in a new interpreter: a process's peak memory depends on what ran in it before (other
+    tests' threads leave malloc arenas behind), which a fresh process does not inherit."""
+    code = (
+        "import json, sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]);"
+        "from test_plan_memory import measure_runs;"
+        "print(json.dumps(measure_runs(Path(sys.argv[2]), sys.argv[3].split(','))))"
+    )
+    tests = str(Path(__file__).resolve().parent)
+    done = subprocess.run(
+        [sys.executable, "-c", code, tests, str(root), ",".join(names)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {k: tuple(v) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
+
+
 @linux_only
-def test_estimate_matches_measured_peak_memory(tmp_path, capsys):
-    results = measure_runs(tmp_path, TESTED)
-    capsys.readouterr()  # the runs' progress lines
+def test_estimate_matches_measured_peak_memory(tmp_path):
+    results = measure_in_fresh_process(tmp_path, TESTED)
     errs = errors(results)
     for name, (measured, estimate) in results.items():
         print(f"{name:18s} measured {measured / 2**20:7.1f} MiB  estimated {estimate / 2**20:7.1f} MiB")
