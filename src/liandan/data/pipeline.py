@@ -150,7 +150,8 @@ def clean_task(cfg: PipelineConfig, task: Task, out: Path) -> dict[str, Any]:
     hashes, signatures, batch = [], [], []
 
     def flush() -> None:
-        hashes.append(exact_hashes(batch))
+        if cfg.dedup.exact:
+            hashes.append(exact_hashes(batch))
         if hasher is not None:
             signatures.append(hasher.signatures(batch))
         batch.clear()
@@ -163,7 +164,8 @@ def clean_task(cfg: PipelineConfig, task: Task, out: Path) -> dict[str, Any]:
     flush()
     kept.close()
     rejects.close()
-    _save_npy(out / "clean" / f"{task.name}.exact.npy", np.concatenate(hashes))
+    if cfg.dedup.exact:
+        _save_npy(out / "clean" / f"{task.name}.exact.npy", np.concatenate(hashes))
     if hasher is not None:
         _save_npy(out / "clean" / f"{task.name}.minhash.npy", np.concatenate(signatures))
     result = {
@@ -243,16 +245,13 @@ def kept_documents(task: Task, out: Path) -> Iterator[Document]:
 
 # -- stage 3: tokenizer ----------------------------------------------------------------------------------------
 def tokenizer_stage(cfg: PipelineConfig, tasks: list[Task], out: Path, kept: int, say: Callable[[str], None]):
-    from liandan.data.tokenizer import ByteTokenizer, HFTokenizer, train_bpe
+    from liandan.data.tokenizer import load_tokenizer, train_bpe
 
     path = out / "tokenizer" / "tokenizer.json"
-    kind = cfg.tokenizer.kind
-    if kind == "byte":
-        return ByteTokenizer()
-    if kind != "bpe":
-        return HFTokenizer.load(kind)
+    if cfg.tokenizer.kind != "bpe":
+        return load_tokenizer(cfg.tokenizer.kind)
     if path.is_file():
-        return HFTokenizer.load(path)
+        return load_tokenizer(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     stride = max(1, kept // cfg.tokenizer.sample_documents)
 
@@ -275,12 +274,12 @@ def tokenizer_stage(cfg: PipelineConfig, tasks: list[Task], out: Path, kept: int
 # -- stage 4 and 5: tokenize, manifests --------------------------------------------------------------------------
 def tokenize_task(task: Task, out: Path, tokenizer_spec: str) -> dict[str, Any]:
     from liandan.data.store import write_shard
-    from liandan.data.tokenizer import make_tokenizer
+    from liandan.data.tokenizer import load_tokenizer
 
     done = out / "state" / f"tokenize-{task.name}.json"
     if done.is_file():
         return json.loads(done.read_text())
-    tokenizer = make_tokenizer(tokenizer_spec, [], 0)
+    tokenizer = load_tokenizer(tokenizer_spec)
     store_dir = out / "stores" / task.source
     store_dir.mkdir(parents=True, exist_ok=True)
     info = write_shard(kept_documents(task, out), tokenizer, store_dir / f"shard-{task.name}")

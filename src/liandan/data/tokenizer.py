@@ -104,10 +104,11 @@ def train_bpe(texts: Iterable[str], vocab_size: int, special_tokens: Sequence[st
     return HFTokenizer(tok)
 
 
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """`byte`, or a path to a tokenizer.json."""
+    return ByteTokenizer() if spec == "byte" else HFTokenizer.load(spec)
+
+
 def make_tokenizer(spec: str, texts: Iterable[str], bpe_vocab_size: int) -> Tokenizer:
     """`byte`, `bpe` (trained on `texts`), or a path to a tokenizer.json."""
-    if spec == "byte":
-        return ByteTokenizer()
-    if spec == "bpe":
-        return train_bpe(texts, bpe_vocab_size)
-    return HFTokenizer.load(spec)
+    return train_bpe(texts, bpe_vocab_size) if spec == "bpe" else load_tokenizer(spec)
