@@ -1,7 +1,9 @@
 """Recovery time and goodput of a supervised 2-rank run with injected faults, against the same run without.
 
-A tiny Llama trains for 200 steps on 2 processes (FSDP2 over gloo, CPU) under `liandan.resilience.supervisor`,
-with a checkpoint every 20 steps, twice: once without faults and once with five faults, one per attempt:
+A tiny Llama (configs/tiny.toml; `--scenario small` for a smaller one on shorter steps) trains for 200 steps on
+2 processes (FSDP2 over gloo, CPU) under `liandan.resilience.supervisor`, with a durable checkpoint every 20
+steps and an in-memory snapshot every step (`--memory-every`, 0 for none), twice: once without faults and once
+with five faults, one per attempt:
 
     attempt 0  kill@step:27:1     SIGKILL of rank 1 after step 27
     attempt 1  raise@step:53:0    RuntimeError on rank 0 after step 53
@@ -11,9 +13,10 @@ with a checkpoint every 20 steps, twice: once without faults and once with five 
 
 (with --steps N the steps scale with N; the save fault stays on a checkpoint step).
 
-    python benchmarks/recovery.py                      # both runs, 5-6 minutes on 2 cores
+    python benchmarks/recovery.py                      # both runs, about 6 minutes on 2 cores
     python benchmarks/recovery.py --steps 60           # a quick look
     python benchmarks/recovery.py --json results.json  # what docs/benchmarks.md reports
+    python benchmarks/recovery.py --scenario small --memory-every 0   # durable checkpoints only
 
 $LIANDAN_FAULTS fires in the first attempt only, so one fault per attempt needs a per-attempt schedule: the
 supervisor's `attempt_env` hook sets $LIANDAN_FAULTS_ALWAYS to the schedule's entry for each attempt (none
@@ -70,11 +73,18 @@ NPROC = 2
 GOODPUT_TARGET = 0.90
 HANG_TARGET = 2.0  # a hang detected within this many timeouts
 
-# Settings a user would plausibly pick for this run; stated in the report.
-MODEL = ["--model.dim=256", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
-         "--model.max_seq_len=256"]  # fmt: skip
-TRAIN = ["--train.global_batch=4", "--train.seq_len=256", "--train.dtype=fp32", "--schedule.warmup_steps=20",
-         "--data.tokenizer=byte"]  # fmt: skip
+# The runs, on top of a config file (None: the built-in defaults); stated in the report.
+#   tiny:  configs/tiny.toml as shipped (16 x 256 tokens per step, BPE vocabulary of 4096) on a token store
+#          prepared beforehand, as a pretraining run's data is; fp32, no evaluation
+#   small: a 3.1M-parameter model on 4 x 256 tokens per step with a byte tokenizer: steps of ~0.3 s, so that
+#          start-up and restarts weigh far more than in any real run
+SCENARIOS = {
+    "tiny": (ROOT / "configs" / "tiny.toml", ["--train.dtype=fp32", "--train.eval_every=0",
+                                              "--schedule.warmup_steps=20"]),
+    "small": (None, ["--model.dim=256", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=2",
+                     "--model.max_seq_len=256", "--train.global_batch=4", "--train.seq_len=256", "--train.dtype=fp32",
+                     "--schedule.warmup_steps=20", "--data.tokenizer=byte"]),
+}  # fmt: skip
 RESILIENCE = {
     "backoff_s": 0.25,  # doubles per restart: 0.25, 0.5, 1, 2, 4 s for five restarts
     "hang_factor": 10.0,  # the default
@@ -301,7 +311,8 @@ def print_report(info: dict, clean: dict, faults: dict, weights: dict, verdict: 
     print(f"machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}, Python {info['python']}; "
           f"load average {info['load_average_start'][0]:.2f} at the start, {info['load_average_end'][0]:.2f} at the end")  # fmt: skip
     print(f"model: {info['parameters'] / 1e6:.2f}M parameters; {info['steps']} steps of {info['tokens_per_step']} "
-          f"tokens; checkpoint every {info['every']} steps (async); {NPROC} ranks, FSDP2 on gloo")  # fmt: skip
+          f"tokens; checkpoint every {info['every']} steps (async), memory snapshot every {info['memory_every']} "
+          f"(0: none); {NPROC} ranks, FSDP2 on gloo; scenario {info['scenario']}")  # fmt: skip
     print("resilience: " + ", ".join(f"{k}={v}" for k, v in info["resilience"].items()))
     print()
     print("| # | injected | detected | cause | step | rank | resumed | steps lost | s lost | detection s | "
@@ -366,6 +377,9 @@ def main() -> int:
         default=RESILIENCE["backoff_s"],
         help=f"resilience.backoff_s (default {RESILIENCE['backoff_s']:g})",
     )
+    parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="tiny", help="which run (default tiny)")
+    parser.add_argument("--memory-every", type=int, default=1,
+                        help="checkpoint.memory_every: steps between in-memory snapshots, 0 for none (default 1)")
     parser.add_argument("--dir", type=Path, help="keep the runs here (default: a temporary directory, deleted)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--verbose", action="store_true", help="show the workers' output")
@@ -379,10 +393,18 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         corpus = load_helpers().write_corpus(work, n_docs=79)
-        overrides = [f"--run.output_dir={work / 'runs'}", *MODEL, *TRAIN, f'--data.paths=["{corpus}"]',
+        base, settings = SCENARIOS[opts.scenario]
+        data = [f'--data.paths=["{corpus}"]']
+        if opts.scenario == "tiny":
+            from liandan.data.prepare import prepare_store
+
+            prepare_store(load_config(base, data).data, work / "store", say=lambda m: None)
+            data = [f'--data.stores=["{work / "store"}"]']
+        overrides = [f"--run.output_dir={work / 'runs'}", *settings, *data,
                      f"--train.steps={opts.steps}", f"--checkpoint.every={opts.every}",
+                     f"--checkpoint.memory_every={opts.memory_every}",
                      *(f"--resilience.{k}={v}" for k, v in resilience.items())]  # fmt: skip
-        cfg = load_config(None, overrides)
+        cfg = load_config(base, overrides)
         config = work / "recovery.toml"
         config.write_text(cfg.to_toml())
         planned = fault_schedule(opts.steps, opts.every)
@@ -404,9 +426,9 @@ def main() -> int:
         final = f"step-{opts.steps:08d}"
         weights = compare_weights(work / "runs/clean/checkpoints" / final, work / "runs/faults/checkpoints" / final)
         meta = json.loads((work / "runs/faults/summary.json").read_text())
-        info.update(parameters=meta["parameters"], steps=opts.steps, every=opts.every,
+        info.update(parameters=meta["parameters"], steps=opts.steps, every=opts.every, memory_every=opts.memory_every,
                     tokens_per_step=cfg.train.global_batch * cfg.train.seq_len, resilience=resilience,
-                    model=MODEL, train=TRAIN)  # fmt: skip
+                    scenario=opts.scenario, settings=settings)  # fmt: skip
 
         hangs = [r for r in faults["incidents"] if r["detected_as"] == "hang"]
         detected = sorted(r["attempt"] for r in faults["incidents"] if r["fault"] != "(not injected)")

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers import SHARED_DATA, tiny_config, write_corpus
 
 
@@ -90,6 +91,8 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     out = done.stdout
     assert "Python documentation corpus" in out
     assert "sample, prompted with 'The for statement'" in out
+    assert "rank 1 will be killed (SIGKILL) after step 2" in out and "with 1 restart(s)" in out
+    assert "CRASH" in out and "resumed at step 2 from the in-memory snapshot" in out  # no step lost
     run_dir, data_dir = sorted(tmp_path.iterdir())  # demo-<time> and demo-<time>-data
     for name in ("config.toml", "metrics.jsonl", "summary.json", "training.png", "hf/config.json"):
         assert (run_dir / name).exists(), name

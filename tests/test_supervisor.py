@@ -17,10 +17,12 @@ import pytest
 import torch
 
 from helpers import tiny_config, write_corpus
+from liandan.checkpoint import memory
 from liandan.checkpoint.manager import load_model
 from liandan.config import load_config
 from liandan.resilience.processes import alive
 from liandan.resilience.supervisor import Supervisor
+from liandan.train.heartbeat import read_heartbeats
 
 pytestmark = pytest.mark.slow
 RECOVERY_S = 60.0  # restart of 2 ranks on a loaded 2-core machine, including Python and torch start-up
@@ -42,13 +44,13 @@ def setup(tmp_path_factory):
     return config, _weights(config, "clean")
 
 
-def _train(config, name, faults=None, always=None):
+def _train(config, name, faults=None, always=None, extra=()):
     env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
     if faults:
         env["LIANDAN_FAULTS"] = faults
     if always:
         env["LIANDAN_FAULTS_ALWAYS"] = always
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", f"--run.name={name}"]
+    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", f"--run.name={name}", *extra]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, check=False)
 
 
@@ -106,6 +108,31 @@ def test_fault_is_survived_exactly(setup, name, faults, failure, cause, rank, re
     timeline = subprocess.run([sys.executable, "-m", "liandan.cli", "incidents", str(config.parent / "runs" / name)],
                               capture_output=True, text=True, check=False)  # fmt: skip
     assert failure.upper() in timeline.stdout and "recovered" in timeline.stdout and "goodput" in timeline.stdout
+
+
+@pytest.mark.parametrize(
+    "name, faults, cause, step",
+    [
+        ("memory-kill", "kill@step:5:1", "signal SIGKILL", 5),
+        ("memory-exit-in-save", "exit@save:4:0", "exit code 1", 4),  # the durable checkpoint of step 4 is lost
+        ("memory-kill-before-any-checkpoint", "kill@step:1:0", "signal SIGKILL", 1),
+    ],
+)
+def test_memory_snapshots_resume_from_the_last_step(setup, name, faults, cause, step):
+    config, clean = setup
+    done = _train(config, name, faults=faults, extra=["--checkpoint.memory_every=1"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    for key, value in _weights(config, name).items():
+        assert torch.equal(value, clean[key]), key
+    [incident] = _events(config, name, "incident")
+    assert incident["cause"] == cause and incident["step"] == step
+    assert incident["resume_step"] == step and incident["steps_lost"] == 0
+    [resumed] = _events(config, name, "resumed")
+    assert resumed["source"] == "memory" and resumed["step"] == step
+    run_dir = config.parent / "runs" / name
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged == list(range(1, 9))  # every step once: none lost, none twice
+    assert not memory.snapshot_dir(run_dir).exists()  # the supervisor gave the memory back
 
 
 def test_full_disk_during_save_needs_no_restart(setup):
@@ -169,6 +196,26 @@ def test_hang_timeout_follows_the_phase(setup):
     assert supervisor.hang_timeout(["checkpoint", "optimizer"]) == 600  # no checkpoint timed yet
     supervisor.phase_seconds["checkpoint"] = [0.2, 3.0]
     assert supervisor.hang_timeout(["checkpoint", "optimizer"]) == 4 * 3.0  # the longest checkpoint so far
+    # The rank that stopped first (oldest heartbeat) is loading a batch, which it reports takes 0.01-0.3 s:
+    stuck = {"rank": 1, "phase": "data", "time": 100.0, "longest": {"data": 0.3, "forward_backward": 0.9}}
+    waiting = {"rank": 0, "phase": "forward_backward", "time": 100.2, "longest": {"data": 0.4}}
+    assert supervisor.first_stopped_timeout([waiting, stuck]) == 4 * 0.3 < supervisor.hang_timeout(["data", "forward_backward"])
+    assert supervisor.first_stopped_timeout([waiting, {**stuck, "longest": {"data": 0.01}}]) == 1.0  # the floor
+    assert supervisor.first_stopped_timeout([waiting, stuck], progressed=False) is None  # a first step warms up
+    assert supervisor.first_stopped_timeout([waiting, {**stuck, "phase": "checkpoint"}]) is None
+    assert supervisor.first_stopped_timeout([waiting, {**stuck, "longest": {}}]) is None  # nothing reported yet
+
+
+def test_heartbeat_reports_how_long_each_part_of_a_step_takes(tmp_path):
+    from liandan.train.heartbeat import Heartbeat
+
+    beat = Heartbeat(tmp_path, rank=0)
+    beat.beat(0, "startup")
+    beat.beat(0, "data")
+    beat.beat(0, "forward_backward")
+    [record] = read_heartbeats(tmp_path)
+    assert record["phase"] == "forward_backward" and set(record["longest"]) == {"data"}
+    assert 0 <= record["longest"]["data"] < 1
 
 
 def test_checkpoint_verdict_is_trusted_only_while_nothing_changed(tmp_path, monkeypatch):

@@ -128,6 +128,11 @@ class CheckpointSection:
     resume: Literal["auto", "off"] = _f("auto", "auto: continue from the newest checkpoint that verifies")
     verify: bool = _f(True, "check every file's checksum before loading")
     init_from: str = _f("", "a checkpoint directory whose model weights start a new run (optimizer fresh)")
+    memory_every: int = _f(
+        0, "under the supervisor, snapshot every rank's state into host shared memory every this many steps, so a"
+        " restart after a process crash resumes from there; 0 disables", min=0,
+    )  # fmt: skip
+    memory_dir: str = _f("", "where memory snapshots go; empty means /dev/shm (or the temporary directory)")
 
 
 @dataclass

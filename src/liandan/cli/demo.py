@@ -2,19 +2,26 @@
 
 Runs the data pipeline on the corpus (normalize, language tags, repetition filter, exact and near dedup, a
 byte-level BPE, a token store and an inspection report), trains a small Llama on the store with document
-masking, validation and verified checkpoints, then samples from it, exports it for `transformers` and says
-where everything is.
+masking, validation and verified checkpoints on two processes (FSDP2) under the supervisor, which survives a
+rank killed on purpose part-way (it resumes from the in-memory snapshot of that very step), then samples from
+the final checkpoint, exports it for `transformers` and says where everything is.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 from datetime import datetime
 from pathlib import Path
 
 import torch
 
+from liandan.checkpoint.manager import load_model
 from liandan.config import load_config
+from liandan.data.store import TokenStore
+from liandan.faults import ENV as FAULTS_ENV
+from liandan.resilience.incidents import timeline
 
 # A model that learns visibly in a few CPU minutes: ~3.5M parameters, 256-token sequences.
 DEMO_SETTINGS = [
@@ -36,7 +43,9 @@ DEMO_SETTINGS = [
     "--data.tokenizer=bpe",
     "--data.bpe_vocab_size=4096",
     "--checkpoint.every=100",
+    "--checkpoint.memory_every=1",
 ]
+NPROC = 2
 
 
 def prepare_data(data: list[str] | None, out: Path, vocab_size: int) -> dict:
@@ -70,8 +79,6 @@ def prepare_data(data: list[str] | None, out: Path, vocab_size: int) -> dict:
 
 
 def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overrides: list[str]) -> int:
-    from liandan.train import Trainer
-
     name = f"demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     settings = list(DEMO_SETTINGS)
     vocab_size = load_config(None, settings + overrides).data.bpe_vocab_size  # checks the overrides, too
@@ -85,22 +92,28 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     settings.append(f"--run.output_dir={output_dir}")
     settings.append(f"--run.name={name}")
     cfg = load_config(None, settings + overrides)
-
-    trainer = Trainer(cfg, config_name="demo")
-    result = trainer.train()
-    s = result.summary
+    run = Path(cfg.run.output_dir) / name
+    code = train_supervised(cfg, run)
+    if code != 0:
+        return code
+    s = json.loads((run / "summary.json").read_text())
+    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     print()
     print(
-        f"trained {s['parameters'] / 1e6:.1f}M parameters for {s['steps']} steps on {s['tokens']:,} tokens"
-        f" in {s['seconds']:.0f}s ({s['tokens_per_s']:,.0f} tokens/s, {s['dtype']})"
+        f"trained {s['parameters'] / 1e6:.1f}M parameters for {s['steps']} steps on {NPROC} processes"
+        f" ({s['layout']}, {s['dtype']}); goodput {100 * s['goodput']:.1f}% with {s['restarts']} restart(s)"
     )
-    print(f"loss {result.losses[0]:.3f} -> {s['final_loss']:.3f}; validation loss {s['val_loss']:.3f}")
-    prompt = "The for statement"
-    print(f"\nsample, prompted with {prompt!r}:\n  {sample(trainer, prompt)!r}\n")
-    run = result.run_dir
-    show_checkpoints(run)
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; validation loss {s['val_loss']:.3f}")
+    print("incidents (liandan incidents <run>):")
+    for line in timeline(run):
+        print(f"  {line}")
+    model, meta = load_model(run / "checkpoints" / f"step-{s['steps']:08d}")
     store = Path(next(iter(data_summary["stores"].values()))["path"])
-    export_for_transformers(trainer, run, store / "tokenizer.json")
+    tokenizer = TokenStore(store).tokenizer
+    prompt = "The for statement"
+    print(f"\nsample, prompted with {prompt!r}:\n  {sample(model, tokenizer, prompt)!r}\n")
+    show_checkpoints(run)
+    export_for_transformers(model, run, store / "tokenizer.json")
     data_dir = Path(data_summary["output"])
     print(f"data directory: {data_dir}")
     for name, what in [
@@ -127,6 +140,27 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     return 0
 
 
+def train_supervised(cfg, run: Path) -> int:
+    """Train on NPROC processes under the supervisor, with rank 1 killed after 40% of the steps."""
+    from liandan.resilience.supervisor import Supervisor
+
+    run.mkdir(parents=True, exist_ok=True)
+    config = run / "launch.toml"
+    config.write_text(cfg.to_toml())
+    fault_step = max(1, cfg.train.steps * 2 // 5)
+    print(f"training on {NPROC} processes under the supervisor; rank 1 will be killed (SIGKILL) after step {fault_step}")
+    worker = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--nproc={NPROC}", f"--run.name={run.name}"]
+    previous = os.environ.get(FAULTS_ENV)
+    os.environ[FAULTS_ENV] = f"kill@step:{fault_step}:1"  # fires in the first attempt only
+    try:
+        return Supervisor(cfg, worker, run, nproc=NPROC).run()
+    finally:
+        if previous is None:
+            os.environ.pop(FAULTS_ENV, None)
+        else:
+            os.environ[FAULTS_ENV] = previous
+
+
 def show_checkpoints(run: Path) -> None:
     from liandan.checkpoint.manager import describe_checkpoint
 
@@ -137,25 +171,24 @@ def show_checkpoints(run: Path) -> None:
         print(f"  {path.name}: step {info['step']}, {info['bytes'] / 2**20:.1f} MiB, {status}")
 
 
-def export_for_transformers(trainer, run: Path, tokenizer: Path) -> None:
+def export_for_transformers(model, run: Path, tokenizer: Path) -> None:
     from liandan.checkpoint.hf import export_hf
 
-    state = {k: v.detach().cpu() for k, v in trainer.model.state_dict().items()}
-    export_hf(state, trainer.model_args, run / "hf", tokenizer_json=tokenizer if tokenizer.is_file() else None)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    export_hf(state, model.args, run / "hf", tokenizer_json=tokenizer if tokenizer.is_file() else None)
     print(f"exported for transformers: AutoModelForCausalLM.from_pretrained('{run / 'hf'}')\n")
 
 
 @torch.no_grad()
-def sample(trainer, prompt: str, new_tokens: int = 40, temperature: float = 0.8, seed: int = 0) -> str:
-    """A short continuation from the trained model (single process), seeded for repeatability."""
-    model, tokenizer = trainer.model, trainer.tokenizer
+def sample(model, tokenizer, prompt: str, new_tokens: int = 40, temperature: float = 0.8, seed: int = 0) -> str:
+    """A short continuation from the trained model (one process, CPU), seeded for repeatability."""
     model.eval()
     generator = torch.Generator().manual_seed(seed)
     ids = tokenizer.encode_batch([prompt])[0]
-    limit = trainer.model_args.max_seq_len
+    limit = model.args.max_seq_len
     for _ in range(new_tokens):
-        x = torch.tensor([ids[-limit:]], device=trainer.device)
-        with trainer._autocast():
+        x = torch.tensor([ids[-limit:]])
+        with torch.no_grad():
             logits = model(x)[0, -1].float() / temperature
         next_id = int(torch.multinomial(logits.softmax(-1).cpu(), 1, generator=generator))
         if next_id == tokenizer.eos_id:

@@ -128,10 +128,26 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     trainer = Trainer(cfg, config_name=name, callbacks=default_callbacks(cfg))
     try:
         result = trainer.train()
+    except Exception as err:
+        if "LIANDAN_SUPERVISED" in os.environ and not isinstance(err, (*USER_ERRORS, OSError)):
+            _crash_now()
+        raise
     finally:
         trainer.close()
     _report(result)
     return 0
+
+
+def _crash_now() -> None:
+    """A supervised worker that hit a bug: print the traceback and end at once. An orderly exit would wait for
+    its peers in a process group that is about to be torn down anyway (a second or more), and the supervisor
+    restarts the ranks only when it sees this one end."""
+    import traceback
+
+    traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _supervise(config: str, cfg, name: str, nproc: int, overrides: list[str]) -> int:

@@ -58,6 +58,8 @@ def _describe(e: dict) -> str:
         return f"recovered: step {e['step']} done {e['seconds']:.1f}s after the failure"
     if kind == "gave_up":
         return f"GAVE UP: {e['reason']}"
+    if kind == "resumed" and e.get("source") == "memory":
+        return f"resumed at step {e['step']} from the in-memory snapshot ({e['path']})"
     if kind == "resumed":
         return f"resumed at step {e['step']} from {Path(e['path']).name} (saved as {e.get('from_layout')})"
     if kind == "supervisor_end":

@@ -30,6 +30,8 @@ def main() -> None:
     with contextlib.suppress(Exception):
         import liandan.cli.main
         import liandan.train.trainer  # noqa: F401
+    with contextlib.suppress(Exception):
+        import torch._dynamo  # noqa: F401 - FSDP2 imports it on first use: most of a second
     line = sys.stdin.readline()
     if not line.strip():
         return

@@ -5,7 +5,9 @@ On one node the supervisor starts the ranks itself (it hosts their rendezvous st
 would), so it sees the first rank to fail to the millisecond and ends the others at once. On several nodes
 each node's supervisor runs torchrun's elastic agent (see nodes.py). A crash is a rank that exits non-zero.
 A hang is no heartbeat progress for longer than the timeout of the phases the ranks are in: for the parts of
-a training step hang_factor x the median step time (at least hang_floor_s); for checkpoints and evaluation
+a training step hang_factor x the median step time (at least hang_floor_s), or less when the rank that stopped
+first is in a part of a step that it reports usually takes far less (hang_factor x its longest recent time
+there, at least hang_floor_s); for checkpoints and evaluation
 hang_factor x the longest one seen (startup_timeout_s before one has been seen); startup_timeout_s for the
 start-up and the teardown after the last step. The supervisor then asks every rank for its Python stacks
 (SIGUSR1, faulthandler), records them, and kills every process of the attempt. Every failure is an incident
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from liandan.checkpoint import memory
 from liandan.config import Config
 from liandan.resilience import handoff, nodes
 from liandan.resilience.processes import TOKEN_ENV, DeathClock, StandbyPool, end_processes, module_command
@@ -83,6 +86,7 @@ class Supervisor:
         self.step_seconds: list[float] = []
         self.phase_seconds: dict[str, list[float]] = {p: [] for p in SLOW_PHASES}
         self.pending_recovery: dict | None = None
+        self.snapshots = memory.snapshot_dir(self.run_dir, cfg.checkpoint.memory_dir)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -94,6 +98,7 @@ class Supervisor:
         failures: list[tuple[str, int]] = []
         restarts, streak, last_resume = 0, 0, None
         attempt = None
+        memory.remove(self.run_dir, self.cfg.checkpoint.memory_dir)  # an earlier supervisor's, never ours
         try:
             while True:
                 attempt = self._start(restarts)
@@ -140,6 +145,7 @@ class Supervisor:
             if attempt is not None:  # interrupted or not: leave nothing running
                 self._end(attempt)
             self.standby.dismiss()
+            memory.remove(self.run_dir, self.cfg.checkpoint.memory_dir)  # give the host memory back
 
     def _start(self, number: int) -> Attempt:
         self._clear_heartbeats()
@@ -180,7 +186,7 @@ class Supervisor:
     def _env(self, number: int) -> dict[str, str]:
         env = dict(os.environ, LIANDAN_SUPERVISED="1", LIANDAN_ATTEMPT=str(number), PYTHONUNBUFFERED="1",
                    LIANDAN_ERROR_DIR=str(self.errors), LIANDAN_FAILURE_FILE=str(self.logs / "failure.json"),
-                   **{TOKEN_ENV: f"{self.id}-{number}"})  # fmt: skip
+                   **{TOKEN_ENV: f"{self.id}-{number}", memory.OWNER_ENV: self.id})  # fmt: skip
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))  # share the cores
         if shutil.which("nvidia-smi"):  # NCCL settings, only where NCCL can run
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a dead peer fails the collective, not hangs
@@ -243,6 +249,8 @@ class Supervisor:
                     top_step, last_step_time = step, now
                     self._note_recovery(step)
             timeout = self.hang_timeout([b["phase"] for b in beats], progressed)
+            first = self.first_stopped_timeout(beats, progressed)
+            timeout = min(timeout, first) if first is not None else timeout
             if now - last_change > timeout:
                 attempt.hang, attempt.timeout, attempt.stalled = True, timeout, now - last_change
                 self._handle_hang(attempt, beats)
@@ -287,6 +295,19 @@ class Supervisor:
     def hang_timeout(self, phases: list[str], progressed: bool = True) -> float:
         """No progress for longer than this is a hang: the most generous timeout of the ranks' phases."""
         return max((self._phase_timeout(p, progressed) for p in phases), default=self.r.startup_timeout_s)
+
+    def first_stopped_timeout(self, beats: list[dict], progressed: bool = True) -> float | None:
+        """The timeout of the rank that stopped first (the oldest heartbeat: its peers then wait for it in a
+        collective) when it is in a part of a step whose recent durations it reported: hang_factor x the
+        longest of them, at least hang_floor_s. A rank stuck loading a batch, which takes milliseconds, is
+        then found sooner than after hang_factor whole steps. None when that does not apply."""
+        if not beats or not progressed:
+            return None
+        first = min(beats, key=lambda b: b["time"])
+        longest = first.get("longest", {}).get(first["phase"])
+        if first["phase"] not in STEP_PHASES or not longest:
+            return None
+        return max(self.r.hang_floor_s, self.r.hang_factor * longest)
 
     def _phase_timeout(self, phase: str, progressed: bool) -> float:
         r = self.r
@@ -391,12 +412,16 @@ class Supervisor:
         return incident
 
     def _resume_step(self) -> int:
-        """The step the next attempt resumes from: the newest checkpoint that verifies, as the workers will
-        find it (0 when none does). The verdict is handed to the workers, who then need not verify again."""
+        """The step the next attempt resumes from: the newest memory snapshot that every rank holds or the
+        newest checkpoint that verifies, as the workers will find them (0 when there is neither). The
+        checkpoint verdict is handed to the workers, who then need not verify again."""
         c = self.cfg.checkpoint
         root = Path(c.dir) if c.dir else self.run_dir / "checkpoints"
         found = handoff.verify_and_hand_over(root, c.verify, self.logs / handoff.FILE, self._event)
-        return int(found.name[5:]) if found else 0
+        durable = int(found.name[5:]) if found else 0
+        if not c.memory_every or self.rendezvous:  # on several nodes, the ranks agree among themselves
+            return durable
+        return max(durable, memory.newest_common_step(self.snapshots, self.nproc, self.id) or 0)
 
     def _redone_seconds(self, attempt: Attempt, resume_step: int, failed_at: float) -> float:
         """Seconds of this attempt's work that the next one does again: from when this attempt stood at the

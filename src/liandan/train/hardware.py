@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import json
+import math
+import os
+import platform
 import resource
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -78,6 +83,105 @@ def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 
     return best
 
 
+PEAK_CACHE_FILE = "peak_flops.json"
+PEAK_CACHE_MAX_AGE_S = 7 * 24 * 3600  # long enough to skip the benchmark on restarts, short enough to notice upgrades
+
+
+def cache_dir() -> Path | None:
+    """$LIANDAN_CACHE_DIR, else $XDG_CACHE_HOME/liandan, else ~/.cache/liandan; None where there is no home."""
+    if os.environ.get("LIANDAN_CACHE_DIR"):
+        return Path(os.environ["LIANDAN_CACHE_DIR"])
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "liandan"
+    try:
+        return Path.home() / ".cache" / "liandan"
+    except RuntimeError:
+        return None
+
+
+def cpu_model_name() -> str:
+    """The CPU's marketing name from /proc/cpuinfo where there is one, else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _peak_cache_key(dtype: torch.dtype, size: int) -> str:
+    # Everything that moves the measured number; a change in any of them must miss the cache.
+    return "|".join(
+        [
+            cpu_model_name(),
+            f"cpus={os.cpu_count()}",
+            f"threads={torch.get_num_threads()}",
+            f"torch={torch.__version__}",
+            str(dtype).removeprefix("torch."),
+            f"size={size}",
+        ]
+    )
+
+
+def _read_peak_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):  # missing, unreadable or corrupt: measure instead
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_peak_cache(path: Path, entries: dict) -> None:
+    """Replace the cache file atomically, so a rank starting concurrently never reads half a file; failures are
+    ignored, since a cache must never stop training (read-only home, full disk)."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w") as handle:
+            json.dump(entries, handle, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except (OSError, ValueError, TypeError):
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def _fresh_flops(entry: object, now: float) -> float | None:
+    if not isinstance(entry, dict):
+        return None
+    flops, measured_at = entry.get("flops"), entry.get("measured_at")
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (flops, measured_at)):
+        return None
+    # A timestamp from the future (clock set back) counts as stale rather than fresh forever.
+    if flops <= 0 or not 0 <= now - measured_at < PEAK_CACHE_MAX_AGE_S:
+        return None
+    return float(flops)
+
+
+def cpu_peak_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> tuple[float, bool]:
+    """(FLOP/s, whether it came from the disk cache): measure_matmul_flops, remembered per machine and thread
+    count so restarts skip the benchmark."""
+    directory = cache_dir()
+    path = directory / PEAK_CACHE_FILE if directory is not None else None
+    key = _peak_cache_key(dtype, size)
+    entries = _read_peak_cache(path) if path is not None else {}
+    now = time.time()
+    cached = _fresh_flops(entries.get(key), now)
+    if cached is not None:
+        return cached, True
+    flops = measure_matmul_flops(dtype, size=size, seconds=seconds)
+    if path is not None and flops > 0 and math.isfinite(flops):
+        # Re-read just before writing so entries another rank or run added meanwhile survive; expired ones go.
+        entries = {k: v for k, v in _read_peak_cache(path).items() if _fresh_flops(v, now) is not None}
+        entries[key] = {"flops": flops, "measured_at": time.time()}
+        _write_peak_cache(path, entries)
+    return flops, False
+
+
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """(FLOP/s, where the number came from) for one process's device."""
     if device.type == "cuda":
@@ -88,7 +192,9 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, 
                 peak /= 2  # TF32 tensor cores run at half the bf16 rate
             return peak, f"{name} data sheet"
         return measure_matmul_flops(dtype, size=4096), f"{name} measured matmul"
-    return measure_matmul_flops(dtype), f"CPU measured {str(dtype).removeprefix('torch.')} matmul"
+    flops, cached = cpu_peak_flops(dtype)
+    source = f"CPU measured {str(dtype).removeprefix('torch.')} matmul"
+    return flops, (f"{source} (cached)" if cached else source)
 
 
 def peak_memory_bytes(device: torch.device) -> int:

@@ -3,6 +3,7 @@ process can tell a slow step from a hang and name the rank and the phase that st
 
 from __future__ import annotations
 
+import collections
 import faulthandler
 import json
 import os
@@ -24,10 +25,18 @@ class Heartbeat:
         self.path = self.directory / f"rank-{rank:05d}.json"
         self.host = node_name()  # $LIANDAN_NODE_NAME, Slurm's node name, or the host name
         self._stacks = None
+        self._last: tuple[str, float] | None = None
+        # Recent durations of each part of a step, so the watchdog can tell a part that usually takes
+        # milliseconds (loading a batch) from the step as a whole.
+        self._durations: dict[str, collections.deque] = {p: collections.deque(maxlen=50) for p in STEP_PHASES}
 
     def beat(self, step: int, phase: str) -> None:
+        now = time.time()
+        if self._last is not None and self._last[0] in self._durations:
+            self._durations[self._last[0]].append(now - self._last[1])
+        self._last = (phase, now)
         record = {"rank": self.rank, "pid": os.getpid(), "host": self.host, "step": step, "phase": phase,
-                  "time": time.time()}  # fmt: skip
+                  "time": now, "longest": {p: round(max(d), 4) for p, d in self._durations.items() if d}}  # fmt: skip
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)  # readers never see half a record

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from liandan import __version__
+from liandan.checkpoint import memory
 from liandan.checkpoint.manager import CheckpointManager
 from liandan.config import Config, ConfigError
 from liandan.data.loader import Batch, PackedLoader
@@ -139,6 +140,12 @@ class Trainer:
             verify_on_load=c.verify,
             on_event=self._event,
         )
+        # Snapshots in host memory serve the supervisor's restarts only: it owns them and removes them.
+        owner = os.environ.get(memory.OWNER_ENV)
+        self.snapshots = None
+        if c.memory_every and owner:
+            self.snapshots = memory.MemorySnapshots(memory.snapshot_dir(self.run_dir, c.memory_dir), self.dist.rank,
+                                                    self.dist.world_size, owner, str(self.layout))  # fmt: skip
         self._resume_or_init()
 
         self.params = count_params(self.model_args)
@@ -203,6 +210,8 @@ class Trainer:
                 self.heartbeat.beat(self.step, "eval")
                 result.val_loss = self.evaluate()
                 self.logger.log_event("eval", step=self.step, loss=result.val_loss)
+            if self.snapshots and self.step % cfg.checkpoint.memory_every == 0 and self.step < t.steps:
+                self.snapshots.save(self.step, self.model, self.optimizer, self._resume_state())
             every = cfg.checkpoint.every
             if every and (self.step % every == 0 or self.step == t.steps):
                 self.heartbeat.beat(self.step, "checkpoint")
@@ -234,9 +243,7 @@ class Trainer:
             "format": "liandan-checkpoint",
             "tokens": self.step * self.cfg.train.global_batch * self.cfg.train.seq_len,
             "layout": str(self.layout),
-            "scheduler": self.scheduler.state_dict(),
-            "loader": self.loader.state_dict(),
-            "tokenizer": self.stores[0].fingerprint,
+            **self._resume_state(),
             "model_args": dataclasses.asdict(self.model_args),
             "config": self.cfg.to_toml(),
             "liandan_version": __version__,
@@ -246,22 +253,25 @@ class Trainer:
             cb.on_checkpoint(self, self.step)
         return blocked
 
+    def _resume_state(self) -> dict[str, Any]:
+        """What a resume needs besides the tensors."""
+        return {"scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
+                "tokenizer": self.stores[0].fingerprint}  # fmt: skip
+
     def _resume_or_init(self) -> None:
-        """Continue from the newest checkpoint that verifies, or start from `init_from` weights."""
+        """Continue from the newest memory snapshot or checkpoint that verifies, or start from `init_from`."""
         c = self.cfg.checkpoint
         path = newest_checkpoint(self.checkpoints) if c.resume == "auto" else None  # the supervisor's verdict, if fresh
-        if path is not None:
+        in_memory = self.snapshots.agree() if self.snapshots and c.resume == "auto" else None
+        if in_memory is not None and (path is None or in_memory > int(path.name[5:])):
+            meta = self.snapshots.load(in_memory, self.model, self.optimizer)
+            self._continue_from(meta, in_memory, f"the memory snapshot in {self.snapshots.directory}")
+            self._event("resumed", step=self.step, source="memory", path=str(self.snapshots.directory),
+                        from_layout=str(self.layout))  # fmt: skip
+        elif path is not None:
             meta = self.checkpoints.load(path, self.model, self.optimizer, verified=True)
-            if meta.get("tokenizer") != self.stores[0].fingerprint:
-                data = ", ".join(str(s.path) for s in self.stores)
-                raise ConfigError(f"checkpoint {path} was trained with another tokenizer than the data in {data}")
-            self.scheduler.load_state_dict(meta["scheduler"])
-            self.loader.load_state_dict(meta["loader"])
-            self.step = int(meta["step"])
-            if self.dist.is_main:
-                _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
-            self.say(f"resumed from {path} at step {self.step}")
-            self._event("resumed", step=self.step, path=str(path), from_layout=meta.get("layout"))
+            self._continue_from(meta, int(meta["step"]), str(path))
+            self._event("resumed", step=self.step, source="checkpoint", path=str(path), from_layout=meta.get("layout"))
         elif c.init_from:
             source = Path(c.init_from)
             if not (source / "meta.json").is_file():
@@ -275,6 +285,19 @@ class Trainer:
             self.checkpoints.load(source, self.model)
             self.say(f"initialised model weights from {source}")
             self._event("initialised", path=str(source))
+        if self.step == 0 and self.dist.is_main:  # a restart with nothing to resume from starts over
+            _truncate_metrics(self.run_dir / "metrics.jsonl", 0)
+
+    def _continue_from(self, meta: dict[str, Any], step: int, source: str) -> None:
+        if meta.get("tokenizer") != self.stores[0].fingerprint:
+            data = ", ".join(str(s.path) for s in self.stores)
+            raise ConfigError(f"{source} was trained with another tokenizer than the data in {data}")
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.loader.load_state_dict(meta["loader"])
+        self.step = step
+        if self.dist.is_main:
+            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+        self.say(f"resumed from {source} at step {self.step}")
 
     def _event(self, kind: str, **fields: Any) -> None:
         self.files.log_event(kind, **fields)
@@ -391,6 +414,9 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
     run_dir = Path(run_dir)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     resumable = cfg.checkpoint.resume == "auto" and any(ckpt_root.glob("step-*/manifest.json"))
+    if cfg.checkpoint.resume == "auto" and cfg.checkpoint.memory_every and os.environ.get(memory.OWNER_ENV):
+        # The supervisor empties the snapshot directory when it starts: what is there is this run's.
+        resumable = resumable or any(memory.snapshot_dir(run_dir, cfg.checkpoint.memory_dir).glob("rank-*.json"))
     # A supervised restart with nothing to resume from starts the run over.
     overwrite = cfg.run.overwrite or int(os.environ.get("LIANDAN_ATTEMPT", "0")) > 0
     if (run_dir / "metrics.jsonl").exists() and not resumable and not overwrite:

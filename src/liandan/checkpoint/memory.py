@@ -1,0 +1,276 @@
+"""In-memory snapshots: every rank's training state in host shared memory every few steps, so that a
+restart after a process crash resumes from the last step rather than from the last durable checkpoint.
+
+A durable checkpoint every N steps costs, on average, N/2 steps of redone work per failure. Most failures
+of a large run end processes, not machines (an exception, a killed or hung rank, a NCCL error), and memory
+outside the processes survives those. So each rank copies its own shards (model parameters and buffers,
+optimizer state, RNG states) into a file in `/dev/shm` after a step, with the scheduler and loader state
+beside it, and a restarted rank on the same node reads them back. Machines that die take their snapshots
+with them; the ranks then agree on no snapshot and the run resumes from the durable checkpoint as before.
+
+Layout of `<base>/liandan-<hash of the run directory>/`:
+    rank-00000.slot-0.bin    the tensors, each at a 64-byte aligned offset (preallocated, reused)
+    rank-00000.slot-0.json   step, owner, world size, layout, tensor table, state, xxh3 of the .bin;
+                             written after the data, so a header always describes complete data
+
+Two slots per rank, written alternately, so the newest complete snapshot survives a crash during a write.
+Ranks step in lockstep (every step has collectives), so with two slots some step is always held by all
+ranks; `agree` finds the newest. A snapshot belongs to one supervisor (its `owner`): a new invocation never
+picks up state left in memory by an earlier one, and the supervisor removes the directory when it ends.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import xxhash
+
+FORMAT = "liandan-memory-snapshot"
+VERSION = 1
+OWNER_ENV = "LIANDAN_SNAPSHOT_OWNER"
+ALIGN = 64
+SLOTS = 2
+
+
+def default_base() -> Path:
+    """Host shared memory where there is one (Linux), else the temporary directory."""
+    shm = Path("/dev/shm")
+    return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
+
+
+def snapshot_dir(run_dir: Path, base: str | Path = "") -> Path:
+    """Where a run's snapshots live: one directory per run directory, under `base` (default: /dev/shm)."""
+    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+    return Path(base or default_base()) / f"liandan-{key}"
+
+
+def remove(run_dir: Path, base: str | Path = "") -> None:
+    shutil.rmtree(snapshot_dir(run_dir, base), ignore_errors=True)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A rank's own part of a (possibly distributed) tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state (AdamW makes it lazily, on the first step) without changing any weight:
+    one step with zero gradients at a learning rate of zero. The state is overwritten right after."""
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    saved = [(g, g["lr"]) for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
+    optimizer.step()
+    for g, lr in saved:
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor a rank must get back to continue bit for bit, by a name stable across restarts."""
+    out = [(f"param.{n}", _local(p.detach())) for n, p in model.named_parameters()]
+    out += [(f"buffer.{n}", _local(b)) for n, b in model.named_buffers()]
+    if optimizer is not None:
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                for key, value in sorted(optimizer.state.get(p, {}).items()):
+                    if isinstance(value, torch.Tensor):
+                        out.append((f"optim.{gi}.{pi}.{key}", _local(value)))
+    out.append(("rng.torch", torch.get_rng_state()))
+    if torch.cuda.is_available():
+        out.append(("rng.cuda", torch.cuda.get_rng_state()))
+    return out
+
+
+def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
+    if optimizer is None:
+        return []
+    groups = []
+    for group in optimizer.param_groups:
+        entry = {}
+        for key, value in group.items():
+            if key == "params":
+                continue
+            entry[key] = float(value) if isinstance(value, torch.Tensor) else value
+        groups.append(entry)
+    return groups
+
+
+def _python_rng() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    kind, key, pos, has_gauss, cached = np.random.get_state()
+    return {"python": [version, list(internal), gauss], "numpy": [kind, key.tolist(), pos, has_gauss, cached]}
+
+
+def _set_python_rng(state: dict[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, key, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.asarray(key, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _checksum(buffer: torch.Tensor) -> str:
+    return xxhash.xxh3_64_hexdigest(buffer.numpy().data)
+
+
+class MemorySnapshots:
+    """One rank's snapshots of its training state, in `directory` (see the module docstring)."""
+
+    def __init__(self, directory: Path, rank: int, world_size: int, owner: str, layout: str = ""):
+        self.directory = Path(directory)
+        self.rank, self.world_size, self.owner, self.layout = rank, world_size, owner, layout
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._buffers: dict[int, torch.Tensor] = {}  # slot -> shared-memory bytes, kept mapped between saves
+        self._next_slot = 0
+
+    def _paths(self, slot: int, rank: int | None = None) -> tuple[Path, Path]:
+        stem = f"rank-{self.rank if rank is None else rank:05d}.slot-{slot}"
+        return self.directory / f"{stem}.bin", self.directory / f"{stem}.json"
+
+    # -- saving -------------------------------------------------------------------------------------------
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
+        """Copy this rank's state at `step` into the older slot. `state` (JSON) rides along in the header."""
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % SLOTS
+        data_path, header_path = self._paths(slot)
+        header_path.unlink(missing_ok=True)  # from here until the new header, this slot holds nothing valid
+        tensors = _state_tensors(model, optimizer)
+        table, offset = [], 0
+        for name, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            table.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                          "offset": offset, "nbytes": nbytes})  # fmt: skip
+            offset += -(-nbytes // ALIGN) * ALIGN
+        buffer = self._buffer(slot, data_path, max(offset, ALIGN))
+        for entry, (_, t) in zip(table, tensors, strict=True):
+            view = buffer[entry["offset"] : entry["offset"] + entry["nbytes"]]
+            view.view(t.dtype).view(t.shape).copy_(t.detach())
+        header = {
+            "format": FORMAT, "version": VERSION, "step": step, "owner": self.owner, "rank": self.rank,
+            "world_size": self.world_size, "layout": self.layout, "bytes": offset, "tensors": table,
+            "optimizer_groups": _hyperparameters(optimizer), "rng": _python_rng(), "state": state,
+            "checksum": _checksum(buffer[:offset]),
+        }  # fmt: skip
+        tmp = header_path.with_name(header_path.name + ".tmp")
+        tmp.write_text(json.dumps(header))
+        os.replace(tmp, header_path)
+
+    def _buffer(self, slot: int, path: Path, nbytes: int) -> torch.Tensor:
+        buffer = self._buffers.get(slot)
+        if buffer is None or buffer.numel() < nbytes:
+            with open(path, "wb") as f:
+                f.truncate(nbytes)  # sparse: pages are taken as they are written
+            buffer = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+            self._buffers[slot] = buffer
+        return buffer
+
+    # -- finding ------------------------------------------------------------------------------------------
+    def _header(self, slot: int) -> dict | None:
+        return _read_header(self._paths(slot)[1], self.owner, self.world_size, self.layout)
+
+    def steps(self) -> dict[int, int]:
+        """step -> slot of this rank's snapshots whose headers belong to this run (data not checked)."""
+        return _held(self.directory, self.rank, self.owner, self.world_size, self.layout)
+
+    def _read(self, slot: int) -> tuple[dict, np.ndarray] | None:
+        """A slot's header and data if the data matches its checksum."""
+        header = self._header(slot)
+        if header is None:
+            return None
+        try:
+            data = np.fromfile(self._paths(slot)[0], dtype=np.uint8, count=header["bytes"])
+        except (OSError, ValueError):
+            return None
+        if data.size != header["bytes"] or xxhash.xxh3_64_hexdigest(data.data) != header["checksum"]:
+            return None
+        return header, data
+
+    def agree(self, group: dist.ProcessGroup | None = None) -> int | None:
+        """The newest step that every rank holds a sound snapshot of (None if there is none). Collective."""
+        mine = sorted(step for step, slot in self.steps().items() if self._read(slot) is not None)
+        everyone = [mine]
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
+            everyone = [None] * self.world_size
+            dist.all_gather_object(everyone, mine, group=group)
+        common = set(everyone[0]).intersection(*map(set, everyone[1:]))
+        return max(common) if common else None
+
+    # -- loading ------------------------------------------------------------------------------------------
+    def load(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+        """Put this rank's snapshot of `step` back into `model` and `optimizer`; returns its `state`."""
+        slot = self.steps().get(step)
+        found = self._read(slot) if slot is not None else None
+        if found is None:
+            raise RuntimeError(f"rank {self.rank} has no sound memory snapshot of step {step} in {self.directory}")
+        header, data = found
+        if optimizer is not None:
+            _ensure_optimizer_state(optimizer)
+        tensors = dict(_state_tensors(model, optimizer))
+        source = torch.from_numpy(data)
+        names = {entry["name"] for entry in header["tensors"]}
+        missing = sorted(set(tensors) - names - {"rng.cuda"})
+        if missing:
+            raise RuntimeError(f"memory snapshot of step {step} lacks {', '.join(missing[:3])}")
+        with torch.no_grad():
+            for entry in header["tensors"]:
+                target = tensors.get(entry["name"])
+                if target is None:
+                    continue
+                raw = source[entry["offset"] : entry["offset"] + entry["nbytes"]]
+                target.copy_(raw.view(target.dtype).view(target.shape))
+        torch.set_rng_state(tensors["rng.torch"])  # it was filled above like every other tensor
+        if "rng.cuda" in tensors and "rng.cuda" in names:
+            torch.cuda.set_rng_state(tensors["rng.cuda"])
+        _set_python_rng(header["rng"])
+        if optimizer is not None:
+            for group, saved in zip(optimizer.param_groups, header["optimizer_groups"], strict=True):
+                for key, value in saved.items():
+                    current = group.get(key)
+                    if isinstance(current, torch.Tensor):
+                        current.fill_(value)
+                    else:
+                        group[key] = tuple(value) if isinstance(current, tuple) else value
+        return header["state"]
+
+
+def _read_header(path: Path, owner: str, world_size: int, layout: str | None) -> dict | None:
+    """A header if it belongs to this owner and world (and layout, unless None), else None."""
+    try:
+        header = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    expected = {"format": FORMAT, "version": VERSION, "owner": owner, "world_size": world_size}
+    if layout is not None:
+        expected["layout"] = layout
+    return header if all(header.get(k) == v for k, v in expected.items()) else None
+
+
+def _held(directory: Path, rank: int, owner: str, world_size: int, layout: str | None) -> dict[int, int]:
+    out = {}
+    for slot in range(SLOTS):
+        header = _read_header(Path(directory) / f"rank-{rank:05d}.slot-{slot}.json", owner, world_size, layout)
+        if header is not None:
+            out[header["step"]] = slot
+    return out
+
+
+def newest_common_step(directory: Path, world_size: int, owner: str) -> int | None:
+    """The newest step of which every rank's snapshot header is here: the supervisor's view of where a
+    restart resumes (on several nodes only the local ranks' files are here, and this returns None)."""
+    held = [set(_held(directory, rank, owner, world_size, None)) for rank in range(world_size)]
+    common = held[0].intersection(*held[1:])
+    return max(common) if common else None

@@ -1,0 +1,129 @@
+"""In-memory snapshots: bit-exact round trips of model, optimizer and RNG state, two slots that survive a
+crash during a write, data that must match its checksum, snapshots of another owner or shape ignored, and
+ranks that agree on the newest step all of them hold (real gloo processes)."""
+
+import copy
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from liandan.checkpoint import memory
+from liandan.checkpoint.memory import MemorySnapshots, newest_common_step
+
+
+def _model_and_optimizer(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
+
+
+def _step(model, optimizer):
+    model(torch.randn(4, 8)).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_round_trip_is_bit_exact_and_training_continues_identically(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    _step(model, optimizer)
+    snaps = MemorySnapshots(tmp_path, rank=0, world_size=1, owner="sup-1", layout="single")
+    snaps.save(1, model, optimizer, {"loader": {"position": 7}})
+    for group in optimizer.param_groups:
+        group["lr"] = 5e-3  # a scheduler moved it after the snapshot: the snapshot's value must come back
+    reference = copy.deepcopy(model)
+    reference_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1, betas=(0.9, 0.95))
+    reference_opt.load_state_dict(optimizer.state_dict())
+    for group in reference_opt.param_groups:
+        group["lr"] = 1e-2
+    rng = torch.get_rng_state()
+    expected = []
+    for _ in range(3):
+        _step(reference, reference_opt)
+        expected.append([p.detach().clone() for p in reference.parameters()])
+
+    torch.manual_seed(99)  # a restarted process: other weights, no optimizer state, another RNG position
+    fresh, fresh_opt = _model_and_optimizer(seed=5)
+    assert not fresh_opt.state
+    state = MemorySnapshots(tmp_path, rank=0, world_size=1, owner="sup-1", layout="single").load(1, fresh, fresh_opt)
+    assert state == {"loader": {"position": 7}}
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert fresh_opt.param_groups[0]["lr"] == 1e-2 and fresh_opt.param_groups[0]["betas"] == (0.9, 0.95)
+    for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    torch.set_rng_state(rng)
+    for weights in expected:
+        _step(fresh, fresh_opt)
+        for p, q in zip(fresh.parameters(), weights, strict=True):
+            assert torch.equal(p, q)
+
+
+def test_two_slots_torn_writes_and_checksums(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    snaps = MemorySnapshots(tmp_path, 0, 1, "sup-1", "single")
+    for step in (1, 2, 3):
+        _step(model, optimizer)
+        snaps.save(step, model, optimizer, {})
+    assert snaps.steps() == {3: 0, 2: 1}  # the oldest was overwritten in place
+    assert snaps.agree() == 3
+    # A crash while step 4 is written: its header was removed first, so only step 2 remains beside it.
+    (tmp_path / "rank-00000.slot-0.json").unlink()
+    assert snaps.agree() == 2
+    # Data that no longer matches its header's checksum is not used.
+    data = tmp_path / "rank-00000.slot-1.bin"
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert snaps.steps() == {2: 1} and snaps.agree() is None
+    with pytest.raises(RuntimeError, match="no sound memory snapshot of step 2"):
+        snaps.load(2, model, optimizer)
+
+
+def test_snapshots_of_another_owner_world_or_layout_are_ignored(tmp_path):
+    model, optimizer = _model_and_optimizer()
+    _step(model, optimizer)
+    MemorySnapshots(tmp_path, 0, 1, "sup-1", "single").save(1, model, optimizer, {})
+    assert MemorySnapshots(tmp_path, 0, 1, "sup-1", "single").agree() == 1
+    assert MemorySnapshots(tmp_path, 0, 1, "sup-2", "single").agree() is None  # a later supervisor
+    assert MemorySnapshots(tmp_path, 0, 1, "sup-1", "fsdp").agree() is None
+    assert newest_common_step(tmp_path, 1, "sup-1") == 1
+    assert newest_common_step(tmp_path, 2, "sup-1") is None  # rank 1's files are not here
+    header = json.loads((tmp_path / "rank-00000.slot-0.json").read_text())
+    assert header["format"] == memory.FORMAT and header["step"] == 1 and header["owner"] == "sup-1"
+
+
+def test_snapshot_directory_is_per_run_and_removable(tmp_path):
+    a, b = memory.snapshot_dir(tmp_path / "a", tmp_path), memory.snapshot_dir(tmp_path / "b", tmp_path)
+    assert a != b and a.parent == tmp_path and a == memory.snapshot_dir(tmp_path / "a", tmp_path)
+    MemorySnapshots(a, 0, 1, "x").save(1, torch.nn.Linear(2, 2), None, {})
+    memory.remove(tmp_path / "a", tmp_path)
+    assert not a.exists()
+
+
+def _agree_worker(rank, directory, held, out):
+    dist.init_process_group("gloo", init_method=f"file://{directory}/store", rank=rank, world_size=2)
+    try:
+        model = torch.nn.Linear(4, 4)
+        snaps = MemorySnapshots(directory, rank, 2, "sup-1", "fsdp")
+        for step in held[rank]:
+            with torch.no_grad():
+                model.weight.fill_(step + rank)
+            snaps.save(step, model, None, {"step": step})
+        agreed = snaps.agree()
+        state = snaps.load(agreed, model, None)
+        out.put((rank, agreed, state["step"], float(model.weight[0, 0])))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_newest_step_all_hold(tmp_path):
+    """Rank 0 got to write step 4, rank 1 died before it did: both resume from step 3."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    held = {0: [2, 3, 4], 1: [2, 3]}
+    mp.start_processes(_agree_worker, args=(tmp_path, held, out), nprocs=2, start_method="spawn")
+    results = sorted(out.get(timeout=60) for _ in range(2))
+    assert results == [(0, 3, 3, 3.0), (1, 3, 3, 4.0)]
+    assert newest_common_step(tmp_path, 2, "sup-1") == 3
