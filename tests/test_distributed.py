@@ -109,3 +109,42 @@ def test_worker_side_error_is_one_line_from_the_launcher(setup, tmp_path):
     # torch's C++ runtime may add "terminate called ..." for the rank torchrun stops; liandan says it once
     errors = [line for line in done.stderr.splitlines() if line.startswith("liandan: error:")]
     assert errors == [f"liandan: error: tokenizer file not found: {tmp_path / 'missing.json'}"]
+
+
+def _lonely_collective(rank, port, timeout_s, failed, out):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from liandan.train.distributed import init_distributed
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))  # fmt: skip
+    init_distributed("cpu", "gloo", timeout_s)
+    if rank == 1:
+        failed.wait(120)  # never joins the collective; leaves once rank 0 has given up on it
+        return
+    started = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+        out.put(("completed", 0.0))
+    except RuntimeError:
+        out.put(("failed", time.monotonic() - started))
+    failed.set()
+
+
+def test_collective_timeout_ends_a_wait_for_a_missing_peer():
+    """`resilience.collective_timeout_s` reaches the process group: a collective that a peer never joins
+    fails after about that long instead of the default half hour."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    failed, out, port = ctx.Event(), ctx.Queue(), _free_port()
+    procs = [ctx.Process(target=_lonely_collective, args=(rank, port, 2.0, failed, out)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    outcome, seconds = out.get(timeout=120)
+    for p in procs:
+        p.join(60)
+    assert outcome == "failed" and 1.5 <= seconds < 30

@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -41,6 +42,7 @@ from liandan.train.heartbeat import STEP_PHASES, read_heartbeats
 
 POLL_S = 0.2
 STACKS_WAIT_S = 2.0  # faulthandler writes from a signal handler: it is there in milliseconds, or never
+NCCL_TRACE_PREFIX = "nccl-trace-rank-"  # the flight recorder's dumps on a collective timeout (CUDA only)
 ATTRIBUTION_GRACE_S = 5.0  # how long a node waits for the other nodes' view of a failure
 SLOW_PHASES = ("checkpoint", "eval")
 EXCLUDED_EXIT = 3  # this node is excluded from the run: it does not join (the other nodes carry on)
@@ -192,6 +194,7 @@ class Supervisor:
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a dead peer fails the collective, not hangs
             env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the NCCL flight recorder, for hang forensics
             env.setdefault("TORCH_FR_DUMP_ON_TIMEOUT", "1")
+            env.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(self.logs / NCCL_TRACE_PREFIX))  # kept with the run
         verified = self.logs / handoff.FILE
         if verified.is_file():
             env[handoff.ENV] = str(verified)
@@ -366,7 +369,8 @@ class Supervisor:
             cause = f"hang in {stuck['phase']}"
             rank, host = stuck.get("rank"), stuck["host"]
             evidence = {"stalled_seconds": round(attempt.stalled, 1), "timeout_seconds": round(attempt.timeout, 1),
-                        "ranks": beats, "stacks": attempt.stacks}  # fmt: skip
+                        "ranks": beats, "stacks": attempt.stacks,
+                        "nccl_traces": sorted(str(p) for p in self.logs.glob(NCCL_TRACE_PREFIX + "*"))}  # fmt: skip
             summary = (
                 f"hang: no progress for {attempt.stalled:.0f}s, rank {rank} stuck in {stuck['phase']} at step {step}"
             )
@@ -417,11 +421,17 @@ class Supervisor:
         checkpoint verdict is handed to the workers, who then need not verify again."""
         c = self.cfg.checkpoint
         root = Path(c.dir) if c.dir else self.run_dir / "checkpoints"
+        in_memory = None
+        if c.memory_every and not self.rendezvous:  # on several nodes, the ranks agree among themselves
+            in_memory = memory.newest_common_step(self.snapshots, self.nproc, self.id)
+        complete = sorted(p.name for p in root.glob("step-*")
+                          if re.fullmatch(r"step-\d{8}", p.name) and (p / "manifest.json").is_file())  # fmt: skip
+        if in_memory is not None and in_memory >= (int(complete[-1][5:]) if complete else 0):
+            (self.logs / handoff.FILE).unlink(missing_ok=True)
+            return in_memory  # the workers will not read a checkpoint: no need to verify one
         found = handoff.verify_and_hand_over(root, c.verify, self.logs / handoff.FILE, self._event)
         durable = int(found.name[5:]) if found else 0
-        if not c.memory_every or self.rendezvous:  # on several nodes, the ranks agree among themselves
-            return durable
-        return max(durable, memory.newest_common_step(self.snapshots, self.nproc, self.id) or 0)
+        return max(durable, in_memory or 0)
 
     def _redone_seconds(self, attempt: Attempt, resume_step: int, failed_at: float) -> float:
         """Seconds of this attempt's work that the next one does again: from when this attempt stood at the

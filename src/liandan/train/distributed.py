@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -58,8 +59,9 @@ def _first_slurm_host(env: dict[str, str]) -> str:
         return first or "127.0.0.1"
 
 
-def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
-    """Join the process group described by the environment; a lone process runs without one."""
+def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float | None = None) -> DistInfo:
+    """Join the process group described by the environment; a lone process runs without one. `timeout_s`:
+    how long a collective may wait for a peer before it fails (c10d's and NCCL's watchdog timeout)."""
     _adopt_slurm_env(os.environ)  # type: ignore[arg-type]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -77,6 +79,8 @@ def init_distributed(device: str = "auto", backend: str = "auto") -> DistInfo:
         if backend == "auto":
             backend = "nccl" if dev.type == "cuda" else "gloo"
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        if timeout_s:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend=backend, init_method="env://", **kwargs)
     return DistInfo(rank, world, local_rank, dev)
 

@@ -13,8 +13,10 @@ from pathlib import Path
 
 from liandan.resilience.nodes import node_name
 
-PHASES = ("startup", "data", "forward_backward", "optimizer", "step_end", "checkpoint", "eval", "done")
-STEP_PHASES = ("data", "forward_backward", "optimizer", "step_end")  # the parts of a training step
+PHASES = ("startup", "data", "forward", "backward", "optimizer", "collective", "step_end", "checkpoint", "eval", "done")
+# The parts of a training step. FSDP's and TP's collectives run inside forward, backward and optimizer (the
+# gradient norm); `collective` is the loop's own (the mean loss over ranks).
+STEP_PHASES = ("data", "forward", "backward", "optimizer", "collective", "step_end")
 
 
 class Heartbeat:

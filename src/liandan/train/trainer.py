@@ -70,7 +70,8 @@ class Trainer:
         say: Callable[[str], None] = print,
     ):
         self.cfg, self.callbacks = cfg, list(callbacks)
-        self.dist: DistInfo = init_distributed(cfg.run.device, cfg.parallel.backend)
+        self.dist: DistInfo = init_distributed(cfg.run.device, cfg.parallel.backend,
+                                               cfg.resilience.collective_timeout_s)  # fmt: skip
         self.say = say if self.dist.is_main else (lambda msg: None)
         self.layout = _config_step(resolve_layout, cfg.parallel, self.dist.world_size)
         self.mesh = build_mesh(self.layout, self.dist.device.type)
@@ -177,7 +178,6 @@ class Trainer:
             self.heartbeat.beat(self.step, "data")
             batches = self.loader.next_step(self.micro_batch)
             maybe_inject("data", self.step + 1)
-            self.heartbeat.beat(self.step, "forward_backward")
             loss = self.train_step(batches)
             self.heartbeat.beat(self.step, "optimizer")
             grad_norm = self.clip_gradients()
@@ -186,9 +186,9 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
-            self.heartbeat.beat(self.step, "step_end")
 
             if self.step % t.log_every == 0 or self.step == t.steps:
+                self.heartbeat.beat(self.step, "collective")
                 loss_value = self._mean_over_ranks(loss)
                 seconds = time.perf_counter() - step_start
                 metrics = {
@@ -206,6 +206,7 @@ class Trainer:
                     cb.after_step(self, self.step, metrics)
                 if not math.isfinite(loss_value):
                     self.logger.log_event("nonfinite_loss", step=self.step, loss=str(loss_value))
+            self.heartbeat.beat(self.step, "step_end")
             if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
                 self.heartbeat.beat(self.step, "eval")
                 result.val_loss = self.evaluate()
@@ -231,9 +232,12 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             batch = batch.to(self.device)
-            with gradient_sync(self.model, sync=i == len(batches) - 1), self._autocast():
-                loss = self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)) / len(batches)
-            loss.backward()
+            with gradient_sync(self.model, sync=i == len(batches) - 1):
+                self.heartbeat.beat(self.step, "forward")
+                with self._autocast():
+                    loss = self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)) / len(batches)
+                self.heartbeat.beat(self.step, "backward")
+                loss.backward()
             total += loss.detach()
         return total
 
@@ -261,9 +265,18 @@ class Trainer:
     def _resume_or_init(self) -> None:
         """Continue from the newest memory snapshot or checkpoint that verifies, or start from `init_from`."""
         c = self.cfg.checkpoint
-        path = newest_checkpoint(self.checkpoints) if c.resume == "auto" else None  # the supervisor's verdict, if fresh
-        in_memory = self.snapshots.agree() if self.snapshots and c.resume == "auto" else None
-        if in_memory is not None and (path is None or in_memory > int(path.name[5:])):
+        auto = c.resume == "auto"
+        in_memory = self.snapshots.agree() if self.snapshots and auto else None
+        newest = None
+        if in_memory is not None:
+            newest = self._on_main_then_share(lambda: [p.name for p in self.checkpoints.complete_checkpoints()[-1:]])
+        if in_memory is not None and in_memory >= (int(newest[0][5:]) if newest else 0):
+            path = None  # the snapshot is as new as any checkpoint: no checkpoint need be read, let alone verified
+        else:
+            path = newest_checkpoint(self.checkpoints) if auto else None  # the supervisor's verdict, if fresh
+            if path is not None and in_memory is not None and in_memory <= int(path.name[5:]):
+                in_memory = None
+        if in_memory is not None:
             meta = self.snapshots.load(in_memory, self.model, self.optimizer)
             self._continue_from(meta, in_memory, f"the memory snapshot in {self.snapshots.directory}")
             self._event("resumed", step=self.step, source="memory", path=str(self.snapshots.directory),
