@@ -201,14 +201,30 @@ def test_hang_timeout_follows_the_phase(setup):
     assert supervisor.hang_timeout(["checkpoint", "optimizer"]) == 600  # no checkpoint timed yet
     supervisor.phase_seconds["checkpoint"] = [0.2, 3.0]
     assert supervisor.hang_timeout(["checkpoint", "optimizer"]) == 4 * 3.0  # the longest checkpoint so far
-    # The rank that stopped first (oldest heartbeat) is loading a batch, which it reports takes 0.01-0.3 s:
-    stuck = {"rank": 1, "phase": "data", "time": 100.0, "longest": {"data": 0.3, "forward": 0.9}}
-    waiting = {"rank": 0, "phase": "forward", "time": 100.2, "longest": {"data": 0.4}}
+    # The rank that stopped first is loading a batch, which it reports takes 0.01-0.3 s:
+    stuck = {"rank": 1, "step": 5, "phase": "data", "time": 100.0, "longest": {"data": 0.3, "forward": 0.9}}
+    waiting = {"rank": 0, "step": 5, "phase": "forward", "time": 100.2, "longest": {"data": 0.4}}
     assert supervisor.first_stopped_timeout([waiting, stuck]) == 4 * 0.3 < supervisor.hang_timeout(["data", "forward"])
     assert supervisor.first_stopped_timeout([waiting, {**stuck, "longest": {"data": 0.01}}]) == 1.0  # the floor
     assert supervisor.first_stopped_timeout([waiting, stuck], progressed=False) is None  # a first step warms up
     assert supervisor.first_stopped_timeout([waiting, {**stuck, "phase": "checkpoint"}]) is None
     assert supervisor.first_stopped_timeout([waiting, {**stuck, "longest": {}}]) is None  # nothing reported yet
+
+
+def test_the_rank_furthest_behind_stopped_first():
+    from liandan.train.heartbeat import stopped_first
+
+    def beat(rank, step, phase, time, micro=0):
+        return {"rank": rank, "step": step, "phase": phase, "time": time, "micro": micro}
+
+    # Rank 1 hangs after its beat for loading step 6's batch; rank 0 beat "forward" before that (it was
+    # ahead) and waits in forward's first all-gather: behind beats older.
+    assert stopped_first([beat(0, 5, "forward", 100.0), beat(1, 5, "data", 100.2)])["rank"] == 1
+    # What follows step 5 (its logged loss, checkpoint) comes before step 6's parts, beaten with step 5 too
+    assert stopped_first([beat(0, 5, "data", 100.0), beat(1, 5, "checkpoint", 100.3)])["rank"] == 1
+    assert stopped_first([beat(0, 6, "collective", 100.0), beat(1, 5, "optimizer", 100.3)])["rank"] == 1
+    assert stopped_first([beat(0, 5, "forward", 100.0, micro=1), beat(1, 5, "backward", 100.3)])["rank"] == 1
+    assert stopped_first([beat(0, 5, "forward", 100.3), beat(1, 5, "forward", 100.0)])["rank"] == 1  # equals: oldest
 
 
 def test_heartbeat_reports_how_long_each_part_of_a_step_takes(tmp_path):

@@ -38,7 +38,7 @@ from liandan.config import Config
 from liandan.resilience import handoff, nodes
 from liandan.resilience.processes import TOKEN_ENV, DeathClock, StandbyPool, end_processes, module_command
 from liandan.track.logger import read_metrics
-from liandan.train.heartbeat import STEP_PHASES, read_heartbeats
+from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
 
 POLL_S = 0.2
 STACKS_WAIT_S = 2.0  # faulthandler writes from a signal handler: it is there in milliseconds, or never
@@ -300,13 +300,13 @@ class Supervisor:
         return max((self._phase_timeout(p, progressed) for p in phases), default=self.r.startup_timeout_s)
 
     def first_stopped_timeout(self, beats: list[dict], progressed: bool = True) -> float | None:
-        """The timeout of the rank that stopped first (the oldest heartbeat: its peers then wait for it in a
+        """The timeout of the rank that stopped first (`stopped_first`: its peers then wait for it in a
         collective) when it is in a part of a step whose recent durations it reported: hang_factor x the
         longest of them, at least hang_floor_s. A rank stuck loading a batch, which takes milliseconds, is
         then found sooner than after hang_factor whole steps. None when that does not apply."""
         if not beats or not progressed:
             return None
-        first = min(beats, key=lambda b: b["time"])
+        first = stopped_first(beats)
         longest = first.get("longest", {}).get(first["phase"])
         if first["phase"] not in STEP_PHASES or not longest:
             return None
@@ -364,8 +364,7 @@ class Supervisor:
         failed_at = attempt.failed_at or time.time()
         host, attribution = self.node, None
         if attempt.hang:
-            # The rank that stopped first: the oldest heartbeat (its peers then wait for it in a collective).
-            stuck = min(beats, key=lambda b: b["time"]) if beats else {"phase": "startup", "host": self.node}
+            stuck = stopped_first(beats) if beats else {"phase": "startup", "host": self.node}
             cause = f"hang in {stuck['phase']}"
             rank, host = stuck.get("rank"), stuck["host"]
             evidence = {"stalled_seconds": round(attempt.stalled, 1), "timeout_seconds": round(attempt.timeout, 1),

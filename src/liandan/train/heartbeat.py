@@ -17,6 +17,10 @@ PHASES = ("startup", "data", "forward", "backward", "optimizer", "collective", "
 # The parts of a training step. FSDP's and TP's collectives run inside forward, backward and optimizer (the
 # gradient norm); `collective` is the loop's own (the mean loss over ranks).
 STEP_PHASES = ("data", "forward", "backward", "optimizer", "collective", "step_end")
+# The order in which a rank passes the phases for one value of `step` (the steps completed): what follows a
+# step (its logged loss, evaluation, checkpoint) is beaten with the new count, and so are the next step's
+# parts. Forward and backward repeat for each micro-batch.
+_PROGRESS = ("startup", "collective", "step_end", "eval", "checkpoint", "data", "micro_batches", "optimizer", "done")
 
 
 class Heartbeat:
@@ -32,13 +36,14 @@ class Heartbeat:
         # milliseconds (loading a batch) from the step as a whole.
         self._durations: dict[str, collections.deque] = {p: collections.deque(maxlen=50) for p in STEP_PHASES}
 
-    def beat(self, step: int, phase: str) -> None:
+    def beat(self, step: int, phase: str, micro: int = 0) -> None:
+        """`micro`: the micro-batch a forward or backward is for."""
         now = time.time()
         if self._last is not None and self._last[0] in self._durations:
             self._durations[self._last[0]].append(now - self._last[1])
         self._last = (phase, now)
         record = {"rank": self.rank, "pid": os.getpid(), "host": self.host, "step": step, "phase": phase,
-                  "time": now, "longest": {p: round(max(d), 4) for p, d in self._durations.items() if d}}  # fmt: skip
+                  "micro": micro, "time": now, "longest": {p: round(max(d), 4) for p, d in self._durations.items() if d}}  # fmt: skip
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(record))
         os.replace(tmp, self.path)  # readers never see half a record
@@ -67,3 +72,18 @@ def read_heartbeats(directory: Path) -> list[dict]:
         except (OSError, json.JSONDecodeError):
             continue  # being replaced right now
     return out
+
+
+def stopped_first(beats: list[dict]) -> dict:
+    """The rank that stopped first, from the ranks' last heartbeats: the one furthest behind (its peers ran on
+    to the next collective and wait for it there), the oldest heartbeat among equals. Being behind decides
+    before age does: a rank that hangs just after its beat can be overtaken in time by a peer's beat of a
+    later phase, which that peer writes on its way into the collective it then waits in."""
+    return min(beats, key=_progress)
+
+
+def _progress(beat: dict) -> tuple:
+    phase = beat["phase"]
+    if phase in ("forward", "backward"):
+        return beat["step"], _PROGRESS.index("micro_batches"), beat.get("micro", 0), phase == "backward", beat["time"]
+    return beat["step"], _PROGRESS.index(phase), 0, False, beat["time"]

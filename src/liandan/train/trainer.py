@@ -233,10 +233,10 @@ class Trainer:
         for i, batch in enumerate(batches):
             batch = batch.to(self.device)
             with gradient_sync(self.model, sync=i == len(batches) - 1):
-                self.heartbeat.beat(self.step, "forward")
+                self.heartbeat.beat(self.step, "forward", micro=i)
                 with self._autocast():
                     loss = self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)) / len(batches)
-                self.heartbeat.beat(self.step, "backward")
+                self.heartbeat.beat(self.step, "backward", micro=i)
                 loss.backward()
             total += loss.detach()
         return total
