@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import random
-import re
 import shutil
 import threading
 import time
@@ -38,10 +37,17 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from liandan.checkpoint.verify import CheckpointError, fsync_path, total_bytes, verify, write_manifest
+from liandan.checkpoint.verify import (
+    STEP_DIR,
+    CheckpointError,
+    complete_checkpoints,
+    fsync_path,
+    total_bytes,
+    verify,
+    write_manifest,
+)
 from liandan.faults import maybe_inject
 
-STEP_DIR = re.compile(r"^step-(\d{8})$")
 # DCP notes on every single-process save and load that it runs without a process group, which is intended.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
@@ -219,10 +225,7 @@ class CheckpointManager:
     # -- finding and loading ------------------------------------------------------------------------------
     def complete_checkpoints(self) -> list[Path]:
         """Directories with a manifest, oldest first (not yet verified)."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.iterdir() if STEP_DIR.match(p.name) and (p / "manifest.json").is_file()]
-        return sorted(found, key=lambda p: p.name)
+        return complete_checkpoints(self.root)
 
     def latest_verified(self) -> Path | None:
         """The newest checkpoint that verifies; failures are reported as events. Rank 0 decides for all."""
@@ -275,8 +278,7 @@ class CheckpointManager:
 
 def newest_verified(root: Path, checksums: bool = True, on_event=None) -> Path | None:
     """The newest complete checkpoint under `root` that verifies; each one that fails is reported."""
-    complete = sorted(p for p in Path(root).glob("step-*") if STEP_DIR.match(p.name) and (p / "manifest.json").is_file())
-    for path in reversed(complete):
+    for path in reversed(complete_checkpoints(root)):
         try:
             verify(path, checksums=checksums)
         except CheckpointError as err:

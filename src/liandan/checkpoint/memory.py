@@ -137,9 +137,8 @@ class MemorySnapshots:
         self._buffers: dict[int, torch.Tensor] = {}  # slot -> shared-memory bytes, kept mapped between saves
         self._next_slot = 0
 
-    def _paths(self, slot: int, rank: int | None = None) -> tuple[Path, Path]:
-        stem = f"rank-{self.rank if rank is None else rank:05d}.slot-{slot}"
-        return self.directory / f"{stem}.bin", self.directory / f"{stem}.json"
+    def _paths(self, slot: int) -> tuple[Path, Path]:
+        return _slot_paths(self.directory, self.rank, slot)
 
     # -- saving -------------------------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
@@ -247,6 +246,12 @@ class MemorySnapshots:
         return header["state"]
 
 
+def _slot_paths(directory: Path, rank: int, slot: int) -> tuple[Path, Path]:
+    """A slot's data and header files."""
+    stem = f"rank-{rank:05d}.slot-{slot}"
+    return directory / f"{stem}.bin", directory / f"{stem}.json"
+
+
 def _read_header(path: Path, owner: str, world_size: int, layout: str | None) -> dict | None:
     """A header if it belongs to this owner and world (and layout, unless None), else None."""
     try:
@@ -262,7 +267,7 @@ def _read_header(path: Path, owner: str, world_size: int, layout: str | None) ->
 def _held(directory: Path, rank: int, owner: str, world_size: int, layout: str | None) -> dict[int, int]:
     out = {}
     for slot in range(SLOTS):
-        header = _read_header(Path(directory) / f"rank-{rank:05d}.slot-{slot}.json", owner, world_size, layout)
+        header = _read_header(_slot_paths(Path(directory), rank, slot)[1], owner, world_size, layout)
         if header is not None:
             out[header["step"]] = slot
     return out

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import xxhash
 
 MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step-(\d{8})$")
 FORMAT = "liandan-checkpoint"
 VERSION = 1
 _CHUNK = 8 << 20
@@ -21,6 +23,16 @@ _CHUNK = 8 << 20
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be trusted or used; the message names the checkpoint and the file."""
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The step directories under `root` that have a manifest, oldest first (not yet verified)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(
+        (p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / MANIFEST).is_file()), key=lambda p: p.name
+    )
 
 
 def file_digest(path: Path) -> str:

@@ -10,7 +10,6 @@ the final checkpoint, exports it for `transformers` and says where everything is
 from __future__ import annotations
 
 import json
-import os
 import sys
 from datetime import datetime
 from pathlib import Path
@@ -148,17 +147,12 @@ def train_supervised(cfg, run: Path) -> int:
     config = run / "launch.toml"
     config.write_text(cfg.to_toml())
     fault_step = max(1, cfg.train.steps * 2 // 5)
-    print(f"training on {NPROC} processes under the supervisor; rank 1 will be killed (SIGKILL) after step {fault_step}")
+    print(
+        f"training on {NPROC} processes under the supervisor; rank 1 will be killed (SIGKILL) after step {fault_step}"
+    )
     worker = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--nproc={NPROC}", f"--run.name={run.name}"]
-    previous = os.environ.get(FAULTS_ENV)
-    os.environ[FAULTS_ENV] = f"kill@step:{fault_step}:1"  # fires in the first attempt only
-    try:
-        return Supervisor(cfg, worker, run, nproc=NPROC).run()
-    finally:
-        if previous is None:
-            os.environ.pop(FAULTS_ENV, None)
-        else:
-            os.environ[FAULTS_ENV] = previous
+    fault = {FAULTS_ENV: f"kill@step:{fault_step}:1"}  # fires in the first attempt only
+    return Supervisor(cfg, worker, run, nproc=NPROC, attempt_env=lambda number: fault).run()
 
 
 def show_checkpoints(run: Path) -> None:
@@ -188,8 +182,7 @@ def sample(model, tokenizer, prompt: str, new_tokens: int = 40, temperature: flo
     limit = model.args.max_seq_len
     for _ in range(new_tokens):
         x = torch.tensor([ids[-limit:]])
-        with torch.no_grad():
-            logits = model(x)[0, -1].float() / temperature
+        logits = model(x)[0, -1].float() / temperature
         next_id = int(torch.multinomial(logits.softmax(-1).cpu(), 1, generator=generator))
         if next_id == tokenizer.eos_id:
             break

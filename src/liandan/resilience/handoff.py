@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from liandan.checkpoint.verify import complete_checkpoints
+
 ENV = "LIANDAN_VERIFIED_CHECKPOINT"
 FILE = "verified.json"
 
@@ -51,8 +53,6 @@ def verify_and_hand_over(root: Path, checksums: bool, handoff: Path, on_event) -
 def trusted(root: Path, checksums: bool) -> Path | None:
     """The handed-over checkpoint if the verdict still holds for `root`: same files, sizes and times, and
     every newer complete checkpoint one that the supervisor rejected, unchanged since."""
-    from liandan.checkpoint.manager import STEP_DIR
-
     try:
         verdict = json.loads(Path(os.environ[ENV]).read_text())
     except (KeyError, OSError, json.JSONDecodeError):
@@ -61,9 +61,7 @@ def trusted(root: Path, checksums: bool) -> Path | None:
     if verdict.get("root") != str(root) or (checksums and not verdict.get("checksums")):
         return None
     path = Path(verdict["path"])
-    complete = sorted(
-        p.resolve() for p in root.glob("step-*") if STEP_DIR.match(p.name) and (p / "manifest.json").is_file()
-    )
+    complete = [p.resolve() for p in complete_checkpoints(root)]
     newer = [p for p in complete if p.name > path.name]
     if path not in complete or stamp(path) != verdict["stamp"]:
         return None

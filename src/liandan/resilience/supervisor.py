@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from liandan.checkpoint import memory
+from liandan.checkpoint.verify import complete_checkpoints
 from liandan.config import Config
 from liandan.resilience import handoff, nodes
 from liandan.resilience.processes import TOKEN_ENV, DeathClock, StandbyPool, end_processes, module_command
@@ -423,9 +423,8 @@ class Supervisor:
         in_memory = None
         if c.memory_every and not self.rendezvous:  # on several nodes, the ranks agree among themselves
             in_memory = memory.newest_common_step(self.snapshots, self.nproc, self.id)
-        complete = sorted(p.name for p in root.glob("step-*")
-                          if re.fullmatch(r"step-\d{8}", p.name) and (p / "manifest.json").is_file())  # fmt: skip
-        if in_memory is not None and in_memory >= (int(complete[-1][5:]) if complete else 0):
+        complete = complete_checkpoints(root)
+        if in_memory is not None and in_memory >= (int(complete[-1].name[5:]) if complete else 0):
             (self.logs / handoff.FILE).unlink(missing_ok=True)
             return in_memory  # the workers will not read a checkpoint: no need to verify one
         found = handoff.verify_and_hand_over(root, c.verify, self.logs / handoff.FILE, self._event)
