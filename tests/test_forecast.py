@@ -266,3 +266,29 @@ def test_cli_bad_input(runs, tmp_path):
     assert_one_line_error(liandan("forecast", tmp_path), "not a run directory")
     assert_one_line_error(liandan("forecast", runs["cosine"], "--upto=10"), "a forecast needs at least")
     assert_one_line_error(liandan("forecast", "--backtest", runs["cosine"], "--fractions=0,2"), "--fractions")
+
+
+@pytest.mark.parametrize("bad", ["NaN", "null", "Infinity"])
+def test_a_diverged_run_is_not_forecast_from_its_finite_prefix(runs, tmp_path, bad):
+    """A run whose loss turned non-finite at step 120: forecasting it from the steps before would hide the
+    divergence, so it is refused, naming the step; a forecast from before it still works."""
+    copy = tmp_path / "diverged"
+    shutil.copytree(runs["wsd"], copy, ignore=shutil.ignore_patterns("data", "*.png"))
+    lines = (copy / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines[:150]]
+    out = [json.dumps(r) if r["step"] < 120 else json.dumps(r).replace(f'"loss": {r["loss"]}', f'"loss": {bad}')
+           for r in records]  # fmt: skip
+    (copy / "metrics.jsonl").write_text("\n".join(out) + "\n")
+    (copy / "summary.json").unlink()
+    assert read_run(copy).diverged_at == 120
+    with pytest.raises(ConfigError, match="not finite from step 120"):
+        forecast_run(copy, samples=8)
+    assert forecast_run(copy, upto_step=119, samples=8).observed_step == 119
+    assert_one_line_error(liandan("forecast", copy, "--samples=8"), "not finite from step 120", "--upto 119")
+
+
+def test_an_interval_needs_bootstrap_refits(runs):
+    for samples in ("0", "3"):
+        assert_one_line_error(
+            liandan("forecast", runs["wsd"], f"--samples={samples}"), f"--samples = {samples}", "at least 4"
+        )

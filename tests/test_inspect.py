@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from dataclasses import asdict
 
 import numpy as np
@@ -279,3 +281,29 @@ def test_control_characters_and_lone_surrogates_are_reported(tmp_path):
     assert flag.statistic == "control share" and report.data["sources"]["s"]["char_classes"]["control"]["count"] == 60
     data = json.loads(report.paths["json"].read_text(encoding="utf-8"))
     assert "\udc80" in data["sources"]["s"]["char_classes"]["control"]["example"]["snippet"]
+
+
+def test_malformed_records_are_counted_and_reported(tmp_path):
+    """`liandan data inspect` reads with the pipeline's readers; what they cannot read is named in the output
+    and the report, not silently left out of the statistics."""
+    good = [json.dumps({"text": f"Document number {i} says something plain."}) for i in range(12)]
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(
+        ("\n".join(good[:6]) + "\n{not json\n" + json.dumps({"body": "no text"}) + "\n").encode()
+        + b'{"text": "bad \xff byte"}\n'
+        + ("\n".join(good[6:]) + "\n").encode()
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "liandan.cli", "data", "inspect", str(path), "--out", str(tmp_path / "report")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "mixed: 3 record(s) skipped" in done.stdout
+    assert "1 malformed JSON" in done.stdout and "1 invalid UTF-8" in done.stdout and "no string field" in done.stdout
+    data = json.loads((tmp_path / "report" / "report.json").read_text(encoding="utf-8"))
+    source = data["sources"]["mixed"]
+    assert source["documents"] == 12 and sum(source["records_skipped"].values()) == 3
+    assert "could not be read" in (tmp_path / "report" / "report.md").read_text(encoding="utf-8")

@@ -273,11 +273,46 @@ def test_cli_fit_run_directories(tmp_path):
     assert "run-8" in done.stdout and "parameters N" in done.stdout and "reported FLOPs" in done.stdout
 
 
-def test_optimal_with_chinchilla_in_process(capsys):
-    assert main(["optimal", "--flops", "5.76e23", "--params", "70B", "--tokens", "1.4T"]) == 0
+def test_optimal_with_published_hoffmann_constants_in_process(capsys):
+    assert main(["optimal", "--law", "hoffmann", "--flops", "5.76e23", "--params", "70B", "--tokens", "1.4T"]) == 0
     out = capsys.readouterr().out
     n, d = CHINCHILLA.optimal(5.76e23)
-    assert "Chinchilla" in out and shown(n) in out and shown(d) in out
+    assert "hoffmann: Hoffmann et al. 2022" in out and shown(n) in out and shown(d) in out
+
+
+# Hoffmann et al. 2022, Table 3 (approach 1): parameters, compute-optimal FLOPs and tokens.
+CHINCHILLA_TABLE_3 = [
+    (400e6, 1.92e19, 8.0e9),
+    (1e9, 1.21e20, 20.2e9),
+    (10e9, 1.23e22, 205.1e9),
+    (67e9, 5.76e23, 1.5e12),
+    (175e9, 3.85e24, 3.7e12),
+    (280e9, 9.90e24, 5.9e12),
+    (520e9, 3.43e25, 11.0e12),
+    (1e12, 1.27e26, 21.2e12),
+]
+
+
+@pytest.mark.parametrize("n, flops, tokens", CHINCHILLA_TABLE_3)
+def test_default_law_agrees_with_chinchillas_table_3(n, flops, tokens):
+    law, samples, name = scaling.named_or_saved_law(None)
+    assert name.startswith("epoch:") and not samples
+    assert law.tokens_for_params(n) == pytest.approx(tokens, rel=0.25)
+    assert law.optimal(flops)[0] == pytest.approx(n, rel=0.2)
+
+
+def test_published_hoffmann_constants_do_not_fit_table_3():
+    """Why they are not the default (Besiroglu et al. 2024): about twice the tokens at 1B, 9x at 1T."""
+    assert CHINCHILLA.tokens_for_params(1e9) / 20.2e9 > 2.0
+    assert CHINCHILLA.tokens_for_params(1e12) / 21.2e12 > 8.0
+
+
+def test_optimal_default_names_its_law_in_process(capsys):
+    assert main(["optimal", "--flops", "5.76e23"]) == 0
+    out = capsys.readouterr().out
+    n, d = scaling.EPOCH_REFIT.optimal(5.76e23)
+    assert "Besiroglu et al. 2024" in out and shown(n) in out and shown(d) in out
+    assert 60e9 < n < 80e9 and 15 < d / n < 25
 
 
 def test_cli_missing_file_is_one_line():
@@ -298,6 +333,12 @@ def test_cli_missing_file_is_one_line():
         (["optimal", "--flops", "-1"], ["--flops = '-1'"]),
         (["optimal", "--law", "{bad}", "--flops", "1e20"], ["not valid JSON"]),
         (["optimal", "--law", "{nolaw}", "--flops", "1e20"], ["needs numbers E, A, B, alpha and beta"]),
+        (
+            ["optimal", "--law", "kaplan", "--flops", "1e20"],
+            ["--law kaplan: neither a published law (epoch, hoffmann)"],
+        ),
+        (["optimal", "--law", "{binary}", "--flops", "1e20"], ["binary.bin: not a law", "not UTF-8"]),
+        (["fit", "{binary}"], ["binary.bin: not a CSV of runs (not UTF-8 text)"]),
     ],
 )
 def test_cli_bad_input_in_process(tmp_path, capsys, args, words):
@@ -308,7 +349,10 @@ def test_cli_bad_input_in_process(tmp_path, capsys, args, words):
         "bad": tmp_path / "bad.csv",
         "empty_dir": tmp_path / "empty",
         "nolaw": tmp_path / "nolaw.json",
+        "binary": tmp_path / "binary.bin",
     }
+    files["binary"].write_bytes(bytes(range(256)) * 4)
+
     files["bad"].write_text("N,D,loss\n1e6,1e9,4.0\n1e7,1e9,n/a\n")
     files["empty_dir"].mkdir()
     files["nolaw"].write_text('{"law": {"E": 1.0}}')

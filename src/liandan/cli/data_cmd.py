@@ -61,18 +61,29 @@ def print_summary(s: dict) -> None:
     console = Console()
     read = s["read"]
     skipped = sum(read["skipped"].values())
-    console.print(f"read {read['documents']:,} documents ({read['characters']:,} characters); {skipped:,} malformed records rejected")
+    console.print(
+        f"read {read['documents']:,} documents ({read['characters']:,} characters); {skipped:,} malformed records rejected"
+    )
     table = Table(title="steps")
     for column in ("step", "in", "out", "dropped (top reasons)"):
         table.add_column(column)
     for step in s["steps"]:
         top = sorted(step["dropped"].items(), key=lambda kv: -kv[1])[:3]
-        table.add_row(step["name"], f"{step['documents_in']:,}", f"{step['documents_out']:,}", ", ".join(f"{k} {v:,}" for k, v in top))
+        table.add_row(
+            step["name"],
+            f"{step['documents_in']:,}",
+            f"{step['documents_out']:,}",
+            ", ".join(f"{k} {v:,}" for k, v in top),
+        )
     console.print(table)
     d = s["dedup"]
     console.print(
         f"dedup: {d.get('removed', 0):,} of {d.get('documents', 0):,} documents removed"
-        + "".join(f", {k.replace('_', ' ')} {v:,}" for k, v in d.items() if k in ("exact_duplicates", "near_duplicates", "clusters"))
+        + "".join(
+            f", {k.replace('_', ' ')} {v:,}"
+            for k, v in d.items()
+            if k in ("exact_duplicates", "near_duplicates", "clusters")
+        )
     )
     console.print(f"tokenizer: {s['tokenizer']['spec']} (vocabulary {s['tokenizer']['vocab_size']:,})")
     for name, store in s["stores"].items():
@@ -94,18 +105,24 @@ def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if overrides:
         raise ConfigError(f"unrecognised argument '{overrides[0]}'")
-    sources = {}
+    sources, read_stats = {}, {}
     for name in args.paths:
         path = Path(name)
         source = path.name.split(".")[0]
         if source in sources:
             source = name
+        read_stats[source] = ReadStats()
         sources[source] = read_file(
-            path, source=source, text_field=args.text_field, txt_mode=args.txt_mode, stats=ReadStats(), on_reject=None
+            path, source=source, text_field=args.text_field, txt_mode=args.txt_mode, stats=read_stats[source]
         )
     tokenizer = HFTokenizer.load(args.tokenizer) if args.tokenizer else None
     baseline = Path(args.baseline) if args.baseline else None
-    report = inspect_sources(sources, Path(args.out), tokenizer=tokenizer, baseline=baseline)
+    report = inspect_sources(sources, Path(args.out), tokenizer=tokenizer, baseline=baseline, read_stats=read_stats)
+    for source, counts in read_stats.items():
+        if counts.skipped:
+            print(
+                f"{source}: {sum(counts.skipped.values())} record(s) skipped: {counts.summary().split('skipped: ')[1]}"
+            )
     print(f"report: {Path(args.out) / 'report.html'} ({len(report.flags)} anomaly flag(s))")
     for flag in report.flags:
         print(f"  flag: {getattr(flag, 'message', flag)}")
@@ -116,7 +133,9 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.data.store import TokenStore, verify_store
 
     store = TokenStore(Path(args.store))
-    print(f"store {args.store}: {store.num_documents:,} documents, {store.num_tokens:,} tokens in {len(store.shards)} shard(s)")
+    print(
+        f"store {args.store}: {store.num_documents:,} documents, {store.num_tokens:,} tokens in {len(store.shards)} shard(s)"
+    )
     print(f"tokenizer {store.fingerprint} (vocabulary {store.vocab_size:,}, end-of-document id {store.eos_id})")
     if args.verify:
         problems = verify_store(Path(args.store))

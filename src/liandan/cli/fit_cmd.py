@@ -77,15 +77,20 @@ def add_commands(sub) -> None:
         "optimal",
         help="compute-optimal parameters and tokens for a FLOP budget (or tokens for a size) under a scaling law",
         description="Compute-optimal allocation under L(N, D) = E + A/N^alpha + B/D^beta with C = 6*N*D: "
-        "N_opt = G*(C/6)^a, D_opt = (C/6)^b/G. The default law is Chinchilla's (Hoffmann et al. 2022, approach 3); "
-        "--law takes one written by `liandan fit --save`.",
+        "N_opt = G*(C/6)^a, D_opt = (C/6)^b/G. The default law is Chinchilla's as refitted by Besiroglu et al. 2024 "
+        "(Epoch AI), which agrees with the paper's ~20 tokens per parameter; `--law hoffmann` gives the published "
+        "approach-3 constants, and --law FILE one written by `liandan fit --save`.",
     )
     p.add_argument("--flops", nargs="+", metavar="C", help="training budgets in FLOPs (1e21 ...): the optimal N and D")
     p.add_argument(
         "--params", nargs="+", metavar="N", help="model sizes (7e9 or 7B ...): the tokens that make each optimal"
     )
     p.add_argument("--tokens", nargs="+", metavar="D", help="token budgets (1.4T ...): the model size optimal for each")
-    p.add_argument("--law", metavar="FILE", help="a law from `liandan fit --save` (default: Chinchilla's)")
+    p.add_argument(
+        "--law",
+        metavar="NAME|FILE",
+        help="epoch (default: Chinchilla refitted by Epoch AI), hoffmann (as published), or a `liandan fit --save` file",
+    )
     p.add_argument(
         "--confidence",
         type=float,
@@ -204,10 +209,10 @@ def cmd_fit(args: argparse.Namespace, overrides: list[str]) -> int:
         "parameter",
         "estimate",
         f"{level} interval",
-        "Chinchilla",
+        "Chinchilla (Epoch refit)",
         title=f"L(N, D) = E + A/N^α + B/D^β  (Huber δ = {scaling.HUBER_DELTA:g} on log loss, L-BFGS-B; {boot})",
     )
-    chin = scaling.CHINCHILLA
+    chin = scaling.EPOCH_REFIT
     rows = [
         ("E", lambda s: s.E),
         ("A", lambda s: s.A),
@@ -316,12 +321,7 @@ def cmd_optimal(args: argparse.Namespace, overrides: list[str]) -> int:
     requests += [("d", quantity(v, "--tokens")) for v in args.tokens or []]
     if not requests:
         raise ConfigError("give --flops C, --params N or --tokens D (e.g. liandan optimal --flops 1e21)")
-    if args.law:
-        law, samples, source = scaling.load_law(Path(args.law))
-        name = f"fitted ({args.law}: {source})"
-    else:
-        law, samples = scaling.CHINCHILLA, []
-        name = "Chinchilla (Hoffmann et al. 2022, approach 3; N counts all parameters)"
+    law, samples, name = scaling.named_or_saved_law(args.law)
 
     console = _console()
     console.print(f"{law.describe()}  [{name}]")

@@ -29,9 +29,14 @@ def add_commands(sub) -> None:
         "--fractions", default="0.1,0.2,0.5", metavar="F,F,...", help="shares of the steps a backtest forecasts from"
     )
     p.add_argument("--confidence", type=float, default=0.8, help="coverage of the interval (default 0.8)")
-    p.add_argument("--samples", type=int, default=48, help="bootstrap refits behind the interval (default 48)")
+    p.add_argument(
+        "--samples", type=int, default=48, help="bootstrap refits behind the interval (default 48, at least 4)"
+    )
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     p.set_defaults(command=cmd_forecast)
+
+
+MIN_SAMPLES = 4  # fewer refits give an interval of (nearly) zero width, which reads as certainty
 
 
 def cmd_forecast(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -39,8 +44,8 @@ def cmd_forecast(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"forecast takes no config overrides (got {overrides[0]})")
     if not 0.0 < args.confidence < 1.0:
         raise ConfigError(f"--confidence = {args.confidence} must lie between 0 and 1")
-    if args.samples < 0:
-        raise ConfigError(f"--samples = {args.samples} must not be negative")
+    if args.samples < MIN_SAMPLES:
+        raise ConfigError(f"--samples = {args.samples}: an interval needs at least {MIN_SAMPLES} bootstrap refits")
     options = {"confidence": args.confidence, "samples": args.samples}
     if args.backtest:
         if args.reference or args.fail_if_worse or args.upto is not None:
@@ -61,6 +66,8 @@ def _forecast(args: argparse.Namespace, options: dict) -> int:
     reference = None
     if args.reference:
         ref = read_run(args.reference)
+        if ref.diverged_at is not None:
+            raise ConfigError(f"--reference {args.reference}: its loss is not finite from step {ref.diverged_at} on")
         if ref.finished:
             reference = ("final loss", measured_final_loss(ref.steps, ref.losses))
         else:

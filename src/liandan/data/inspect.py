@@ -27,7 +27,7 @@ import xxhash
 
 from liandan.config import ConfigError
 from liandan.data.charclass import CHAR_CLASSES, count_char_classes, members, visible
-from liandan.data.corpus import DataError, Document
+from liandan.data.corpus import DataError, Document, ReadStats
 from liandan.data.steps import StepStats
 from liandan.data.text import CJK_CLASS, normalize_for_matching, words
 
@@ -126,8 +126,10 @@ def inspect_sources(
     max_docs_per_source: int = 20000,
     thresholds: Thresholds | None = None,
     seed: int = 0,
+    read_stats: dict[str, ReadStats] | None = None,
 ) -> InspectionReport:
-    """Measure each source, flag anomalies and write report.html/.md/.json into `out_dir`."""
+    """Measure each source, flag anomalies and write report.html/.md/.json into `out_dir`. `read_stats`: the
+    readers' counts per source, filled while the sources are read; their skipped records go into the report."""
     from liandan.data.report import write_reports  # rendering pulls in matplotlib; keep it off this import
 
     thresholds = thresholds or Thresholds()
@@ -144,6 +146,9 @@ def inspect_sources(
         name: source_statistics(name, docs, thresholds, tokenizer, max_docs_per_source, seed)
         for name, docs in sources.items()
     }
+    for name, counts in (read_stats or {}).items():
+        if name in stats:
+            stats[name]["records_skipped"] = dict(sorted(counts.skipped.items()))
     flags = find_anomalies(stats, thresholds, old)
     data = {
         "format": REPORT_FORMAT,

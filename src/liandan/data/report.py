@@ -119,6 +119,9 @@ def layout(data: dict[str, Any]) -> list[Block]:
 
 def _source_blocks(name: str, s: dict[str, Any], flags: list[dict]) -> list[Block]:
     blocks: list[Block] = [("h2", name)]
+    if s.get("records_skipped"):
+        skipped = ", ".join(f"{n} {why}" for why, n in sorted(s["records_skipped"].items()))
+        blocks.append(("p", f"Records that could not be read and are left out of these statistics: {skipped}."))
     if not s["sampled"]:
         return blocks + [("p", "No documents.")]
     blocks.append(("p", f"{s['documents']} documents; statistics from {s['sampled']} sampled."))

@@ -543,6 +543,8 @@ class RunCurve:
     lr_fractions: np.ndarray
     total_steps: int
     schedule: str
+    diverged_at: int | None = None
+    """The first logged step whose loss was not finite (NaN, inf, or null as the run writes it), if any."""
 
     @property
     def finished(self) -> bool:
@@ -559,7 +561,7 @@ def read_run(run_dir: str | Path) -> RunCurve:
         missing = "config.toml" if not config.is_file() else "metrics.jsonl"
         raise ConfigError(f"{run_dir} is not a run directory ({missing} missing)")
     cfg = load_config(config)
-    steps, losses = [], []
+    steps, losses, diverged_at = [], [], None
     for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
         try:  # a run in progress may have a half-written last line
             record = json.loads(line)
@@ -569,6 +571,8 @@ def read_run(run_dir: str | Path) -> RunCurve:
         if isinstance(loss, (int, float)) and math.isfinite(loss):
             steps.append(step)
             losses.append(float(loss))
+        elif "loss" in record and diverged_at is None:
+            diverged_at = step
     total = cfg.train.steps
     return RunCurve(
         run_dir,
@@ -577,13 +581,20 @@ def read_run(run_dir: str | Path) -> RunCurve:
         schedule_fractions(cfg.schedule, total),
         total,
         cfg.schedule.kind,
+        diverged_at,
     )
 
 
 def forecast_run(run_dir: str | Path, upto_step: int | None = None, **kwargs) -> Forecast:
     """Forecast the final loss of the run in `run_dir` from its records up to `upto_step` (default: all)."""
     run = read_run(run_dir)
-    keep = run.steps <= (upto_step if upto_step is not None else run.total_steps)
+    upto = upto_step if upto_step is not None else run.total_steps
+    if run.diverged_at is not None and run.diverged_at <= upto:
+        raise ConfigError(
+            f"{run.run_dir}: the loss is not finite from step {run.diverged_at} on; a forecast from the finite "
+            f"steps before it would hide the divergence (--upto {run.diverged_at - 1} forecasts from before it)"
+        )
+    keep = run.steps <= upto
     if not keep.any():
         raise ConfigError(f"{run.run_dir} has no loss records yet" + (f" up to step {upto_step}" if upto_step else ""))
     try:
@@ -643,6 +654,10 @@ def backtest(
     rows = []
     for run_dir in run_dirs:
         run = read_run(run_dir)
+        if run.diverged_at is not None:
+            raise ConfigError(
+                f"{run.run_dir}: the loss is not finite from step {run.diverged_at} on; nothing to replay"
+            )
         if not run.finished:
             last = int(run.steps[-1]) if len(run.steps) else 0
             raise ConfigError(

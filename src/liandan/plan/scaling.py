@@ -127,9 +127,23 @@ class ScalingLaw:
 
 
 CHINCHILLA = ScalingLaw(E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28)
-"""Hoffmann et al. 2022, approach 3 (their equation 10), fitted on their own runs. N counts all
-parameters (Hoffmann et al. include the embeddings), D training tokens, L is nats per token on MassiveText;
-the constants transfer to another tokenizer, data mix or parameter count only roughly."""
+"""Hoffmann et al. 2022, approach 3 (their equation 10), as published. Besiroglu et al. 2024 showed that these
+constants do not fit the paper's own runs: they put ~44 tokens per parameter at 1B parameters and ~9x
+Chinchilla's tokens per parameter at 1T, against the ~20 of the paper's approaches 1 and 2 (its Table 3).
+Kept selectable (`--law hoffmann`) for comparison, not as a default."""
+
+EPOCH_REFIT = ScalingLaw(E=1.8172, A=482.01, B=2085.43, alpha=0.3478, beta=0.3658)
+"""Besiroglu, Erdil, Barnett and You 2024 ("Chinchilla Scaling: A replication attempt", Epoch AI): approach 3
+refitted to the runs read off Hoffmann et al.'s Figure 4, with the same Huber objective. It agrees with the
+paper's approaches 1 and 2 (about 20 tokens per parameter; 67B parameters at 5.76e23 FLOPs). N counts all
+parameters, D training tokens, L is nats per token on MassiveText; the constants transfer to another
+tokenizer, data mix or parameter count only roughly."""
+
+NAMED_LAWS: dict[str, tuple[ScalingLaw, str]] = {
+    "epoch": (EPOCH_REFIT, "Chinchilla refitted by Besiroglu et al. 2024 (Epoch AI); N counts all parameters"),
+    "hoffmann": (CHINCHILLA, "Hoffmann et al. 2022, approach 3 as published; overestimates tokens per parameter"),
+}
+DEFAULT_LAW = "epoch"
 
 
 @dataclass(frozen=True)
@@ -202,9 +216,13 @@ def read_csv(path: Path) -> Observations:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"no such file: {path}")
-    with path.open(newline="") as handle:
-        lines = [line for line in handle if line.strip() and not line.lstrip().startswith("#")]
-    rows = list(csv.reader(lines))
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            lines = [line for line in handle if line.strip() and not line.lstrip().startswith("#")]
+        rows = list(csv.reader(lines))
+    except (UnicodeDecodeError, csv.Error) as err:
+        reason = "not UTF-8 text" if isinstance(err, UnicodeDecodeError) else str(err)
+        raise ConfigError(f"{path}: not a CSV of runs ({reason})") from None
     if not rows:
         raise ConfigError(f"{path}: empty; expected a header with columns N, D (or C) and loss")
     header = [h.strip().lower() for h in rows[0]]
@@ -269,9 +287,11 @@ def read_runs(run_dirs: Sequence[Path], *, params: str = "non_embedding", loss: 
     for run in run_dirs:
         file = Path(run) / "summary.json"
         try:
-            summaries.append(json.loads(file.read_text()))
+            summaries.append(json.loads(file.read_text(encoding="utf-8")))
         except FileNotFoundError:
             raise ConfigError(f"{run}: no summary.json (an unfinished run?)") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{file}: not UTF-8 text") from None
         except json.JSONDecodeError as err:
             raise ConfigError(f"{file}: not valid JSON ({err.msg}, line {err.lineno})") from None
         if not isinstance(summaries[-1], dict):
@@ -658,6 +678,19 @@ def fit_to_dict(result: Fit, confidence: float = 0.95) -> dict:
     return out
 
 
+def named_or_saved_law(spec: str | None) -> tuple[ScalingLaw, list[ScalingLaw], str]:
+    """A published law by name (`epoch`, `hoffmann`; None means the default) or one saved by `liandan fit
+    --save`: the law, its bootstrap replicates, and what it is."""
+    name = spec or DEFAULT_LAW
+    if name in NAMED_LAWS:
+        law, description = NAMED_LAWS[name]
+        return law, [], f"{name}: {description}"
+    if not Path(name).exists():
+        raise ConfigError(f"--law {name}: neither a published law ({', '.join(NAMED_LAWS)}) nor a file")
+    law, samples, source = load_law(Path(name))
+    return law, samples, f"fitted ({name}: {source})"
+
+
 def load_law(path: Path) -> tuple[ScalingLaw, list[ScalingLaw], str]:
     """A law saved by `liandan fit --save` (or any JSON object with E, A, B, alpha, beta, at the top or under
     "law"): the law, its bootstrap replicates, and a description of what N, D and the loss were."""
@@ -665,7 +698,9 @@ def load_law(path: Path) -> tuple[ScalingLaw, list[ScalingLaw], str]:
     if not path.is_file():
         raise ConfigError(f"no such file: {path}")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"{path}: not a law written by `liandan fit --save` (not UTF-8 text)") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: not valid JSON ({err.msg}, line {err.lineno})") from None
     if not isinstance(data, dict):
