@@ -1,0 +1,22 @@
+"""The run directory: its layout, the one atomic writer, tolerant readers of its JSON-lines files, and the
+names of its step directories. Every other module reads and writes a run through this room."""
+
+from liandan.run.files import append_jsonl, atomic_write, atomic_write_json, dumps_json, fsync_directory
+from liandan.run.jsonl import JsonlTail, read_json, read_jsonl
+from liandan.run.layout import RunDir
+from liandan.run.steps import STEP_DIR, parse_step_dir, step_dir_name
+
+__all__ = [
+    "STEP_DIR",
+    "JsonlTail",
+    "RunDir",
+    "append_jsonl",
+    "atomic_write",
+    "atomic_write_json",
+    "dumps_json",
+    "fsync_directory",
+    "parse_step_dir",
+    "read_json",
+    "read_jsonl",
+    "step_dir_name",
+]

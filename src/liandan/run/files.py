@@ -1,0 +1,68 @@
+"""Writing a run's files so that a reader never sees half of one: whole files go to a temporary name in the
+same directory, are flushed to disk and renamed over the old one; JSON-lines records are appended one whole
+line at a time. JSON is written strictly: a non-finite number becomes null, never the invalid `NaN`."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+TMP_SUFFIX = ".tmp"
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dumps_json(obj: Any, indent: int | None = None) -> str:
+    """Valid JSON for any record a run writes: NaN and infinities become null; other objects their str()."""
+    return json.dumps(_finite(obj), indent=indent, allow_nan=False, default=str)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: str | bytes, *, durable: bool = True) -> None:
+    """Replace `path` with `data` all at once. On any error (a full disk, say) the old file stays as it was,
+    the temporary is removed, and the error propagates with the path in it."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    try:
+        with open(tmp, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            if durable:
+                os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        fsync_directory(path.parent)
+
+
+def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
+    atomic_write(path, dumps_json(obj, indent=2) + "\n", durable=durable)
+
+
+def append_jsonl(path: Path, record: dict[str, Any]) -> None:
+    """Append one record as one line (opened, written and closed per call: for files written rarely, such
+    as a supervisor's events; loggers that write every step keep their file open)."""
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write(dumps_json(record) + "\n")

@@ -1,0 +1,115 @@
+"""Where each of a run's files lives. A run directory holds:
+
+    config.toml           the resolved config the run trains with
+    metrics.jsonl         one record per logged step (rank 0)
+    events.jsonl          what happened: starts, resumes, saves, incidents, forecasts (trainer and supervisor)
+    summary.json          the run's totals, written when it ends
+    heartbeat/            rank-N.json: each rank's step and phase, for the supervisor's hang detection
+    logs/                 each worker's output, per attempt
+    checkpoints/          step-NNNNNNNN/ per save (or `checkpoint.dir`)
+    data/                 the token store made from `[data] paths` (none with `[data] stores`)
+    nodes/, excluded_nodes.json, excluded_nodes.txt   failure attribution across nodes
+    verified.json         the supervisor's verdict on the newest checkpoint, handed to the next attempt
+    run.lock              held by the process that owns the run
+
+Only this module spells those names; everyone else asks a `RunDir`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from liandan.run.jsonl import JsonlTail, read_json, read_jsonl
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+    checkpoint_dir: Path | None = None  # `checkpoint.dir`, when checkpoints live elsewhere
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+        if self.checkpoint_dir is not None:
+            object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
+
+    @classmethod
+    def of(cls, path: Path | str, checkpoint_dir: str | Path | None = "") -> RunDir:
+        """A run directory; an empty `checkpoint_dir` (the config's default) means `<run>/checkpoints`."""
+        return cls(Path(path), Path(checkpoint_dir) if checkpoint_dir else None)
+
+    # -- files -------------------------------------------------------------------------------------------
+    @property
+    def config(self) -> Path:
+        return self.path / "config.toml"
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def events(self) -> Path:
+        return self.path / "events.jsonl"
+
+    @property
+    def summary(self) -> Path:
+        return self.path / "summary.json"
+
+    @property
+    def heartbeats(self) -> Path:
+        return self.path / "heartbeat"
+
+    @property
+    def logs(self) -> Path:
+        return self.path / "logs"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.checkpoint_dir if self.checkpoint_dir is not None else self.path / "checkpoints"
+
+    @property
+    def data(self) -> Path:
+        return self.path / "data"
+
+    @property
+    def nodes(self) -> Path:
+        return self.path / "nodes"
+
+    @property
+    def excluded_nodes(self) -> Path:
+        return self.path / "excluded_nodes.json"
+
+    @property
+    def excluded_hostlist(self) -> Path:
+        return self.path / "excluded_nodes.txt"
+
+    @property
+    def verdict(self) -> Path:
+        return self.path / "verified.json"
+
+    @property
+    def lock(self) -> Path:
+        return self.path / "run.lock"
+
+    def plot(self, name: str = "loss") -> Path:
+        return self.path / f"{name}.png"
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def exists(self) -> bool:
+        return self.path.is_dir()
+
+    def read_metrics(self) -> list[dict]:
+        return read_jsonl(self.metrics)
+
+    def read_events(self) -> list[dict]:
+        return read_jsonl(self.events)
+
+    def read_summary(self) -> dict:
+        summary = read_json(self.summary, {})
+        return summary if isinstance(summary, dict) else {}
+
+    def follow_metrics(self) -> JsonlTail:
+        return JsonlTail(self.metrics)
+
+    def follow_events(self) -> JsonlTail:
+        return JsonlTail(self.events)
