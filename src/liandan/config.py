@@ -46,6 +46,8 @@ class RunSection:
 
 @dataclass
 class ModelSection:
+    # Checked where the family's spec is looked up (liandan.model.spec.get): this module imports no model code.
+    family: str = _f("llama", "model family registered in liandan.model.spec: llama (qk_norm gives Qwen3-style)")
     vocab_size: int = _f(0, "0 takes the tokenizer's size, rounded up to a multiple of 64", min=0)
     dim: int = _f(256, "hidden size", min=8)
     n_layers: int = _f(4, "transformer blocks", min=1)

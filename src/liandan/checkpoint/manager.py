@@ -336,15 +336,16 @@ def describe_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
 
 
 def load_model(path: Path, verify_checksums: bool = True):
-    """A checkpoint's model on the CPU in one process, whatever layout saved it: (Transformer, meta)."""
-    from liandan.model import ModelArgs, Transformer
+    """A checkpoint's model on the CPU in one process, whatever layout saved it: (model, meta)."""
+    from liandan.model.spec import get as get_model_spec
 
     path = Path(path)
     verify(path, checksums=verify_checksums)
     meta = json.loads((path / "meta.json").read_text())
     if "model_args" not in meta:
         raise CheckpointError(f"{path / 'meta.json'} does not describe the model (model_args missing)")
-    model = Transformer(ModelArgs(**meta["model_args"]))
+    spec = get_model_spec(meta.get("model_family", "llama"))  # checkpoints from before families are Llama's
+    model = spec.build(spec.args_type(**meta["model_args"]))
     state = {"model": get_model_state_dict(model)}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
     set_model_state_dict(model, state["model"])

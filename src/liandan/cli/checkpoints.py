@@ -98,18 +98,19 @@ def _tokenizer_of(checkpoint: Path) -> Path | None:
 def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.checkpoint import hf
     from liandan.checkpoint.manager import CheckpointManager
-    from liandan.model import Transformer
+    from liandan.model import spec_for
 
     source, out = Path(args.source), Path(args.out)
     try:
         state, model_args = hf.import_hf(source)
     except (ValueError, FileNotFoundError) as err:
         raise _user_error(err) from None
-    model = Transformer(model_args)
+    spec = spec_for(model_args)
+    model = spec.build(model_args)
     model.load_state_dict(state, strict=True)
     manager = CheckpointManager(out.parent / f".{out.name}-staging", async_save=False)
-    meta = {"format": "liandan-checkpoint", "tokens": 0, "layout": "imported", "model_args": dataclasses.asdict(model_args),
-            "imported_from": str(source.resolve())}  # fmt: skip
+    meta = {"format": "liandan-checkpoint", "tokens": 0, "layout": "imported", "model_family": spec.name,
+            "model_args": dataclasses.asdict(model_args), "imported_from": str(source.resolve())}  # fmt: skip
     manager.save(0, model, None, meta)
     saved = manager.root / "step-00000000"
     if not (saved / "manifest.json").is_file():

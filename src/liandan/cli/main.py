@@ -114,6 +114,9 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     name = Path(args.config).stem
+    from liandan.model.spec import get as get_model_spec
+
+    get_model_spec(cfg.model.family)  # [model] family is checked against the registry before anything starts
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
     # torchrun or srun started us; with $LIANDAN_NNODES, srun starts one supervisor per node instead

@@ -1,18 +1,13 @@
-"""Parameter and FLOP counts from a model's shape alone (no weights needed), for MFU and planning."""
+"""Llama's parameter and FLOP counts from its shape alone (no weights needed), for MFU and planning. The rest of
+liandan reaches them through the Llama spec (`liandan.model.count_params` and `flops_per_token` dispatch on the
+args' family)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from liandan.model.llama import ModelArgs
+from liandan.model.spec import ParamCounts, ParamSplit
 
-
-@dataclass(frozen=True)
-class ParamCounts:
-    total: int
-    embedding: int  # the input token table (shared with the head when tied)
-    non_embedding: int
-    matmul: int  # parameters used in a matmul per token: all but the input lookup, which counts when tied
+__all__ = ["ParamCounts", "ParamSplit", "count_params", "flops_per_token", "param_split"]
 
 
 def count_params(args: ModelArgs) -> ParamCounts:
@@ -35,3 +30,19 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     full T x T score matrix, as PaLM does, even under a causal mask."""
     n = count_params(args).matmul
     return 6.0 * n + 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
+
+
+def param_split(args: ModelArgs, tp: int = 1) -> ParamSplit:
+    """Tensor parallel as Llama's plan applies it: q/k/v/w1/w3 column-parallel and wo/w2 row-parallel (divided
+    by tp), the embedding vocabulary-parallel and the head column-parallel (divided by tp), norms replicated."""
+    d, hd = args.dim, args.head_dim
+    attn = d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + args.n_heads * hd * d
+    matrices = _ceil(attn, tp) + _ceil(3 * d * args.ffn_dim, tp)
+    norms = 2 * d + (2 * hd if args.qk_norm else 0)
+    table = _ceil(args.vocab_size * d, tp)
+    root = table * (1 if args.tie_embeddings else 2) + d
+    return ParamSplit(args.n_layers, matrices + norms, root, args.n_layers * matrices + table)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)

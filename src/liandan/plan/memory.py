@@ -14,7 +14,9 @@ Two accountings of the model states (parameters, gradients, optimizer) are kept 
   autocast's bf16 copies of the matmul weights from the forward to the backward pass.
 
 Tensor parallelism divides the per-layer matrices, the vocabulary-parallel embedding and the
-column-parallel head by tp; norm weights stay replicated.
+column-parallel head by tp; norm weights stay replicated. Parameter and FLOP counts and that split come from
+the model family's spec (`liandan.model.spec`); the activation formulas below read the args' `n_layers`,
+`dim`, `n_heads`, `vocab_size` and `z_loss` (0 when absent), the shape of any decoder-only transformer.
 
 Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
 Models"), per layer, in bytes for 16-bit activations:
@@ -42,13 +44,13 @@ The numbers, and how far they were off on measured runs, are in docs/planning.md
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from liandan.config import Config, ConfigError
-from liandan.model.counts import ParamCounts, count_params, flops_per_token
-from liandan.model.llama import ModelArgs
+from liandan.model.spec import ParamCounts, ParamSplit, count_params, flops_per_token, model_args, spec_for
+from liandan.model.spec import get as get_model_spec
 from liandan.plan.devices import Device
 from liandan.train.parallelize import Layout, resolve_layout, uses_fsdp
 
@@ -66,34 +68,11 @@ DEFAULT_HEADROOM = 0.1  # CUDA context, NCCL buffers and allocator fragmentation
 # parameters per rank
 
 
-@dataclass(frozen=True)
-class ParamSplit:
-    """Parameters one tensor-parallel rank holds, before any data-parallel sharding."""
-
-    n_layers: int
-    block: int  # one transformer block (its matrices / tp, its norm weights whole)
-    root: int  # the rest, which FSDP2 wraps as the root unit: embedding, final norm, head
-    matmul: int  # of all these, the weights used in matmuls (the ones autocast copies to bf16)
-
-    @property
-    def total(self) -> int:
-        return self.n_layers * self.block + self.root
-
-
-def param_split(args: ModelArgs, tp: int = 1) -> ParamSplit:
-    """Tensor parallel as liandan applies it: q/k/v/w1/w3 column-parallel and wo/w2 row-parallel (divided by
-    tp), the embedding vocabulary-parallel and the head column-parallel (divided by tp), norms replicated."""
-    d, hd = args.dim, args.head_dim
-    attn = d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + args.n_heads * hd * d
-    matrices = _ceil(attn, tp) + _ceil(3 * d * args.ffn_dim, tp)
-    norms = 2 * d + (2 * hd if args.qk_norm else 0)
-    table = _ceil(args.vocab_size * d, tp)
-    root = table * (1 if args.tie_embeddings else 2) + d
-    return ParamSplit(args.n_layers, matrices + norms, root, args.n_layers * matrices + table)
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
+def param_split(args: Any, tp: int = 1) -> ParamSplit:
+    """What one tensor-parallel rank holds, as the model family's tensor-parallel plan splits it (Llama:
+    q/k/v/w1/w3 column-parallel and wo/w2 row-parallel, divided by tp; the embedding vocabulary-parallel and
+    the head column-parallel, divided by tp; norms replicated)."""
+    return spec_for(args).param_split(args, tp)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -189,7 +168,7 @@ class Activations:
 
 
 def activation_memory(
-    args: ModelArgs,
+    args: Any,
     *,
     micro_batch: int,
     seq_len: int,
@@ -212,7 +191,7 @@ def activation_memory(
     mask_one = b * s * s * c if attention == "dense-mask" else 0
     masks = mask_one * (1 if checkpoint == "full" else args.n_layers)
     sbh = s * b * h / (tp if sequence_parallel else 1)
-    head = 2 * c * sbh + (20 if args.z_loss else 12) * s * b * args.vocab_size
+    head = 2 * c * sbh + (20 if getattr(args, "z_loss", 0.0) else 12) * s * b * args.vocab_size
     return Activations(per_layer, args.n_layers * per_layer, recompute, masks, head, formula)
 
 
@@ -266,7 +245,7 @@ def usable_bytes(device_memory_gib: float, headroom: float = DEFAULT_HEADROOM) -
 
 
 def memory_per_device(
-    args: ModelArgs,
+    args: Any,
     layout: Layout,
     *,
     micro_batch: int,
@@ -357,20 +336,20 @@ def micro_batch_for(global_batch: int, micro_batch: int, layout: Layout) -> int 
     return b if per_rank % b == 0 else None
 
 
-def tp_degrees(args: ModelArgs, nproc: int, max_tp: int = 8) -> list[int]:
-    """Tensor-parallel degrees liandan accepts for this model on `nproc` devices (powers of two)."""
-    if args.tie_embeddings or args.qk_norm:
-        return [1]
+def tp_degrees(args: Any, nproc: int, max_tp: int = 8) -> list[int]:
+    """Tensor-parallel degrees liandan accepts for this model on `nproc` devices (powers of two): those its
+    family's tensor-parallel plan can split it by."""
+    spec = spec_for(args)
     out, t = [], 1
     while t <= min(max_tp, nproc):
-        if nproc % t == 0 and args.n_heads % t == 0 and args.n_kv_heads % t == 0:
+        if nproc % t == 0 and spec.tp_refusal(args, t) is None:
             out.append(t)
         t *= 2
     return out
 
 
 def smallest_fitting_layout(
-    args: ModelArgs,
+    args: Any,
     *,
     seq_len: int,
     global_batch: int,
@@ -418,7 +397,7 @@ class RunFlops:
     six_nd: float  # 6 x parameters used in matmuls x tokens, without the attention term
 
 
-def run_flops(args: ModelArgs, *, seq_len: int, steps: int, global_batch: int) -> RunFlops:
+def run_flops(args: Any, *, seq_len: int, steps: int, global_batch: int) -> RunFlops:
     tokens = steps * global_batch * seq_len
     per_token = flops_per_token(args, seq_len)
     return RunFlops(tokens, per_token, per_token * tokens, 6.0 * count_params(args).matmul * tokens)
@@ -456,12 +435,13 @@ def run_time_estimate(
 # a run config's plan
 
 
-def plan_model_args(cfg: Config) -> ModelArgs:
-    """The model a config trains. With model.vocab_size = 0 the size comes from the tokenizer the config
-    names, rounded up to a multiple of 64 as the trainer does."""
+def plan_model_args(cfg: Config) -> Any:
+    """The model a config trains, in its family's args. With model.vocab_size = 0 the size comes from the
+    tokenizer the config names, rounded up to a multiple of 64 as the trainer does."""
     m = cfg.model
-    vocab = m.vocab_size
-    if not vocab:
+    get_model_spec(m.family)  # an unknown family is the first thing to report
+    tokenizer_vocab = 0
+    if not m.vocab_size:
         spec = cfg.data.tokenizer
         if cfg.data.stores:  # a pipeline's store carries its tokenizer beside its manifest
             tokenizer_vocab = _tokenizer_file_vocab(str(Path(cfg.data.stores[0]) / "tokenizer.json"))
@@ -471,9 +451,7 @@ def plan_model_args(cfg: Config) -> ModelArgs:
             tokenizer_vocab = cfg.data.bpe_vocab_size
         else:
             tokenizer_vocab = _tokenizer_file_vocab(spec)
-        vocab = 64 * math.ceil(tokenizer_vocab / 64)
-    fields = {k: getattr(m, k) for k in ModelArgs.__dataclass_fields__ if k != "vocab_size"}
-    return ModelArgs(vocab_size=vocab, **fields)
+    return model_args(m, tokenizer_vocab)
 
 
 def _tokenizer_file_vocab(path: str) -> int:
@@ -523,7 +501,7 @@ class ActivationVariant:
 
 @dataclass(frozen=True)
 class Plan:
-    model: ModelArgs
+    model: Any
     params: ParamCounts
     flops: RunFlops
     nproc: int

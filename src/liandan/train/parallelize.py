@@ -1,4 +1,5 @@
-"""Parallelism, recomputation and compilation, applied to a plain `Transformer` from outside.
+"""Parallelism, recomputation and compilation, applied to a plain model from outside, as its family's spec
+(`liandan.model.spec`) describes: the tensor-parallel plan, the container of repeated blocks, what to compile.
 
 One DeviceMesh with named dims ("dp_replicate", "dp_shard", "tp"). The order of application follows
 torchtitan: tensor parallel first (it rewrites the linear layers into DTensor shards), then activation
@@ -17,6 +18,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from liandan.config import ParallelSection
+from liandan.model.spec import ModelSpec, spec_for
 
 DIMS = ("dp_replicate", "dp_shard", "tp")
 
@@ -84,31 +86,25 @@ def dp_coordinates(mesh: DeviceMesh | None, layout: Layout) -> tuple[int, int]:
 # tensor parallel
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh) -> None:
-    """Megatron-style: column-parallel q/k/v and w1/w3, row-parallel wo and w2, vocabulary-parallel
-    embedding, column-parallel head gathered back to full logits. Each rank holds n_heads / tp heads."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec | None = None) -> None:
+    """The family's tensor-parallel plan: its top-level modules, then the same per-block plan on every block
+    (for Llama, Megatron-style: each rank holds n_heads / tp heads)."""
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        },
-    )
-    plan = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(),
-    }
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan)
+    spec = spec or spec_for(model.args)
+    refusal = spec.tp_refusal(model.args, tp_mesh.size())
+    if refusal:
+        raise ValueError(refusal)
+    plan = spec.tp_plan(model.args)
+    if plan.top:
+        parallelize_module(model, tp_mesh, plan.top)
+    for block in _blocks(model, spec).children():
+        parallelize_module(block, tp_mesh, plan.block)
+
+
+def _blocks(model: nn.Module, spec: ModelSpec) -> nn.Module:
+    """The container of the model's repeated blocks (a ModuleDict or ModuleList)."""
+    return getattr(model, spec.blocks)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -137,7 +133,7 @@ def _selective_policy():
     return policy
 
 
-def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str, spec: ModelSpec | None = None) -> None:
     if mode == "none":
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -146,27 +142,35 @@ def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
     kwargs: dict = {"preserve_rng_state": False}
     if mode == "selective":
         kwargs["context_fn"] = partial(create_selective_checkpoint_contexts, _selective_policy())
-    for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, checkpoint_wrapper(block, **kwargs))
+    blocks = _blocks(model, spec or spec_for(model.args))
+    for name, block in list(blocks.named_children()):
+        blocks.register_module(name, checkpoint_wrapper(block, **kwargs))
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, spec: ModelSpec | None = None) -> None:
     """Compile each block separately (blocks are identical, so one compilation serves them all) and the
-    head with its loss. Without sharding the whole model is compiled instead, which fuses across blocks."""
-    for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, torch.compile(block, dynamic=False))
-    model.head_loss = torch.compile(model.head_loss, dynamic=False)
+    methods the family names (Llama: the head with its loss). Without sharding the whole model is compiled
+    instead, which fuses across blocks."""
+    spec = spec or spec_for(model.args)
+    blocks = _blocks(model, spec)
+    for name, block in list(blocks.named_children()):
+        blocks.register_module(name, torch.compile(block, dynamic=False))
+    for method in spec.compiled_methods:
+        setattr(model, method, torch.compile(getattr(model, method), dynamic=False))
 
 
 # ---------------------------------------------------------------------------------------------------------
 # data parallel
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None) -> None:
+def apply_fsdp(
+    model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None, spec: ModelSpec | None = None
+) -> None:
+    """One FSDP2 unit per block of the family's block container, and the root unit for the rest."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    blocks = list(model.layers.values())
+    blocks = list(_blocks(model, spec or spec_for(model.args)).children())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once for backward: keep them gathered.
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
@@ -188,18 +192,21 @@ def parallelize(
     activation_checkpoint: str = "none",
     compile: bool = False,
     fsdp_param_dtype: torch.dtype | None = None,
+    spec: ModelSpec | None = None,
 ) -> nn.Module:
-    """Apply TP, recomputation, compile and data parallelism; returns the module to call (DDP wraps)."""
+    """Apply TP, recomputation, compile and data parallelism; returns the module to call (DDP wraps).
+    `spec` is the model's family (default: found from `model.args`)."""
+    spec = spec or spec_for(model.args)
     if layout.tp > 1:
-        apply_tp(model, mesh["tp"])
-    apply_activation_checkpointing(model, activation_checkpoint)
+        apply_tp(model, mesh["tp"], spec)
+    apply_activation_checkpointing(model, activation_checkpoint, spec)
     if compile and (uses_fsdp(layout) or layout.tp > 1):
-        apply_compile(model)  # per block: FSDP2 and TP hooks sit between blocks
+        apply_compile(model, spec)  # per block: FSDP2 and TP hooks sit between blocks
     elif compile:
         model.compile(dynamic=False)  # whole graph, in place (parameter names unchanged)
     if uses_fsdp(layout):
         dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
-        apply_fsdp(model, mesh[dims], fsdp_param_dtype)
+        apply_fsdp(model, mesh[dims], fsdp_param_dtype, spec)
     elif layout.dp_replicate > 1:
         return apply_ddp(model, mesh["dp_replicate"])
     return model

@@ -25,7 +25,8 @@ from liandan.config import Config, ConfigError
 from liandan.data.loader import Batch, PackedLoader
 from liandan.data.prepare import open_prepared, open_stores, prepare_store
 from liandan.faults import maybe_inject
-from liandan.model import ModelArgs, Transformer, count_params, flops_per_token
+from liandan.model.spec import ModelSpec, padded_vocab
+from liandan.model.spec import get as get_model_spec
 from liandan.resilience.handoff import newest_checkpoint
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
@@ -113,10 +114,15 @@ class Trainer:
         )  # fmt: skip
 
         # Model: the same seed on every rank gives every rank the same initial weights before sharding.
+        self.spec: ModelSpec = get_model_spec(cfg.model.family)
         self.model_args = _model_args(cfg, self.tokenizer.vocab_size)
+        refusal = self.spec.tp_refusal(self.model_args, self.layout.tp)
+        if refusal:
+            raise ConfigError(refusal)
         torch.manual_seed(cfg.run.seed)
-        model = Transformer(self.model_args)
-        backend = _config_step(model.configure_attention, self.device)
+        model = self.spec.build(self.model_args)
+        configure = getattr(model, "configure_attention", None)
+        backend = _config_step(configure, self.device) if configure else "built in"
         model.to(self.device)
         fsdp = uses_fsdp(self.layout)
         self.model = parallelize(
@@ -126,6 +132,7 @@ class Trainer:
             activation_checkpoint=t.activation_checkpoint,
             compile=t.compile,
             fsdp_param_dtype=self.dtype if fsdp and self.dtype != torch.float32 else None,
+            spec=self.spec,
         )
         # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
         self.autocast = self.dtype != torch.float32 and not fsdp
@@ -149,8 +156,8 @@ class Trainer:
                                                     self.dist.world_size, owner, str(self.layout))  # fmt: skip
         self._resume_or_init()
 
-        self.params = count_params(self.model_args)
-        self.flops_per_token = flops_per_token(self.model_args, t.seq_len)
+        self.params = self.spec.count_params(self.model_args)
+        self.flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
         peak, self.peak_source = device_peak_flops(self.device, self.dtype)
         self.peak_flops = self._sum_over_ranks(peak)
         self.logger = self._make_logger()
@@ -248,6 +255,7 @@ class Trainer:
             "tokens": self.step * self.cfg.train.global_batch * self.cfg.train.seq_len,
             "layout": str(self.layout),
             **self._resume_state(),
+            "model_family": self.spec.name,
             "model_args": dataclasses.asdict(self.model_args),
             "config": self.cfg.to_toml(),
             "liandan_version": __version__,
@@ -289,10 +297,13 @@ class Trainer:
             source = Path(c.init_from)
             if not (source / "meta.json").is_file():
                 raise ConfigError(f"checkpoint.init_from = {source}: no checkpoint there (meta.json missing)")
-            theirs = json.loads((source / "meta.json").read_text()).get("model_args", {})
-            ours = dataclasses.asdict(self.model_args)
-            shape_keys = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "qk_norm")
-            differ = [f"model.{k} = {ours[k]} (checkpoint: {theirs.get(k)})" for k in shape_keys if theirs.get(k) != ours[k]]
+            their_meta = json.loads((source / "meta.json").read_text())
+            theirs, ours = their_meta.get("model_args", {}), dataclasses.asdict(self.model_args)
+            differ = [f"model.{k} = {ours[k]} (checkpoint: {theirs.get(k)})" for k in self.spec.shape_fields
+                      if theirs.get(k) != ours[k]]  # fmt: skip
+            family = their_meta.get("model_family", "llama")
+            if family != self.spec.name:
+                differ.insert(0, f"model.family = {self.spec.name} (checkpoint: {family})")
             if differ:
                 raise ConfigError(f"checkpoint.init_from = {source} has another model shape: {'; '.join(differ)}")
             self.checkpoints.load(source, self.model)
@@ -410,13 +421,13 @@ class Trainer:
         plot_run(self.run_dir)
 
 
-def _model_args(cfg: Config, tokenizer_vocab: int) -> ModelArgs:
+def _model_args(cfg: Config, tokenizer_vocab: int) -> Any:
+    """The model's args in its family's type, derived from [model] by the family's spec."""
     m = cfg.model
-    vocab = m.vocab_size or 64 * math.ceil(tokenizer_vocab / 64)  # multiples of 64 keep matmuls aligned
+    vocab = padded_vocab(m.vocab_size, tokenizer_vocab)  # multiples of 64 keep matmuls aligned
     if vocab < tokenizer_vocab:
         raise ConfigError(f"model.vocab_size = {vocab} is smaller than the tokenizer's {tokenizer_vocab} tokens")
-    fields = {k: getattr(m, k) for k in ModelArgs.__dataclass_fields__ if k != "vocab_size"}
-    return ModelArgs(vocab_size=vocab, **fields)
+    return get_model_spec(m.family).args_from_config(m, vocab)
 
 
 def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[Path, bool]:

@@ -1,0 +1,111 @@
+"""The Llama family's spec: how its args come from `[model]`, its state-dict shapes, its tensor-parallel plan,
+its counts and its Hugging Face adapter. Registered when `liandan.model` is imported."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from liandan.config import ModelSection
+from liandan.model import counts, llama_hf
+from liandan.model.llama import ModelArgs, Transformer
+from liandan.model.spec import HFAdapter, ModelSpec, TensorParallelPlan, register
+
+# ModelArgs fields that do not come from [model] under the same name: derived from the tokenizer.
+DERIVED_FIELDS = ("vocab_size",)
+
+
+def args_from_config(section: ModelSection, vocab_size: int) -> ModelArgs:
+    """Every other ModelArgs field is the [model] key of the same name (tests/test_model_spec.py checks that
+    they cannot drift apart)."""
+    fields = {f.name: getattr(section, f.name) for f in dataclasses.fields(ModelArgs) if f.name not in DERIVED_FIELDS}
+    return ModelArgs(vocab_size=vocab_size, **fields)
+
+
+def state_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every key of `Transformer(args).state_dict()`, in its order, and its shape (tied models list
+    `output.weight` too)."""
+    hd = args.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"tok_embeddings.weight": (args.vocab_size, args.dim)}
+    for i in range(args.n_layers):
+        p = f"layers.{i}."
+        shapes[p + "attention_norm.weight"] = (args.dim,)
+        shapes[p + "attention.wq.weight"] = (args.n_heads * hd, args.dim)
+        shapes[p + "attention.wk.weight"] = (args.n_kv_heads * hd, args.dim)
+        shapes[p + "attention.wv.weight"] = (args.n_kv_heads * hd, args.dim)
+        shapes[p + "attention.wo.weight"] = (args.dim, args.n_heads * hd)
+        if args.qk_norm:
+            shapes[p + "attention.q_norm.weight"] = (hd,)
+            shapes[p + "attention.k_norm.weight"] = (hd,)
+        shapes[p + "ffn_norm.weight"] = (args.dim,)
+        shapes[p + "feed_forward.w1.weight"] = (args.ffn_dim, args.dim)
+        shapes[p + "feed_forward.w3.weight"] = (args.ffn_dim, args.dim)
+        shapes[p + "feed_forward.w2.weight"] = (args.dim, args.ffn_dim)
+    shapes["norm.weight"] = (args.dim,)
+    shapes["output.weight"] = (args.vocab_size, args.dim)
+    return shapes
+
+
+def tied(args: ModelArgs) -> dict[str, str]:
+    return {"output.weight": "tok_embeddings.weight"} if args.tie_embeddings else {}
+
+
+def tp_plan(args: ModelArgs) -> TensorParallelPlan:
+    """Megatron-style: column-parallel q/k/v and w1/w3, row-parallel wo and w2, vocabulary-parallel
+    embedding, column-parallel head gathered back to full logits. Each rank holds n_heads / tp heads."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return TensorParallelPlan(
+        top={
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        },
+        block={
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        },
+    )
+
+
+def tp_check(args: ModelArgs, tp: int) -> str | None:
+    """The plan splits heads, so tp must divide both head counts; a tied head and qk-norm's per-head norms
+    have no sharded form yet."""
+    if args.n_heads % tp or args.n_kv_heads % tp:
+        return f"parallel.tp = {tp} must divide model.n_heads = {args.n_heads} and n_kv_heads = {args.n_kv_heads}"
+    for what in ("tie_embeddings", "qk_norm"):
+        if getattr(args, what):
+            return f"model.{what} = true is not supported with parallel.tp > 1 yet"
+    return None
+
+
+LLAMA = register(
+    ModelSpec(
+        name="llama",
+        args_type=ModelArgs,
+        args_from_config=args_from_config,
+        build=Transformer,
+        state_shapes=state_shapes,
+        count_params=counts.count_params,
+        flops_per_token=counts.flops_per_token,
+        param_split=counts.param_split,
+        shape_fields=("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "qk_norm"),
+        tied=tied,
+        tie_setting="tie_embeddings",
+        tp_plan=tp_plan,
+        tp_check=tp_check,
+        blocks="layers",
+        compiled_methods=("head_loss",),
+        hf=HFAdapter(
+            architectures=llama_hf.ARCHITECTURES,
+            to_hf_name=llama_hf.to_hf_name,
+            config=llama_hf.hf_config,
+            args_from_config=llama_hf.args_from_hf_config,
+            ignored_suffixes=("rotary_emb.inv_freq",),  # a buffer some older checkpoints store
+        ),
+    )
+)

@@ -1,0 +1,177 @@
+"""A model family's spec: what the rest of liandan needs to know about a model, in one object.
+
+The trainer builds the model through the spec, `train/parallelize.py` takes its tensor-parallel plan and its
+block container from it, the planner its parameter and FLOP counts and its per-rank parameter split, and the
+Hugging Face interchange its names and config translation. None of them names a layer of a particular model.
+A family is chosen by `[model] family` and registered here with `register`; Llama is registered by
+`liandan.model` itself (Qwen3-style qk-norm is a Llama variant, told apart by the Hugging Face adapter).
+
+A family's module is a plain `nn.Module` (no parallelism) that keeps its args as `.args`, returns logits from
+`forward(tokens)` and the mean loss from `forward(tokens, targets, doc_ids=...)`, keeps its repeated blocks as
+the children of one container attribute (`ModelSpec.blocks`), and may offer
+`configure_attention(device, training=True) -> str` to pick an attention kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from liandan.config import ConfigError, ModelSection
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    embedding: int  # the input token table (shared with the head when tied)
+    non_embedding: int
+    matmul: int  # parameters used in a matmul per token: all but the input lookup, which counts when tied
+
+
+@dataclass(frozen=True)
+class ParamSplit:
+    """Parameters one tensor-parallel rank holds, before any data-parallel sharding."""
+
+    n_layers: int
+    block: int  # one repeated block (its tensor-parallel matrices / tp, what stays replicated whole)
+    root: int  # the rest, which FSDP2 wraps as the root unit (for Llama: embedding, final norm, head)
+    matmul: int  # of all these, the weights used in matmuls (the ones autocast copies to bf16)
+
+    @property
+    def total(self) -> int:
+        return self.n_layers * self.block + self.root
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """Module name -> `torch.distributed.tensor.parallel` style, for `parallelize_module`."""
+
+    top: dict[str, Any]  # names under the model itself (embedding, head)
+    block: dict[str, Any]  # names under each block of the block container
+
+
+@dataclass(frozen=True)
+class HFAdapter:
+    """How a family's weights and config move to and from Hugging Face `transformers`."""
+
+    architectures: dict[str, str]  # HF model_type -> architecture class this family reads and writes
+    to_hf_name: Callable[[str], str]  # liandan state-dict key -> HF key (KeyError for a key it does not know)
+    config: Callable[[Any, str, int | None], dict]  # (args, dtype name, eos id) -> config.json
+    args_from_config: Callable[[dict, str], Any]  # (config.json, where) -> args, or a ValueError naming the field
+    ignored_suffixes: tuple[str, ...] = ()  # HF tensors skipped on import (buffers recomputed from the config)
+
+
+def _no_tp_check(args: Any, tp: int) -> str | None:
+    return None
+
+
+def _untied(args: Any) -> dict[str, str]:
+    return {}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model family. Functions take the family's args (an instance of `args_type`)."""
+
+    name: str
+    args_type: type
+    args_from_config: Callable[[ModelSection, int], Any]  # ([model] section, vocabulary size) -> args
+    build: Callable[[Any], Any]  # args -> a plain nn.Module, initialised
+    state_shapes: Callable[[Any], dict[str, tuple[int, ...]]]  # every state-dict key, in order, and its shape
+    count_params: Callable[[Any], ParamCounts]
+    flops_per_token: Callable[[Any, int], float]  # (args, sequence length) -> training FLOPs per token
+    param_split: Callable[[Any, int], ParamSplit]  # (args, tp) -> what one tensor-parallel rank holds
+    shape_fields: tuple[str, ...]  # args fields that change the state dict's keys or shapes
+    tied: Callable[[Any], dict[str, str]] = _untied  # key -> the key whose tensor it shares
+    tie_setting: str = ""  # the args field that ties them, for messages
+    tp_plan: Callable[[Any], TensorParallelPlan] | None = None  # None: no tensor parallelism
+    tp_check: Callable[[Any, int], str | None] = _no_tp_check  # why `tp` cannot split this model, or None
+    blocks: str = "layers"  # the container of repeated blocks: one FSDP2 unit and one recomputation unit each
+    compiled_methods: tuple[str, ...] = ()  # methods compiled on their own when blocks are compiled one by one
+    hf: HFAdapter | None = None
+
+    def tp_refusal(self, args: Any, tp: int) -> str | None:
+        """Why a tensor-parallel degree of `tp` cannot split a model of `args` (one line), or None."""
+        if tp <= 1:
+            return None
+        if self.tp_plan is None:
+            return f"model.family = {self.name!r} has no tensor-parallel plan; use parallel.tp = 1"
+        return self.tp_check(args, tp)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the registry
+
+_REGISTRY: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Make a family available to `[model] family`. Each family has its own args type, by which functions
+    given only args (the planner's, the Hugging Face interchange's) find it."""
+    known = _REGISTRY.get(spec.name)
+    if known is not None and known is not spec:
+        raise ValueError(f"model family {spec.name!r} is already registered")
+    for other in _REGISTRY.values():
+        if other.args_type is spec.args_type and other.name != spec.name:
+            raise ValueError(f"{spec.args_type.__name__} already belongs to model family {other.name!r}")
+    _REGISTRY[spec.name] = spec
+    return spec
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def families() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def specs() -> list[ModelSpec]:
+    return [_REGISTRY[name] for name in families()]
+
+
+def get(name: str) -> ModelSpec:
+    """The spec of a family, or a one-line ConfigError listing the known ones."""
+    spec = _REGISTRY.get(name)
+    if spec is None:
+        raise ConfigError(f"model.family = {name!r} is not a known model family; known: {', '.join(families())}")
+    return spec
+
+
+def spec_for(args: Any) -> ModelSpec:
+    """The family whose args type `args` is."""
+    for spec in _REGISTRY.values():
+        if type(args) is spec.args_type:
+            return spec
+    raise ValueError(f"no registered model family takes {type(args).__name__}; known: {', '.join(families())}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what the rest of liandan calls
+
+
+def padded_vocab(vocab_size: int, tokenizer_vocab: int) -> int:
+    """`[model] vocab_size`, or the tokenizer's size rounded up to a multiple of 64 (aligned matmuls) when 0."""
+    return vocab_size or 64 * math.ceil(tokenizer_vocab / 64)
+
+
+def model_args(section: ModelSection, tokenizer_vocab: int) -> Any:
+    """The args a `[model]` section describes, in its family's args type: the one place they are derived."""
+    return get(section.family).args_from_config(section, padded_vocab(section.vocab_size, tokenizer_vocab))
+
+
+def build(args: Any) -> Any:
+    """The plain model of `args`, of whatever family."""
+    return spec_for(args).build(args)
+
+
+def count_params(args: Any) -> ParamCounts:
+    """Parameter counts from the shape alone, of whatever family."""
+    return spec_for(args).count_params(args)
+
+
+def flops_per_token(args: Any, seq_len: int) -> float:
+    """Training FLOPs per token from the shape alone, of whatever family."""
+    return spec_for(args).flops_per_token(args, seq_len)

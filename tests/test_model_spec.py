@@ -1,0 +1,251 @@
+"""Model specs: the registry, `[model] family`, the [model] section against Llama's ModelArgs, and a toy family
+registered here alone that the planner, the trainer, checkpoints and the consolidated format pick up without
+any other file knowing of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import tiny_config, write_corpus
+from liandan.checkpoint.hf import export_hf, load_consolidated, save_consolidated
+from liandan.checkpoint.manager import load_model
+from liandan.cli.main import main
+from liandan.config import ConfigError, ModelSection, load_config
+from liandan.model import ModelArgs, Transformer, count_params, flops_per_token, lm_loss, spec_for
+from liandan.model import spec as model_spec
+from liandan.model.llama_spec import DERIVED_FIELDS, LLAMA
+from liandan.model.spec import ModelSpec, ParamCounts, ParamSplit, get, model_args, register
+from liandan.plan.devices import resolve_device
+from liandan.plan.memory import param_split, plan_config, tp_degrees
+from liandan.train import Trainer
+
+# ---------------------------------------------------------------------------------------------------------
+# the registry and [model] family
+
+
+def test_llama_is_registered_and_unknown_families_are_one_line():
+    assert get("llama") is LLAMA and spec_for(ModelArgs()) is LLAMA and "llama" in model_spec.families()
+    with pytest.raises(ConfigError) as err:
+        get("nope")
+    assert str(err.value) == "model.family = 'nope' is not a known model family; known: llama"
+
+
+def test_a_family_name_or_args_type_is_registered_once():
+    with pytest.raises(ValueError, match="already registered"):
+        register(dataclasses.replace(LLAMA))
+    with pytest.raises(ValueError, match="ModelArgs already belongs to model family 'llama'"):
+        register(dataclasses.replace(LLAMA, name="llama-again"))
+    assert register(LLAMA) is LLAMA  # registering the same spec again is harmless
+
+
+@pytest.mark.parametrize("command", ["train", "plan"])
+def test_unknown_family_on_the_command_line_exits_2_with_one_line(capsys, tmp_path, command):
+    config = tmp_path / "run.toml"
+    config.write_text(f'[run]\noutput_dir = "{tmp_path}"\n[data]\ntokenizer = "byte"\n')
+    code = main([command, str(config), "--model.family=nope"])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [
+        "liandan: error: model.family = 'nope' is not a known model family; known: llama"
+    ]
+    assert not list(tmp_path.glob("*/metrics.jsonl"))  # nothing started
+
+
+def test_model_section_and_model_args_cannot_drift():
+    """Every ModelArgs field is a [model] key of the same name, type and default, or derived (vocab_size, from
+    the tokenizer); [model] keys that are not ModelArgs fields are the family itself."""
+    section = {f.name: f for f in dataclasses.fields(ModelSection)}
+    section_types = typing.get_type_hints(ModelSection)
+    args_types = typing.get_type_hints(ModelArgs)
+    for f in dataclasses.fields(ModelArgs):
+        if f.name in DERIVED_FIELDS:
+            continue
+        assert f.name in section, f"ModelArgs.{f.name} has no [model] key"
+        assert section_types[f.name] == args_types[f.name] or typing.get_origin(section_types[f.name]) is typing.Literal
+        assert section[f.name].default == f.default, f.name
+    assert set(section) - {f.name for f in dataclasses.fields(ModelArgs)} == {"family"}
+
+
+def test_args_from_config_takes_every_key():
+    overrides = ["--model.dim=96", "--model.n_layers=3", "--model.n_heads=6", "--model.n_kv_heads=2",
+                 "--model.ffn_dim=200", "--model.ffn_multiple_of=32", "--model.norm_eps=1e-6",
+                 "--model.rope_theta=5e5", "--model.max_seq_len=512", "--model.tie_embeddings=true",
+                 "--model.qk_norm=true", "--model.z_loss=1e-4", "--model.init_std=0.01", "--model.attention=sdpa"]  # fmt: skip
+    cfg = load_config(None, overrides)
+    args = model_args(cfg.model, tokenizer_vocab=257)
+    assert args == ModelArgs(vocab_size=320, dim=96, n_layers=3, n_heads=6, n_kv_heads=2, ffn_dim=200,
+                             ffn_multiple_of=32, norm_eps=1e-6, rope_theta=5e5, max_seq_len=512, tie_embeddings=True,
+                             qk_norm=True, z_loss=1e-4, init_std=0.01, attention="sdpa")  # fmt: skip
+    assert model_args(load_config(None, ["--model.vocab_size=1000"]).model, 257).vocab_size == 1000
+
+
+def test_llama_tp_refusals():
+    args = ModelArgs(dim=64, n_heads=4, n_kv_heads=2)
+    assert LLAMA.tp_refusal(args, 1) is None and LLAMA.tp_refusal(args, 2) is None
+    assert "must divide" in LLAMA.tp_refusal(args, 4)
+    assert "tie_embeddings" in LLAMA.tp_refusal(ModelArgs(tie_embeddings=True), 2)
+    assert "qk_norm" in LLAMA.tp_refusal(ModelArgs(qk_norm=True), 2)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# a toy family: token embedding, residual MLP blocks in a container named "stack", a head. No attention,
+# no tensor-parallel plan, no Hugging Face adapter.
+
+
+@dataclass
+class ToyArgs:
+    vocab_size: int = 320
+    dim: int = 32
+    n_layers: int = 2
+    n_heads: int = 1  # read by the planner's activation formulas
+    hidden: int = 64
+
+
+class ToyBlock(nn.Module):
+    def __init__(self, args: ToyArgs):
+        super().__init__()
+        self.up = nn.Linear(args.dim, args.hidden, bias=False)
+        self.down = nn.Linear(args.hidden, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(x)))
+
+
+class ToyModel(nn.Module):
+    def __init__(self, args: ToyArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.dim)
+        self.stack = nn.ModuleList([ToyBlock(args) for _ in range(args.n_layers)])
+        self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
+
+    def forward(self, tokens, targets=None, doc_ids=None, prefix=None, positions=None):
+        h = self.embed(tokens)
+        for block in self.stack:
+            h = block(h)
+        logits = self.head(h)
+        return logits if targets is None else lm_loss(logits, targets)
+
+
+def toy_shapes(a: ToyArgs) -> dict[str, tuple[int, ...]]:
+    shapes = {"embed.weight": (a.vocab_size, a.dim)}
+    for i in range(a.n_layers):
+        shapes[f"stack.{i}.up.weight"] = (a.hidden, a.dim)
+        shapes[f"stack.{i}.down.weight"] = (a.dim, a.hidden)
+    shapes["head.weight"] = (a.vocab_size, a.dim)
+    return shapes
+
+
+def toy_counts(a: ToyArgs) -> ParamCounts:
+    embedding, blocks, head = a.vocab_size * a.dim, a.n_layers * 2 * a.dim * a.hidden, a.vocab_size * a.dim
+    return ParamCounts(embedding + blocks + head, embedding, blocks + head, blocks + head)
+
+
+def toy_split(a: ToyArgs, tp: int) -> ParamSplit:
+    assert tp == 1
+    return ParamSplit(a.n_layers, 2 * a.dim * a.hidden, 2 * a.vocab_size * a.dim, toy_counts(a).matmul)
+
+
+TOY = ModelSpec(
+    name="toy",
+    args_type=ToyArgs,
+    args_from_config=lambda m, vocab: ToyArgs(vocab, m.dim, m.n_layers, m.n_heads, 2 * m.dim),
+    build=ToyModel,
+    state_shapes=toy_shapes,
+    count_params=toy_counts,
+    flops_per_token=lambda a, seq_len: 6.0 * toy_counts(a).matmul,
+    param_split=toy_split,
+    shape_fields=("vocab_size", "dim", "n_layers", "hidden"),
+    blocks="stack",
+)
+
+
+@pytest.fixture
+def toy():
+    register(TOY)
+    yield TOY
+    model_spec.unregister("toy")
+
+
+def test_toy_family_counts_and_build(toy):
+    args = ToyArgs()
+    model = model_spec.build(args)
+    assert isinstance(model, ToyModel)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == toy_shapes(args)
+    assert count_params(args).total == sum(p.numel() for p in model.parameters()) == 2 * 320 * 32 + 2 * 2 * 32 * 64
+    assert flops_per_token(args, 64) == 6.0 * (320 * 32 + 2 * 2 * 32 * 64)
+    assert model_spec.families() == ["llama", "toy"]
+    assert "has no tensor-parallel plan" in toy.tp_refusal(args, 2)
+
+
+def test_planner_reads_the_toy_family(toy):
+    cfg = load_config(None, ["--model.family=toy", "--model.vocab_size=512", "--model.dim=128", "--model.n_layers=3",
+                             "--model.n_heads=4", "--train.seq_len=256", "--train.global_batch=8"])  # fmt: skip
+    plan = plan_config(cfg, resolve_device("h100"), nproc=2)
+    args = ToyArgs(512, 128, 3, 4, 256)
+    assert plan.model == args
+    assert plan.params == toy_counts(args)
+    assert plan.flops.per_token == 6.0 * toy_counts(args).matmul
+    assert plan.memory.params_per_rank == param_split(args).total == 3 * 2 * 128 * 256 + 2 * 512 * 128
+    assert tp_degrees(args, 8) == [1]  # no tensor-parallel plan: the layout search keeps tp = 1
+    assert plan.smallest is not None and plan.smallest.layout.tp == 1
+
+
+def test_trainer_checkpoints_and_consolidated_files_take_the_toy_family(toy, tmp_path):
+    corpus = write_corpus(tmp_path)
+    cfg = tiny_config(tmp_path / "runs", corpus, "--model.family=toy", "--train.steps=2", "--checkpoint.every=2",
+                      "--checkpoint.async_save=false", "--train.activation_checkpoint=full")  # fmt: skip
+    trainer = Trainer(cfg, say=lambda msg: None)
+    try:
+        args = trainer.model_args
+        assert args == ToyArgs(320, 64, 2, 4, 128)
+        assert isinstance(trainer.model, ToyModel)
+        assert all(type(b).__name__ == "CheckpointWrapper" for b in trainer.model.stack)  # recomputed per block
+        result = trainer.train()
+    finally:
+        trainer.close()
+    assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))
+    assert result.summary["parameters"] == toy_counts(args).total
+    assert result.summary["flops_per_token"] == 6.0 * toy_counts(args).matmul
+
+    step = result.run_dir / "checkpoints" / "step-00000002"
+    assert json.loads((step / "meta.json").read_text())["model_family"] == "toy"
+    model, _ = load_model(step)
+    assert isinstance(model, ToyModel) and model.args == args
+
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    save_consolidated(state, args, tmp_path / "toy.safetensors")
+    loaded, loaded_args = load_consolidated(tmp_path / "toy.safetensors")
+    assert loaded_args == args and all(torch.equal(loaded[k], state[k]) for k in state)
+    with pytest.raises(ValueError, match="model family 'toy' has no Hugging Face adapter"):
+        export_hf(state, args, tmp_path / "hf")
+
+
+def test_init_from_refuses_a_checkpoint_of_another_family(toy, tmp_path):
+    """A Llama model cannot start from a toy checkpoint: the family is part of the shape check."""
+    corpus = write_corpus(tmp_path)
+    cfg = tiny_config(tmp_path / "runs", corpus, "--model.family=toy", "--train.steps=2", "--run.name=toy",
+                      "--checkpoint.every=2", "--checkpoint.async_save=false")  # fmt: skip
+    trainer = Trainer(cfg, say=lambda msg: None)
+    try:
+        result = trainer.train()
+    finally:
+        trainer.close()
+    source = result.run_dir / "checkpoints" / "step-00000002"
+    with pytest.raises(ConfigError, match="model.family = llama \\(checkpoint: toy\\)"):
+        Trainer(tiny_config(tmp_path / "runs", corpus, "--run.name=llama", f"--checkpoint.init_from={source}"))
+
+
+def test_llama_model_is_built_through_its_spec():
+    args = ModelArgs(vocab_size=320, dim=64, n_layers=2, n_heads=4)
+    assert type(model_spec.build(args)) is Transformer
+    shapes = {k: tuple(v.shape) for k, v in Transformer(args).state_dict().items()}
+    assert shapes == LLAMA.state_shapes(args)
