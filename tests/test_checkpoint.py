@@ -1,7 +1,8 @@
-"""Checkpoints with real processes and real files: kills, corruption, full disks, retention, resume."""
+"""Checkpoints with real processes and real files: kills, corruption, tampering, full disks, retention, resume."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -214,3 +215,179 @@ def test_init_from_checks_the_model_shape(config, straight):
     assert "model.dim = 128 (checkpoint: 64)" in done.stderr
     train(config, "init", f"--checkpoint.init_from={source}", "--train.steps=1", "--schedule.warmup_steps=0", "--checkpoint.every=0")
     assert losses(config, "init")[0] < straight[0][0]  # starts from trained weights
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Trust: a checkpoint is data, never code. Whoever can write a checkpoint can also make its manifest agree
+# (it is unsigned), so these tamper with a file and then write a fresh, consistent manifest.
+
+
+class _CreatesFile:
+    """Unpickling this opens `path` for writing, creating the file: the least a crafted pickle could do."""
+
+    def __init__(self, path: Path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+    def __deepcopy__(self, memo):  # DCP's save copies state: that must not run the payload in the test itself
+        return self
+
+
+def _liandan(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "liandan.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env=env, check=False)  # fmt: skip
+
+
+def _plant_in_metadata(checkpoint: Path, marker: Path) -> None:
+    """A `.metadata` that still describes every tensor but also carries the payload; manifest rewritten."""
+    import pickle
+
+    from liandan.checkpoint.verify import write_manifest
+
+    with open(checkpoint / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # written by this test suite's own run: trusted here
+    metadata.planner_data["payload"] = _CreatesFile(marker)
+    with open(checkpoint / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    write_manifest(checkpoint)
+
+
+def _one_line_error(done, *words):
+    assert done.returncode == 2, done.stderr[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("liandan: error: "), done.stderr[-3000:]
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def _tiny_checkpoint(root: Path, step: int = 1):
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    manager = CheckpointManager(root, async_save=False)
+    manager.save(step, model, optimizer, {"model_args": {}})
+    return manager, model, optimizer, root / f"step-{step:08d}"
+
+
+@pytest.mark.parametrize("where", ["metadata", "optimizer-bytes"])
+def test_crafted_checkpoint_runs_no_code_even_unverified(tmp_path, where):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from liandan.checkpoint.verify import write_manifest
+
+    marker = tmp_path / "payload-ran"
+    manager, model, optimizer, path = _tiny_checkpoint(tmp_path / "ckpt")
+    if where == "metadata":
+        _plant_in_metadata(path, marker)
+        with pytest.raises(CheckpointError, match=r"\.metadata"):
+            verify(path)
+    else:  # DCP stores non-tensor optimizer state as pickles of its own inside the shards
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        optim_sd["param_groups"][0]["lr"] = _CreatesFile(marker)
+        for name in list(os.listdir(path)):
+            if name.endswith(".distcp") or name == ".metadata":
+                os.unlink(path / name)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path), no_dist=True)
+        write_manifest(path)
+        verify(path)  # consistent on disk: only loading it can tell
+    with pytest.raises(CheckpointError) as refused:
+        manager.load(path, model, optimizer, verified=True)  # as on resume, where rank 0 verified it already
+    message = str(refused.value)
+    assert str(path) in message and "\n" not in message, message
+    assert ".metadata" in message if where == "metadata" else ".distcp" in message, message
+    assert not marker.exists()
+
+
+def test_crafted_metadata_is_refused_by_every_command(config, straight, tmp_path):
+    marker = tmp_path / "payload-ran"
+    tampered = tmp_path / "step-00000008"
+    shutil.copytree(run_dir(config, "straight") / "checkpoints" / f"step-{STEPS:08d}", tampered)
+    _plant_in_metadata(tampered, marker)
+    for flags in ([], ["--no-checksums"]):
+        info = _liandan("ckpt", "info", tampered, *flags)
+        assert info.returncode == 0 and "NOT VERIFIED" in info.stdout and ".metadata" in info.stdout, info.stdout
+    _one_line_error(_liandan("export", tampered, tmp_path / "hf", "--hf"), str(tampered), ".metadata")
+    _one_line_error(_liandan("export", tampered, tmp_path / "m.safetensors", "--consolidated"), str(tampered))
+    for verify_flag in ("true", "false"):
+        done = train(config, f"init-tampered-{verify_flag}", f"--checkpoint.init_from={tampered}",
+                     f"--checkpoint.verify={verify_flag}", "--train.steps=1", "--schedule.warmup_steps=0",
+                     expect=2)  # fmt: skip
+        _one_line_error(done, str(tampered), ".metadata")
+    assert not marker.exists()
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "m.safetensors").exists()
+
+
+def test_ckpt_info_without_checksums_does_not_claim_verified(config, straight):
+    newest = run_dir(config, "straight") / "checkpoints" / f"step-{STEPS:08d}"
+    fast = _liandan("ckpt", "info", newest, "--no-checksums")
+    assert fast.returncode == 0 and "NOT VERIFIED" not in fast.stdout
+    assert "verified" not in fast.stdout and "checksums not checked" in fast.stdout, fast.stdout
+    full = _liandan("ckpt", "info", newest)
+    assert full.stdout.rstrip().endswith(", verified"), full.stdout
+
+
+@pytest.mark.parametrize("tamper", ["metadata-payload", "inconsistent-shard"])
+def test_checkpoint_that_fails_to_load_falls_back_to_the_previous(config, straight, tmp_path, tamper):
+    from liandan.checkpoint.verify import write_manifest
+
+    name = f"unloadable-{tamper}"
+    marker = tmp_path / "payload-ran"
+    train(config, name, "--checkpoint.async_save=false", faults="kill@step:8", expect="killed")
+    newest = run_dir(config, name) / "checkpoints" / "step-00000008"
+    if tamper == "metadata-payload":
+        _plant_in_metadata(newest, marker)
+        file = ".metadata"
+    else:  # the tensors' bytes are cut short, and the manifest agrees: only DCP's load finds out
+        shard = _shard(newest)
+        with open(shard, "r+b") as f:
+            f.truncate(shard.stat().st_size // 2)
+        write_manifest(newest)
+        file = shard.name
+    done = train(config, name)
+    assert "at step 4" in done.stdout, done.stdout + done.stderr[-3000:]
+    [rejected] = events(config, name, "checkpoint_rejected")
+    assert rejected["step"] == 8 and rejected["path"].endswith("step-00000008") and file in rejected["error"]
+    assert losses(config, name) == straight[0]
+    assert_same_weights(final_weights(config, name), straight[1])
+    assert not marker.exists()
+    timeline = _liandan("incidents", run_dir(config, name))
+    assert "checkpoint rejected step 8" in timeline.stdout, timeline.stdout
+
+
+@pytest.mark.slow
+def test_ranks_agree_on_falling_back_from_an_unloadable_checkpoint(config, straight):
+    from liandan.checkpoint.verify import write_manifest
+
+    name = "unloadable-2-ranks"
+    train(config, name, "--nproc=2", "--checkpoint.async_save=false", faults="kill@step:8:0", expect=1)
+    newest = run_dir(config, name) / "checkpoints" / "step-00000008"
+    shard = newest / "__1_0.distcp"  # rank 1's shard; with FSDP every rank reads from both
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    write_manifest(newest)
+    done = train(config, name, "--nproc=2")
+    assert "at step 4" in done.stdout, done.stdout + done.stderr[-3000:]
+    [rejected] = events(config, name, "checkpoint_rejected")
+    assert rejected["step"] == 8 and "__1_0.distcp" in rejected["error"]
+    assert len(losses(config, name)) == STEPS
+
+
+def test_step_directory_without_manifest_is_reported(tmp_path):
+    root = tmp_path / "ckpt"
+    found = []
+    manager, *_ = _tiny_checkpoint(root, 1)
+    for step in (2, 3):
+        _tiny_checkpoint(root, step)
+    (root / "step-00000003" / "manifest.json").unlink()
+    # a save in progress: its .tmp directory, and an older copy of the same step being replaced
+    (root / "step-00000004.tmp").mkdir()
+    (root / "step-00000002.tmp").mkdir()
+    (root / "step-00000002" / "manifest.json").unlink()
+    manager.on_event = lambda kind, **fields: found.append((kind, fields))
+    assert manager.latest_verified() == root / "step-00000001"
+    assert [(kind, fields["step"]) for kind, fields in found] == [("checkpoint_rejected", 3)]
+    assert "step-00000003" in found[0][1]["path"] and "manifest.json missing" in found[0][1]["error"]

@@ -37,11 +37,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from liandan.checkpoint.restricted import load_state, read_metadata, reason
 from liandan.checkpoint.verify import (
+    MANIFEST,
     STEP_DIR,
     CheckpointError,
     complete_checkpoints,
     fsync_path,
+    step_directories,
+    step_of,
     total_bytes,
     verify,
     write_manifest,
@@ -227,11 +231,12 @@ class CheckpointManager:
         """Directories with a manifest, oldest first (not yet verified)."""
         return complete_checkpoints(self.root)
 
-    def latest_verified(self) -> Path | None:
-        """The newest checkpoint that verifies; failures are reported as events. Rank 0 decides for all."""
+    def latest_verified(self, before: Path | None = None) -> Path | None:
+        """The newest checkpoint (older than `before`, if given) that verifies; failures are reported as
+        events. Rank 0 decides for all."""
         box: list[Any] = [None]
         if self.rank == 0:
-            found = newest_verified(self.root, self.verify_on_load, self.on_event)
+            found = newest_verified(self.root, self.verify_on_load, self.on_event, before)
             box[0] = str(found) if found else None
         if self.distributed:
             dist.broadcast_object_list(box, src=0, group=self.group)
@@ -239,24 +244,70 @@ class CheckpointManager:
 
     def load(self, path: Path, model: torch.nn.Module, optimizer=None, verified: bool = False) -> dict[str, Any]:
         """Load model (and optimizer) state into whatever layout they have now; returns meta.json, with
-        this rank's RNG states restored where the world size is unchanged."""
+        this rank's RNG states restored where the world size is unchanged. A checkpoint that cannot be
+        loaded raises the same CheckpointError, naming the checkpoint and file, on every rank."""
         path = Path(path)
-        if not verified and self.rank == 0:
-            verify(path, checksums=self.verify_on_load)
-        if optimizer is None:
-            state = {"model": get_model_state_dict(model)}
-            dcp.load(state, checkpoint_id=str(path), process_group=self.group)
-            set_model_state_dict(model, state["model"])
-        else:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=str(path), process_group=self.group)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        meta = json.loads((path / "meta.json").read_text())
-        rank_file = path / f"rank-{self.rank:05d}.pt"
-        if meta.get("world_size") == self.world_size and rank_file.is_file():
-            set_rng_state(torch.load(rank_file, weights_only=True))
+        error = None
+        try:  # refused before DCP's collectives start, so that no rank is left waiting in one of them
+            if not verified and self.rank == 0:
+                verify(path, checksums=self.verify_on_load)
+            read_metadata(path)
+        except CheckpointError as err:
+            error = str(err)
+        self._raise_agreed(error)
+        meta: dict[str, Any] = {}
+        try:
+            if optimizer is None:
+                state = {"model": get_model_state_dict(model)}
+                load_state(state, path, process_group=self.group)
+                set_model_state_dict(model, state["model"])
+            else:
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+                state = {"model": model_sd, "optim": optim_sd}
+                load_state(state, path, process_group=self.group)
+                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            meta = _read_meta(path)
+            rank_file = path / f"rank-{self.rank:05d}.pt"
+            if meta.get("world_size") == self.world_size and rank_file.is_file():
+                try:
+                    set_rng_state(torch.load(rank_file, weights_only=True))
+                except Exception as err:  # noqa: BLE001 - refused or malformed, the file is named either way
+                    raise CheckpointError(f"{path}: file {rank_file.name} cannot be loaded: {reason(err)}") from None
+        except CheckpointError as err:
+            error = str(err)
+        except Exception as err:  # noqa: BLE001 - state that does not fit the model: it cannot be loaded here
+            error = f"{path}: cannot be loaded: {reason(err)}"
+        self._raise_agreed(error)
         return meta
+
+    def load_newest(self, newest: Path, model: torch.nn.Module, optimizer=None) -> tuple[Path, dict[str, Any]]:
+        """Load `newest`, or where it cannot be loaded (verified as it is, it may still be refused or fail
+        inside DCP) the newest older checkpoint that verifies and loads; each one that fails is reported.
+        Returns (the checkpoint loaded, its meta.json). When none loads this raises instead of starting over:
+        a failed load may have left part of its state in the model."""
+        path: Path | None = Path(newest)
+        failure = None
+        while path is not None:
+            try:
+                return path, self.load(path, model, optimizer, verified=True)
+            except CheckpointError as err:
+                failure = err
+                if self.rank == 0:
+                    self.on_event("checkpoint_rejected", step=step_of(path), path=str(path), error=str(err))
+            path = self.latest_verified(before=path)
+        raise CheckpointError(
+            f"{failure}; no older checkpoint under {self.root} loads either, and the run does not start over "
+            "from a partly loaded model: move the checkpoints aside to start over"
+        )
+
+    def _raise_agreed(self, error: str | None) -> None:
+        """Raise CheckpointError on every rank if any rank had one (the first rank's message)."""
+        if self.distributed:
+            errors: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(errors, error, group=self.group)
+            error = next((e for e in errors if e), None)
+        if error:
+            raise CheckpointError(error)
 
     # -- retention ----------------------------------------------------------------------------------------
     def apply_retention(self) -> list[Path]:
@@ -276,14 +327,19 @@ class CheckpointManager:
         return deleted
 
 
-def newest_verified(root: Path, checksums: bool = True, on_event=None) -> Path | None:
-    """The newest complete checkpoint under `root` that verifies; each one that fails is reported."""
-    for path in reversed(complete_checkpoints(root)):
+def newest_verified(root: Path, checksums: bool = True, on_event=None, before: Path | None = None) -> Path | None:
+    """The newest complete checkpoint under `root` (older than `before`, if given) that verifies; each one
+    that fails is reported, and so is a step directory that lost its manifest."""
+    for path in reversed(step_directories(root)):
+        if before is not None and path.name >= Path(before).name:
+            continue
+        if not (path / MANIFEST).is_file() and path.with_name(path.name + ".tmp").exists():
+            continue  # a save of the same step is replacing it right now
         try:
             verify(path, checksums=checksums)
         except CheckpointError as err:
             if on_event:
-                on_event("checkpoint_rejected", path=str(path), error=str(err))
+                on_event("checkpoint_rejected", step=step_of(path), path=str(path), error=str(err))
             continue
         return path
     return None
@@ -320,10 +376,12 @@ def describe_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint directory at {path}")
-    info: dict[str, Any] = {"path": str(path), "bytes": total_bytes(path)}
-    meta_path = path / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
+    info: dict[str, Any] = {"path": str(path), "bytes": total_bytes(path), "checksums": checksums}
+    if (path / "meta.json").is_file():
+        try:
+            meta = _read_meta(path)
+        except CheckpointError:  # verification below names what is wrong with it
+            meta = {}
         for key in ("step", "tokens", "world_size", "layout", "liandan_version", "tokenizer", "saved_at"):
             info[key] = meta.get(key)
     try:
@@ -341,15 +399,37 @@ def load_model(path: Path, verify_checksums: bool = True):
 
     path = Path(path)
     verify(path, checksums=verify_checksums)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = _read_meta(path)
     if "model_args" not in meta:
         raise CheckpointError(f"{path / 'meta.json'} does not describe the model (model_args missing)")
     spec = get_model_spec(meta.get("model_family", "llama"))  # checkpoints from before families are Llama's
     model = spec.build(spec.args_type(**meta["model_args"]))
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    load_state(state, path, no_dist=True)
     set_model_state_dict(model, state["model"])
     return model, meta
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file meta.json is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: file meta.json is not JSON: {err}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: file meta.json is not a JSON object")
+    return meta
+
+
+def run_checkpoint_root(run_dir: Path) -> Path:
+    """Where a run directory's checkpoints are: `checkpoint.dir` of the config the run saved, else
+    `<run>/checkpoints`, just as training chose."""
+    from liandan.config import read_toml
+
+    config = Path(run_dir) / "config.toml"
+    directory = read_toml(config).get("checkpoint", {}).get("dir") if config.is_file() else None
+    return Path(directory) if directory else Path(run_dir) / "checkpoints"
 
 
 def resolve_checkpoint(path: Path) -> Path:
@@ -357,7 +437,7 @@ def resolve_checkpoint(path: Path) -> Path:
     path = Path(path)
     if (path / "manifest.json").is_file() or (path / "meta.json").is_file():
         return path
-    for root in (path, path / "checkpoints"):
+    for root in (path, run_checkpoint_root(path)):
         steps = sorted(p for p in root.glob("step-*") if STEP_DIR.match(p.name)) if root.is_dir() else []
         if steps:
             return steps[-1]

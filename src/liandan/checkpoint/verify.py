@@ -2,7 +2,9 @@
 
 A checkpoint is complete only when `manifest.json` exists; it is written last, after every other file has
 been written and fsync'd, and lists each file's size and xxh64 checksum. Verification re-reads every file
-and names the first one that is missing, truncated or changed.
+and names the first one that is missing, truncated or changed, and reads DCP's `.metadata` the way loading
+will, with nothing admitted but DCP's metadata classes (the manifest is unsigned: it shows damage, not
+tampering).
 """
 
 from __future__ import annotations
@@ -23,6 +25,20 @@ _CHUNK = 8 << 20
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be trusted or used; the message names the checkpoint and the file."""
+
+
+def step_of(directory: Path) -> int | None:
+    """The step of a `step-XXXXXXXX` directory (None for any other name)."""
+    match = STEP_DIR.match(Path(directory).name)
+    return int(match.group(1)) if match else None
+
+
+def step_directories(root: Path) -> list[Path]:
+    """Every step directory under `root`, complete or not, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), key=lambda p: p.name)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -69,7 +85,8 @@ def write_manifest(directory: Path) -> dict:
 
 
 def verify(directory: Path, checksums: bool = True) -> None:
-    """Raise CheckpointError unless every file of the manifest is present with its size and checksum."""
+    """Raise CheckpointError unless every file of the manifest is present with its size and checksum, and
+    `.metadata` holds nothing but DCP's metadata."""
     path = directory / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{directory}: incomplete checkpoint ({MANIFEST} missing)")
@@ -89,6 +106,10 @@ def verify(directory: Path, checksums: bool = True) -> None:
             raise CheckpointError(f"{directory}: file {name} has {size} bytes, the manifest says {expected['bytes']}")
         if checksums and file_digest(file) != expected["xxh64"]:
             raise CheckpointError(f"{directory}: file {name} fails its checksum (contents changed)")
+    if (directory / ".metadata").is_file():
+        from liandan.checkpoint.restricted import read_metadata
+
+        read_metadata(directory)
 
 
 def total_bytes(directory: Path) -> int:

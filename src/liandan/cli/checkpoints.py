@@ -40,20 +40,26 @@ def _user_error(err: Exception) -> CheckpointError:
 
 
 def cmd_ckpt_info(args: argparse.Namespace, overrides: list[str]) -> int:
-    from liandan.checkpoint.manager import STEP_DIR, describe_checkpoint
+    from liandan.checkpoint.manager import STEP_DIR, describe_checkpoint, run_checkpoint_root
 
     path = Path(args.path)
     if not path.exists():
         raise CheckpointError(f"no such path: {path}")
     candidates = [path] if (path / "meta.json").is_file() or (path / "manifest.json").is_file() else []
     if not candidates:
-        root = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+        root = run_checkpoint_root(path) if (path / "config.toml").is_file() else path
+        root = path / "checkpoints" if not root.is_dir() and (path / "checkpoints").is_dir() else root
+        if not root.is_dir():
+            raise CheckpointError(f"no checkpoints under {path}: {root} does not exist")
         candidates = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name) or p.name.endswith(".tmp"))
     if not candidates:
         raise CheckpointError(f"no checkpoints under {path}")
     for candidate in candidates:
         info = describe_checkpoint(candidate, checksums=not args.no_checksums)
-        status = "verified" if info["verified"] else f"NOT VERIFIED: {info['error']}"
+        if not info["verified"]:
+            status = f"NOT VERIFIED: {info['error']}"
+        else:  # without checksums a changed file of the same size passes: that is no verification
+            status = "verified" if info["checksums"] else "sizes match (checksums not checked)"
         saved = info.get("saved_at")
         when = datetime.fromtimestamp(saved, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if saved else "?"
         print(f"{candidate}")
@@ -68,31 +74,69 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from liandan.checkpoint import hf
     from liandan.checkpoint.manager import load_model, resolve_checkpoint
+    from liandan.data.tokenizer import ByteTokenizer
 
-    source = resolve_checkpoint(Path(args.checkpoint))
+    given = Path(args.checkpoint)
+    source = resolve_checkpoint(given)
     model, meta = load_model(source)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     out = Path(args.out)
+    missing_tokenizer = False
     try:
         if args.consolidated:
             hf.save_consolidated(state, model.args, out)
         else:
-            tokenizer = _tokenizer_of(source)
+            tokenizer = _tokenizer_of(source, meta, given if given != source else None)
+            missing_tokenizer = tokenizer is None and meta.get("tokenizer") not in (None, ByteTokenizer().fingerprint())
             dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
             hf.export_hf(state, model.args, out, tokenizer_json=tokenizer, dtype=dtype)
     except ValueError as err:
         raise _user_error(err) from None
     print(f"exported step {meta['step']} of {source} to {out}")
+    if missing_tokenizer:
+        print(f"warning: the tokenizer {meta['tokenizer']} it was trained with was not found (not in the run's data "
+              "directory nor in its [data] stores); the export has no tokenizer.json")  # fmt: skip
     return 0
 
 
-def _tokenizer_of(checkpoint: Path) -> Path | None:
-    """The run's tokenizer.json, found beside the checkpoints (<run>/checkpoints/step-N -> <run>/data)."""
-    for run_dir in (checkpoint.parent.parent, checkpoint.parent):
-        path = run_dir / "data" / "tokenizer.json"
-        if path.is_file() and "liandan" not in json.loads(path.read_text()):
-            return path
-    return None
+def _tokenizer_of(checkpoint: Path, meta: dict, run_dir: Path | None) -> Path | None:
+    """The tokenizer.json the checkpoint was trained with (meta.json holds its fingerprint): in the stores of
+    `[data] stores` of the config saved with it, or in the run's own data directory (<run>/data, beside
+    <run>/checkpoints unless the run was given)."""
+    from liandan.data.store import TOKENIZER_FILE
+
+    candidates = [Path(store) / TOKENIZER_FILE for store in _trained_on_stores(meta)]
+    for directory in (run_dir, checkpoint.parent.parent, checkpoint.parent):
+        if directory is not None:
+            candidates.append(directory / "data" / TOKENIZER_FILE)
+    return next((path for path in candidates if _is_tokenizer(path, meta.get("tokenizer"))), None)
+
+
+def _is_tokenizer(path: Path, fingerprint: str | None) -> bool:
+    """Whether `path` is a Hugging Face tokenizer.json with this fingerprint (any, given None)."""
+    from liandan.data.tokenizer import HFTokenizer
+
+    if not path.is_file():
+        return False
+    try:
+        if "liandan" in json.loads(path.read_text()):  # liandan's byte tokenizer: nothing for transformers
+            return False
+        return fingerprint is None or HFTokenizer.load(path).fingerprint() == fingerprint
+    except (OSError, ValueError):  # unreadable: not the tokenizer (DataError and JSON errors are ValueErrors)
+        return False
+
+
+def _trained_on_stores(meta: dict) -> list[str]:
+    """The `[data] stores` of the config saved with a checkpoint."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        stores = tomllib.loads(meta.get("config") or "").get("data", {}).get("stores")
+    except (tomllib.TOMLDecodeError, AttributeError, TypeError):
+        return []
+    return [str(s) for s in stores] if isinstance(stores, list) else []
 
 
 def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -101,6 +145,8 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.model import spec_for
 
     source, out = Path(args.source), Path(args.out)
+    if out.exists():  # before anything is read or written
+        raise CheckpointError(f"{out} already exists; import into a new directory")
     try:
         state, model_args = hf.import_hf(source)
     except (ValueError, FileNotFoundError) as err:
@@ -108,17 +154,21 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     spec = spec_for(model_args)
     model = spec.build(model_args)
     model.load_state_dict(state, strict=True)
-    manager = CheckpointManager(out.parent / f".{out.name}-staging", async_save=False)
+    staging = out.parent / f".{out.name}-staging"
     meta = {"format": "liandan-checkpoint", "tokens": 0, "layout": "imported", "model_family": spec.name,
-            "model_args": dataclasses.asdict(model_args), "imported_from": str(source.resolve())}  # fmt: skip
-    manager.save(0, model, None, meta)
-    saved = manager.root / "step-00000000"
-    if not (saved / "manifest.json").is_file():
-        raise CheckpointError(f"could not write the checkpoint under {manager.root}: {manager.outcomes[-1].error}")
-    if out.exists():
-        raise CheckpointError(f"{out} already exists")
-    saved.rename(out)
-    shutil.rmtree(manager.root, ignore_errors=True)
+            "model_args": dataclasses.asdict(model_args),
+            "imported_from": str(source.resolve())}  # fmt: skip
+    try:
+        manager = CheckpointManager(staging, async_save=False)
+        manager.save(0, model, None, meta)
+        saved = manager.root / "step-00000000"
+        if not (saved / "manifest.json").is_file():
+            raise CheckpointError(f"could not write the checkpoint under {staging}: {manager.outcomes[-1].error}")
+        if out.exists():
+            raise CheckpointError(f"{out} already exists; import into a new directory")
+        saved.rename(out)
+    finally:  # whatever happened, the staging directory goes
+        shutil.rmtree(staging, ignore_errors=True)
     if (source / "tokenizer.json").is_file():
         shutil.copy(source / "tokenizer.json", out / "tokenizer.json")
     print(f"imported {source} into {out}: train with --checkpoint.init_from={out}"

@@ -6,7 +6,7 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from liandan.checkpoint.verify import CheckpointError
+from liandan.checkpoint.verify import CheckpointError, step_of
 
 SHOWN = ("incident", "restart", "recovered", "gave_up", "resumed", "checkpoint_failed", "checkpoint_rejected",
          "nonfinite_loss", "node_excluded", "node_refused", "supervisor_end")  # fmt: skip
@@ -64,5 +64,10 @@ def _describe(e: dict) -> str:
         return f"resumed at step {e['step']} from {Path(e['path']).name} (saved as {e.get('from_layout')})"
     if kind == "supervisor_end":
         return f"run ended: {e['restarts']} restart(s), goodput {100 * e['goodput']:.1f}%"
+    if kind == "checkpoint_rejected":  # events before the step was recorded name it only in the path
+        step = e.get("step")
+        if step is None and e.get("path"):
+            step = step_of(Path(e["path"]))
+        return f"checkpoint rejected step {'?' if step is None else step}: {e.get('error', '')}"
     detail = e.get("error") or e.get("loss") or ""
     return f"{kind.replace('_', ' ')} step {e.get('step', '?')}: {detail}"

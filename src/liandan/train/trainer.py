@@ -289,8 +289,8 @@ class Trainer:
             self._continue_from(meta, in_memory, f"the memory snapshot in {self.snapshots.directory}")
             self._event("resumed", step=self.step, source="memory", path=str(self.snapshots.directory),
                         from_layout=str(self.layout))  # fmt: skip
-        elif path is not None:
-            meta = self.checkpoints.load(path, self.model, self.optimizer, verified=True)
+        elif path is not None:  # one that verifies may still fail to load: then the newest older one that does
+            path, meta = self.checkpoints.load_newest(path, self.model, self.optimizer)
             self._continue_from(meta, int(meta["step"]), str(path))
             self._event("resumed", step=self.step, source="checkpoint", path=str(path), from_layout=meta.get("layout"))
         elif c.init_from:
