@@ -50,6 +50,10 @@ def test_help_lists_commands():
         (["--data.tokenizer=/no/tokenizer.json"], ["tokenizer file not found"]),
         (["--parallel.tp=2"], ["parallel.dp_replicate x parallel.tp = 2 must divide", "but 1 were launched"]),
         (["--run.output_dir=/proc/liandan-runs"], ["/proc/liandan-runs"]),
+        (["--run.name=../../outside"], ["run.name = '../../outside' must be one directory name"]),
+        (["--run.name=/tmp/absolute-run"], ["run.name = '/tmp/absolute-run' must be one directory name"]),
+        (["--optim.lr=nan"], ["optim.lr = nan must be a finite number"]),
+        (["--optim.lr=inf"], ["optim.lr = inf must be a finite number"]),
     ],
 )
 def test_user_mistakes_give_one_line_and_nonzero_exit(config, args, words):
