@@ -1,8 +1,10 @@
 """The command line as a user meets it: real subprocesses, exit codes and messages."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -87,6 +89,41 @@ def test_train_command_end_to_end(config):
     assert "run directory:" in done.stdout and "final loss" in done.stdout
     summary = json.loads((config.parent / "runs" / "cli" / "summary.json").read_text())
     assert summary["steps"] == 6
+
+
+def _wait_for(condition, process, what, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the process ended ({process.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_one_run_at_a_time_in_a_run_directory(config):
+    run_dir = config.parent / "runs" / "locked"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
+    # The first run checkpoints step 2 and then hangs there, holding the run directory.
+    first = subprocess.Popen(
+        [sys.executable, "-m", "liandan.cli", "train", config, "--run.name=locked", "--resilience.supervise=false",
+         "--checkpoint.every=1", "--checkpoint.async_save=false"],
+        env={**env, "LIANDAN_FAULTS": "hang@step:2"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: (run_dir / "checkpoints" / "step-00000002" / "manifest.json").is_file(), first, "step 2")
+        metrics = (run_dir / "metrics.jsonl").read_text()
+        for how in ([], ["--resilience.supervise=false"]):  # refused by a supervisor and by a plain run alike
+            done = liandan("train", config, "--run.name=locked", *how)
+            assert_one_line_error(done, f"run directory {run_dir} is in use", f"pid {first.pid} on ")
+        assert (run_dir / "metrics.jsonl").read_text() == metrics  # the refused runs touched nothing
+    finally:
+        first.kill()  # SIGKILL: the kernel releases the lock
+        first.wait()
+    # The next run takes the directory: its supervisor holds the lock and its two workers train under it.
+    done = liandan("train", config, "--run.name=locked", "--nproc=2")
+    assert done.returncode == 0, done.stderr
+    assert "resumed from" in done.stdout and "done: 6 steps" in done.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
 
 
 def test_demo_runs_on_pythons_own_docs(tmp_path):

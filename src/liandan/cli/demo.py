@@ -96,13 +96,15 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     if code != 0:
         return code
     s = json.loads((run / "summary.json").read_text())
-    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    losses = [r["loss"] if r["loss"] is not None else float("nan") for r in records]  # null: not a number
     print()
     print(
         f"trained {s['parameters'] / 1e6:.1f}M parameters for {s['steps']} steps on {NPROC} processes"
         f" ({s['layout']}, {s['dtype']}); goodput {100 * s['goodput']:.1f}% with {s['restarts']} restart(s)"
     )
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; validation loss {s['val_loss']:.3f}")
+    val_loss = s["val_loss"] if s["val_loss"] is not None else float("nan")
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; validation loss {val_loss:.3f}")
     print("incidents (liandan incidents <run>):")
     for line in timeline(run):
         print(f"  {line}")
