@@ -148,6 +148,27 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     assert f"run directory: {run_dir}" in out
 
 
+def test_demo_takes_a_directory_of_data_files(tmp_path):
+    from liandan.cli.demo import prepare_data
+
+    data = tmp_path / "my-text"
+    (data / "drafts").mkdir(parents=True)
+    (data / "b-prose.txt").write_text("".join(f"Paragraph {i} says something about parsing.\n\n" for i in range(30)))
+    records = [json.dumps({"text": f"Record {i} is a document."}) + "\n" for i in range(20)]
+    (data / "a-records.jsonl").write_text("".join(records))
+    (data / "notes.csv").write_text("not,a,corpus\n")  # neither is what is in drafts/: only data files directly in it
+    (data / "drafts" / "c.txt").write_text("A draft.\n")
+    summary = prepare_data([str(data)], tmp_path / "out", 300)
+    assert summary["tasks"] == 2 and summary["read"]["documents"] == 50
+    tasks = [json.loads(p.read_text())["task"]["path"] for p in (tmp_path / "out" / "clean").glob("*.stats.json")]
+    assert sorted(tasks) == [str(data / "a-records.jsonl"), str(data / "b-prose.txt")]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = liandan("demo", "--data", empty, "--output-dir", tmp_path)
+    assert_one_line_error(done, f"--data {empty}: the directory holds no .txt, .jsonl or .parquet files")
+
+
 @pytest.mark.skipif(not (SHARED_DATA / "corpus").is_dir(), reason="../shared/data is absent")
 def test_demo_on_users_chinese_and_english_files(tmp_path):
     files = [SHARED_DATA / "corpus" / "zh-classics.jsonl", SHARED_DATA / "corpus" / "en-shakespeare.txt"]

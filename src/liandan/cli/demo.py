@@ -55,7 +55,7 @@ def prepare_data(data: list[str] | None, out: Path, vocab_size: int) -> dict:
     from liandan.data.pipeline_config import InputSpec, PipelineConfig, PipelineSection, TokenizerSection
 
     if data:
-        paths = [str(Path(p).resolve()) for p in data]
+        paths = data_files(data)
     else:
         raw = out / "raw" / "python-docs.jsonl"
         raw.parent.mkdir(parents=True, exist_ok=True)
@@ -75,6 +75,26 @@ def prepare_data(data: list[str] | None, out: Path, vocab_size: int) -> dict:
     summary = run_pipeline(cfg).summary
     print_summary(summary)
     return summary
+
+
+def data_files(given: list[str]) -> list[str]:
+    """The files of `--data`: a directory stands for the data files directly in it, sorted by name."""
+    from liandan.data.corpus import DataError
+    from liandan.data.readers import SUPPORTED_SUFFIXES
+
+    files = []
+    for name in given:
+        path = Path(name).resolve()
+        if not path.is_dir():
+            files.append(str(path))  # the pipeline says so when it is missing
+            continue
+        found = sorted(p for p in path.iterdir() if p.is_file() and p.name.lower().endswith(SUPPORTED_SUFFIXES))
+        if not found:
+            raise DataError(
+                f"--data {name}: the directory holds no .txt, .jsonl or .parquet files (optionally .gz or .zst)"
+            )
+        files += [str(p) for p in found]
+    return files
 
 
 def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overrides: list[str]) -> int:
