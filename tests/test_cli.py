@@ -1,8 +1,10 @@
 """The command line as a user meets it: real subprocesses, exit codes and messages."""
 
 import json
+import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,6 +52,10 @@ def test_help_lists_commands():
         (["--data.tokenizer=/no/tokenizer.json"], ["tokenizer file not found"]),
         (["--parallel.tp=2"], ["parallel.dp_replicate x parallel.tp = 2 must divide", "but 1 were launched"]),
         (["--run.output_dir=/proc/liandan-runs"], ["/proc/liandan-runs"]),
+        (["--run.name=../../outside"], ["run.name = '../../outside' must be one directory name"]),
+        (["--run.name=/tmp/absolute-run"], ["run.name = '/tmp/absolute-run' must be one directory name"]),
+        (["--optim.lr=nan"], ["optim.lr = nan must be a finite number"]),
+        (["--optim.lr=inf"], ["optim.lr = inf must be a finite number"]),
     ],
 )
 def test_user_mistakes_give_one_line_and_nonzero_exit(config, args, words):
@@ -85,6 +91,41 @@ def test_train_command_end_to_end(config):
     assert summary["steps"] == 6
 
 
+def _wait_for(condition, process, what, timeout=300):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the process ended ({process.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"no {what} within {timeout}s"
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_one_run_at_a_time_in_a_run_directory(config):
+    run_dir = config.parent / "runs" / "locked"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
+    # The first run checkpoints step 2 and then hangs there, holding the run directory.
+    first = subprocess.Popen(
+        [sys.executable, "-m", "liandan.cli", "train", config, "--run.name=locked", "--resilience.supervise=false",
+         "--checkpoint.every=1", "--checkpoint.async_save=false"],
+        env={**env, "LIANDAN_FAULTS": "hang@step:2"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        _wait_for(lambda: (run_dir / "checkpoints" / "step-00000002" / "manifest.json").is_file(), first, "step 2")
+        metrics = (run_dir / "metrics.jsonl").read_text()
+        for how in ([], ["--resilience.supervise=false"]):  # refused by a supervisor and by a plain run alike
+            done = liandan("train", config, "--run.name=locked", *how)
+            assert_one_line_error(done, f"run directory {run_dir} is in use", f"pid {first.pid} on ")
+        assert (run_dir / "metrics.jsonl").read_text() == metrics  # the refused runs touched nothing
+    finally:
+        first.kill()  # SIGKILL: the kernel releases the lock
+        first.wait()
+    # The next run takes the directory: its supervisor holds the lock and its two workers train under it.
+    done = liandan("train", config, "--run.name=locked", "--nproc=2")
+    assert done.returncode == 0, done.stderr
+    assert "resumed from" in done.stdout and "done: 6 steps" in done.stdout
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
+
+
 def test_demo_runs_on_pythons_own_docs(tmp_path):
     done = liandan("demo", "--steps=6", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=512")
     assert done.returncode == 0, done.stderr
@@ -105,6 +146,27 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     config = tomllib.loads((run_dir / "config.toml").read_text())
     assert config["data"]["stores"] == [str(data_dir / "stores" / "corpus")]
     assert f"run directory: {run_dir}" in out
+
+
+def test_demo_takes_a_directory_of_data_files(tmp_path):
+    from liandan.cli.demo import prepare_data
+
+    data = tmp_path / "my-text"
+    (data / "drafts").mkdir(parents=True)
+    (data / "b-prose.txt").write_text("".join(f"Paragraph {i} says something about parsing.\n\n" for i in range(30)))
+    records = [json.dumps({"text": f"Record {i} is a document."}) + "\n" for i in range(20)]
+    (data / "a-records.jsonl").write_text("".join(records))
+    (data / "notes.csv").write_text("not,a,corpus\n")  # neither is what is in drafts/: only data files directly in it
+    (data / "drafts" / "c.txt").write_text("A draft.\n")
+    summary = prepare_data([str(data)], tmp_path / "out", 300)
+    assert summary["tasks"] == 2 and summary["read"]["documents"] == 50
+    tasks = [json.loads(p.read_text())["task"]["path"] for p in (tmp_path / "out" / "clean").glob("*.stats.json")]
+    assert sorted(tasks) == [str(data / "a-records.jsonl"), str(data / "b-prose.txt")]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    done = liandan("demo", "--data", empty, "--output-dir", tmp_path)
+    assert_one_line_error(done, f"--data {empty}: the directory holds no .txt, .jsonl or .parquet files")
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "corpus").is_dir(), reason="../shared/data is absent")

@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 
 import pytest
@@ -87,3 +88,40 @@ def test_defaults_are_valid_and_documented():
     rows = describe()
     assert {key for key, _, _ in rows} >= {"model.dim", "train.steps", "parallel.tp", "data.paths"}
     assert all(help_text for _, _, help_text in rows)
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "/tmp/absolute", ".", "..", "a/b", "a\\b", "nul\x00byte", "  "])
+def test_run_name_is_one_directory_name(tmp_path, name):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"--run.name={name}"])
+    message = str(info.value)
+    assert message.startswith("run.name = ") and "one directory name" in message and "\n" not in message
+    config = tmp_path / "named.toml"
+    config.write_text(f"[run]\nname = {json.dumps(name)}\n")  # a TOML basic string is a JSON string
+    with pytest.raises(ConfigError, match="run.name"):
+        load_config(config)
+
+
+def test_ordinary_run_names_pass():
+    for name in ("", "run", "my-run_2.1", "llama-8b-20250101-120000", "..hidden", "a..b", "运行"):
+        assert load_config(None, [f"--run.name={name}"]).run.name == name
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["--optim.lr=nan", "--optim.lr=inf", "--optim.lr=-inf", "--model.norm_eps=nan", "--optim.beta1=nan",
+     "--resilience.backoff_s=inf", "--forecast.reference_loss=+inf", "--data.weights=[1.0, nan]",
+     "--data.weights=[inf]"],
+)  # fmt: skip
+def test_non_finite_numbers_are_refused(tmp_path, override):
+    key = override[2:].split("=")[0]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    message = str(info.value)
+    assert message.startswith(key) and "finite" in message and "\n" not in message, message
+    section, name = key.split(".")
+    value = override.split("=", 1)[1]
+    config = tmp_path / "nonfinite.toml"
+    config.write_text(f"[{section}]\n{name} = {value}\n")
+    with pytest.raises(ConfigError, match="finite"):
+        load_config(config)

@@ -1,5 +1,8 @@
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from liandan.data import (
     write_shard,
 )
 from liandan.data.prepare import open_stores
+from liandan.data.store import HEADER_SIZE, ShardHeader
 
 
 def _topics():
@@ -239,6 +243,47 @@ def test_bad_mixtures_are_refused(stores, tmp_path):
         PackedLoader([stores[0], TokenStore(wide)], 32, 8, seed=0)
     with pytest.raises(DataError, match=r"wide was tokenized with tokenizer wide-bytes .*expected byte-v1"):
         open_stores([str(stores[0].path), str(wide)])
+
+
+def _store_with_foreign_ids(directory, docs, token_id):
+    """A store whose shard holds `token_id`, beyond its vocabulary, in place of every token (as bit rot or a
+    shard from another tokenizer could); its header and manifest still agree, so it opens."""
+    _store(directory, docs)
+    path = shard_path(directory, 0)
+    header = ShardHeader.read(path)
+    tokens = np.memmap(path, dtype=header.dtype, mode="r+", offset=HEADER_SIZE, shape=(header.tokens,))
+    tokens[:] = token_id
+    tokens.flush()
+    return TokenStore(directory)
+
+
+def test_a_token_id_outside_the_vocabulary_names_the_store(corpus, tmp_path):
+    store = _store_with_foreign_ids(tmp_path / "foreign", corpus["beta"], 60000)
+    loader = PackedLoader(store, 32, 4, seed=0, val_fraction=0.1)
+    for read in (lambda: loader.next_step(4), lambda: loader.validation(1, 4)):
+        with pytest.raises(DataError) as info:
+            read()
+        message = str(info.value)
+        assert str(store.path) in message and "token id 60000" in message and "vocabulary of 257" in message
+        assert "\n" not in message
+
+
+@pytest.mark.slow
+def test_an_out_of_range_token_id_ends_a_supervised_run_at_once(corpus, tmp_path):
+    store = _store_with_foreign_ids(tmp_path / "foreign", corpus["alpha"], 60000)
+    config = tmp_path / "run.toml"
+    cfg = tiny_config(tmp_path / "runs", write_corpus(tmp_path), f'--data.stores=["{store.path}"]', "--run.name=ids")
+    config.write_text(cfg.to_toml())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
+    done = subprocess.run([sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2"],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 2, done.stderr  # a user error: the supervisor does not retry it
+    assert "Traceback" not in done.stderr and "restart" not in done.stdout, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("liandan: error: token store "), done.stderr
+    assert str(store.path) in lines[0] and "token id 60000" in lines[0] and "vocabulary of 257" in lines[0]
+    events = (tmp_path / "runs" / "ids" / "events.jsonl").read_text()
+    assert '"incident"' not in events and '"restart"' not in events
 
 
 def test_trainer_trains_on_a_mixture_of_stores_and_resumes(stores, tmp_path):

@@ -287,6 +287,12 @@ def run_main(capsys, *args):
         (["--device-memory-gib=-3"], "--device-memory-gib = -3 must be positive"),
         (["--price-per-device-hour=-1"], "must not be negative"),
         (["--headroom=1.5"], "--headroom = 1.5 must be in [0, 1)"),
+        (["--device-memory-gib=nan"], "--device-memory-gib = 'nan' must be a finite number"),
+        (["--device-memory-gib=inf"], "--device-memory-gib = 'inf' must be a finite number"),
+        (["--price-per-device-hour=nan"], "--price-per-device-hour = 'nan' must be a finite number"),
+        (["--price-per-device-hour=-inf"], "--price-per-device-hour = '-inf' must be a finite number"),
+        (["--mfu=NaN"], "--mfu = 'NaN' must be a finite number"),
+        (["--headroom=nan"], "--headroom = 'nan' must be a finite number"),
         (["--model.dimm=3"], "unknown key 'model.dimm'"),
     ],
 )

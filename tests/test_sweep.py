@@ -130,6 +130,15 @@ def test_a_diverging_trial_is_stopped_at_once(base, tmp_path):
     assert math.isnan(study.trials[0].intermediate_values[3])
 
 
+def test_a_null_loss_reads_as_divergence(tmp_path):
+    """Runs write a non-finite loss as null (older ones wrote "nan"); both read as nan, which prunes the trial."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 5.5}\n{"step": 2, "loss": null}\n{"step": 3, "loss": "inf"}\n{"step": 4')
+    read = _MetricsTail(metrics).read()
+    assert [step for step, _ in read] == [1, 2, 3]  # the half-written last line waits
+    assert read[0][1] == 5.5 and math.isnan(read[1][1]) and read[2][1] == math.inf
+
+
 def sweep_curve(spec):
     from liandan.plan.live_forecast import PartialCurve
 

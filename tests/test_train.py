@@ -6,6 +6,7 @@ import torch
 from helpers import tiny_config, write_corpus
 
 from liandan.config import ConfigError, ScheduleSection
+from liandan.data import DataError
 from liandan.model import ModelArgs, Transformer
 from liandan.train import Trainer
 from liandan.train.hardware import cpu_supports_bf16
@@ -67,6 +68,35 @@ def test_run_directory_contents(tmp_path, corpus):
     # reusing the directory is refused unless asked for
     with pytest.raises(ConfigError, match="already holds a run"):
         Trainer(tiny_config(tmp_path, corpus, "--run.name=run"), say=lambda m: None)
+
+
+def _strict_json(text):
+    """JSON as the standard has it: NaN and Infinity are not JSON."""
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_diverging_run_writes_only_valid_json(tmp_path, corpus):
+    # A learning rate this large is finite, so the config takes it, but the loss is no longer a number by step 3.
+    _, result = run(tmp_path, corpus, "--optim.lr=1e30", "--schedule.warmup_steps=0", "--train.eval_every=3")
+    assert not math.isfinite(result.losses[-1]) and not math.isfinite(result.val_loss)
+    run_dir = result.run_dir
+    records = [_strict_json(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["loss"] is None  # non-finite numbers are written as null
+    events = [_strict_json(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["loss"] for e in events if e["kind"] == "eval"] == [None, None]
+    assert any(e["kind"] == "nonfinite_loss" for e in events)
+    summary = _strict_json((run_dir / "summary.json").read_text())
+    assert summary["final_loss"] is None and summary["val_loss"] is None and summary["steps"] == 6
+
+
+def test_a_run_refused_at_start_up_does_not_block_the_corrected_rerun(tmp_path, corpus):
+    with pytest.raises(DataError, match="2 mixture weights for 1 token stores"):
+        run(tmp_path, corpus, "--data.weights=[1.0, 2.0]")
+    _, result = run(tmp_path, corpus)
+    assert result.steps == 6 and len(result.losses) == 6
 
 
 def test_gradient_accumulation_matches_full_batch(tmp_path, corpus):

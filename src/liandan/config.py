@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ option = _f  # the public name, for other typed configs (data pipelines, sweeps)
 
 @dataclass
 class RunSection:
-    name: str = _f("", "run name; empty means <config name>-<timestamp>")
+    name: str = _f("", "run name, one directory name under output_dir; empty means <config name>-<timestamp>")
     output_dir: str = _f("runs", "parent directory of run directories")
     seed: int = _f(1234, "seed for model init, data order and dropout-free RNG use", min=0)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "where to train; auto picks cuda when present")
@@ -280,6 +281,8 @@ def _coerce(key: str, value: Any, hint: Any, meta: Any) -> Any:
             )
             if not numbers:
                 raise ConfigError(f"{key} = {value!r} must be a list of numbers")
+            if not all(math.isfinite(v) for v in value):
+                raise ConfigError(f"{key} = {value!r} must hold finite numbers (no nan or inf)")
             return [float(v) for v in value]
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{key} = {value!r} must be a list of strings")
@@ -294,6 +297,8 @@ def _coerce(key: str, value: Any, hint: Any, meta: Any) -> Any:
     elif hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{key} = {value!r} must be a number")
+        if not math.isfinite(value):  # nan passes every bound check, inf passes a lower bound
+            raise ConfigError(f"{key} = {value!r} must be a finite number (no nan or inf)")
         value = float(value)
     elif hint is str:
         if not isinstance(value, str):
@@ -309,6 +314,7 @@ def _coerce(key: str, value: Any, hint: Any, meta: Any) -> Any:
 
 def check_config(cfg: Config) -> None:
     """Checks that involve more than one key."""
+    check_run_name(cfg.run.name)
     m, t, p = cfg.model, cfg.train, cfg.parallel
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim = {m.dim} must be divisible by model.n_heads = {m.n_heads}")
@@ -331,6 +337,19 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"train.global_batch = {t.global_batch} must be a multiple of train.micro_batch = {t.micro_batch}")
     if cfg.schedule.warmup_steps > t.steps:
         raise ConfigError(f"schedule.warmup_steps = {cfg.schedule.warmup_steps} exceeds train.steps = {t.steps}")
+
+
+def check_run_name(name: str) -> None:
+    """A run's directory is `<output_dir>/<name>`: a name that is a path, or `.`/`..`, would put it elsewhere or
+    share it with other runs. Empty is allowed: it stands for `<config name>-<timestamp>`."""
+    if name == "":
+        return
+    path_like = any(c in name for c in "/\\\0") or name in (".", "..") or not name.strip()
+    if path_like:
+        raise ConfigError(
+            f"run.name = {name!r} must be one directory name: not blank, not '.' or '..', without '/', '\\' or NUL"
+            " (the run directory goes under run.output_dir)"
+        )
 
 
 def describe(cls: type = Config) -> list[tuple[str, Any, str]]:

@@ -55,7 +55,7 @@ def prepare_data(data: list[str] | None, out: Path, vocab_size: int) -> dict:
     from liandan.data.pipeline_config import InputSpec, PipelineConfig, PipelineSection, TokenizerSection
 
     if data:
-        paths = [str(Path(p).resolve()) for p in data]
+        paths = data_files(data)
     else:
         raw = out / "raw" / "python-docs.jsonl"
         raw.parent.mkdir(parents=True, exist_ok=True)
@@ -77,6 +77,26 @@ def prepare_data(data: list[str] | None, out: Path, vocab_size: int) -> dict:
     return summary
 
 
+def data_files(given: list[str]) -> list[str]:
+    """The files of `--data`: a directory stands for the data files directly in it, sorted by name."""
+    from liandan.data.corpus import DataError
+    from liandan.data.readers import SUPPORTED_SUFFIXES
+
+    files = []
+    for name in given:
+        path = Path(name).resolve()
+        if not path.is_dir():
+            files.append(str(path))  # the pipeline says so when it is missing
+            continue
+        found = sorted(p for p in path.iterdir() if p.is_file() and p.name.lower().endswith(SUPPORTED_SUFFIXES))
+        if not found:
+            raise DataError(
+                f"--data {name}: the directory holds no .txt, .jsonl or .parquet files (optionally .gz or .zst)"
+            )
+        files += [str(p) for p in found]
+    return files
+
+
 def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overrides: list[str]) -> int:
     name = f"demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     settings = list(DEMO_SETTINGS)
@@ -96,13 +116,15 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     if code != 0:
         return code
     s = json.loads((run / "summary.json").read_text())
-    losses = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    losses = [r["loss"] if r["loss"] is not None else float("nan") for r in records]  # null: not a number
     print()
     print(
         f"trained {s['parameters'] / 1e6:.1f}M parameters for {s['steps']} steps on {NPROC} processes"
         f" ({s['layout']}, {s['dtype']}); goodput {100 * s['goodput']:.1f}% with {s['restarts']} restart(s)"
     )
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; validation loss {s['val_loss']:.3f}")
+    val_loss = s["val_loss"] if s["val_loss"] is not None else float("nan")
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; validation loss {val_loss:.3f}")
     print("incidents (liandan incidents <run>):")
     for line in timeline(run):
         print(f"  {line}")

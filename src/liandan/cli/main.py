@@ -73,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(command=cmd_train)
 
     p = sub.add_parser("demo", help="tokenize, train and sample a small model end to end on the CPU")
-    p.add_argument("--data", nargs="+", metavar="PATH", help="your own .txt/.jsonl files instead of Python's docs")
+    p.add_argument("--data", nargs="+", metavar="PATH",
+                   help="your own .txt/.jsonl/.parquet files, or directories of them, instead of Python's docs")
     p.add_argument("--steps", type=int, help="optimizer steps (default 300)")
     p.add_argument("--output-dir", default="runs", help="where the run directory goes (default: runs)")
     p.set_defaults(command=cmd_demo)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 
 from liandan.config import ConfigError, load_config
@@ -43,10 +44,13 @@ def _number(flag: str, text: str | None, kind: type = float):
     if text is None:
         return None
     try:
-        return kind(text)
+        value = kind(text)
     except ValueError:
         what = "an integer" if kind is int else "a number"
         raise ConfigError(f"{flag} = {text!r} must be {what}") from None
+    if not math.isfinite(value):  # nan passes every range check after this, inf most
+        raise ConfigError(f"{flag} = {text!r} must be a finite number")
+    return value
 
 
 def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:

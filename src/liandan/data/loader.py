@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from liandan.data.corpus import DataError
-from liandan.data.store import TokenStore
+from liandan.data.store import Shard, TokenStore
 
 # Seed-sequence tags, so that the split, the epochs and the in-batch shuffle draw independent streams.
 _SPLIT, _EPOCH, _PLACE, _VALIDATION = 0x5EED, 0xE90C, 0xB1E7, 0xE7A1
@@ -317,7 +317,19 @@ class PackedLoader:
                 sel = shards == shard_index
                 positions = starts[sel][:, None] + offsets[None, :]
                 tokens[rows[sel]] = shard.tokens[positions]
+                _check_vocabulary(self.stores[i], shard, tokens[rows[sel]])
                 docs = shard.document_of(positions[:, :-1])
                 doc_ids[rows[sel]] = docs - docs[:, :1]
         tokens_t = torch.from_numpy(tokens)
         return Batch(tokens_t[:, :-1], tokens_t[:, 1:], torch.from_numpy(doc_ids))
+
+
+def _check_vocabulary(store: TokenStore, shard: Shard, tokens: np.ndarray) -> None:
+    """An id outside the store's vocabulary (bit rot, or a shard another tokenizer wrote) would index past the
+    embedding table on some rank, deep in the model. Name the store instead: it costs one max per batch."""
+    largest = int(tokens.max(initial=0))
+    if largest >= store.vocab_size:
+        raise DataError(
+            f"token store {store.path}: {shard.path.name} holds token id {largest}, outside its vocabulary of"
+            f" {store.vocab_size} ids (a corrupt shard? check it with `liandan data info {store.path} --verify`)"
+        )

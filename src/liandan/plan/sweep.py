@@ -323,7 +323,8 @@ class _MetricsTail:
         for line in data[:end].decode("utf-8", errors="replace").splitlines():
             try:
                 record = json.loads(line)
-                out.append((int(record["step"]), float(record["loss"])))  # non-finite losses are logged as "nan"
+                loss = record["loss"]  # a non-finite loss is logged as null (as "nan" by older versions)
+                out.append((int(record["step"]), math.nan if loss is None else float(loss)))
             except (ValueError, KeyError, TypeError):
                 continue
         return out

@@ -37,7 +37,8 @@ from liandan.checkpoint.verify import complete_checkpoints
 from liandan.config import Config
 from liandan.resilience import handoff, nodes
 from liandan.resilience.processes import TOKEN_ENV, DeathClock, StandbyPool, end_processes, module_command
-from liandan.track.logger import read_metrics
+from liandan.track.logger import read_metrics, to_json
+from liandan.track.run_dir import LOCK_FILE, lock_run_dir
 from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
 
 POLL_S = 0.2
@@ -92,6 +93,15 @@ class Supervisor:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> int:
+        """Supervise the run to its end, holding the run directory's lock all along (its workers take none).
+        On several nodes each node's supervisor holds a lock of its own node."""
+        lock = lock_run_dir(self.run_dir, f"run-{self.node}.lock" if self.rendezvous else LOCK_FILE)
+        try:
+            return self._supervise()
+        finally:
+            lock.release()
+
+    def _supervise(self) -> int:
         started = time.time()
         self.logs.mkdir(parents=True, exist_ok=True)
         (self.logs / handoff.FILE).unlink(missing_ok=True)  # a verdict is handed over only moments after it
@@ -471,7 +481,7 @@ class Supervisor:
     def _event(self, kind: str, **fields) -> float:
         now = time.time()
         with open(self.run_dir / "events.jsonl", "a") as f:
-            f.write(json.dumps({"time": now, "kind": kind, **fields}, default=str) + "\n")
+            f.write(to_json({"time": now, "kind": kind, **fields}, default=str) + "\n")
         return now
 
     def _finish(self, started: float, restarts: int, gave_up: str | None) -> None:

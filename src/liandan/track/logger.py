@@ -19,30 +19,42 @@ class MetricsLogger(Protocol):
     def close(self) -> None: ...
 
 
+def to_json(value: Any, **kwargs: Any) -> str:
+    """`json.dumps` that writes only valid JSON: the run's convention for a non-finite number (a diverged
+    loss, say) is null, as JSON has no NaN or Infinity. Readers take null as "not a number"."""
+    return json.dumps(_finite(value), allow_nan=False, **kwargs)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 class JsonlLogger:
     """metrics.jsonl (one record per logged step) and events.jsonl in the run directory, flushed per line
-    so a crash loses nothing already reported."""
+    so a crash loses nothing already reported. Non-finite numbers are written as null (`to_json`)."""
 
     def __init__(self, run_dir: Path):
         self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
         self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        record = {"step": step, "time": time.time(), **{k: _json_number(v) for k, v in metrics.items()}}
-        self._metrics.write(json.dumps(record) + "\n")
+        record = {"step": step, "time": time.time(), **metrics}
+        self._metrics.write(to_json(record) + "\n")
         self._metrics.flush()
 
     def log_event(self, kind: str, **fields: Any) -> None:
-        self._events.write(json.dumps({"time": time.time(), "kind": kind, **fields}, default=str) + "\n")
+        self._events.write(to_json({"time": time.time(), "kind": kind, **fields}, default=str) + "\n")
         self._events.flush()
 
     def close(self) -> None:
         self._metrics.close()
         self._events.close()
-
-
-def _json_number(value: float) -> float | str:
-    return value if math.isfinite(value) else str(value)  # JSON has no NaN or inf
 
 
 class ConsoleLogger:
@@ -129,6 +141,8 @@ class NullLogger:
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of metrics.jsonl; a non-finite value reads as None (null), or as the string "nan"/"inf"
+    in files written before null was the convention."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []

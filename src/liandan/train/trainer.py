@@ -29,6 +29,8 @@ from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
 from liandan.resilience.handoff import newest_checkpoint
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
+from liandan.track.logger import to_json
+from liandan.track.run_dir import RunLock, holds_progress, lock_run_dir
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
 from liandan.train.hardware import device_peak_flops, peak_memory_bytes, resolve_dtype
 from liandan.train.heartbeat import Heartbeat
@@ -78,7 +80,8 @@ class Trainer:
         self.mesh = build_mesh(self.layout, self.dist.device.type)
         self.device = self.dist.device
         self.dtype = resolve_dtype(cfg.train.dtype, self.device)
-        self.run_dir, resuming = self._on_main_then_share(lambda: _make_run_dir(cfg, run_dir, config_name))
+        self.run_lock: RunLock | None = None  # held by rank 0 of an unsupervised run (the supervisor holds its own)
+        self.run_dir, resuming = self._on_main_then_share(lambda: self._claim_run_dir(run_dir, config_name))
         self.say(f"run directory: {self.run_dir}")
         self.files = JsonlLogger(self.run_dir) if self.dist.is_main else NullLogger()
         self.heartbeat = Heartbeat(self.run_dir / "heartbeat", self.dist.rank)
@@ -344,11 +347,17 @@ class Trainer:
         return self._mean_over_ranks(total / max(1, len(batches)))
 
     def close(self) -> None:
-        """Leave the process group; the trainer cannot step after this."""
+        """Leave the process group and release the run directory; the trainer cannot step after this."""
         self.heartbeat.close()
         shutdown_distributed()
+        if self.run_lock is not None:
+            self.run_lock.release()
 
     # -- helpers ------------------------------------------------------------------------------------------
+    def _claim_run_dir(self, run_dir: Path | None, config_name: str) -> tuple[Path, bool]:
+        path, resumable, self.run_lock = _make_run_dir(self.cfg, run_dir, config_name)
+        return path, resumable
+
     def _doc_ids(self, batch: Batch) -> torch.Tensor | None:
         return batch.doc_ids if self.cfg.train.mask == "document" else None
 
@@ -417,7 +426,7 @@ class Trainer:
             "world_size": self.dist.world_size,
             "dtype": _dtype_name(self.dtype),
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(result.summary, indent=2) + "\n")
+        (self.run_dir / "summary.json").write_text(to_json(result.summary, indent=2) + "\n")
         plot_run(self.run_dir)
 
 
@@ -430,12 +439,14 @@ def _model_args(cfg: Config, tokenizer_vocab: int) -> Any:
     return get_model_spec(m.family).args_from_config(m, vocab)
 
 
-def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[Path, bool]:
-    """(run directory, whether it holds checkpoints to resume from). A directory with an earlier run and
-    nothing to resume from is refused unless `run.overwrite` is set."""
+def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[Path, bool, RunLock | None]:
+    """(run directory, whether it holds checkpoints to resume from, its lock). A directory with an earlier
+    run's steps and nothing to resume from is refused unless `run.overwrite` is set; one in use by another
+    run is refused. A supervised worker takes no lock: its supervisor holds it."""
     if run_dir is None:
         run_dir = Path(cfg.run.output_dir) / cfg.run_name(config_name)
     run_dir = Path(run_dir)
+    lock = None if "LIANDAN_SUPERVISED" in os.environ else lock_run_dir(run_dir)  # before anything is touched
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     resumable = cfg.checkpoint.resume == "auto" and any(ckpt_root.glob("step-*/manifest.json"))
     if cfg.checkpoint.resume == "auto" and cfg.checkpoint.memory_every and os.environ.get(memory.OWNER_ENV):
@@ -443,7 +454,7 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
         resumable = resumable or any(memory.snapshot_dir(run_dir, cfg.checkpoint.memory_dir).glob("rank-*.json"))
     # A supervised restart with nothing to resume from starts the run over.
     overwrite = cfg.run.overwrite or int(os.environ.get("LIANDAN_ATTEMPT", "0")) > 0
-    if (run_dir / "metrics.jsonl").exists() and not resumable and not overwrite:
+    if holds_progress(run_dir) and not resumable and not overwrite:
         raise ConfigError(
             f"run directory {run_dir} already holds a run with no checkpoint to resume from;"
             " choose another --run.name or pass --run.overwrite=true"
@@ -454,7 +465,7 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
         for name in ("metrics.jsonl", "summary.json") if restarting else ("metrics.jsonl", "events.jsonl", "summary.json"):
             (run_dir / name).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
-    return run_dir, resumable
+    return run_dir, resumable, lock
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

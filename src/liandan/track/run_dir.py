@@ -1,0 +1,98 @@
+"""The run directory's lock: one run writes into a run directory at a time.
+
+Two `liandan train` with the same run name would interleave their metrics.jsonl and checkpoint writes. The
+process in charge of a run (the supervisor, or rank 0 of an unsupervised run) therefore holds an exclusive
+`fcntl.flock` on `<run>/run.lock` for the run's lifetime, and a second run is refused with one line naming
+the holder (its pid, host and start time are in the lock file). The kernel releases the lock when the
+holder's process ends, however it ends: a SIGKILLed run leaves no stale lock behind. The lock file itself
+stays; it is free whenever no process holds it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+import weakref
+from pathlib import Path
+
+from liandan.config import ConfigError
+
+LOCK_FILE = "run.lock"
+_READ_HOLDER_TRIES = 20  # the holder writes who it is just after it locks: a moment for that to land
+
+
+class RunDirInUse(ConfigError):
+    """Another process holds the run directory's lock."""
+
+
+class RunLock:
+    """A held lock on a run directory, released by `release()`, when the object is collected, or when the
+    process ends."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path = path
+        self._close = weakref.finalize(self, os.close, fd)
+
+    @property
+    def held(self) -> bool:
+        return self._close.alive
+
+    def release(self) -> None:
+        self._close()
+
+
+# Locks this process holds, so that a second Trainer in the same process (a resume in a test, a notebook)
+# shares its lock rather than being refused by itself: flock treats two opens of one file as two holders.
+_held: weakref.WeakValueDictionary[str, RunLock] = weakref.WeakValueDictionary()
+
+
+def lock_run_dir(run_dir: Path, name: str = LOCK_FILE) -> RunLock:
+    """Take the exclusive lock on `run_dir` (created if missing), or raise RunDirInUse naming its holder."""
+    run_dir = Path(run_dir)
+    path = run_dir / name
+    key = os.path.abspath(path)
+    held = _held.get(key)
+    if held is not None and held.held:
+        return held
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # not truncated: it names the holder
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise RunDirInUse(
+            f"run directory {run_dir} is in use by another run ({holder}); wait for it to end,"
+            " or choose another --run.name"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+    lock = RunLock(path, fd)
+    _held[key] = lock
+    return lock
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, from what it wrote into the lock file."""
+    for _ in range(_READ_HOLDER_TRIES):
+        raw = os.pread(fd, 4096, 0)
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            who = json.loads(raw)
+            return f"pid {who['pid']} on {who['host']}, started {who['started']}"
+        time.sleep(0.01)
+    return "a process that has not said who it is"
+
+
+def holds_progress(run_dir: Path) -> bool:
+    """Whether an earlier run logged a step here. A run refused before its first step leaves at most an
+    empty metrics.jsonl, which must not stand in the way of the corrected rerun."""
+    metrics = Path(run_dir) / "metrics.jsonl"
+    return metrics.is_file() and metrics.stat().st_size > 0
