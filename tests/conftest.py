@@ -14,3 +14,27 @@ def liandan_cache_dir(tmp_path_factory):
         os.environ.pop("LIANDAN_CACHE_DIR", None)
     else:
         os.environ["LIANDAN_CACHE_DIR"] = previous
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """`small_disk(size)`: a real tmpfs of that size mounted under tmp_path (root only: skips elsewhere), so
+    a full disk is the kernel's ENOSPC, not a simulation. Unmounted afterwards."""
+    import subprocess
+
+    mounted = []
+
+    def mount(size: str, name: str = "small-disk"):
+        path = tmp_path / name
+        path.mkdir()
+        command = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            reason = done.stderr.strip() or "needs root"
+            pytest.skip(f"cannot mount a tmpfs here ({reason}); the injected ENOSPC tests cover the path")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in reversed(mounted):
+        subprocess.run(["umount", "--lazy", str(path)], check=False)

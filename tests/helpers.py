@@ -55,3 +55,18 @@ def tiny_config(run_dir: Path, corpus: Path, *overrides: str) -> Config:
             *overrides,
         ],
     )
+
+
+def fill_disk(path: Path) -> Path:
+    """Write zeros into the file `path` until its file system is full (a real ENOSPC); returns the path."""
+    import errno
+
+    chunk = bytes(64 << 10)
+    with open(path, "wb", buffering=0) as handle:
+        try:
+            while True:
+                handle.write(chunk)  # short writes fill the last pages; the write after them fails
+        except OSError as err:
+            if err.errno != errno.ENOSPC:
+                raise
+    return path

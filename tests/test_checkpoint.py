@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_config, write_corpus
+from helpers import fill_disk, tiny_config, write_corpus
 
 from liandan.checkpoint.manager import CheckpointManager, load_model, rng_state, set_rng_state
 from liandan.checkpoint.verify import CheckpointError, verify
@@ -160,26 +160,53 @@ def test_injected_enospc_is_reported_and_training_goes_on(config, straight):
     assert losses(config, "enospc") == straight[0]
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
-    return done.returncode == 0
+def test_really_full_disk_fails_the_run_in_one_line(config, small_disk):
+    disk = small_disk("256k")
+    done = train(config, "fulldisk", f"--checkpoint.dir={disk}", expect=2)
+    failed = events(config, "fulldisk", "checkpoint_failed")
+    assert [e["step"] for e in failed] == [4, 8]
+    # DCP reports a full disk in its own words (often a stream-writer error); the free space says why
+    assert all(f"free space on {disk}: 0.0 MiB" in e["error"] for e in failed), failed
+    assert all("\n" not in e["error"] and "Traceback" in e["traceback"] for e in failed)  # the record keeps it all
+    assert list(disk.iterdir()) == []  # partial saves removed, space given back
+    assert len(losses(config, "fulldisk")) == STEPS
+    # The last step's checkpoint did not save: no "done", and one line that says which and why.
+    assert "done:" not in done.stdout and "Traceback" not in done.stderr
+    [error] = [line for line in done.stderr.splitlines() if line.startswith("liandan: error:")]
+    assert str(disk / "step-00000008") in error and f"free space on {disk}: 0.0 MiB" in error, error
+    timeline = subprocess.run([sys.executable, "-m", "liandan.cli", "incidents", str(run_dir(config, "fulldisk"))],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    shown = [line for line in timeline.stdout.splitlines() if "checkpoint failed" in line]
+    assert len(shown) == 2 and "Traceback" not in timeline.stdout, timeline.stdout
+    assert len(timeline.stdout.splitlines()) <= 3, timeline.stdout  # a line per event, not a traceback
 
 
-def test_really_full_disk(config, tmp_path):
-    disk = tmp_path / "small-disk"
-    if not _mount_tmpfs(disk, "256k"):
-        pytest.skip("cannot mount a tmpfs here (needs root); the injected ENOSPC test covers the path")
-    try:
-        train(config, "fulldisk", f"--checkpoint.dir={disk}")
-        failed = events(config, "fulldisk", "checkpoint_failed")
-        assert [e["step"] for e in failed] == [4, 8]
-        # DCP reports a full disk in its own words (often a stream-writer error); the free space says why
-        assert all(f"free space on {disk}: 0.0 MiB" in e["error"] for e in failed), failed
-        assert list(disk.iterdir()) == []  # partial saves removed, space given back
-        assert len(losses(config, "fulldisk")) == STEPS
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
+def test_failed_saves_in_a_row_stop_the_run(config, small_disk):
+    disk = small_disk("256k")
+    done = train(config, "nosaves", f"--checkpoint.dir={disk}", "--checkpoint.every=1", "--checkpoint.async_save=false",
+                 expect=2)  # fmt: skip
+    assert [e["step"] for e in events(config, "nosaves", "checkpoint_failed")] == [1, 2, 3]
+    assert len(losses(config, "nosaves")) == 3  # stopped, rather than training on with nothing saved
+    [error] = [line for line in done.stderr.splitlines() if line.startswith("liandan: error:")]
+    assert "3 checkpoint saves in a row failed" in error and str(disk / "step-00000003") in error, error
+
+
+def test_a_saved_checkpoint_resets_the_count_of_failed_saves(config):
+    faults = "enospc@save:1,enospc@save:2,enospc@save:4,enospc@save:5"
+    overrides = ("--train.steps=6", "--checkpoint.every=1", "--checkpoint.async_save=false")
+    train(config, "somesaves", *overrides, faults=faults)
+    assert [e["step"] for e in events(config, "somesaves", "checkpoint_failed")] == [1, 2, 4, 5]
+    assert [e["step"] for e in events(config, "somesaves", "checkpoint_saved")] == [3, 6]
+
+
+def test_stale_temporaries_are_removed_at_start(config, small_disk):
+    disk = small_disk("8m")
+    stale = disk / "step-00000002.tmp"  # a save that died half-way, holding the disk
+    stale.mkdir()
+    fill_disk(stale / "__0_0.distcp")
+    train(config, "stale", f"--checkpoint.dir={disk}")
+    assert sorted(p.name for p in disk.iterdir()) == ["step-00000004", "step-00000008"]
+    assert [e["step"] for e in events(config, "stale", "checkpoint_saved")] == [4, 8]
 
 
 def test_rng_states_round_trip_through_weights_only_load(tmp_path):

@@ -178,3 +178,15 @@ def test_demo_on_users_chinese_and_english_files(tmp_path):
     summary = json.loads((data_dir / "summary.json").read_text())
     assert summary["read"]["documents"] > 5407  # every Chinese record and Shakespeare's paragraphs
     assert summary["stores"]["corpus"]["tokens"] > 100_000
+
+
+def test_an_error_line_is_never_empty():
+    """Whatever reaches the command line names what failed: the exception's type, and an OS error's path."""
+    from liandan.checkpoint.verify import CheckpointError
+    from liandan.cli.main import describe_error
+
+    assert describe_error(CheckpointError("")) == "CheckpointError (no message)"
+    assert describe_error(OSError()) == "OSError: no message"
+    full = OSError(28, "No space left on device", "/runs/x/events.jsonl")
+    assert describe_error(full) == "OSError: No space left on device: /runs/x/events.jsonl"
+    assert describe_error(FileNotFoundError(2, "No such file or directory", "a.toml")).startswith("FileNotFoundError: ")

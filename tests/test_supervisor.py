@@ -7,25 +7,30 @@ recorded within twice its timeout of the last heartbeat. A failure that recurs a
 with a clear message; one that recurs without progress waits for its restart, one after progress does not.
 """
 
+import contextlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
 
-from helpers import tiny_config, write_corpus
+from helpers import fill_disk, tiny_config, write_corpus
 from liandan.checkpoint import memory
 from liandan.checkpoint.manager import load_model
 from liandan.config import load_config
 from liandan.resilience.processes import alive
-from liandan.resilience.supervisor import Supervisor
-from liandan.train.heartbeat import read_heartbeats
+from liandan.resilience.supervisor import Attempt, Supervisor
+from liandan.train.heartbeat import Heartbeat, read_heartbeats
 
 pytestmark = pytest.mark.slow
 RECOVERY_S = 60.0  # restart of 2 ranks on a loaded 2-core machine, including Python and torch start-up
+TOKENS_PER_STEP = 4 * 64  # tiny_config: global batch 4 of 64 tokens
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +111,7 @@ def test_fault_is_survived_exactly(setup, name, faults, failure, cause, rank, re
         assert "step-00000004" in rejected["path"] and "fails its checksum" in rejected["error"]
     summary = json.loads((config.parent / "runs" / name / "summary.json").read_text())
     assert summary["restarts"] == 1 and 0 < summary["goodput"] <= 1
+    assert summary["steps"] == 8 and summary["tokens"] == 8 * TOKENS_PER_STEP  # not only the last attempt's
     timeline = subprocess.run([sys.executable, "-m", "liandan.cli", "incidents", str(config.parent / "runs" / name)],
                               capture_output=True, text=True, check=False)  # fmt: skip
     assert failure.upper() in timeline.stdout and "recovered" in timeline.stdout and "goodput" in timeline.stdout
@@ -148,6 +154,101 @@ def test_full_disk_during_save_needs_no_restart(setup):
     assert _events(config, "enospc", "incident") == []
     for key, value in _weights(config, "enospc").items():
         assert torch.equal(value, clean[key]), key
+
+
+def test_a_full_run_disk_ends_in_one_line_that_names_what_failed(setup, small_disk):
+    """The whole run directory on a disk with room for the data and one checkpoint: heartbeats, logs, events and
+    later saves then meet ENOSPC. The run must end non-zero with one error line that names what failed
+    (never an empty one, never a traceback), not claim success."""
+    config, _ = setup
+    disk = small_disk("3m")
+    done = _train(config, "fullrun", extra=[f"--run.output_dir={disk}"])
+    assert done.returncode != 0 and "done:" not in done.stdout, done.stdout[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("liandan: error:")]
+    assert len(errors) == 1 and str(disk) in errors[0], done.stderr[-3000:]
+
+
+def test_second_launch_counts_tokens_and_goodput_over_both(setup):
+    """A run trained to step 4, then launched again for 8 steps: its summary counts all 8 steps' tokens, and
+    goodput is the kept step seconds of both launches over the wall seconds of both."""
+    config, _ = setup
+    first = _train(config, "relaunch", extra=["--nproc=1", "--train.steps=4"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _train(config, "relaunch", extra=["--nproc=1"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary = json.loads((config.parent / "runs" / "relaunch" / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["tokens"] == 8 * TOKENS_PER_STEP
+    assert summary["supervisor_launches"] == 2 and 0 < summary["goodput"] <= 1
+    [ended_first, _] = _events(config, "relaunch", "supervisor_end")
+    assert summary["supervisor_wall_seconds"] > ended_first["wall_seconds"]
+
+
+def test_goodput_counts_every_launch_of_the_run(tmp_path):
+    """Three launches of one run directory: the first ended in order, the second was killed (no end event, its
+    last record ends it), the third is finishing now. Goodput is every kept step second over every launch's
+    wall second: over the last launch's wall time alone it would be 467%."""
+    run_dir = tmp_path / "launches"
+    run_dir.mkdir()
+    now = time.time()
+    events = [(now - 400, "supervisor_start", {"supervisor": "a"}), (now - 300, "supervisor_end", {"supervisor": "a"}),
+              (now - 200, "supervisor_start", {"supervisor": "b"})]  # fmt: skip
+    (run_dir / "events.jsonl").write_text("".join(json.dumps({"time": t, "kind": k, **f}) + "\n" for t, k, f in events))
+    ends = [now - 380, now - 360, now - 340, now - 320, now - 180, now - 160, now - 5]  # steps of 20 s
+    kept = list(enumerate(ends, start=1))
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": s, "time": t, "loss": 1.0, "step_time_s": 20.0}) + "\n" for s, t in kept)
+    )
+    cfg = tiny_config(tmp_path, tmp_path / "corpus.jsonl")
+    Supervisor(cfg, [sys.executable, "-c", "pass"], run_dir, say=lambda m: None)._finish(now - 30, 0, gave_up=None)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["supervisor_launches"] == 3 and summary["kept_step_seconds"] == 140.0
+    assert summary["supervisor_wall_seconds"] == pytest.approx(100 + 40 + 30, abs=1.0)
+    assert summary["goodput"] == pytest.approx(140 / 170, rel=0.01)
+
+
+def test_heartbeats_survive_a_full_disk(small_disk, capsys):
+    disk = small_disk("64k")
+    beat = Heartbeat(disk / "heartbeat", rank=0)
+    beat.beat(1, "data")
+    fill_disk(disk / "filler")
+    for step in range(2, 6):
+        beat.beat(step, "forward")  # best-effort: never an exception that would end the worker
+    [record] = read_heartbeats(disk / "heartbeat")
+    assert record["step"] == 5  # no room for a new file: the record was rewritten in place
+    late = Heartbeat(disk / "heartbeat", rank=1)
+    late.beat(1, "data")  # not even that: skipped
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "heartbeat" in line]
+    assert len(warnings) == 2 and all("No space left on device" in w for w in warnings), err  # once per rank
+    (disk / "filler").unlink()
+    late.beat(2, "data")
+    assert [b["step"] for b in read_heartbeats(disk / "heartbeat")] == [5, 2]
+
+
+def test_output_relay_survives_a_full_disk(small_disk, capsys):
+    """The attempt log cannot be written: the workers' output still reaches the console, and the workers are
+    never left blocked on a pipe nobody reads."""
+    disk = small_disk("64k")
+    log = open(disk / "attempt-0.log", "w")  # noqa: SIM115 - the relay writes it; closed below
+    fill_disk(disk / "filler")
+    lines = 20000  # about 200 KB: far more than a pipe holds
+    worker = subprocess.Popen([sys.executable, "-c", f"for i in range({lines}): print('line', i)"],
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    sink, attempt = io.StringIO(), Attempt(0, time.time(), token="relay")
+    relay = threading.Thread(target=Supervisor._relay, args=(worker.stdout, sink, log, threading.Lock(), attempt))
+    relay.start()
+    try:
+        assert worker.wait(timeout=30) == 0  # ample for 200 KB: a blocked worker never ends
+    finally:
+        worker.kill()
+        relay.join(timeout=10)
+    assert sink.getvalue().count("\n") == lines and attempt.last_lines[-1] == f"line {lines - 1}"
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "attempt-0.log" in line]
+    assert len(warnings) == 1 and "No space left on device" in warnings[0], err  # once, not per line
+    with contextlib.suppress(OSError):  # closed by the relay already, its unwritten buffer dropped
+        log.close()
 
 
 def test_deterministic_crash_gives_up(setup):

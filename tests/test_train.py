@@ -99,6 +99,24 @@ def test_a_run_refused_at_start_up_does_not_block_the_corrected_rerun(tmp_path, 
     assert result.steps == 6 and len(result.losses) == 6
 
 
+def test_a_resumed_run_counts_the_tokens_of_every_kept_step(tmp_path, corpus):
+    """A second `train` with more steps resumes the run: its summary (what `liandan fit` reads as D) and its
+    checkpoint count the tokens of all 8 steps, not only the 4 this invocation trained."""
+    tokens_per_step = 4 * 64
+    _, first = run(tmp_path, corpus, "--train.steps=4", "--checkpoint.every=2", name="resumed")
+    assert first.summary["tokens"] == 4 * tokens_per_step
+    with open(first.run_dir / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"step": 5, "loss": 5.')  # a record a full disk cut short: dropped on resume, not fatal
+    _, second = run(tmp_path, corpus, "--train.steps=8", "--checkpoint.every=2", name="resumed")
+    summary = json.loads((second.run_dir / "summary.json").read_text())
+    assert summary["steps"] == 8 and summary["tokens"] == second.tokens == 8 * tokens_per_step
+    assert summary["first_step"] == 4 and summary["tokens_per_s"] == pytest.approx(4 * tokens_per_step / second.seconds)
+    meta = json.loads((second.run_dir / "checkpoints" / "step-00000008" / "meta.json").read_text())
+    assert meta["tokens"] == 8 * tokens_per_step
+    records = [json.loads(line) for line in (second.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 9))
+
+
 def test_gradient_accumulation_matches_full_batch(tmp_path, corpus):
     _, full = run(tmp_path, corpus, name="full")
     _, accumulated = run(tmp_path, corpus, "--train.micro_batch=1", name="acc")

@@ -128,6 +128,9 @@ class CheckpointSection:
     keep_last: int = _f(3, "newest checkpoints to keep; 0 keeps all", min=0)
     keep_every: int = _f(0, "also keep every checkpoint whose step is a multiple of this; 0 disables", min=0)
     async_save: bool = _f(True, "write checkpoints in the background while training continues")
+    max_failed_saves: int = _f(
+        3, "stop the run with an error after this many checkpoint saves in a row failed (a full disk, say)", min=1
+    )
     resume: Literal["auto", "off"] = _f("auto", "auto: continue from the newest checkpoint that verifies")
     verify: bool = _f(True, "check every file's checksum before loading")
     init_from: str = _f("", "a checkpoint directory whose model weights start a new run (optimizer fresh)")

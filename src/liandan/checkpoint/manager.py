@@ -21,6 +21,7 @@ import random
 import shutil
 import threading
 import time
+import traceback
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +55,11 @@ from liandan.faults import maybe_inject
 
 # DCP notes on every single-process save and load that it runs without a process group, which is intended.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+class SaveError(CheckpointError):
+    """Checkpoints were not saved, so the run stops: training on, or reporting success, would risk work that
+    could not be resumed. The message names the checkpoint and the error."""
 
 
 def step_dir_name(step: int) -> str:
@@ -95,6 +101,7 @@ class CheckpointManager:
         self._finalize_error: BaseException | None = None
         self._stager = None
         self.outcomes: list[SaveOutcome] = []
+        self.failures_in_a_row = 0  # the same on every rank: ranks agree on each save's outcome
 
     # -- saving -------------------------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer, meta: dict[str, Any]) -> float:
@@ -136,7 +143,9 @@ class CheckpointManager:
             else:
                 dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
                 future = None
-        except Exception as err:  # a failed save must not end the run: report it, keep training
+        # A failed save must not end the run: report it, keep training. DCP's CheckpointException (a failed write
+        # on some rank) is a BaseException, not an Exception.
+        except (Exception, dcp.CheckpointException) as err:
             return self._report_failure(step, tmp, err, started).seconds
         blocking = time.perf_counter() - started
         thread = None
@@ -189,10 +198,14 @@ class CheckpointManager:
                 future.result()
             except BaseException as err:
                 error = err
+        # Only rank 0 finalizes: the others learn of a failure there (a full disk, say) here.
+        if not self._all_ok(error is None) and error is None:
+            error = RuntimeError("the save failed on another rank")
         if error is not None:
             return self._report_failure(step, tmp, error, started)
         outcome = SaveOutcome(step, self.root / step_dir_name(step), True, time.perf_counter() - started, blocking)
         self.outcomes.append(outcome)
+        self.failures_in_a_row = 0
         if self.rank == 0:
             self.apply_retention()
             self.on_event("checkpoint_saved", step=step, path=str(outcome.path), seconds=round(outcome.seconds, 3),
@@ -200,18 +213,53 @@ class CheckpointManager:
         return outcome
 
     def _report_failure(self, step: int, tmp: Path, err: BaseException, started: float) -> SaveOutcome:
-        message = f"{type(err).__name__}: {str(err).strip()}"
+        """One line for the failure (the event keeps the whole traceback), the space given back, and the count
+        of failures in a row that the trainer stops at."""
+        message = describe_save_error(err)
         try:  # a full disk often surfaces as a writer error deep inside DCP: say how much room there was
             message += f" (free space on {self.root}: {shutil.disk_usage(self.root).free / 2**20:,.1f} MiB)"
         except OSError:
             pass
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # give back the space a partial save took
-        outcome = SaveOutcome(step, tmp, False, time.perf_counter() - started, error=message)
+        final = self.root / step_dir_name(step)
+        outcome = SaveOutcome(step, final, False, time.perf_counter() - started, error=message)
         self.outcomes.append(outcome)
+        self.failures_in_a_row += 1
         if self.rank == 0:
-            self.on_event("checkpoint_failed", step=step, error=message)
+            self.on_event("checkpoint_failed", step=step, path=str(final), error=message,
+                          traceback="".join(traceback.format_exception(err)).strip())  # fmt: skip
         return outcome
+
+    def unsaved_reason(self, step: int, max_failures: int, final: bool) -> str | None:
+        """Why a run must stop, in one line, or None: `max_failures` saves in a row failed, or (`final`) the
+        save of `step`, the last step, failed. Waits for the save in flight when that could decide it. Every
+        rank gets the same answer: ranks agree on each save's outcome."""
+        if not final and self.failures_in_a_row < max_failures:
+            return None
+        self.wait()
+        last = self.outcomes[-1] if self.outcomes else None
+        if last is None or last.ok:
+            return None
+        if self.failures_in_a_row >= max_failures:
+            what = f"{self.failures_in_a_row} checkpoint saves in a row failed, the last"
+        elif final and last.step == step:
+            what = f"the checkpoint of the last step ({step})"
+        else:
+            return None
+        newest = self.complete_checkpoints()
+        return f"{what} was not saved to {last.path}: {last.error}; " + (
+            f"the newest saved checkpoint, where a resumed run continues, is {newest[-1]}" if newest
+            else "there is no saved checkpoint to resume from")  # fmt: skip
+
+    def remove_stale_saves(self) -> list[Path]:
+        """Remove the `step-*.tmp` directories of saves that an earlier process left half-done (killed, or out
+        of space): no one finishes them, and they hold space the next save may need. Call once at start,
+        before any save, on one rank."""
+        stale = sorted(self.root.glob("step-*.tmp")) if self.root.is_dir() else []
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+        return stale
 
     def close(self) -> None:
         self.wait()
@@ -325,6 +373,23 @@ class CheckpointManager:
         for path in deleted:
             shutil.rmtree(path, ignore_errors=True)
         return deleted
+
+
+def describe_save_error(err: BaseException) -> str:
+    """A failed save in one line. DCP wraps each rank's exception, with its traceback, in a CheckpointException:
+    this names the first failing rank's exception, or the OS error beneath it where there is one."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank = min(failures)
+        inner = failures[rank][0] if isinstance(failures[rank], tuple) else failures[rank]
+        if isinstance(inner, BaseException):
+            return f"rank {rank}: {describe_save_error(inner)}"
+    cause: BaseException | None = err
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    err = cause or err
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[-1].strip() if lines else '(no message)'}"
 
 
 def newest_verified(root: Path, checksums: bool = True, on_event=None, before: Path | None = None) -> Path | None:

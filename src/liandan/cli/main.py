@@ -25,15 +25,25 @@ def main(argv: list[str] | None = None) -> int:
         overrides = _overrides(extra)
         return args.command(args, overrides)
     except USER_ERRORS as err:
-        _error(str(err))
+        _error(describe_error(err))
         _leave_process_group()  # a worker that exits inside a live gloo group aborts noisily
         return 2
     except OSError as err:  # full disk, permissions, unreadable files: the user's environment, not a bug
-        _error(f"{err.strerror or err}: {err.filename}" if err.filename else str(err))
+        _error(describe_error(err))
         return 1
     except KeyboardInterrupt:
         _error("interrupted")
         return 130
+
+
+def describe_error(err: BaseException) -> str:
+    """The one line a user error or an OS error is printed as: never empty. An OS error names its type and,
+    where it has one, the path (an OSError of a write to an open file has none: the writers add it)."""
+    if isinstance(err, OSError):
+        what = err.strerror or str(err).strip() or "no message"
+        where = "".join(f": {name}" for name in (err.filename, err.filename2) if name)
+        return f"{type(err).__name__}: {what}{where}"
+    return str(err).strip() or f"{type(err).__name__} (no message)"
 
 
 def _leave_process_group() -> None:
@@ -44,11 +54,12 @@ def _leave_process_group() -> None:
 
 
 def _error(message: str) -> None:
-    from liandan.train.distributed import report_worker_error
+    from liandan.train.distributed import ERROR_DIR_ENV, report_worker_error
 
     if report_worker_error(message):  # a worker under `--nproc`: the launcher prints it once
         return
-    if int(os.environ.get("RANK", "0")) == 0:
+    # Rank 0 speaks for all, unless the launcher's file had no room for this rank's message (a full disk).
+    if int(os.environ.get("RANK", "0")) == 0 or ERROR_DIR_ENV in os.environ:
         print(f"liandan: error: {message}", file=sys.stderr)
 
 
@@ -198,8 +209,9 @@ def _report(result) -> None:
     if s.get("final_loss") is None:  # resumed from a checkpoint of the last step: nothing left to train
         print(f"nothing to train: the run is complete at step {s.get('steps')}")
     else:
+        this_launch = f"; steps {s['first_step'] + 1}-{s['steps']} in" if s.get("first_step") else " in"  # resumed
         print(
-            f"done: {s['steps']} steps, {s['tokens']:,} tokens in {s['seconds']:.1f}s"
+            f"done: {s['steps']} steps, {s['tokens']:,} tokens{this_launch} {s['seconds']:.1f}s"
             f" ({s['tokens_per_s'] or 0:,.0f} tokens/s); final loss {s['final_loss']:.4f}"
             + (f", validation loss {s['val_loss']:.4f}" if s.get("val_loss") is not None else "")
         )

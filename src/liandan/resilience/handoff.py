@@ -45,8 +45,11 @@ def verify_and_hand_over(root: Path, checksums: bool, handoff: Path, on_event) -
         verdict = {"root": str(Path(root).resolve()), "checksums": checksums, "path": str(found.resolve()),
                    "stamp": stamp(found), "rejected": {str(Path(p).resolve()): stamp(Path(p)) for p in rejected}}  # fmt: skip
         tmp = handoff.with_suffix(".tmp")
-        tmp.write_text(json.dumps(verdict))
-        os.replace(tmp, handoff)
+        try:
+            tmp.write_text(json.dumps(verdict))
+            os.replace(tmp, handoff)
+        except OSError:  # no room for it (a full disk): the workers then verify for themselves
+            tmp.unlink(missing_ok=True)
     return found
 
 

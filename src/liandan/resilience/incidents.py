@@ -7,9 +7,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from liandan.checkpoint.verify import CheckpointError, step_of
+from liandan.track.logger import parse_record, read_metrics
 
 SHOWN = ("incident", "restart", "recovered", "gave_up", "resumed", "checkpoint_failed", "checkpoint_rejected",
-         "nonfinite_loss", "node_excluded", "node_refused", "supervisor_end")  # fmt: skip
+         "train_stopped", "stale_saves_removed", "nonfinite_loss", "node_excluded", "node_refused",
+         "supervisor_end")  # fmt: skip
 
 
 def read_events(run_dir: Path) -> list[dict]:
@@ -32,8 +34,10 @@ def timeline(run_dir: Path) -> list[str]:
     if summary_path.is_file():
         s = json.loads(summary_path.read_text())
         if "goodput" in s:
+            launches = s.get("supervisor_launches", 1)
+            over = f" over {launches} launches" if launches > 1 else ""
             lines.append(f"goodput {100 * s['goodput']:.1f}%: {s['kept_step_seconds']:.1f}s of kept steps in "
-                         f"{s['supervisor_wall_seconds']:.1f}s, {s['restarts']} restart(s)"
+                         f"{s['supervisor_wall_seconds']:.1f}s{over}, {s['restarts']} restart(s)"
                          + (f"; gave up: {s['gave_up']}" if s.get("gave_up") else ""))  # fmt: skip
     return lines
 
@@ -69,5 +73,48 @@ def _describe(e: dict) -> str:
         if step is None and e.get("path"):
             step = step_of(Path(e["path"]))
         return f"checkpoint rejected step {'?' if step is None else step}: {e.get('error', '')}"
-    detail = e.get("error") or e.get("loss") or ""
-    return f"{kind.replace('_', ' ')} step {e.get('step', '?')}: {detail}"
+    if kind == "stale_saves_removed":
+        names = ", ".join(Path(p).name for p in e["paths"])
+        return f"removed half-done checkpoint saves of an earlier process: {names}"
+    # One line per event: an error's traceback stays in the record, its last line says what happened.
+    detail = [line for line in str(e.get("error") or e.get("loss") or "").splitlines() if line.strip()]
+    return f"{kind.replace('_', ' ')} step {e.get('step', '?')}: {detail[-1].strip() if detail else ''}"
+
+
+def goodput(run_dir: Path, current: tuple[float, float], current_id: str) -> tuple[float, float, int]:
+    """(kept step seconds, wall seconds, launches) over every supervisor launch of the run, the `current` one
+    (start, now) included: a resumed run's kept steps were trained by earlier launches too, so they count
+    against those launches' wall time as well, and the ratio never exceeds 1. Earlier launches come from
+    their supervisor_start events; one that ended without a supervisor_end (killed) ends at its last record.
+    Launches that overlap (one supervisor per node) are one period of wall time."""
+    events = _read_events_tolerantly(run_dir)
+    records = read_metrics(run_dir)
+    starts = sorted((e["time"], e.get("supervisor")) for e in events if e.get("kind") == "supervisor_start"
+                    and e.get("supervisor") != current_id and e["time"] < current[0])  # fmt: skip
+    ends = {e.get("supervisor"): e["time"] for e in events if e.get("kind") == "supervisor_end"}
+    seen = sorted([e["time"] for e in events] + [r["time"] for r in records if "time" in r])
+    intervals = [current]
+    for (start, launch), next_start in zip(starts, [t for t, _ in starts[1:]] + [current[0]]):
+        end = ends.get(launch)
+        if end is None:
+            end = max((t for t in seen if start <= t < next_start), default=start)
+        intervals.append((start, end))
+    periods: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if periods and start <= periods[-1][1]:
+            periods[-1][1] = max(periods[-1][1], end)
+        else:
+            periods.append([start, end])
+    wall = sum(end - start for start, end in periods)
+    kept = sum(r.get("step_time_s", 0.0) for r in records
+               if any(start <= r.get("time", -1.0) <= end for start, end in periods))  # fmt: skip
+    return kept, wall, len(periods)
+
+
+def _read_events_tolerantly(run_dir: Path) -> list[dict]:
+    """events.jsonl without the line a crash (or a full disk) may have left half-written."""
+    try:
+        lines = (Path(run_dir) / "events.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    return [event for line in lines if (event := parse_record(line)) is not None and "time" in event]

@@ -12,12 +12,13 @@ hang_factor x the longest one seen (startup_timeout_s before one has been seen);
 start-up and the teardown after the last step. The supervisor then asks every rank for its Python stacks
 (SIGUSR1, faulthandler), records them, and kills every process of the attempt. Every failure is an incident
 in events.jsonl with its evidence and the steps and seconds it cost; the run's goodput (the share of wall
-time spent on steps that were kept) goes into summary.json.
+time spent on steps that were kept, over every launch of the run) goes into summary.json.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import shutil
@@ -35,9 +36,9 @@ from pathlib import Path
 from liandan.checkpoint import memory
 from liandan.checkpoint.verify import complete_checkpoints
 from liandan.config import Config
-from liandan.resilience import handoff, nodes
+from liandan.resilience import handoff, incidents, nodes
 from liandan.resilience.processes import TOKEN_ENV, DeathClock, StandbyPool, end_processes, module_command
-from liandan.track.logger import read_metrics, to_json
+from liandan.track.logger import parse_record, read_metrics, to_json
 from liandan.track.run_dir import LOCK_FILE, lock_run_dir
 from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
 
@@ -47,6 +48,7 @@ NCCL_TRACE_PREFIX = "nccl-trace-rank-"  # the flight recorder's dumps on a colle
 ATTRIBUTION_GRACE_S = 5.0  # how long a node waits for the other nodes' view of a failure
 SLOW_PHASES = ("checkpoint", "eval")
 EXCLUDED_EXIT = 3  # this node is excluded from the run: it does not join (the other nodes carry on)
+ERROR_PREFIX = "liandan: error: "
 
 
 @dataclass
@@ -105,12 +107,14 @@ class Supervisor:
         started = time.time()
         self.logs.mkdir(parents=True, exist_ok=True)
         (self.logs / handoff.FILE).unlink(missing_ok=True)  # a verdict is handed over only moments after it
+        (self.logs / handoff.FILE).with_suffix(".tmp").unlink(missing_ok=True)  # half-written by an earlier one
         if self.exclusions and self.node in self.exclusions.excluded():
             return self._refuse(self.exclusions.excluded()[self.node])
         failures: list[tuple[str, int]] = []
         restarts, streak, last_resume = 0, 0, None
         attempt = None
         memory.remove(self.run_dir, self.cfg.checkpoint.memory_dir)  # an earlier supervisor's, never ours
+        self._event("supervisor_start", supervisor=self.id, node=self.node)  # goodput counts every launch
         try:
             while True:
                 attempt = self._start(restarts)
@@ -119,9 +123,16 @@ class Supervisor:
                 if attempt.exit_code == 0 and not attempt.hang:
                     self._finish(started, restarts, gave_up=None)
                     return 0
+                # A worker whose message file had no room (a full disk) printed its error itself. (On several
+                # nodes torchrun's agent prints every failure so, user error or not: its exit code tells.)
+                printed = [line for line in attempt.last_lines if line.startswith(ERROR_PREFIX) and not self.rendezvous]
+                if attempt.user_error is None and printed and not attempt.hang:
+                    attempt.user_error = printed[-1][len(ERROR_PREFIX) :]
                 if attempt.user_error is not None:  # a bad config, a missing file: restarting cannot help
-                    if not self.rendezvous:  # torchrun's agent has printed it already
-                        print(f"liandan: error: {attempt.user_error}", file=sys.stderr)
+                    if not self.rendezvous and not printed:  # else torchrun's agent or the worker printed it
+                        log = self.logs / f"attempt-{attempt.number}.log"
+                        message = attempt.user_error or f"a worker ended with a user error; its output is in {log}"
+                        print(ERROR_PREFIX + message, file=sys.stderr)
                     return 2
                 self._prepare_standby(restarts + 1)  # its imports overlap the bookkeeping below
                 incident = self._record_failure(attempt)
@@ -217,14 +228,23 @@ class Supervisor:
 
     @staticmethod
     def _relay(stream, sink, log, lock: threading.Lock, attempt: Attempt) -> None:
-        """Pass the workers' output through unchanged, keep a log per attempt and the last lines."""
+        """Pass the workers' output through unchanged, keep a log per attempt and the last lines. A log that
+        cannot be written (a full disk) is given up, said once, and the output still relayed: a relay that
+        stopped reading would leave the workers blocked on a full pipe."""
         for line in stream:
             sink.write(line)
             sink.flush()
             with lock:
-                log.write(line)
-                log.flush()
                 attempt.last_lines.append(line.rstrip("\n"))
+                if log.closed:
+                    continue
+                try:
+                    log.write(line)
+                    log.flush()
+                except OSError as err:
+                    _close_quietly(log)
+                    Supervisor._warn(f"cannot write {log.name}: {type(err).__name__}: {err.strerror or err}; the"
+                                     " workers' output goes on here but is no longer logged")  # fmt: skip
 
     # -- standby workers ----------------------------------------------------------------------------------
     def _prepare_standby(self, number: int) -> None:
@@ -288,7 +308,7 @@ class Supervisor:
             reports = sorted(self.errors.glob("rank-*.txt"))
             if reports or attempt.exit_code == 2:  # a user error, whichever rank was seen to end first
                 attempt.exit_code = 2
-                attempt.user_error = reports[0].read_text().strip() if reports else "a worker ended with a user error"
+                attempt.user_error = _read(reports[0]).strip() if reports else ""
             return True
         if len(attempt.exits) == len(attempt.procs):
             attempt.exit_code = 0
@@ -361,7 +381,7 @@ class Supervisor:
             proc.wait()
         for relay in self.relays:
             relay.join(timeout=2)  # every writer is gone: the pipes are at their end
-        self._log.close()
+        _close_quietly(self._log)  # a log the disk had no room for was reported when it failed
         self.clock.close()
         self.store = None
         if attempt.exit_code is None:
@@ -479,23 +499,37 @@ class Supervisor:
 
     # -- bookkeeping --------------------------------------------------------------------------------------
     def _event(self, kind: str, **fields) -> float:
+        """Record an event; one the disk has no room for is said on stderr instead, and supervision goes on."""
         now = time.time()
-        with open(self.run_dir / "events.jsonl", "a") as f:
-            f.write(to_json({"time": now, "kind": kind, **fields}, default=str) + "\n")
+        path = self.run_dir / "events.jsonl"
+        try:
+            with open(path, "a") as f:
+                f.write(to_json({"time": now, "kind": kind, **fields}, default=str) + "\n")
+        except OSError as err:
+            self._warn(f"cannot record the {kind} event in {path}: {type(err).__name__}: {err.strerror or err}")
         return now
 
+    @staticmethod
+    def _warn(message: str) -> None:
+        print(f"supervisor: warning: {message}", file=sys.stderr, flush=True)
+
     def _finish(self, started: float, restarts: int, gave_up: str | None) -> None:
-        wall = time.time() - started
-        kept = sum(r.get("step_time_s", 0.0) for r in read_metrics(self.run_dir))
+        now = time.time()
+        kept, wall, launches = incidents.goodput(self.run_dir, (started, now), self.id)
         goodput = kept / wall if wall else 0.0
         summary_path = self.run_dir / "summary.json"
         summary = _read_json(summary_path)
-        summary.update(supervisor_wall_seconds=round(wall, 2), kept_step_seconds=round(kept, 2),
-                       goodput=goodput, restarts=restarts, gave_up=gave_up)  # fmt: skip
-        summary_path.write_text(json.dumps(summary, indent=2) + "\n")
-        self._event("supervisor_end", restarts=restarts, goodput=goodput, gave_up=gave_up)
+        summary.update(supervisor_wall_seconds=round(wall, 2), kept_step_seconds=round(kept, 2), goodput=goodput,
+                       supervisor_launches=launches, restarts=restarts, gave_up=gave_up)  # fmt: skip
+        try:
+            summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+        except OSError as err:
+            self._warn(f"cannot write {summary_path}: {type(err).__name__}: {err.strerror or err}")
+        self._event("supervisor_end", supervisor=self.id, wall_seconds=round(now - started, 2), restarts=restarts,
+                    goodput=goodput, gave_up=gave_up)  # fmt: skip
+        over = f" over {launches} launches" if launches > 1 else ""
         self.say(f"supervisor: {restarts} restart(s); goodput {100 * goodput:.1f}% "
-                 f"({kept:.1f}s of kept steps in {wall:.1f}s)")  # fmt: skip
+                 f"({kept:.1f}s of kept steps in {wall:.1f}s{over})")  # fmt: skip
 
 
 def _trailing_repeats(failures: list[tuple[str, int]]) -> int:
@@ -505,6 +539,12 @@ def _trailing_repeats(failures: list[tuple[str, int]]) -> int:
             break
         n += 1
     return n
+
+
+def _close_quietly(file) -> None:
+    """Close a file whose buffered data may not fit on the disk any more (the file is closed all the same)."""
+    with contextlib.suppress(OSError):
+        file.close()
 
 
 def _size(path: Path) -> int:
@@ -533,4 +573,4 @@ def _read_events(run_dir: Path) -> list[dict]:
         lines = (run_dir / "events.jsonl").read_text().splitlines()
     except OSError:
         return []
-    return [json.loads(line) for line in lines if line.strip()]
+    return [event for line in lines if (event := parse_record(line)) is not None]  # a torn last line skipped

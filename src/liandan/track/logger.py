@@ -3,10 +3,12 @@ wants them (files, the console, later the run store and the dashboard) implement
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,16 +47,36 @@ class JsonlLogger:
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
-        self._metrics.write(to_json(record) + "\n")
-        self._metrics.flush()
+        _append(self._metrics, to_json(record))
 
     def log_event(self, kind: str, **fields: Any) -> None:
-        self._events.write(to_json({"time": time.time(), "kind": kind, **fields}, default=str) + "\n")
-        self._events.flush()
+        _append(self._events, to_json({"time": time.time(), "kind": kind, **fields}, default=str))
 
     def close(self) -> None:
-        self._metrics.close()
-        self._events.close()
+        try:
+            with naming(self._metrics.name):
+                self._metrics.close()
+        finally:
+            with naming(self._events.name):
+                self._events.close()
+
+
+def _append(handle, line: str) -> None:
+    with naming(handle.name):
+        handle.write(line + "\n")
+        handle.flush()
+
+
+@contextlib.contextmanager
+def naming(path: Path | str) -> Iterator[Path]:
+    """Give OS errors raised inside the name of `path` (a write to an open file, on a full disk say, carries
+    no file name of its own), so the error says which file failed. Yields `path`."""
+    try:
+        yield Path(path)
+    except OSError as err:
+        if err.filename:
+            raise
+        raise OSError(err.errno, err.strerror or str(err) or type(err).__name__, str(path)) from err
 
 
 class ConsoleLogger:
@@ -123,8 +145,15 @@ class FanOut:
             lg.log_event(kind, **fields)
 
     def close(self) -> None:
+        """Close every logger, even after one failed (its file on a full disk); then raise the first error."""
+        errors = []
         for lg in self.loggers:
-            lg.close()
+            try:
+                lg.close()
+            except OSError as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]
 
 
 class NullLogger:
@@ -146,4 +175,13 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for line in path.read_text().splitlines() if (record := parse_record(line)) is not None]
+
+
+def parse_record(line: str) -> dict[str, Any] | None:
+    """A JSON-lines record, or None for a blank line or one that a crash or a full disk left half-written."""
+    try:
+        record = json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -127,17 +128,25 @@ def launch_local(
                     json.dumps({"rank": rank, "exitcode": info.exitcode, "time": time.time()})
                 )
             reports = sorted(Path(errors).glob("rank-*.txt"))
-            if reports:  # a user error: exit 2 whichever rank torchrun saw end first
-                return 2, reports[0].read_text().strip()
+            message = reports[0].read_text().strip() if reports else ""
+            if message:  # a user error: exit 2 whichever rank torchrun saw end first
+                return 2, message
             return 1, f"worker rank {rank} failed with exit code {info.exitcode}; its output is above"
         finally:
             os.environ.pop(ERROR_DIR_ENV, None)
 
 
 def report_worker_error(message: str) -> bool:
-    """In a worker started by `launch_local`, leave `message` for the launcher; False elsewhere."""
+    """In a worker started by `launch_local` or the supervisor, leave `message` for the launcher; False elsewhere,
+    and False when it cannot be left (a full disk): then the caller prints it."""
     errors = os.environ.get(ERROR_DIR_ENV)
     if not errors:
         return False
-    Path(errors, f"rank-{int(os.environ.get('RANK', '0')):05d}.txt").write_text(message + "\n")
+    path = Path(errors, f"rank-{int(os.environ.get('RANK', '0')):05d}.txt")
+    try:
+        path.write_text(message + "\n")
+    except OSError:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)  # half a message would stand for the whole
+        return False
     return True

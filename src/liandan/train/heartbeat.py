@@ -4,10 +4,12 @@ process can tell a slow step from a hang and name the rank and the phase that st
 from __future__ import annotations
 
 import collections
+import contextlib
 import faulthandler
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +31,10 @@ class Heartbeat:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.path = self.directory / f"rank-{rank:05d}.json"
+        self._tmp = self.path.with_suffix(".tmp")
+        with contextlib.suppress(OSError):
+            self._tmp.unlink(missing_ok=True)  # half-written by an earlier process of this rank
+        self._write_failed = False
         self.host = node_name()  # $LIANDAN_NODE_NAME, Slurm's node name, or the host name
         self._stacks = None
         self._last: tuple[str, float] | None = None
@@ -44,9 +50,34 @@ class Heartbeat:
         self._last = (phase, now)
         record = {"rank": self.rank, "pid": os.getpid(), "host": self.host, "step": step, "phase": phase,
                   "micro": micro, "time": now, "longest": {p: round(max(d), 4) for p, d in self._durations.items() if d}}  # fmt: skip
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)  # readers never see half a record
+        self._write(json.dumps(record))
+
+    def _write(self, text: str) -> None:
+        """Best-effort: a heartbeat that cannot be written (a full disk) must not end training. Replacing the
+        file keeps readers from ever seeing half a record; when there is no room for a new file, the record is
+        rewritten in place instead (its blocks are already allocated), which readers skip if they catch it
+        half-written. A failure is reported once."""
+        try:
+            self._tmp.write_text(text)
+            os.replace(self._tmp, self.path)
+            return
+        except OSError as err:
+            first_error = err
+        with contextlib.suppress(OSError):
+            self._tmp.unlink(missing_ok=True)
+        try:
+            with open(self.path, "r+") as f:  # never creates: a new file would need room too
+                f.write(text)
+                f.truncate()
+            rewritten = True
+        except OSError:
+            rewritten = False
+        if not self._write_failed:
+            self._write_failed = True
+            fallback = f"rewriting {self.path} in place" if rewritten else "skipping heartbeats"
+            print(f"warning: rank {self.rank}: cannot write heartbeat {self._tmp}: {type(first_error).__name__}:"
+                  f" {first_error.strerror or first_error}; {fallback} while this lasts (reported once)",
+                  file=sys.stderr, flush=True)  # fmt: skip
 
     def enable_stack_dumps(self) -> Path:
         """On SIGUSR1, write every thread's Python stack to stacks/rank-R.txt (for the hang watchdog)."""

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from liandan import __version__
 from liandan.checkpoint import memory
-from liandan.checkpoint.manager import CheckpointManager
+from liandan.checkpoint.manager import CheckpointManager, SaveError
 from liandan.config import Config, ConfigError
 from liandan.data.loader import Batch, PackedLoader
 from liandan.data.prepare import open_prepared, open_stores, prepare_store
@@ -29,7 +29,7 @@ from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
 from liandan.resilience.handoff import newest_checkpoint
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
-from liandan.track.logger import to_json
+from liandan.track.logger import naming, parse_record, to_json
 from liandan.track.run_dir import RunLock, holds_progress, lock_run_dir
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
 from liandan.train.hardware import device_peak_flops, peak_memory_bytes, resolve_dtype
@@ -142,6 +142,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device, mixed_tensor_kinds=self.layout.tp > 1)
         self.scheduler = build_scheduler(self.optimizer, t.steps, cfg.schedule)
         self.step = 0
+        self.tokens = 0  # of every kept step, earlier invocations' included
         c = cfg.checkpoint
         self.checkpoints = CheckpointManager(
             Path(c.dir) if c.dir else self.run_dir / "checkpoints",
@@ -151,6 +152,12 @@ class Trainer:
             verify_on_load=c.verify,
             on_event=self._event,
         )
+        if self.dist.is_main:
+            stale = self.checkpoints.remove_stale_saves()
+            if stale:
+                self.say(f"removed {len(stale)} half-done checkpoint save(s) of an earlier process: "
+                         + ", ".join(p.name for p in stale))  # fmt: skip
+                self._event("stale_saves_removed", paths=[str(p) for p in stale])
         # Snapshots in host memory serve the supervisor's restarts only: it owns them and removes them.
         owner = os.environ.get(memory.OWNER_ENV)
         self.snapshots = None
@@ -196,6 +203,7 @@ class Trainer:
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
+            self.tokens += tokens_per_step
 
             if self.step % t.log_every == 0 or self.step == t.steps:
                 self.heartbeat.beat(self.step, "collective")
@@ -230,9 +238,10 @@ class Trainer:
             maybe_inject("step", self.step)
         self.heartbeat.beat(self.step, "done")  # the teardown: the last save may still be writing
         self.checkpoints.close()
+        self._stop_if_unsaved(final=True)
         result.seconds = time.perf_counter() - started
-        result.tokens = (t.steps - first_step) * tokens_per_step
-        self._finish(result)
+        result.tokens = self.tokens
+        self._finish(result, first_step, (t.steps - first_step) * tokens_per_step)
         for cb in self.callbacks:
             cb.on_train_end(self, result)
         return result
@@ -255,7 +264,6 @@ class Trainer:
         """Save (in the background when asynchronous); returns the seconds training was blocked."""
         meta = {
             "format": "liandan-checkpoint",
-            "tokens": self.step * self.cfg.train.global_batch * self.cfg.train.seq_len,
             "layout": str(self.layout),
             **self._resume_state(),
             "model_family": self.spec.name,
@@ -264,13 +272,28 @@ class Trainer:
             "liandan_version": __version__,
         }
         blocked = self.checkpoints.save(self.step, self.model, self.optimizer, meta)
+        self._stop_if_unsaved(final=False)
         for cb in self.callbacks:
             cb.on_checkpoint(self, self.step)
         return blocked
 
+    def _stop_if_unsaved(self, final: bool) -> None:
+        """End the run with a SaveError when its checkpoints are not being saved (see `unsaved_reason`): training
+        on with nothing saved, or reporting success, would risk work that cannot be resumed."""
+        reason = self.checkpoints.unsaved_reason(self.step, self.cfg.checkpoint.max_failed_saves, final)
+        if reason is None:
+            return
+        self.heartbeat.beat(self.step, "done")  # the teardown, for the supervisor's watchdog
+        self.checkpoints.close()
+        with contextlib.suppress(OSError):  # the error below says it all, whether or not the disk takes the record
+            self.logger.log_event("train_stopped", step=self.step, error=reason)
+        with contextlib.suppress(OSError):
+            self.logger.close()
+        raise SaveError(reason)
+
     def _resume_state(self) -> dict[str, Any]:
         """What a resume needs besides the tensors."""
-        return {"scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
+        return {"tokens": self.tokens, "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
                 "tokenizer": self.stores[0].fingerprint}  # fmt: skip
 
     def _resume_or_init(self) -> None:
@@ -322,14 +345,19 @@ class Trainer:
         self.scheduler.load_state_dict(meta["scheduler"])
         self.loader.load_state_dict(meta["loader"])
         self.step = step
+        per_step = self.cfg.train.global_batch * self.cfg.train.seq_len
+        self.tokens = int(meta.get("tokens", step * per_step))  # older snapshots lack it: tokens/step was constant
         if self.dist.is_main:
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
         self.say(f"resumed from {source} at step {self.step}")
 
     def _event(self, kind: str, **fields: Any) -> None:
+        # Said before it is recorded: on a full disk the record may fail.
+        if kind == "checkpoint_failed":
+            self.say(f"warning: checkpoint of step {fields['step']} failed ({fields['path']}): {fields['error']}")
+        elif kind == "checkpoint_rejected":
+            self.say(f"warning: checkpoint rejected: {fields.get('error')}")
         self.files.log_event(kind, **fields)
-        if kind in ("checkpoint_failed", "checkpoint_rejected"):
-            self.say(f"warning: {kind.replace('_', ' ')}: {fields.get('error')}")
 
     def clip_gradients(self) -> float:
         return clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
@@ -400,10 +428,13 @@ class Trainer:
     def _make_logger(self) -> MetricsLogger:
         if not self.dist.is_main:
             return NullLogger()
-        (self.run_dir / "config.toml").write_text(self.cfg.to_toml())
+        with naming(self.run_dir / "config.toml") as path:
+            path.write_text(self.cfg.to_toml())
         return FanOut(self.files, ConsoleLogger(self.cfg.train.steps, first_step=self.step))
 
-    def _finish(self, result: TrainResult) -> None:
+    def _finish(self, result: TrainResult, first_step: int, tokens_trained_now: int) -> None:
+        """summary.json: `tokens` counts every kept step of the run (what `liandan fit` takes as D); `seconds`
+        and `tokens_per_s` are this invocation's, from `first_step` on."""
         self.logger.log_event("train_end", step=self.step, seconds=result.seconds)
         self.logger.close()
         if not self.dist.is_main:
@@ -412,6 +443,7 @@ class Trainer:
         result.summary = {
             "steps": self.step,
             "tokens": result.tokens,
+            "first_step": first_step,
             "seconds": round(result.seconds, 3),
             "final_loss": result.losses[-1] if result.losses else None,
             "final_loss_smoothed": sum(tail) / len(tail) if tail else None,
@@ -419,15 +451,17 @@ class Trainer:
             "parameters": self.params.total,
             "non_embedding_parameters": self.params.non_embedding,
             "flops_per_token": self.flops_per_token,
-            "tokens_per_s": result.tokens / result.seconds if result.seconds else None,
+            "tokens_per_s": tokens_trained_now / result.seconds if result.seconds else None,
             "peak_flops": self.peak_flops,
             "peak_flops_source": self.peak_source,
             "layout": str(self.layout),
             "world_size": self.dist.world_size,
             "dtype": _dtype_name(self.dtype),
         }
-        (self.run_dir / "summary.json").write_text(to_json(result.summary, indent=2) + "\n")
-        plot_run(self.run_dir)
+        with naming(self.run_dir / "summary.json") as path:
+            path.write_text(to_json(result.summary, indent=2) + "\n")
+        with naming(self.run_dir / "training.png"):
+            plot_run(self.run_dir)
 
 
 def _model_args(cfg: Config, tokenizer_vocab: int) -> Any:
@@ -472,7 +506,8 @@ def _truncate_metrics(path: Path, step: int) -> None:
     """Drop records of steps after `step`: they are about to be trained again."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    records = [(line, parse_record(line)) for line in path.read_text().splitlines()]
+    keep = [line for line, record in records if record is not None and record.get("step", step + 1) <= step]
     path.write_text("".join(line + "\n" for line in keep))
 
 
