@@ -166,7 +166,7 @@ def _supervise(config: str, cfg, name: str, nproc: int, overrides: list[str]) ->
 
 
 def _check_launch(cfg, nproc: int) -> None:
-    from liandan.train.parallelize import resolve_layout
+    from liandan.spec.layout import resolve_layout
 
     try:
         resolve_layout(cfg.parallel, nproc)

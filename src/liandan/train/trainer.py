@@ -28,12 +28,13 @@ from liandan.faults import maybe_inject
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
 from liandan.resilience.handoff import newest_checkpoint
+from liandan.spec.layout import resolve_layout, uses_fsdp
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
 from liandan.train.hardware import device_peak_flops, peak_memory_bytes, resolve_dtype
 from liandan.train.heartbeat import Heartbeat
 from liandan.train.optim import build_optimizer, build_scheduler, clip_grad_norm
-from liandan.train.parallelize import build_mesh, dp_coordinates, gradient_sync, parallelize, resolve_layout, uses_fsdp
+from liandan.train.parallelize import build_mesh, dp_coordinates, gradient_sync, parallelize
 
 
 class Callback:
