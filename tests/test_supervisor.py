@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import tiny_config, write_corpus
-from liandan.checkpoint import memory
+from liandan.checkpoint import snapshots
 from liandan.checkpoint.manager import load_model
 from liandan.config import load_config
 from liandan.resilience.processes import alive
@@ -137,7 +137,7 @@ def test_memory_snapshots_resume_from_the_last_step(setup, name, faults, cause, 
     run_dir = config.parent / "runs" / name
     logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, 9))  # every step once: none lost, none twice
-    assert not memory.snapshot_dir(run_dir).exists()  # the supervisor gave the memory back
+    assert not snapshots.snapshot_dir(run_dir).exists()  # the supervisor gave the memory back
 
 
 def test_full_disk_during_save_needs_no_restart(setup):

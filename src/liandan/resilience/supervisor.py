@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from liandan.checkpoint import memory
+from liandan.checkpoint import snapshots
 from liandan.checkpoint.verify import complete_checkpoints
 from liandan.config import Config
 from liandan.resilience import handoff, nodes
@@ -88,7 +88,7 @@ class Supervisor:
         self.step_seconds: list[float] = []
         self.phase_seconds: dict[str, list[float]] = {p: [] for p in SLOW_PHASES}
         self.pending_recovery: dict | None = None
-        self.snapshots = memory.snapshot_dir(self.run_dir, cfg.checkpoint.memory_dir)
+        self.snapshots = snapshots.snapshot_dir(self.run_dir, cfg.checkpoint.memory_dir)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -100,7 +100,7 @@ class Supervisor:
         failures: list[tuple[str, int]] = []
         restarts, streak, last_resume = 0, 0, None
         attempt = None
-        memory.remove(self.run_dir, self.cfg.checkpoint.memory_dir)  # an earlier supervisor's, never ours
+        snapshots.remove(self.run_dir, self.cfg.checkpoint.memory_dir)  # an earlier supervisor's, never ours
         try:
             while True:
                 attempt = self._start(restarts)
@@ -147,7 +147,7 @@ class Supervisor:
             if attempt is not None:  # interrupted or not: leave nothing running
                 self._end(attempt)
             self.standby.dismiss()
-            memory.remove(self.run_dir, self.cfg.checkpoint.memory_dir)  # give the host memory back
+            snapshots.remove(self.run_dir, self.cfg.checkpoint.memory_dir)  # give the host memory back
 
     def _start(self, number: int) -> Attempt:
         self._clear_heartbeats()
@@ -188,7 +188,7 @@ class Supervisor:
     def _env(self, number: int) -> dict[str, str]:
         env = dict(os.environ, LIANDAN_SUPERVISED="1", LIANDAN_ATTEMPT=str(number), PYTHONUNBUFFERED="1",
                    LIANDAN_ERROR_DIR=str(self.errors), LIANDAN_FAILURE_FILE=str(self.logs / "failure.json"),
-                   **{TOKEN_ENV: f"{self.id}-{number}", memory.OWNER_ENV: self.id})  # fmt: skip
+                   **{TOKEN_ENV: f"{self.id}-{number}", snapshots.OWNER_ENV: self.id})  # fmt: skip
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))  # share the cores
         if shutil.which("nvidia-smi"):  # NCCL settings, only where NCCL can run
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a dead peer fails the collective, not hangs
@@ -422,7 +422,7 @@ class Supervisor:
         root = Path(c.dir) if c.dir else self.run_dir / "checkpoints"
         in_memory = None
         if c.memory_every and not self.rendezvous:  # on several nodes, the ranks agree among themselves
-            in_memory = memory.newest_common_step(self.snapshots, self.nproc, self.id)
+            in_memory = snapshots.newest_common_step(self.snapshots, self.nproc, self.id)
         complete = complete_checkpoints(root)
         if in_memory is not None and in_memory >= (int(complete[-1].name[5:]) if complete else 0):
             (self.logs / handoff.FILE).unlink(missing_ok=True)

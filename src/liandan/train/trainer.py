@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from liandan import __version__
-from liandan.checkpoint import memory
+from liandan.checkpoint import snapshots
 from liandan.checkpoint.manager import CheckpointManager
 from liandan.config import Config, ConfigError
 from liandan.data.loader import Batch, PackedLoader
@@ -150,11 +150,12 @@ class Trainer:
             on_event=self._event,
         )
         # Snapshots in host memory serve the supervisor's restarts only: it owns them and removes them.
-        owner = os.environ.get(memory.OWNER_ENV)
+        owner = os.environ.get(snapshots.OWNER_ENV)
         self.snapshots = None
         if c.memory_every and owner:
-            self.snapshots = memory.MemorySnapshots(memory.snapshot_dir(self.run_dir, c.memory_dir), self.dist.rank,
-                                                    self.dist.world_size, owner, str(self.layout))  # fmt: skip
+            where = snapshots.snapshot_dir(self.run_dir, c.memory_dir)
+            self.snapshots = snapshots.MemorySnapshots(where, self.dist.rank, self.dist.world_size, owner,
+                                                       str(self.layout))  # fmt: skip
         self._resume_or_init()
 
         self.params = self.spec.count_params(self.model_args)
@@ -439,9 +440,9 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
     run_dir = Path(run_dir)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     resumable = cfg.checkpoint.resume == "auto" and any(ckpt_root.glob("step-*/manifest.json"))
-    if cfg.checkpoint.resume == "auto" and cfg.checkpoint.memory_every and os.environ.get(memory.OWNER_ENV):
+    if cfg.checkpoint.resume == "auto" and cfg.checkpoint.memory_every and os.environ.get(snapshots.OWNER_ENV):
         # The supervisor empties the snapshot directory when it starts: what is there is this run's.
-        resumable = resumable or any(memory.snapshot_dir(run_dir, cfg.checkpoint.memory_dir).glob("rank-*.json"))
+        resumable = resumable or any(snapshots.snapshot_dir(run_dir, cfg.checkpoint.memory_dir).glob("rank-*.json"))
     # A supervised restart with nothing to resume from starts the run over.
     overwrite = cfg.run.overwrite or int(os.environ.get("LIANDAN_ATTEMPT", "0")) > 0
     if (run_dir / "metrics.jsonl").exists() and not resumable and not overwrite:
