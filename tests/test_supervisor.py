@@ -241,7 +241,7 @@ def test_heartbeat_reports_how_long_each_part_of_a_step_takes(tmp_path):
 
 def test_checkpoint_verdict_is_trusted_only_while_nothing_changed(tmp_path, monkeypatch):
     from liandan.checkpoint.verify import write_manifest
-    from liandan.resilience import handoff
+    from liandan.checkpoint import handoff
 
     root = tmp_path / "checkpoints"
     for step in (2, 4):

@@ -126,9 +126,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nproc > 1 and not external:
         return _launch(args.config, cfg, name, args.nproc, overrides)
     from liandan.train import Trainer
-    from liandan.train.callbacks import default_callbacks
+    from liandan.train.callbacks import build_callbacks
 
-    trainer = Trainer(cfg, config_name=name, callbacks=default_callbacks(cfg))
+    register_callbacks()
+    trainer = Trainer(cfg, config_name=name, callbacks=build_callbacks(cfg))
     try:
         result = trainer.train()
     except Exception as err:
@@ -139,6 +140,13 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         trainer.close()
     _report(result)
     return 0
+
+
+def register_callbacks() -> None:
+    """Register liandan's own training callbacks, each in its module's layer (`liandan.train.callbacks`).
+    Every process that trains passes here: `liandan train` alone, and each supervised or torchrun worker,
+    which runs `python -m liandan.cli train` too."""
+    import liandan.plan.forecast_callback  # noqa: F401 - "forecast": the live loss forecast
 
 
 def _crash_now() -> None:

@@ -1,5 +1,6 @@
-"""Nodes of a multi-node run: which node this is, the elastic rendezvous the nodes meet in, which node a
-failure is attributed to, and the run's list of excluded nodes.
+"""Nodes of a multi-node run: the elastic rendezvous the nodes meet in, which node a failure is attributed
+to, and the run's list of excluded nodes. Which node this is (`node_name`) is part of the supervisor-worker
+contract, in `liandan.run.worker_env`, since every worker's heartbeat names its node too.
 
 Every node runs its own supervisor (`liandan train` on each host, or `srun --ntasks-per-node=1 liandan
 train`) with $LIANDAN_NNODES and $LIANDAN_RDZV_ENDPOINT set; its workers join torchrun's elastic c10d
@@ -16,22 +17,15 @@ import contextlib
 import fcntl
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from liandan.config import ConfigError
 
-NODE_ENV = "LIANDAN_NODE_NAME"
 FAILURE_LIMIT_ENV = "LIANDAN_NODE_FAILURE_LIMIT"
 EXCLUDED_FILE = "excluded_nodes.json"
 EXCLUDED_HOSTLIST = "excluded_nodes.txt"  # for `srun --exclude=$(cat ...)` / `sbatch --exclude=...`
-
-
-def node_name() -> str:
-    """This node's name: $LIANDAN_NODE_NAME, else Slurm's name for it, else the host name."""
-    return os.environ.get(NODE_ENV) or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def failure_limit() -> int:

@@ -32,11 +32,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from liandan.checkpoint import snapshots
+from liandan.checkpoint import handoff, snapshots
 from liandan.checkpoint.verify import complete_checkpoints
 from liandan.config import Config
-from liandan.resilience import handoff, nodes
+from liandan.resilience import nodes
 from liandan.resilience.processes import TOKEN_ENV, DeathClock, StandbyPool, end_processes, module_command
+from liandan.run.worker_env import node_name
 from liandan.track.logger import read_metrics
 from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
 
@@ -76,7 +77,7 @@ class Supervisor:
         self.worker_cmd, self.run_dir, self.say = worker_cmd, Path(run_dir), say
         self.attempt_env = attempt_env or (lambda number: {})
         self.heartbeat_dir = self.run_dir / "heartbeat"
-        self.node = nodes.node_name()
+        self.node = node_name()
         self.rendezvous = nodes.rendezvous_from_env(default_id=self.run_dir.name)
         self.logs = self.run_dir / "logs" / self.node if self.rendezvous else self.run_dir / "logs"
         self.errors = self.logs / "errors"  # where workers leave a user error's message
@@ -220,7 +221,7 @@ class Supervisor:
     def _prepare_standby(self, number: int) -> None:
         """Start attempt `number`'s worker processes now, so that their start-up is done when needed."""
         if self.use_standby and self.standby.number != number:
-            self.standby.prepare(number, self._env(number))
+            self.standby.prepare(number, self._env(number), self.module[0])
 
     # -- watching -----------------------------------------------------------------------------------------
     def _watch(self, attempt: Attempt) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from liandan import __version__
 from liandan.checkpoint import snapshots
+from liandan.checkpoint.handoff import newest_checkpoint
 from liandan.checkpoint.manager import CheckpointManager
 from liandan.config import Config, ConfigError
 from liandan.data.loader import Batch, PackedLoader
@@ -27,7 +28,6 @@ from liandan.data.prepare import open_prepared, open_stores, prepare_store
 from liandan.faults import maybe_inject
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
-from liandan.resilience.handoff import newest_checkpoint
 from liandan.spec.layout import resolve_layout, uses_fsdp
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
