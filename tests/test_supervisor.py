@@ -240,8 +240,9 @@ def test_heartbeat_reports_how_long_each_part_of_a_step_takes(tmp_path):
 
 
 def test_checkpoint_verdict_is_trusted_only_while_nothing_changed(tmp_path, monkeypatch):
-    from liandan.checkpoint.verify import write_manifest
     from liandan.checkpoint import handoff
+    from liandan.checkpoint.verify import write_manifest
+    from liandan.run.worker_env import VERIFIED_CHECKPOINT
 
     root = tmp_path / "checkpoints"
     for step in (2, 4):
@@ -254,7 +255,7 @@ def test_checkpoint_verdict_is_trusted_only_while_nothing_changed(tmp_path, monk
     events = []
     found = handoff.verify_and_hand_over(root, True, tmp_path / "verified.json", lambda kind, **f: events.append(kind))
     assert found.name == "step-00000002" and events == ["checkpoint_rejected"]
-    monkeypatch.setenv(handoff.ENV, str(tmp_path / "verified.json"))
+    monkeypatch.setenv(VERIFIED_CHECKPOINT, str(tmp_path / "verified.json"))
     assert handoff.trusted(root, checksums=True) == found.resolve()
     newer = root / "step-00000006"
     newer.mkdir()

@@ -11,6 +11,7 @@ from liandan import __version__
 from liandan.checkpoint.verify import CheckpointError
 from liandan.config import ConfigError, describe, load_config
 from liandan.data.corpus import DataError
+from liandan.run.worker_env import NodeEnv, WorkerEnv
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
 
@@ -120,8 +121,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
     # torchrun or srun started us; with $LIANDAN_NNODES, srun starts one supervisor per node instead
-    external = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and "LIANDAN_NNODES" not in os.environ)
-    if cfg.resilience.supervise and not external and "LIANDAN_SUPERVISED" not in os.environ:
+    external = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and NodeEnv.from_env().nnodes is None)
+    supervised = WorkerEnv.from_env().supervised  # a worker of the supervisor
+    if cfg.resilience.supervise and not external and not supervised:
         return _supervise(args.config, cfg, name, args.nproc, overrides)
     if args.nproc > 1 and not external:
         return _launch(args.config, cfg, name, args.nproc, overrides)
@@ -133,7 +135,7 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         result = trainer.train()
     except Exception as err:
-        if "LIANDAN_SUPERVISED" in os.environ and not isinstance(err, (*USER_ERRORS, OSError)):
+        if supervised and not isinstance(err, (*USER_ERRORS, OSError)):
             _crash_now()
         raise
     finally:

@@ -21,22 +21,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from liandan.config import ConfigError
+from liandan.run.worker_env import NodeEnv
 
-FAILURE_LIMIT_ENV = "LIANDAN_NODE_FAILURE_LIMIT"
 EXCLUDED_FILE = "excluded_nodes.json"
 EXCLUDED_HOSTLIST = "excluded_nodes.txt"  # for `srun --exclude=$(cat ...)` / `sbatch --exclude=...`
 
 
 def failure_limit() -> int:
-    raw = os.environ.get(FAILURE_LIMIT_ENV, "2")
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = 0
-    if limit < 1:
-        raise ConfigError(f"${FAILURE_LIMIT_ENV} = '{raw}' must be a whole number of failures, at least 1")
-    return limit
+    """$LIANDAN_NODE_FAILURE_LIMIT: failures attributed to a node before it is excluded (default 2)."""
+    return NodeEnv.from_env().node_failure_limit
 
 
 @dataclass(frozen=True)
@@ -60,26 +53,11 @@ class Rendezvous:
 def rendezvous_from_env(default_id: str) -> Rendezvous | None:
     """The rendezvous described by $LIANDAN_NNODES ("N" or "MIN:MAX"), $LIANDAN_RDZV_ENDPOINT ("host:port"),
     $LIANDAN_RDZV_ID (default: the run name) and $LIANDAN_RDZV_LAST_CALL_S; None on a single node."""
-    spec = os.environ.get("LIANDAN_NNODES", "").strip()
-    if not spec:
+    env = NodeEnv.from_env()
+    if env.nnodes is None:
         return None
-    try:
-        low, _, high = spec.partition(":")
-        min_nodes, max_nodes = int(low), int(high or low)
-        ok = 1 <= min_nodes <= max_nodes
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ConfigError(f"$LIANDAN_NNODES = '{spec}' must be a node count N or a range MIN:MAX, e.g. 2:4")
-    endpoint = os.environ.get("LIANDAN_RDZV_ENDPOINT", "").strip()
-    if not endpoint or ":" not in endpoint:
-        raise ConfigError("$LIANDAN_NNODES is set, so $LIANDAN_RDZV_ENDPOINT must name the rendezvous as host:port")
-    last_call = os.environ.get("LIANDAN_RDZV_LAST_CALL_S")
-    try:
-        last_call_s = float(last_call) if last_call else None
-    except ValueError:
-        raise ConfigError(f"$LIANDAN_RDZV_LAST_CALL_S = '{last_call}' must be a number of seconds") from None
-    return Rendezvous(min_nodes, max_nodes, endpoint, os.environ.get("LIANDAN_RDZV_ID") or default_id, last_call_s)
+    min_nodes, max_nodes = env.nnodes
+    return Rendezvous(min_nodes, max_nodes, env.rdzv_endpoint, env.rdzv_id or default_id, env.rdzv_last_call_s)
 
 
 # -- the exclusion list ----------------------------------------------------------------------------------

@@ -21,12 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-TOKEN_ENV = "LIANDAN_ATTEMPT_TOKEN"
+from liandan.run.worker_env import ATTEMPT_TOKEN
 
 
 def processes_with_token(token: str) -> list[int]:
     """Live processes whose environment carries this attempt token (Linux /proc; [] elsewhere)."""
-    needle = f"{TOKEN_ENV}={token}\0".encode()
+    needle = f"{ATTEMPT_TOKEN}={token}\0".encode()
     found = []
     try:
         entries = os.scandir("/proc")

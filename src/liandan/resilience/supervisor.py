@@ -36,8 +36,8 @@ from liandan.checkpoint import handoff, snapshots
 from liandan.checkpoint.verify import complete_checkpoints
 from liandan.config import Config
 from liandan.resilience import nodes
-from liandan.resilience.processes import TOKEN_ENV, DeathClock, StandbyPool, end_processes, module_command
-from liandan.run.worker_env import node_name
+from liandan.resilience.processes import DeathClock, StandbyPool, end_processes, module_command
+from liandan.run.worker_env import WORKER_NAMES, NodeEnv, WorkerEnv, node_name
 from liandan.track.logger import read_metrics
 from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
 
@@ -84,7 +84,7 @@ class Supervisor:
         self.exclusions = nodes.ExclusionList(self.run_dir, nodes.failure_limit()) if self.rendezvous else None
         self.id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.module = module_command(worker_cmd)
-        self.use_standby = bool(self.module) and not self.rendezvous and os.environ.get("LIANDAN_STANDBY", "1") != "0"
+        self.use_standby = bool(self.module) and not self.rendezvous and NodeEnv.from_env().standby
         self.standby = StandbyPool(nproc)
         self.step_seconds: list[float] = []
         self.phase_seconds: dict[str, list[float]] = {p: [] for p in SLOW_PHASES}
@@ -187,19 +187,23 @@ class Supervisor:
         return attempt
 
     def _env(self, number: int) -> dict[str, str]:
-        env = dict(os.environ, LIANDAN_SUPERVISED="1", LIANDAN_ATTEMPT=str(number), PYTHONUNBUFFERED="1",
-                   LIANDAN_ERROR_DIR=str(self.errors), LIANDAN_FAILURE_FILE=str(self.logs / "failure.json"),
-                   **{TOKEN_ENV: f"{self.id}-{number}", snapshots.OWNER_ENV: self.id})  # fmt: skip
+        """The workers' environment for attempt `number`: this process's, the `attempt_env` hook's additions,
+        and the supervisor-worker contract (`liandan.run.worker_env`) for this attempt."""
+        inherited = {**os.environ, **self.attempt_env(number)}
+        verified = self.logs / handoff.FILE
+        worker = WorkerEnv.from_env(inherited).for_attempt(
+            number, attempt_token=f"{self.id}-{number}", snapshot_owner=self.id, error_dir=self.errors,
+            failure_file=self.logs / "failure.json", verified_checkpoint=verified if verified.is_file() else None,
+        )  # fmt: skip
+        env = {k: v for k, v in inherited.items() if k not in WORKER_NAMES}
+        env.update(PYTHONUNBUFFERED="1", **worker.to_env())
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))  # share the cores
         if shutil.which("nvidia-smi"):  # NCCL settings, only where NCCL can run
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a dead peer fails the collective, not hangs
             env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the NCCL flight recorder, for hang forensics
             env.setdefault("TORCH_FR_DUMP_ON_TIMEOUT", "1")
             env.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(self.logs / NCCL_TRACE_PREFIX))  # kept with the run
-        verified = self.logs / handoff.FILE
-        if verified.is_file():
-            env[handoff.ENV] = str(verified)
-        return {**env, **self.attempt_env(number)}
+        return env
 
     @staticmethod
     def _popen(command: list[str], env: dict[str, str]) -> subprocess.Popen:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from liandan.run.worker_env import WorkerEnv
 from liandan.spec.peaks import gpu_peak_flops
 
 
@@ -59,8 +60,9 @@ PEAK_CACHE_MAX_AGE_S = 7 * 24 * 3600  # long enough to skip the benchmark on res
 
 def cache_dir() -> Path | None:
     """$LIANDAN_CACHE_DIR, else $XDG_CACHE_HOME/liandan, else ~/.cache/liandan; None where there is no home."""
-    if os.environ.get("LIANDAN_CACHE_DIR"):
-        return Path(os.environ["LIANDAN_CACHE_DIR"])
+    configured = WorkerEnv.from_env().cache_dir
+    if configured is not None:
+        return configured
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "liandan"
     try:

@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from liandan.data.prepare import open_prepared, open_stores, prepare_store
 from liandan.faults import maybe_inject
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
+from liandan.run.worker_env import WorkerEnv
 from liandan.spec.layout import resolve_layout, uses_fsdp
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
@@ -150,7 +150,7 @@ class Trainer:
             on_event=self._event,
         )
         # Snapshots in host memory serve the supervisor's restarts only: it owns them and removes them.
-        owner = os.environ.get(snapshots.OWNER_ENV)
+        owner = WorkerEnv.from_env().snapshot_owner
         self.snapshots = None
         if c.memory_every and owner:
             where = snapshots.snapshot_dir(self.run_dir, c.memory_dir)
@@ -440,11 +440,11 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
     run_dir = Path(run_dir)
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     resumable = cfg.checkpoint.resume == "auto" and any(ckpt_root.glob("step-*/manifest.json"))
-    if cfg.checkpoint.resume == "auto" and cfg.checkpoint.memory_every and os.environ.get(snapshots.OWNER_ENV):
+    if cfg.checkpoint.resume == "auto" and cfg.checkpoint.memory_every and WorkerEnv.from_env().snapshot_owner:
         # The supervisor empties the snapshot directory when it starts: what is there is this run's.
         resumable = resumable or any(snapshots.snapshot_dir(run_dir, cfg.checkpoint.memory_dir).glob("rank-*.json"))
     # A supervised restart with nothing to resume from starts the run over.
-    overwrite = cfg.run.overwrite or int(os.environ.get("LIANDAN_ATTEMPT", "0")) > 0
+    overwrite = cfg.run.overwrite or WorkerEnv.from_env().attempt > 0
     if (run_dir / "metrics.jsonl").exists() and not resumable and not overwrite:
         raise ConfigError(
             f"run directory {run_dir} already holds a run with no checkpoint to resume from;"
