@@ -53,7 +53,8 @@ except ImportError:  # older liandan: Trainer.clip_gradients called torch's fore
         grads = [p for p in parameters if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True).item()
 
-from liandan.train.parallelize import Layout, parallelize
+from liandan.spec.layout import Layout
+from liandan.train.parallelize import parallelize
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PEERS = ("hf", "plain")

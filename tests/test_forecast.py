@@ -23,8 +23,8 @@ from liandan.plan.forecast import (
     read_run,
     schedule_fractions,
 )
+from liandan.spec.schedule import lr_multiplier
 from liandan.train import Trainer
-from liandan.train.optim import lr_multiplier
 
 # --------------------------------------------------------------------------------------------------------
 # the areas

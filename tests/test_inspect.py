@@ -14,7 +14,7 @@ import pytest
 from helpers import SHARED_DATA
 from liandan.config import ConfigError
 from liandan.data.corpus import DataError, Document, read_documents
-from liandan.data.inspect import InspectionReport, Thresholds, inspect_sources
+from liandan.data.inspection import InspectionReport, Thresholds, inspect_sources
 from liandan.data.steps import StepStats
 from liandan.data.tokenizer import ByteTokenizer
 

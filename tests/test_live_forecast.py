@@ -14,9 +14,10 @@ import torch
 from helpers import MICRO_MODEL, tiny_config, write_corpus
 from liandan.config import ScheduleSection
 from liandan.plan.forecast import schedule_fractions
+from liandan.plan.forecast_callback import ForecastCallback
 from liandan.plan.live_forecast import LiveForecaster
 from liandan.train import Trainer
-from liandan.train.callbacks import ForecastCallback, default_callbacks
+from liandan.train.callbacks import default_callbacks
 
 STEPS = 40
 SHAPE = [

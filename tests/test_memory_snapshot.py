@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from liandan.checkpoint import memory
-from liandan.checkpoint.memory import MemorySnapshots, newest_common_step
+from liandan.checkpoint import snapshots
+from liandan.checkpoint.snapshots import MemorySnapshots, newest_common_step
 
 
 def _model_and_optimizer(seed=0):
@@ -91,14 +91,14 @@ def test_snapshots_of_another_owner_world_or_layout_are_ignored(tmp_path):
     assert newest_common_step(tmp_path, 1, "sup-1") == 1
     assert newest_common_step(tmp_path, 2, "sup-1") is None  # rank 1's files are not here
     header = json.loads((tmp_path / "rank-00000.slot-0.json").read_text())
-    assert header["format"] == memory.FORMAT and header["step"] == 1 and header["owner"] == "sup-1"
+    assert header["format"] == snapshots.FORMAT and header["step"] == 1 and header["owner"] == "sup-1"
 
 
 def test_snapshot_directory_is_per_run_and_removable(tmp_path):
-    a, b = memory.snapshot_dir(tmp_path / "a", tmp_path), memory.snapshot_dir(tmp_path / "b", tmp_path)
-    assert a != b and a.parent == tmp_path and a == memory.snapshot_dir(tmp_path / "a", tmp_path)
+    a, b = snapshots.snapshot_dir(tmp_path / "a", tmp_path), snapshots.snapshot_dir(tmp_path / "b", tmp_path)
+    assert a != b and a.parent == tmp_path and a == snapshots.snapshot_dir(tmp_path / "a", tmp_path)
     MemorySnapshots(a, 0, 1, "x").save(1, torch.nn.Linear(2, 2), None, {})
-    memory.remove(tmp_path / "a", tmp_path)
+    snapshots.remove(tmp_path / "a", tmp_path)
     assert not a.exists()
 
 

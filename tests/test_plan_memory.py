@@ -34,7 +34,7 @@ from liandan.plan.memory import (
     tp_degrees,
     zero_stages,
 )
-from liandan.train.parallelize import Layout
+from liandan.spec.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 

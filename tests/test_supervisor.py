@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from helpers import fill_disk, tiny_config, write_corpus
-from liandan.checkpoint import memory
+from liandan.checkpoint import snapshots
 from liandan.checkpoint.manager import load_model
 from liandan.config import load_config
 from liandan.resilience.processes import alive
@@ -143,7 +143,7 @@ def test_memory_snapshots_resume_from_the_last_step(setup, name, faults, cause, 
     run_dir = config.parent / "runs" / name
     logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, 9))  # every step once: none lost, none twice
-    assert not memory.snapshot_dir(run_dir).exists()  # the supervisor gave the memory back
+    assert not snapshots.snapshot_dir(run_dir).exists()  # the supervisor gave the memory back
 
 
 def test_full_disk_during_save_needs_no_restart(setup):
@@ -341,8 +341,9 @@ def test_heartbeat_reports_how_long_each_part_of_a_step_takes(tmp_path):
 
 
 def test_checkpoint_verdict_is_trusted_only_while_nothing_changed(tmp_path, monkeypatch):
+    from liandan.checkpoint import handoff
     from liandan.checkpoint.verify import write_manifest
-    from liandan.resilience import handoff
+    from liandan.run.worker_env import VERIFIED_CHECKPOINT
 
     root = tmp_path / "checkpoints"
     for step in (2, 4):
@@ -355,7 +356,7 @@ def test_checkpoint_verdict_is_trusted_only_while_nothing_changed(tmp_path, monk
     events = []
     found = handoff.verify_and_hand_over(root, True, tmp_path / "verified.json", lambda kind, **f: events.append(kind))
     assert found.name == "step-00000002" and events == ["checkpoint_rejected"]
-    monkeypatch.setenv(handoff.ENV, str(tmp_path / "verified.json"))
+    monkeypatch.setenv(VERIFIED_CHECKPOINT, str(tmp_path / "verified.json"))
     assert handoff.trusted(root, checksums=True) == found.resolve()
     newer = root / "step-00000006"
     newer.mkdir()

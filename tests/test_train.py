@@ -8,9 +8,10 @@ from helpers import tiny_config, write_corpus
 from liandan.config import ConfigError, ScheduleSection
 from liandan.data import DataError
 from liandan.model import ModelArgs, Transformer
+from liandan.spec.schedule import lr_multiplier
 from liandan.train import Trainer
 from liandan.train.hardware import cpu_supports_bf16
-from liandan.train.optim import clip_grad_norm, lr_multiplier, parameter_groups
+from liandan.train.optim import clip_grad_norm, parameter_groups
 
 
 @pytest.fixture(scope="module")

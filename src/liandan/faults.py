@@ -13,8 +13,10 @@ pipeline, `clean` and `tokenize` (task STEP's output written, its done marker no
 `kill` (SIGKILL), `exit` (exit code 1 at once), `raise` (RuntimeError), `hang` (sleep forever), `enospc`
 (OSError ENOSPC), `corrupt` (flip one byte of a checkpoint shard; `saved` only).
 
-Real faults are transient: these fire in the first attempt of a supervised run only ($LIANDAN_ATTEMPT = 0 or
-unset). Faults in $LIANDAN_FAULTS_ALWAYS fire in every attempt, the way a deterministic bug would.
+Real faults are transient: the supervisor hands $LIANDAN_FAULTS to the first attempt of a supervised run only
+(`liandan.run.worker_env`). Faults in $LIANDAN_FAULTS_ALWAYS fire in every attempt, the way a deterministic bug
+would. This module sits below everything that can fail, so it reads its two variables itself; their names are
+defined here, and the supervisor-worker contract in `liandan.run.worker_env` takes them from here.
 """
 
 from __future__ import annotations
@@ -39,10 +41,7 @@ def _parse(spec: str) -> list[tuple[str, str, int, int | None]]:
 
 
 def _active() -> list[tuple[str, str, int, int | None]]:
-    faults = _parse(os.environ.get(ENV_ALWAYS, ""))
-    if int(os.environ.get("LIANDAN_ATTEMPT", "0")) == 0:
-        faults += _parse(os.environ.get(ENV, ""))
-    return faults
+    return _parse(os.environ.get(ENV_ALWAYS, "")) + _parse(os.environ.get(ENV, ""))
 
 
 def maybe_inject(point: str, step: int, path: Path | None = None) -> None:

@@ -99,7 +99,7 @@ def print_summary(s: dict) -> None:
 
 def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.data.corpus import ReadStats
-    from liandan.data.inspect import inspect_sources
+    from liandan.data.inspection import inspect_sources
     from liandan.data.readers import read_file
     from liandan.data.tokenizer import HFTokenizer
 

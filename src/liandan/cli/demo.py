@@ -19,8 +19,8 @@ import torch
 from liandan.checkpoint.manager import load_model
 from liandan.config import load_config
 from liandan.data.store import TokenStore
-from liandan.faults import ENV as FAULTS_ENV
 from liandan.resilience.incidents import timeline
+from liandan.run.worker_env import WorkerEnv
 
 # A model that learns visibly in a few CPU minutes: ~3.5M parameters, 256-token sequences.
 DEMO_SETTINGS = [
@@ -173,7 +173,7 @@ def train_supervised(cfg, run: Path) -> int:
         f"training on {NPROC} processes under the supervisor; rank 1 will be killed (SIGKILL) after step {fault_step}"
     )
     worker = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--nproc={NPROC}", f"--run.name={run.name}"]
-    fault = {FAULTS_ENV: f"kill@step:{fault_step}:1"}  # fires in the first attempt only
+    fault = WorkerEnv(faults=f"kill@step:{fault_step}:1").to_env()  # handed to the first attempt only
     return Supervisor(cfg, worker, run, nproc=NPROC, attempt_env=lambda number: fault).run()
 
 

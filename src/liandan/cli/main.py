@@ -11,6 +11,7 @@ from liandan import __version__
 from liandan.checkpoint.verify import CheckpointError
 from liandan.config import ConfigError, describe, load_config
 from liandan.data.corpus import DataError
+from liandan.run.worker_env import NodeEnv, WorkerEnv
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
 
@@ -132,25 +133,34 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
     # torchrun or srun started us; with $LIANDAN_NNODES, srun starts one supervisor per node instead
-    external = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and "LIANDAN_NNODES" not in os.environ)
-    if cfg.resilience.supervise and not external and "LIANDAN_SUPERVISED" not in os.environ:
+    external = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and NodeEnv.from_env().nnodes is None)
+    supervised = WorkerEnv.from_env().supervised  # a worker of the supervisor
+    if cfg.resilience.supervise and not external and not supervised:
         return _supervise(args.config, cfg, name, args.nproc, overrides)
     if args.nproc > 1 and not external:
         return _launch(args.config, cfg, name, args.nproc, overrides)
     from liandan.train import Trainer
-    from liandan.train.callbacks import default_callbacks
+    from liandan.train.callbacks import build_callbacks
 
-    trainer = Trainer(cfg, config_name=name, callbacks=default_callbacks(cfg))
+    register_callbacks()
+    trainer = Trainer(cfg, config_name=name, callbacks=build_callbacks(cfg))
     try:
         result = trainer.train()
     except Exception as err:
-        if "LIANDAN_SUPERVISED" in os.environ and not isinstance(err, (*USER_ERRORS, OSError)):
+        if supervised and not isinstance(err, (*USER_ERRORS, OSError)):
             _crash_now()
         raise
     finally:
         trainer.close()
     _report(result)
     return 0
+
+
+def register_callbacks() -> None:
+    """Register liandan's own training callbacks, each in its module's layer (`liandan.train.callbacks`).
+    Every process that trains passes here: `liandan train` alone, and each supervised or torchrun worker,
+    which runs `python -m liandan.cli train` too."""
+    import liandan.plan.forecast_callback  # noqa: F401 - "forecast": the live loss forecast
 
 
 def _crash_now() -> None:
@@ -178,7 +188,7 @@ def _supervise(config: str, cfg, name: str, nproc: int, overrides: list[str]) ->
 
 
 def _check_launch(cfg, nproc: int) -> None:
-    from liandan.train.parallelize import resolve_layout
+    from liandan.spec.layout import resolve_layout
 
     try:
         resolve_layout(cfg.parallel, nproc)

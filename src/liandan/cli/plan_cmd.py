@@ -88,7 +88,19 @@ def _jsonable(plan) -> dict:
     out["memory"]["layout"]["kind"] = m.layout.kind
     if plan.smallest is not None:
         out["smallest"]["estimate"]["total"] = plan.smallest.estimate.total
+    _drop_unit_dims(out)
     return out
+
+
+def _drop_unit_dims(value) -> None:
+    """Leave out the layouts' pp and ep while they are 1 (always, for now): the JSON stays as it was."""
+    if isinstance(value, dict):
+        if {"dp_replicate", "dp_shard", "tp"} <= value.keys():
+            for dim in ("pp", "ep"):
+                if value.get(dim) == 1:
+                    del value[dim]
+        for item in value.values():
+            _drop_unit_dims(item)
 
 
 # ---------------------------------------------------------------------------------------------------------

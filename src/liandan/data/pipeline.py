@@ -407,7 +407,7 @@ def _merge_steps(cleaned: list[dict[str, Any]]) -> list[StepStats]:
 
 
 def _inspect(cfg: PipelineConfig, tasks: list[Task], out: Path, summary: dict[str, Any], tokenizer) -> dict[str, Any]:
-    from liandan.data.inspect import inspect_sources
+    from liandan.data.inspection import inspect_sources
 
     def source_docs(name: str) -> Iterator[Document]:
         for t in tasks:

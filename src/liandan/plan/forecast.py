@@ -51,6 +51,7 @@ from pathlib import Path
 import numpy as np
 
 from liandan.config import ConfigError, ScheduleSection, load_config
+from liandan.spec.schedule import lr_multiplier
 
 PAPER_DECAY = 0.999  # Tissue et al. 2024
 DECAY_GRID = (0.8, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 0.9995)  # the choices when the data pick the decay
@@ -71,8 +72,6 @@ _ROBUST_SCALE = 3.0  # soft-L1 loss: residuals beyond 3 noise sigmas count linea
 
 def schedule_fractions(schedule: ScheduleSection, total_steps: int) -> np.ndarray:
     """The learning rate of every optimizer update of a run, as a fraction of the peak (length total_steps)."""
-    from liandan.train.optim import lr_multiplier
-
     return np.array([lr_multiplier(j, total_steps, schedule) for j in range(total_steps)], dtype=np.float64)
 
 

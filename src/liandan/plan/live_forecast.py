@@ -2,8 +2,8 @@
 (the learning-rate-annealing law of `liandan.plan.forecast`): inside training, and for a sweep's pruner.
 
 `LiveForecaster` collects a run's (step, loss) records and every `every` steps forecasts its final loss. It
-knows nothing of the trainer: the adapter in `liandan.train.callbacks` feeds it and writes each forecast as a
-"forecast" event into the run's events.jsonl. It never raises: with too few records past the warmup it skips
+knows nothing of the trainer: the callback in `liandan.plan.forecast_callback` feeds it and writes each forecast
+as a "forecast" event into the run's events.jsonl. It never raises: with too few records past the warmup it skips
 quietly, and a fit that fails is skipped with a debug note.
 
 The flag: a run is flagged as worse than `reference_loss` when the forecast's lower bound, not its central

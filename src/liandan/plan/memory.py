@@ -52,7 +52,7 @@ from liandan.config import Config, ConfigError
 from liandan.model.spec import ParamCounts, ParamSplit, count_params, flops_per_token, model_args, spec_for
 from liandan.model.spec import get as get_model_spec
 from liandan.plan.devices import Device
-from liandan.train.parallelize import Layout, resolve_layout, uses_fsdp
+from liandan.spec.layout import Layout, resolve_layout, uses_fsdp
 
 GIB = 2**30
 BYTES = {"bf16": 2, "fp32": 4}

@@ -1,5 +1,6 @@
-"""Nodes of a multi-node run: which node this is, the elastic rendezvous the nodes meet in, which node a
-failure is attributed to, and the run's list of excluded nodes.
+"""Nodes of a multi-node run: the elastic rendezvous the nodes meet in, which node a failure is attributed
+to, and the run's list of excluded nodes. Which node this is (`node_name`) is part of the supervisor-worker
+contract, in `liandan.run.worker_env`, since every worker's heartbeat names its node too.
 
 Every node runs its own supervisor (`liandan train` on each host, or `srun --ntasks-per-node=1 liandan
 train`) with $LIANDAN_NNODES and $LIANDAN_RDZV_ENDPOINT set; its workers join torchrun's elastic c10d
@@ -16,33 +17,19 @@ import contextlib
 import fcntl
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from liandan.config import ConfigError
+from liandan.run.worker_env import NodeEnv
 
-NODE_ENV = "LIANDAN_NODE_NAME"
-FAILURE_LIMIT_ENV = "LIANDAN_NODE_FAILURE_LIMIT"
 EXCLUDED_FILE = "excluded_nodes.json"
 EXCLUDED_HOSTLIST = "excluded_nodes.txt"  # for `srun --exclude=$(cat ...)` / `sbatch --exclude=...`
 
 
-def node_name() -> str:
-    """This node's name: $LIANDAN_NODE_NAME, else Slurm's name for it, else the host name."""
-    return os.environ.get(NODE_ENV) or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-
-
 def failure_limit() -> int:
-    raw = os.environ.get(FAILURE_LIMIT_ENV, "2")
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = 0
-    if limit < 1:
-        raise ConfigError(f"${FAILURE_LIMIT_ENV} = '{raw}' must be a whole number of failures, at least 1")
-    return limit
+    """$LIANDAN_NODE_FAILURE_LIMIT: failures attributed to a node before it is excluded (default 2)."""
+    return NodeEnv.from_env().node_failure_limit
 
 
 @dataclass(frozen=True)
@@ -66,26 +53,11 @@ class Rendezvous:
 def rendezvous_from_env(default_id: str) -> Rendezvous | None:
     """The rendezvous described by $LIANDAN_NNODES ("N" or "MIN:MAX"), $LIANDAN_RDZV_ENDPOINT ("host:port"),
     $LIANDAN_RDZV_ID (default: the run name) and $LIANDAN_RDZV_LAST_CALL_S; None on a single node."""
-    spec = os.environ.get("LIANDAN_NNODES", "").strip()
-    if not spec:
+    env = NodeEnv.from_env()
+    if env.nnodes is None:
         return None
-    try:
-        low, _, high = spec.partition(":")
-        min_nodes, max_nodes = int(low), int(high or low)
-        ok = 1 <= min_nodes <= max_nodes
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ConfigError(f"$LIANDAN_NNODES = '{spec}' must be a node count N or a range MIN:MAX, e.g. 2:4")
-    endpoint = os.environ.get("LIANDAN_RDZV_ENDPOINT", "").strip()
-    if not endpoint or ":" not in endpoint:
-        raise ConfigError("$LIANDAN_NNODES is set, so $LIANDAN_RDZV_ENDPOINT must name the rendezvous as host:port")
-    last_call = os.environ.get("LIANDAN_RDZV_LAST_CALL_S")
-    try:
-        last_call_s = float(last_call) if last_call else None
-    except ValueError:
-        raise ConfigError(f"$LIANDAN_RDZV_LAST_CALL_S = '{last_call}' must be a number of seconds") from None
-    return Rendezvous(min_nodes, max_nodes, endpoint, os.environ.get("LIANDAN_RDZV_ID") or default_id, last_call_s)
+    min_nodes, max_nodes = env.nnodes
+    return Rendezvous(min_nodes, max_nodes, env.rdzv_endpoint, env.rdzv_id or default_id, env.rdzv_last_call_s)
 
 
 # -- the exclusion list ----------------------------------------------------------------------------------

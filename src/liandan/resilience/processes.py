@@ -21,12 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-TOKEN_ENV = "LIANDAN_ATTEMPT_TOKEN"
+from liandan.run.worker_env import ATTEMPT_TOKEN
 
 
 def processes_with_token(token: str) -> list[int]:
     """Live processes whose environment carries this attempt token (Linux /proc; [] elsewhere)."""
-    needle = f"{TOKEN_ENV}={token}\0".encode()
+    needle = f"{ATTEMPT_TOKEN}={token}\0".encode()
     found = []
     try:
         entries = os.scandir("/proc")
@@ -136,9 +136,10 @@ class Standby:
     """A worker process for a later attempt: imported and waiting. `go` hands it the command's module,
     arguments and environment; until then it costs memory, not CPU."""
 
-    def __init__(self, env: dict[str, str]):
+    def __init__(self, env: dict[str, str], module: str | None = None):
+        command = [sys.executable, "-m", "liandan.resilience.standby", *([module] if module else [])]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "liandan.resilience.standby"], env=env, stdin=subprocess.PIPE,
+            command, env=env, stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         )  # fmt: skip
 
@@ -173,10 +174,11 @@ class StandbyPool:
     def __init__(self, size: int):
         self.size, self.number, self.processes = size, None, []
 
-    def prepare(self, number: int, env: dict[str, str]) -> None:
+    def prepare(self, number: int, env: dict[str, str], module: str | None = None) -> None:
+        """Start the worker processes of attempt `number`, importing the worker's entry `module` ahead of need."""
         if self.number != number:
             self.dismiss()
-            self.number, self.processes = number, [Standby(env) for _ in range(self.size)]
+            self.number, self.processes = number, [Standby(env, module) for _ in range(self.size)]
 
     def take(self, number: int) -> list[Standby] | None:
         """The standbys prepared for attempt `number` (others are dismissed)."""

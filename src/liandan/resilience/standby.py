@@ -2,10 +2,16 @@
 {"module", "args", "env"}, and run `python -m module args...` in that environment. End of input (the
 supervisor no longer needs it, or is gone) ends it quietly.
 
+    python -m liandan.resilience.standby [MODULE]
+
+MODULE is the worker's entry module (`liandan.cli` for `liandan train`), imported ahead of need with the
+trainer: the supervisor names it from the worker command it was given, so this module knows no entry point.
+
 While it prepares, a standby runs at idle CPU priority where it can return to normal priority later (as
 root, or with RLIMIT_NICE allowing it), so that it never slows the attempt that is running."""
 
 import contextlib
+import importlib
 import json
 import os
 import resource
@@ -28,8 +34,10 @@ def main() -> None:
     # The seconds a worker spends before its first line of work. A failing import is left to the real start,
     # which raises it again with its message where it belongs.
     with contextlib.suppress(Exception):
-        import liandan.cli.main
-        import liandan.train.trainer  # noqa: F401
+        import liandan.train.trainer  # noqa: F401 - torch, the model and the loop: what every worker runs
+
+        for module in sys.argv[1:]:  # the worker's entry module, named by the supervisor
+            importlib.import_module(module)
     with contextlib.suppress(Exception):
         import torch._dynamo  # noqa: F401 - FSDP2 imports it on first use: most of a second
     line = sys.stdin.readline()

@@ -33,11 +33,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from liandan.checkpoint import memory
+from liandan.checkpoint import handoff, snapshots
 from liandan.checkpoint.verify import complete_checkpoints
 from liandan.config import Config
-from liandan.resilience import handoff, incidents, nodes
-from liandan.resilience.processes import TOKEN_ENV, DeathClock, StandbyPool, end_processes, module_command
+from liandan.resilience import incidents, nodes
+from liandan.resilience.processes import DeathClock, StandbyPool, end_processes, module_command
+from liandan.run.worker_env import WORKER_NAMES, NodeEnv, WorkerEnv, node_name
 from liandan.track.logger import parse_record, read_metrics, to_json
 from liandan.track.run_dir import LOCK_FILE, lock_run_dir
 from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
@@ -79,19 +80,19 @@ class Supervisor:
         self.worker_cmd, self.run_dir, self.say = worker_cmd, Path(run_dir), say
         self.attempt_env = attempt_env or (lambda number: {})
         self.heartbeat_dir = self.run_dir / "heartbeat"
-        self.node = nodes.node_name()
+        self.node = node_name()
         self.rendezvous = nodes.rendezvous_from_env(default_id=self.run_dir.name)
         self.logs = self.run_dir / "logs" / self.node if self.rendezvous else self.run_dir / "logs"
         self.errors = self.logs / "errors"  # where workers leave a user error's message
         self.exclusions = nodes.ExclusionList(self.run_dir, nodes.failure_limit()) if self.rendezvous else None
         self.id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.module = module_command(worker_cmd)
-        self.use_standby = bool(self.module) and not self.rendezvous and os.environ.get("LIANDAN_STANDBY", "1") != "0"
+        self.use_standby = bool(self.module) and not self.rendezvous and NodeEnv.from_env().standby
         self.standby = StandbyPool(nproc)
         self.step_seconds: list[float] = []
         self.phase_seconds: dict[str, list[float]] = {p: [] for p in SLOW_PHASES}
         self.pending_recovery: dict | None = None
-        self.snapshots = memory.snapshot_dir(self.run_dir, cfg.checkpoint.memory_dir)
+        self.snapshots = snapshots.snapshot_dir(self.run_dir, cfg.checkpoint.memory_dir)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -113,7 +114,7 @@ class Supervisor:
         failures: list[tuple[str, int]] = []
         restarts, streak, last_resume = 0, 0, None
         attempt = None
-        memory.remove(self.run_dir, self.cfg.checkpoint.memory_dir)  # an earlier supervisor's, never ours
+        snapshots.remove(self.run_dir, self.cfg.checkpoint.memory_dir)  # an earlier supervisor's, never ours
         self._event("supervisor_start", supervisor=self.id, node=self.node)  # goodput counts every launch
         try:
             while True:
@@ -168,7 +169,7 @@ class Supervisor:
             if attempt is not None:  # interrupted or not: leave nothing running
                 self._end(attempt)
             self.standby.dismiss()
-            memory.remove(self.run_dir, self.cfg.checkpoint.memory_dir)  # give the host memory back
+            snapshots.remove(self.run_dir, self.cfg.checkpoint.memory_dir)  # give the host memory back
 
     def _start(self, number: int) -> Attempt:
         self._clear_heartbeats()
@@ -207,19 +208,23 @@ class Supervisor:
         return attempt
 
     def _env(self, number: int) -> dict[str, str]:
-        env = dict(os.environ, LIANDAN_SUPERVISED="1", LIANDAN_ATTEMPT=str(number), PYTHONUNBUFFERED="1",
-                   LIANDAN_ERROR_DIR=str(self.errors), LIANDAN_FAILURE_FILE=str(self.logs / "failure.json"),
-                   **{TOKEN_ENV: f"{self.id}-{number}", memory.OWNER_ENV: self.id})  # fmt: skip
+        """The workers' environment for attempt `number`: this process's, the `attempt_env` hook's additions,
+        and the supervisor-worker contract (`liandan.run.worker_env`) for this attempt."""
+        inherited = {**os.environ, **self.attempt_env(number)}
+        verified = self.logs / handoff.FILE
+        worker = WorkerEnv.from_env(inherited).for_attempt(
+            number, attempt_token=f"{self.id}-{number}", snapshot_owner=self.id, error_dir=self.errors,
+            failure_file=self.logs / "failure.json", verified_checkpoint=verified if verified.is_file() else None,
+        )  # fmt: skip
+        env = {k: v for k, v in inherited.items() if k not in WORKER_NAMES}
+        env.update(PYTHONUNBUFFERED="1", **worker.to_env())
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))  # share the cores
         if shutil.which("nvidia-smi"):  # NCCL settings, only where NCCL can run
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a dead peer fails the collective, not hangs
             env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the NCCL flight recorder, for hang forensics
             env.setdefault("TORCH_FR_DUMP_ON_TIMEOUT", "1")
             env.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(self.logs / NCCL_TRACE_PREFIX))  # kept with the run
-        verified = self.logs / handoff.FILE
-        if verified.is_file():
-            env[handoff.ENV] = str(verified)
-        return {**env, **self.attempt_env(number)}
+        return env
 
     @staticmethod
     def _popen(command: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -250,7 +255,7 @@ class Supervisor:
     def _prepare_standby(self, number: int) -> None:
         """Start attempt `number`'s worker processes now, so that their start-up is done when needed."""
         if self.use_standby and self.standby.number != number:
-            self.standby.prepare(number, self._env(number))
+            self.standby.prepare(number, self._env(number), self.module[0])
 
     # -- watching -----------------------------------------------------------------------------------------
     def _watch(self, attempt: Attempt) -> None:
@@ -452,7 +457,7 @@ class Supervisor:
         root = Path(c.dir) if c.dir else self.run_dir / "checkpoints"
         in_memory = None
         if c.memory_every and not self.rendezvous:  # on several nodes, the ranks agree among themselves
-            in_memory = memory.newest_common_step(self.snapshots, self.nproc, self.id)
+            in_memory = snapshots.newest_common_step(self.snapshots, self.nproc, self.id)
         complete = complete_checkpoints(root)
         if in_memory is not None and in_memory >= (int(complete[-1].name[5:]) if complete else 0):
             (self.logs / handoff.FILE).unlink(missing_ok=True)

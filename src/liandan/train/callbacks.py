@@ -1,74 +1,54 @@
-"""Callbacks that `liandan train` attaches to a run as its config asks; today the live loss forecast."""
+"""The callbacks a run's config asks for, by name: a registry that the trainer's callers fill and read.
+
+A callback lives in its own module, in whatever layer it belongs to (the live loss forecast is in `plan`),
+and registers a factory under a name:
+
+    @register_callback("forecast")
+    def forecast_callback(cfg: Config) -> Callback | None:
+        return ForecastCallback(...) if cfg.forecast.every else None
+
+The factory gets the run's config and returns the callback, or None when the config leaves it off.
+`build_callbacks(cfg)` calls every registered factory, in the order they were registered. The registering
+module must be imported before: `liandan train` (and so every supervised or torchrun worker, which start
+through the same command) imports the modules of liandan's own callbacks; see `liandan.cli.main`.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 from liandan.config import Config
-from liandan.track import read_metrics
-from liandan.train.trainer import Callback, Trainer
+from liandan.train.trainer import Callback
 
-if TYPE_CHECKING:
-    from liandan.plan.live_forecast import LiveForecaster
+CallbackFactory = Callable[[Config], Callback | None]
+
+_FACTORIES: dict[str, CallbackFactory] = {}
 
 
-class ForecastCallback(Callback):
-    """Every `forecast.every` steps, on the main rank, a "forecast" event in events.jsonl and a console line;
-    once, when even the forecast's lower bound is worse than `forecast.reference_loss`, a
-    "forecast_worse_than_reference" event and a warning. Training itself is untouched."""
+def register_callback(name: str) -> Callable[[CallbackFactory], CallbackFactory]:
+    """Register the decorated factory `(cfg) -> Callback | None` under `name`."""
 
-    def __init__(self, forecaster: LiveForecaster):
-        self.forecaster = forecaster
-        self.active = False
+    def decorate(factory: CallbackFactory) -> CallbackFactory:
+        known = _FACTORIES.get(name)
+        if known is not None and (known.__module__, known.__qualname__) != (factory.__module__, factory.__qualname__):
+            raise ValueError(f"callback '{name}' is registered twice ({known.__module__} and {factory.__module__})")
+        _FACTORIES[name] = factory
+        return factory
 
-    def on_train_start(self, trainer: Trainer) -> None:
-        self.active = trainer.dist.is_main
-        if self.active and trainer.step > 0:  # resumed: the curve so far is in metrics.jsonl
-            records = [
-                (r["step"], r["loss"])
-                for r in read_metrics(trainer.run_dir)
-                if r["step"] <= trainer.step and isinstance(r.get("loss"), (int, float))
-            ]
-            self.forecaster.resume([s for s, _ in records], [x for _, x in records])
+    return decorate
 
-    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        if not self.active or not isinstance(metrics.get("loss"), (int, float)):
-            return
-        self.forecaster.observe(step, metrics["loss"])
-        if not self.forecaster.due():
-            return
-        f = self.forecaster.forecast()
-        if f is None:
-            return
-        trainer.logger.log_event("forecast", **f.to_event())
-        pct = round(100 * f.confidence)
-        trainer.say(
-            f"step {step}: forecast final loss {f.final_loss:.4f}, {pct}% interval [{f.low:.4f}, {f.high:.4f}]"
-            f" at step {f.total_steps} ({f.seconds:.2f}s)"
-        )
-        if self.forecaster.newly_flagged(f):
-            ref = f.reference_loss
-            trainer.logger.log_event(
-                "forecast_worse_than_reference",
-                step=step,
-                final_loss=f.final_loss,
-                low=f.low,
-                high=f.high,
-                reference_loss=ref,
-                observed_fraction=f.observed_fraction,
-            )
-            trainer.say(
-                f"warning: step {step}: forecast final loss {f.final_loss:.4f} is worse than the reference"
-                f" {ref:.4f} even at the low end of its {pct}% interval ({f.low:.4f});"
-                f" from {100 * f.observed_fraction:.0f}% of the run"
-            )
+
+def registered_callbacks() -> list[str]:
+    """The names of the registered callbacks, in registration order."""
+    return list(_FACTORIES)
+
+
+def build_callbacks(cfg: Config) -> list[Callback]:
+    """The callbacks the config asks for: every registered factory's, in registration order."""
+    callbacks = (factory(cfg) for factory in _FACTORIES.values())
+    return [c for c in callbacks if c is not None]
 
 
 def default_callbacks(cfg: Config) -> list[Callback]:
-    """The callbacks a run's config asks for."""
-    callbacks: list[Callback] = []
-    if cfg.forecast.every:
-        from liandan.plan.live_forecast import LiveForecaster  # numpy, scipy, optuna: only when asked for
-
-        callbacks.append(ForecastCallback(LiveForecaster.from_config(cfg)))
-    return callbacks
+    """The callbacks a run's config asks for (`build_callbacks`), as `liandan train` attaches them."""
+    return build_callbacks(cfg)

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from liandan.run.worker_env import ERROR_DIR, WorkerEnv
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -91,9 +93,6 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-ERROR_DIR_ENV = "LIANDAN_ERROR_DIR"
-
-
 def launch_local(
     nproc: int, module: str, args: list[str], rendezvous: list[str] | None = None
 ) -> tuple[int, str | None]:
@@ -113,7 +112,7 @@ def launch_local(
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     with tempfile.TemporaryDirectory(prefix="liandan-errors-") as errors:
-        os.environ[ERROR_DIR_ENV] = errors
+        os.environ.update(WorkerEnv(error_dir=Path(errors)).to_env())  # the workers inherit it
         where = rendezvous if rendezvous is not None else ["--standalone"]
         parser = get_args_parser()
         parser.allow_abbrev = False  # the worker's own options (--nproc=...) are not torchrun's abbreviated
@@ -123,8 +122,9 @@ def launch_local(
             return 0, None
         except ChildFailedError as failure:
             rank, info = failure.get_first_failure()
-            if os.environ.get("LIANDAN_FAILURE_FILE"):  # for the supervisor's incident record
-                Path(os.environ["LIANDAN_FAILURE_FILE"]).write_text(
+            failure_file = WorkerEnv.from_env().failure_file
+            if failure_file is not None:  # for the supervisor's incident record
+                failure_file.write_text(
                     json.dumps({"rank": rank, "exitcode": info.exitcode, "time": time.time()})
                 )
             reports = sorted(Path(errors).glob("rank-*.txt"))
@@ -133,14 +133,14 @@ def launch_local(
                 return 2, message
             return 1, f"worker rank {rank} failed with exit code {info.exitcode}; its output is above"
         finally:
-            os.environ.pop(ERROR_DIR_ENV, None)
+            os.environ.pop(ERROR_DIR, None)
 
 
 def report_worker_error(message: str) -> bool:
     """In a worker started by `launch_local` or the supervisor, leave `message` for the launcher; False elsewhere,
     and False when it cannot be left (a full disk): then the caller prints it."""
-    errors = os.environ.get(ERROR_DIR_ENV)
-    if not errors:
+    errors = WorkerEnv.from_env().error_dir
+    if errors is None:
         return False
     path = Path(errors, f"rank-{int(os.environ.get('RANK', '0')):05d}.txt")
     try:

@@ -14,29 +14,8 @@ from pathlib import Path
 
 import torch
 
-# Dense bf16 tensor-core peaks from the vendors' data sheets, in TFLOP/s (no sparsity).
-GPU_PEAK_TFLOPS_BF16 = {
-    "H200": 989.0,
-    "H100 SXM": 989.0,
-    "H100 NVL": 835.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,
-    "GH200": 989.0,
-    "B200": 2250.0,
-    "B100": 1750.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "H800": 989.0,
-    "L40S": 362.0,
-    "L4": 121.0,
-    "A10G": 70.0,
-    "A10": 125.0,
-    "RTX 4090": 165.0,
-    "RTX 3090": 71.0,
-    "V100": 125.0,  # fp16: V100 has no bf16
-    "MI300X": 1307.0,
-    "MI250X": 383.0,
-}
+from liandan.run.worker_env import WorkerEnv
+from liandan.spec.peaks import gpu_peak_flops
 
 
 def cpu_supports_bf16() -> bool:
@@ -56,14 +35,6 @@ def resolve_dtype(requested: str, device: torch.device) -> torch.dtype:
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
     return torch.bfloat16 if cpu_supports_bf16() else torch.float32
-
-
-def gpu_peak_flops(name: str) -> float | None:
-    """Per-device dense bf16 peak in FLOP/s from the table, matching the longest key in the device name."""
-    for key in sorted(GPU_PEAK_TFLOPS_BF16, key=len, reverse=True):
-        if key.lower() in name.lower():
-            return GPU_PEAK_TFLOPS_BF16[key] * 1e12
-    return None
 
 
 def measure_matmul_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
@@ -89,8 +60,9 @@ PEAK_CACHE_MAX_AGE_S = 7 * 24 * 3600  # long enough to skip the benchmark on res
 
 def cache_dir() -> Path | None:
     """$LIANDAN_CACHE_DIR, else $XDG_CACHE_HOME/liandan, else ~/.cache/liandan; None where there is no home."""
-    if os.environ.get("LIANDAN_CACHE_DIR"):
-        return Path(os.environ["LIANDAN_CACHE_DIR"])
+    configured = WorkerEnv.from_env().cache_dir
+    if configured is not None:
+        return configured
     if os.environ.get("XDG_CACHE_HOME"):
         return Path(os.environ["XDG_CACHE_HOME"]) / "liandan"
     try:

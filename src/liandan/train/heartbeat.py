@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from liandan.resilience.nodes import node_name
+from liandan.run.worker_env import node_name
 
 PHASES = ("startup", "data", "forward", "backward", "optimizer", "collective", "step_end", "checkpoint", "eval", "done")
 # The parts of a training step. FSDP's and TP's collectives run inside forward, backward and optimizer (the

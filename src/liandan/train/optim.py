@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from liandan.config import OptimSection, ScheduleSection
+from liandan.spec.schedule import lr_multiplier
 
 
 def parameter_groups(model: nn.Module, decay_norms_and_embeddings: bool = False) -> tuple[list, list]:
@@ -44,32 +45,6 @@ def build_optimizer(
     return torch.optim.AdamW(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs
     )
-
-
-def lr_multiplier(step: int, total_steps: int, cfg: ScheduleSection) -> float:
-    """Learning rate at `step` (0-based) as a fraction of the peak.
-
-    Warmup rises linearly to 1 over warmup_steps (the first step trains at 1/warmup_steps, never at zero).
-    Then: cosine or linear decay to min_lr_ratio at the last step; WSD holds 1 until the final
-    decay_fraction of the steps and cools down as 1 - sqrt(progress) (Hägele et al. 2024); constant holds 1.
-    """
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    floor = cfg.min_lr_ratio
-    if cfg.kind == "constant":
-        return 1.0
-    if cfg.kind == "wsd":
-        decay_steps = max(1, round(cfg.decay_fraction * total_steps))
-        decay_start = max(cfg.warmup_steps, total_steps - decay_steps)
-        if step < decay_start:
-            return 1.0
-        progress = min(1.0, (step - decay_start + 1) / max(1, total_steps - decay_start))
-        return floor + (1.0 - floor) * (1.0 - math.sqrt(progress))
-    span = max(1, total_steps - cfg.warmup_steps - 1)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    if cfg.kind == "linear":
-        return floor + (1.0 - floor) * (1.0 - progress)
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def build_scheduler(

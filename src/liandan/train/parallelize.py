@@ -10,63 +10,16 @@ mesh, or DDP when only replication is asked for).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from liandan.config import ParallelSection
 from liandan.model.spec import ModelSpec, spec_for
+from liandan.spec.layout import Layout, uses_fsdp
 
 DIMS = ("dp_replicate", "dp_shard", "tp")
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp_replicate: int
-    dp_shard: int
-    tp: int
-
-    @property
-    def dp_size(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_size * self.tp
-
-    @property
-    def kind(self) -> str:
-        replicate, shard = self.dp_replicate > 1, self.dp_shard > 1
-        dp = "hsdp" if replicate and shard else "ddp" if replicate else "fsdp" if shard else "single"
-        if self.tp > 1:
-            return "tp" if dp == "single" else f"{dp}+tp"
-        return dp
-
-    def __str__(self) -> str:
-        return f"{self.kind} (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, tp={self.tp})"
-
-
-def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:
-    """Fill dp_shard = -1 with what the other dims leave, and check the product is the world size."""
-    shard = cfg.dp_shard
-    if shard == -1:
-        rest = cfg.dp_replicate * cfg.tp
-        if world_size % rest:
-            raise ValueError(
-                f"parallel.dp_replicate x parallel.tp = {rest} must divide the number of processes,"
-                f" but {world_size} were launched (set --nproc or the torchrun/srun task count)"
-            )
-        shard = world_size // rest
-    layout = Layout(cfg.dp_replicate, shard, cfg.tp)
-    if layout.world_size != world_size:
-        raise ValueError(
-            f"parallel layout dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x tp={layout.tp}"
-            f" = {layout.world_size} processes, but {world_size} were launched"
-        )
-    return layout
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
@@ -210,10 +163,6 @@ def parallelize(
     elif layout.dp_replicate > 1:
         return apply_ddp(model, mesh["dp_replicate"])
     return model
-
-
-def uses_fsdp(layout: Layout) -> bool:
-    return layout.dp_shard > 1 or (layout.dp_replicate > 1 and layout.tp > 1)
 
 
 def gradient_sync(model: nn.Module, sync: bool):

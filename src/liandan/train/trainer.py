@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -19,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from liandan import __version__
-from liandan.checkpoint import memory
+from liandan.checkpoint import snapshots
+from liandan.checkpoint.handoff import newest_checkpoint
 from liandan.checkpoint.manager import CheckpointManager, SaveError
 from liandan.config import Config, ConfigError
 from liandan.data.loader import Batch, PackedLoader
@@ -27,7 +27,8 @@ from liandan.data.prepare import open_prepared, open_stores, prepare_store
 from liandan.faults import maybe_inject
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
-from liandan.resilience.handoff import newest_checkpoint
+from liandan.run.worker_env import WorkerEnv
+from liandan.spec.layout import resolve_layout, uses_fsdp
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
 from liandan.track.logger import naming, parse_record, to_json
 from liandan.track.run_dir import RunLock, holds_progress, lock_run_dir
@@ -35,7 +36,7 @@ from liandan.train.distributed import DistInfo, init_distributed, shutdown_distr
 from liandan.train.hardware import device_peak_flops, peak_memory_bytes, resolve_dtype
 from liandan.train.heartbeat import Heartbeat
 from liandan.train.optim import build_optimizer, build_scheduler, clip_grad_norm
-from liandan.train.parallelize import build_mesh, dp_coordinates, gradient_sync, parallelize, resolve_layout, uses_fsdp
+from liandan.train.parallelize import build_mesh, dp_coordinates, gradient_sync, parallelize
 
 
 class Callback:
@@ -159,11 +160,12 @@ class Trainer:
                          + ", ".join(p.name for p in stale))  # fmt: skip
                 self._event("stale_saves_removed", paths=[str(p) for p in stale])
         # Snapshots in host memory serve the supervisor's restarts only: it owns them and removes them.
-        owner = os.environ.get(memory.OWNER_ENV)
+        owner = WorkerEnv.from_env().snapshot_owner
         self.snapshots = None
         if c.memory_every and owner:
-            self.snapshots = memory.MemorySnapshots(memory.snapshot_dir(self.run_dir, c.memory_dir), self.dist.rank,
-                                                    self.dist.world_size, owner, str(self.layout))  # fmt: skip
+            where = snapshots.snapshot_dir(self.run_dir, c.memory_dir)
+            self.snapshots = snapshots.MemorySnapshots(where, self.dist.rank, self.dist.world_size, owner,
+                                                       str(self.layout))  # fmt: skip
         self._resume_or_init()
 
         self.params = self.spec.count_params(self.model_args)
@@ -480,14 +482,14 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
     if run_dir is None:
         run_dir = Path(cfg.run.output_dir) / cfg.run_name(config_name)
     run_dir = Path(run_dir)
-    lock = None if "LIANDAN_SUPERVISED" in os.environ else lock_run_dir(run_dir)  # before anything is touched
+    lock = None if WorkerEnv.from_env().supervised else lock_run_dir(run_dir)  # before anything is touched
     ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
     resumable = cfg.checkpoint.resume == "auto" and any(ckpt_root.glob("step-*/manifest.json"))
-    if cfg.checkpoint.resume == "auto" and cfg.checkpoint.memory_every and os.environ.get(memory.OWNER_ENV):
+    if cfg.checkpoint.resume == "auto" and cfg.checkpoint.memory_every and WorkerEnv.from_env().snapshot_owner:
         # The supervisor empties the snapshot directory when it starts: what is there is this run's.
-        resumable = resumable or any(memory.snapshot_dir(run_dir, cfg.checkpoint.memory_dir).glob("rank-*.json"))
+        resumable = resumable or any(snapshots.snapshot_dir(run_dir, cfg.checkpoint.memory_dir).glob("rank-*.json"))
     # A supervised restart with nothing to resume from starts the run over.
-    overwrite = cfg.run.overwrite or int(os.environ.get("LIANDAN_ATTEMPT", "0")) > 0
+    overwrite = cfg.run.overwrite or WorkerEnv.from_env().attempt > 0
     if holds_progress(run_dir) and not resumable and not overwrite:
         raise ConfigError(
             f"run directory {run_dir} already holds a run with no checkpoint to resume from;"

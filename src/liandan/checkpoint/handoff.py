@@ -14,9 +14,9 @@ import os
 from pathlib import Path
 
 from liandan.checkpoint.verify import complete_checkpoints
+from liandan.run.worker_env import WorkerEnv
 
-ENV = "LIANDAN_VERIFIED_CHECKPOINT"
-FILE = "verified.json"
+FILE = "verified.json"  # in the supervisor's logs; the workers find it through $LIANDAN_VERIFIED_CHECKPOINT
 
 
 def stamp(directory: Path) -> dict[str, list[int]]:
@@ -56,9 +56,12 @@ def verify_and_hand_over(root: Path, checksums: bool, handoff: Path, on_event) -
 def trusted(root: Path, checksums: bool) -> Path | None:
     """The handed-over checkpoint if the verdict still holds for `root`: same files, sizes and times, and
     every newer complete checkpoint one that the supervisor rejected, unchanged since."""
+    handed = WorkerEnv.from_env().verified_checkpoint
+    if handed is None:
+        return None
     try:
-        verdict = json.loads(Path(os.environ[ENV]).read_text())
-    except (KeyError, OSError, json.JSONDecodeError):
+        verdict = json.loads(handed.read_text())
+    except (OSError, json.JSONDecodeError):
         return None
     root = Path(root).resolve()
     if verdict.get("root") != str(root) or (checksums and not verdict.get("checksums")):

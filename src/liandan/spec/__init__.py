@@ -1,0 +1,8 @@
+"""What `plan` and `train` both need to know about a run, without torch: the parallel layout, the data-sheet
+peak FLOP/s of accelerators, and the learning-rate schedule. Imports nothing of liandan but `config`."""
+
+from liandan.spec.layout import Layout, resolve_layout, uses_fsdp
+from liandan.spec.peaks import GPU_PEAK_TFLOPS_BF16, gpu_peak_flops
+from liandan.spec.schedule import lr_multiplier
+
+__all__ = ["GPU_PEAK_TFLOPS_BF16", "Layout", "gpu_peak_flops", "lr_multiplier", "resolve_layout", "uses_fsdp"]

@@ -1,0 +1,91 @@
+"""The parallel layout of a run: how many ranks each named dimension of the device mesh has.
+
+Dimensions, outermost first: `dp_replicate` (DDP replicas, or HSDP's replica groups), `dp_shard` (FSDP2's
+shard group), `tp` (tensor parallel). `pp` (pipeline stages) and `ep` (expert parallel) have their place in
+the layout but are fixed at 1 until the trainer has a pipeline schedule and expert layers: a layout asking
+for more is refused in one line.
+
+`str(layout)` is what checkpoints, memory snapshots, events and summaries record, e.g.
+`fsdp (dp_replicate=1, dp_shard=2, tp=1)`; `Layout.parse` reads it back.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from liandan.config import ParallelSection
+
+DIMS = ("dp_replicate", "dp_shard", "tp", "pp", "ep")
+_PAIR = re.compile(r"(\w+)=(\d+)")
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        if self.pp != 1:
+            raise ValueError(f"pipeline parallelism is not supported yet: pp = {self.pp} must be 1")
+        if self.ep != 1:
+            raise ValueError(f"expert parallelism is not supported yet: ep = {self.ep} must be 1")
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_size * self.tp * self.pp
+
+    @property
+    def kind(self) -> str:
+        replicate, shard = self.dp_replicate > 1, self.dp_shard > 1
+        dp = "hsdp" if replicate and shard else "ddp" if replicate else "fsdp" if shard else "single"
+        if self.tp > 1:
+            return "tp" if dp == "single" else f"{dp}+tp"
+        return dp
+
+    def __str__(self) -> str:
+        extra = "".join(f", {d}={getattr(self, d)}" for d in ("pp", "ep") if getattr(self, d) != 1)
+        return f"{self.kind} (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, tp={self.tp}{extra})"
+
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """The layout `str(layout)` printed (as a checkpoint's meta.json records it); ValueError otherwise."""
+        kind, _, rest = text.strip().partition(" ")
+        sizes = {name: int(value) for name, value in _PAIR.findall(rest)}
+        if not rest.startswith("(") or not {"dp_replicate", "dp_shard", "tp"} <= sizes.keys() or set(sizes) - set(DIMS):
+            raise ValueError(f"'{text}' is not a parallel layout like 'fsdp (dp_replicate=1, dp_shard=2, tp=1)'")
+        layout = cls(**sizes)
+        if layout.kind != kind or str(layout) != text.strip():
+            raise ValueError(f"'{text}' is not a parallel layout: its sizes make '{layout}'")
+        return layout
+
+
+def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:
+    """Fill dp_shard = -1 with what the other dims leave, and check the product is the world size."""
+    shard = cfg.dp_shard
+    if shard == -1:
+        rest = cfg.dp_replicate * cfg.tp
+        if world_size % rest:
+            raise ValueError(
+                f"parallel.dp_replicate x parallel.tp = {rest} must divide the number of processes,"
+                f" but {world_size} were launched (set --nproc or the torchrun/srun task count)"
+            )
+        shard = world_size // rest
+    layout = Layout(cfg.dp_replicate, shard, cfg.tp)
+    if layout.world_size != world_size:
+        raise ValueError(
+            f"parallel layout dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x tp={layout.tp}"
+            f" = {layout.world_size} processes, but {world_size} were launched"
+        )
+    return layout
+
+
+def uses_fsdp(layout: Layout) -> bool:
+    return layout.dp_shard > 1 or (layout.dp_replicate > 1 and layout.tp > 1)

@@ -1,0 +1,77 @@
+"""liandan.spec: the layout, peak FLOP/s and schedule that plan and train share, without torch."""
+
+import subprocess
+import sys
+
+import pytest
+
+from liandan.config import ParallelSection, ScheduleSection
+from liandan.spec import Layout, gpu_peak_flops, lr_multiplier, resolve_layout, uses_fsdp
+
+
+def test_spec_imports_no_torch():
+    code = "import sys, liandan.spec; sys.exit('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("sizes", "text"),
+    [
+        ((1, 1, 1), "single (dp_replicate=1, dp_shard=1, tp=1)"),
+        ((1, 4, 1), "fsdp (dp_replicate=1, dp_shard=4, tp=1)"),
+        ((4, 1, 1), "ddp (dp_replicate=4, dp_shard=1, tp=1)"),
+        ((2, 2, 1), "hsdp (dp_replicate=2, dp_shard=2, tp=1)"),
+        ((1, 1, 2), "tp (dp_replicate=1, dp_shard=1, tp=2)"),
+        ((1, 2, 2), "fsdp+tp (dp_replicate=1, dp_shard=2, tp=2)"),
+        ((2, 2, 2), "hsdp+tp (dp_replicate=2, dp_shard=2, tp=2)"),
+    ],
+)
+def test_layout_string_is_what_checkpoints_record_and_parses_back(sizes, text):
+    layout = Layout(*sizes)
+    assert str(layout) == text  # meta.json, snapshots and summaries hold this string: it must not change
+    assert Layout.parse(text) == layout
+    assert layout.pp == layout.ep == 1 and layout.world_size == sizes[0] * sizes[1] * sizes[2]
+
+
+@pytest.mark.parametrize("text", ["imported", "", "fsdp (dp_replicate=1, dp_shard=1, tp=1)", "single (tp=1)"])
+def test_layout_parse_refuses_what_is_not_a_layout(text):
+    with pytest.raises(ValueError, match="is not a parallel layout"):
+        Layout.parse(text)
+
+
+def test_pipeline_and_expert_parallel_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^pipeline parallelism is not supported yet: pp = 2 must be 1$"):
+        Layout(1, 1, 1, pp=2)
+    with pytest.raises(ValueError, match=r"^expert parallelism is not supported yet: ep = 4 must be 1$"):
+        Layout(1, 2, 1, ep=4)
+
+
+def test_resolve_layout():
+    assert resolve_layout(ParallelSection(), 4) == Layout(1, 4, 1)
+    assert resolve_layout(ParallelSection(dp_replicate=2, tp=2), 8) == Layout(2, 2, 2)
+    with pytest.raises(ValueError, match="must divide the number of processes"):
+        resolve_layout(ParallelSection(tp=3), 4)
+    with pytest.raises(ValueError, match="= 2 processes, but 4 were launched"):
+        resolve_layout(ParallelSection(dp_shard=2), 4)
+    assert uses_fsdp(Layout(1, 2, 1)) and uses_fsdp(Layout(2, 1, 2)) and not uses_fsdp(Layout(2, 1, 1))
+
+
+def test_peak_flops_take_the_longest_matching_name():
+    assert gpu_peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert gpu_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert gpu_peak_flops("a toaster") is None
+
+
+def test_lr_multiplier_is_the_trainers_schedule():
+    torch = pytest.importorskip("torch")
+    from liandan.train.optim import build_scheduler
+
+    cfg = ScheduleSection(kind="cosine", warmup_steps=3, min_lr_ratio=0.1)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = build_scheduler(optimizer, 20, cfg)
+    seen = []
+    for _ in range(20):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([lr_multiplier(s, 20, cfg) for s in range(20)])
