@@ -55,12 +55,13 @@ def _leave_process_group() -> None:
 
 
 def _error(message: str) -> None:
-    from liandan.train.distributed import ERROR_DIR_ENV, report_worker_error
+    from liandan.run.worker_env import WorkerEnv
+    from liandan.train.distributed import report_worker_error
 
     if report_worker_error(message):  # a worker under `--nproc`: the launcher prints it once
         return
     # Rank 0 speaks for all, unless the launcher's file had no room for this rank's message (a full disk).
-    if int(os.environ.get("RANK", "0")) == 0 or ERROR_DIR_ENV in os.environ:
+    if int(os.environ.get("RANK", "0")) == 0 or WorkerEnv.from_env().error_dir is not None:
         print(f"liandan: error: {message}", file=sys.stderr)
 
 

@@ -9,17 +9,19 @@ from typing import TYPE_CHECKING
 
 from liandan.config import Config
 from liandan.track import read_metrics
-from liandan.train.callbacks import register_callback
-from liandan.train.trainer import Callback, Trainer
+from liandan.train.callbacks import Callback, register_callback
 
 if TYPE_CHECKING:
     from liandan.plan.live_forecast import LiveForecaster
+    from liandan.train.trainer import Trainer
 
 
 class ForecastCallback(Callback):
     """Every `forecast.every` steps, on the main rank, a "forecast" event in events.jsonl and a console line;
     once, when even the forecast's lower bound is worse than `forecast.reference_loss`, a
     "forecast_worse_than_reference" event and a warning. Training itself is untouched."""
+
+    order = 12  # right after the metrics it reads are logged
 
     def __init__(self, forecaster: LiveForecaster):
         self.forecaster = forecaster

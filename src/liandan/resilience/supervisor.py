@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from liandan.checkpoint import handoff, snapshots
-from liandan.checkpoint.verify import complete_checkpoints
+from liandan.checkpoint.resume import choose_resume
+from liandan.checkpoint.verify import complete_checkpoints, step_of
 from liandan.config import Config
 from liandan.resilience import incidents, nodes
 from liandan.resilience.processes import DeathClock, StandbyPool, end_processes, module_command
@@ -459,12 +460,14 @@ class Supervisor:
         if c.memory_every and not self.rendezvous:  # on several nodes, the ranks agree among themselves
             in_memory = snapshots.newest_common_step(self.snapshots, self.nproc, self.id)
         complete = complete_checkpoints(root)
-        if in_memory is not None and in_memory >= (int(complete[-1].name[5:]) if complete else 0):
+        point = choose_resume(
+            in_memory,
+            step_of(complete[-1]) if complete else None,
+            lambda: handoff.verify_and_hand_over(root, c.verify, self.logs / handoff.FILE, self._event),
+        )
+        if point.source == "memory":  # the workers will read no checkpoint: none is handed over
             (self.logs / handoff.FILE).unlink(missing_ok=True)
-            return in_memory  # the workers will not read a checkpoint: no need to verify one
-        found = handoff.verify_and_hand_over(root, c.verify, self.logs / handoff.FILE, self._event)
-        durable = int(found.name[5:]) if found else 0
-        return max(durable, in_memory or 0)
+        return point.step
 
     def _redone_seconds(self, attempt: Attempt, resume_step: int, failed_at: float) -> float:
         """Seconds of this attempt's work that the next one does again: from when this attempt stood at the

@@ -1,5 +1,6 @@
-"""Training: process groups, parallelism applied to a plain model, the optimizer and the loop."""
+"""Training: process groups, parallelism applied to a plain model, the train module, callbacks and the loop."""
 
-from liandan.train.trainer import Callback, Trainer, TrainResult
+from liandan.train.callbacks import Callback
+from liandan.train.trainer import Trainer, TrainResult
 
 __all__ = ["Callback", "TrainResult", "Trainer"]

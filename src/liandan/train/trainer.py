@@ -1,13 +1,12 @@
-"""The training loop, readable top to bottom: set up processes, data, model, parallelism and optimizer, then
-step. Everything around the loop (checkpoints, guards, incident handling, the run store) plugs in through
-`Callback` hooks and the `MetricsLogger` seam, so the loop itself stays short."""
+"""The trainer: set up processes, the run directory, data and the train module, then a short loop of
+callback calls around the train module's step. Everything else a run does (metric logging, heartbeats,
+evaluation, memory snapshots, checkpoints, forecasts) is a callback (`liandan.train.callbacks`)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -17,40 +16,28 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import liandan.train.builtin_callbacks  # noqa: F401 - registers liandan's own callbacks
 from liandan import __version__
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.handoff import newest_checkpoint
 from liandan.checkpoint.manager import CheckpointManager, SaveError
+from liandan.checkpoint.resume import choose_resume
+from liandan.checkpoint.verify import step_of
 from liandan.config import Config, ConfigError
-from liandan.data.loader import Batch, PackedLoader
+from liandan.data.loader import PackedLoader
 from liandan.data.prepare import open_prepared, open_stores, prepare_store
 from liandan.faults import maybe_inject
-from liandan.model.spec import ModelSpec, padded_vocab
-from liandan.model.spec import get as get_model_spec
 from liandan.run.worker_env import WorkerEnv
-from liandan.spec.layout import resolve_layout, uses_fsdp
+from liandan.spec.layout import resolve_layout
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
 from liandan.track.logger import naming, parse_record, to_json
 from liandan.track.run_dir import RunLock, holds_progress, lock_run_dir
+from liandan.train.callbacks import Callback, builtin_callbacks, in_order
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
-from liandan.train.hardware import device_peak_flops, peak_memory_bytes, resolve_dtype
+from liandan.train.hardware import device_peak_flops, resolve_dtype
 from liandan.train.heartbeat import Heartbeat
-from liandan.train.optim import build_optimizer, build_scheduler, clip_grad_norm
-from liandan.train.parallelize import build_mesh, dp_coordinates, gradient_sync, parallelize
-
-
-class Callback:
-    """Hooks into the loop. Subclass and override what you need; every method is optional."""
-
-    def on_train_start(self, trainer: Trainer) -> None: ...
-
-    def before_step(self, trainer: Trainer, step: int) -> None: ...
-
-    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None: ...
-
-    def on_checkpoint(self, trainer: Trainer, step: int) -> None: ...
-
-    def on_train_end(self, trainer: Trainer, result: TrainResult) -> None: ...
+from liandan.train.module import TrainModule, _config_step
+from liandan.train.parallelize import build_mesh, dp_coordinates
 
 
 @dataclass
@@ -64,6 +51,16 @@ class TrainResult:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class StepOutput:
+    """What the last step did, for the callbacks after it."""
+
+    loss: torch.Tensor  # this rank's mean loss of the step
+    grad_norm: float
+    lr: float
+    skipped: bool  # the update was vetoed by a callback
+
+
 class Trainer:
     def __init__(
         self,
@@ -73,7 +70,10 @@ class Trainer:
         config_name: str = "run",
         say: Callable[[str], None] = print,
     ):
-        self.cfg, self.callbacks = cfg, list(callbacks)
+        self.cfg = cfg
+        self.callbacks = in_order([*builtin_callbacks(cfg), *callbacks])
+        for callback in self.callbacks:
+            callback.name = callback.name or type(callback).__name__
         self.dist: DistInfo = init_distributed(cfg.run.device, cfg.parallel.backend,
                                                cfg.resilience.collective_timeout_s)  # fmt: skip
         self.say = say if self.dist.is_main else (lambda msg: None)
@@ -81,16 +81,171 @@ class Trainer:
         self.mesh = build_mesh(self.layout, self.dist.device.type)
         self.device = self.dist.device
         self.dtype = resolve_dtype(cfg.train.dtype, self.device)
+        self.step = 0
+        self.tokens = 0  # of every kept step, earlier invocations' included
+        self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        self.result = TrainResult(Path(), cfg.train.steps)
+        self.last_step: StepOutput | None = None
         self.run_lock: RunLock | None = None  # held by rank 0 of an unsupervised run (the supervisor holds its own)
         self.run_dir, resuming = self._on_main_then_share(lambda: self._claim_run_dir(run_dir, config_name))
+        self.result.run_dir = self.run_dir
         self.say(f"run directory: {self.run_dir}")
         self.files = JsonlLogger(self.run_dir) if self.dist.is_main else NullLogger()
         self.heartbeat = Heartbeat(self.run_dir / "heartbeat", self.dist.rank)
         self.heartbeat.enable_stack_dumps()
         self.heartbeat.beat(0, "startup")
+        self._open_data(resuming)
+        self.module = TrainModule(cfg, self.tokenizer.vocab_size, self.mesh, self.layout, self.device, self.dtype)
+        self._open_checkpoints()
+        self._resume_or_init()
+        peak, self.peak_source = device_peak_flops(self.device, self.dtype)
+        self.peak_flops = self._sum_over_ranks(peak)
+        self.logger = self._make_logger()
+        params = self.module.params
+        self.say(
+            f"model: {params.total / 1e6:.2f}M parameters ({params.non_embedding / 1e6:.2f}M non-embedding),"
+            f" {cfg.train.seq_len} tokens per sequence, attention {self.module.attention}, {_dtype_name(self.dtype)},"
+            f" layout {self.layout}, {self.dist.world_size} process(es) on {self.device.type}"
+        )
 
-        # Data: token stores from the data pipeline, or rank 0 tokenizes `[data] paths` into a store in the run
-        # directory (resuming, it reuses that store) and the others open it.
+    # -- the loop -----------------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        steps, result = self.cfg.train.steps, self.result
+        self.notify("on_train_start")
+        self.logger.log_event("train_start", step=self.step, layout=str(self.layout), world_size=self.dist.world_size)
+        started, first_step = time.perf_counter(), self.step
+        self.model.train()
+        try:
+            while self.step < steps:
+                self.notify("before_step", self.step)
+                self.phase("data")
+                batches = self.loader.next_step(self.micro_batch)
+                maybe_inject("data", self.step + 1)
+                loss = self.module.forward_backward(batches, self.phase)
+                self.phase("optimizer")
+                grad_norm, lr = self.module.clip_gradients(), self.module.lr
+                update = self._agree_to_update(loss, grad_norm)
+                self.module.optimizer_step() if update else self.module.skip_step()
+                self.step += 1
+                self.tokens += self.tokens_per_step
+                self.last_step = StepOutput(loss, grad_norm, lr, skipped=not update)
+                self.notify("after_step", self.step, {})
+                maybe_inject("step", self.step)
+            self.phase("done")  # the teardown: the last save may still be writing
+            result.seconds, result.tokens = time.perf_counter() - started, self.tokens
+            self.notify("on_train_end", result)
+        except BaseException as err:
+            self.notify("on_error", err)
+            raise
+        self._finish(result, first_step, (steps - first_step) * self.tokens_per_step)
+        return result
+
+    def notify(self, hook: str, *args: Any) -> None:
+        """Call `hook` on every callback, in order."""
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
+
+    def phase(self, name: str, micro: int = 0) -> None:
+        """Where the current step has got to (heartbeats, for the supervisor's hang detection)."""
+        for callback in self.callbacks:
+            callback.on_phase(self, self.step, name, micro)
+
+    def _agree_to_update(self, loss: torch.Tensor, grad_norm: float) -> bool:
+        """Every callback that may veto the update is asked on every rank; one veto anywhere skips it
+        everywhere, so the ranks' weights never part."""
+        vetoers = [c for c in self.callbacks if c.overrides("before_optimizer_step")]
+        if not vetoers:
+            return True
+        answers = [c.before_optimizer_step(self, self.step, loss, grad_norm) for c in vetoers]  # all are asked
+        go = all(answers)
+        if self.dist.distributed:
+            flag = torch.tensor(1 if go else 0, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            go = bool(flag.item())
+        return go
+
+    # -- what callbacks call --------------------------------------------------------------------------------
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.module.model
+
+    @property
+    def model_args(self) -> Any:
+        return self.module.args
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.module.optimizer
+
+    @property
+    def autocast(self) -> bool:
+        return self.module.autocast
+
+    def save_checkpoint(self) -> float:
+        """Save (in the background when asynchronous); returns the seconds training was blocked."""
+        meta = {
+            "format": "liandan-checkpoint",
+            "layout": str(self.layout),
+            **self.resume_state(),
+            "model_family": self.module.spec.name,
+            "model_args": dataclasses.asdict(self.model_args),
+            "config": self.cfg.to_toml(),
+            "liandan_version": __version__,
+        }
+        blocked = self.checkpoints.save(self.step, self.model, self.module.optimizer, meta)
+        self.stop_if_unsaved(final=False)
+        self.notify("on_checkpoint_saved", self.step)
+        return blocked
+
+    def stop_if_unsaved(self, final: bool) -> None:
+        """End the run with a SaveError when its checkpoints are not being saved (see `unsaved_reason`): training
+        on with nothing saved, or reporting success, would risk work that cannot be resumed."""
+        reason = self.checkpoints.unsaved_reason(self.step, self.cfg.checkpoint.max_failed_saves, final)
+        if reason is None:
+            return
+        self.heartbeat.beat(self.step, "done")  # the teardown, for the supervisor's watchdog
+        self.checkpoints.close()
+        with contextlib.suppress(OSError):  # the error below says it all, whether or not the disk takes the record
+            self.logger.log_event("train_stopped", step=self.step, error=reason)
+        with contextlib.suppress(OSError):
+            self.logger.close()
+        raise SaveError(reason)
+
+    def resume_state(self) -> dict[str, Any]:
+        """What a resume needs besides the tensors: the schedule, the loader, the callbacks' states."""
+        states = {c.name: state for c in self.callbacks if (state := c.state_dict())}
+        return {"tokens": self.tokens, "scheduler": self.module.scheduler.state_dict(),
+                "loader": self.loader.state_dict(), "tokenizer": self.stores[0].fingerprint,
+                "callbacks": states}  # fmt: skip
+
+    def evaluate(self) -> float:
+        batches = self.loader.validation(self.cfg.train.eval_batches, self.micro_batch)
+        return self.mean_over_ranks(self.module.loss_over(batches))
+
+    def mean_over_ranks(self, value: torch.Tensor) -> float:
+        # Tensor-parallel peers hold the same loss, so the mean over all ranks is the mean over data ranks.
+        if self.dist.distributed:
+            value = value.detach().clone()
+            dist.all_reduce(value)
+            value /= self.dist.world_size
+        return float(value)
+
+    def close(self) -> None:
+        """Leave the process group and release the run directory; the trainer cannot step after this."""
+        self.heartbeat.close()
+        shutdown_distributed()
+        if self.run_lock is not None:
+            self.run_lock.release()
+
+    # -- set-up ---------------------------------------------------------------------------------------------
+    def _claim_run_dir(self, run_dir: Path | None, config_name: str) -> tuple[Path, bool]:
+        path, resumable, self.run_lock = _make_run_dir(self.cfg, run_dir, config_name)
+        return path, resumable
+
+    def _open_data(self, resuming: bool) -> None:
+        """Token stores from the data pipeline, or rank 0 tokenizes `[data] paths` into a store in the run
+        directory (resuming, it reuses that store) and the others open it; then the loader of this rank."""
+        cfg, t = self.cfg, self.cfg.train
         if cfg.data.stores:
             self.stores, self.tokenizer = open_stores(cfg.data.stores)
         else:
@@ -104,7 +259,6 @@ class Trainer:
             store, self.tokenizer = open_prepared(data_dir)
             self.stores = [store]
         self.dp_rank, self.dp_size = dp_coordinates(self.mesh, self.layout)
-        t = cfg.train
         per_rank = t.global_batch // self.dp_size if t.global_batch % self.dp_size == 0 else 0
         self.micro_batch = t.micro_batch or per_rank
         if not per_rank or per_rank % self.micro_batch:
@@ -117,34 +271,8 @@ class Trainer:
             weights=cfg.data.weights or None,
         )  # fmt: skip
 
-        # Model: the same seed on every rank gives every rank the same initial weights before sharding.
-        self.spec: ModelSpec = get_model_spec(cfg.model.family)
-        self.model_args = _model_args(cfg, self.tokenizer.vocab_size)
-        refusal = self.spec.tp_refusal(self.model_args, self.layout.tp)
-        if refusal:
-            raise ConfigError(refusal)
-        torch.manual_seed(cfg.run.seed)
-        model = self.spec.build(self.model_args)
-        configure = getattr(model, "configure_attention", None)
-        backend = _config_step(configure, self.device) if configure else "built in"
-        model.to(self.device)
-        fsdp = uses_fsdp(self.layout)
-        self.model = parallelize(
-            model,
-            self.mesh,
-            self.layout,
-            activation_checkpoint=t.activation_checkpoint,
-            compile=t.compile,
-            fsdp_param_dtype=self.dtype if fsdp and self.dtype != torch.float32 else None,
-            spec=self.spec,
-        )
-        # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
-        self.autocast = self.dtype != torch.float32 and not fsdp
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device, mixed_tensor_kinds=self.layout.tp > 1)
-        self.scheduler = build_scheduler(self.optimizer, t.steps, cfg.schedule)
-        self.step = 0
-        self.tokens = 0  # of every kept step, earlier invocations' included
-        c = cfg.checkpoint
+    def _open_checkpoints(self) -> None:
+        c = self.cfg.checkpoint
         self.checkpoints = CheckpointManager(
             Path(c.dir) if c.dir else self.run_dir / "checkpoints",
             keep_last=c.keep_last,
@@ -166,192 +294,67 @@ class Trainer:
             where = snapshots.snapshot_dir(self.run_dir, c.memory_dir)
             self.snapshots = snapshots.MemorySnapshots(where, self.dist.rank, self.dist.world_size, owner,
                                                        str(self.layout))  # fmt: skip
-        self._resume_or_init()
-
-        self.params = self.spec.count_params(self.model_args)
-        self.flops_per_token = self.spec.flops_per_token(self.model_args, t.seq_len)
-        peak, self.peak_source = device_peak_flops(self.device, self.dtype)
-        self.peak_flops = self._sum_over_ranks(peak)
-        self.logger = self._make_logger()
-        self.say(
-            f"model: {self.params.total / 1e6:.2f}M parameters ({self.params.non_embedding / 1e6:.2f}M non-embedding),"
-            f" {t.seq_len} tokens per sequence, attention {backend}, {_dtype_name(self.dtype)},"
-            f" layout {self.layout}, {self.dist.world_size} process(es) on {self.device.type}"
-        )
-
-    # -- the loop -----------------------------------------------------------------------------------------
-    def train(self) -> TrainResult:
-        cfg, t = self.cfg, self.cfg.train
-        result = TrainResult(self.run_dir, t.steps)
-        tokens_per_step = t.global_batch * t.seq_len
-        for cb in self.callbacks:
-            cb.on_train_start(self)
-        self.logger.log_event("train_start", step=self.step, layout=str(self.layout), world_size=self.dist.world_size)
-        started = time.perf_counter()
-        first_step = self.step
-        self.model.train()
-        while self.step < t.steps:
-            for cb in self.callbacks:
-                cb.before_step(self, self.step)
-            step_start = time.perf_counter()
-            self.heartbeat.beat(self.step, "data")
-            batches = self.loader.next_step(self.micro_batch)
-            maybe_inject("data", self.step + 1)
-            loss = self.train_step(batches)
-            self.heartbeat.beat(self.step, "optimizer")
-            grad_norm = self.clip_gradients()
-            lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
-            self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            self.step += 1
-            self.tokens += tokens_per_step
-
-            if self.step % t.log_every == 0 or self.step == t.steps:
-                self.heartbeat.beat(self.step, "collective")
-                loss_value = self._mean_over_ranks(loss)
-                seconds = time.perf_counter() - step_start
-                metrics = {
-                    "loss": loss_value,
-                    "grad_norm": float(grad_norm),
-                    "lr": lr,
-                    "tokens_per_s": tokens_per_step / seconds,
-                    "mfu": self.flops_per_token * tokens_per_step / seconds / self.peak_flops,
-                    "peak_mem_gib": peak_memory_bytes(self.device) / 2**30,
-                    "step_time_s": seconds,
-                }
-                result.losses.append(loss_value)
-                self.logger.log_metrics(self.step, metrics)
-                for cb in self.callbacks:
-                    cb.after_step(self, self.step, metrics)
-                if not math.isfinite(loss_value):
-                    self.logger.log_event("nonfinite_loss", step=self.step, loss=str(loss_value))
-            self.heartbeat.beat(self.step, "step_end")
-            if t.eval_every and (self.step % t.eval_every == 0 or self.step == t.steps):
-                self.heartbeat.beat(self.step, "eval")
-                result.val_loss = self.evaluate()
-                self.logger.log_event("eval", step=self.step, loss=result.val_loss)
-            if self.snapshots and self.step % cfg.checkpoint.memory_every == 0 and self.step < t.steps:
-                self.snapshots.save(self.step, self.model, self.optimizer, self._resume_state())
-            every = cfg.checkpoint.every
-            if every and (self.step % every == 0 or self.step == t.steps):
-                self.heartbeat.beat(self.step, "checkpoint")
-                self.save_checkpoint()
-            maybe_inject("step", self.step)
-        self.heartbeat.beat(self.step, "done")  # the teardown: the last save may still be writing
-        self.checkpoints.close()
-        self._stop_if_unsaved(final=True)
-        result.seconds = time.perf_counter() - started
-        result.tokens = self.tokens
-        self._finish(result, first_step, (t.steps - first_step) * tokens_per_step)
-        for cb in self.callbacks:
-            cb.on_train_end(self, result)
-        return result
-
-    def train_step(self, batches: list[Batch]) -> torch.Tensor:
-        """Forward and backward over the micro-batches of one step; returns the step's mean loss (detached)."""
-        total = torch.zeros((), device=self.device)
-        for i, batch in enumerate(batches):
-            batch = batch.to(self.device)
-            with gradient_sync(self.model, sync=i == len(batches) - 1):
-                self.heartbeat.beat(self.step, "forward", micro=i)
-                with self._autocast():
-                    loss = self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)) / len(batches)
-                self.heartbeat.beat(self.step, "backward", micro=i)
-                loss.backward()
-            total += loss.detach()
-        return total
-
-    def save_checkpoint(self) -> float:
-        """Save (in the background when asynchronous); returns the seconds training was blocked."""
-        meta = {
-            "format": "liandan-checkpoint",
-            "layout": str(self.layout),
-            **self._resume_state(),
-            "model_family": self.spec.name,
-            "model_args": dataclasses.asdict(self.model_args),
-            "config": self.cfg.to_toml(),
-            "liandan_version": __version__,
-        }
-        blocked = self.checkpoints.save(self.step, self.model, self.optimizer, meta)
-        self._stop_if_unsaved(final=False)
-        for cb in self.callbacks:
-            cb.on_checkpoint(self, self.step)
-        return blocked
-
-    def _stop_if_unsaved(self, final: bool) -> None:
-        """End the run with a SaveError when its checkpoints are not being saved (see `unsaved_reason`): training
-        on with nothing saved, or reporting success, would risk work that cannot be resumed."""
-        reason = self.checkpoints.unsaved_reason(self.step, self.cfg.checkpoint.max_failed_saves, final)
-        if reason is None:
-            return
-        self.heartbeat.beat(self.step, "done")  # the teardown, for the supervisor's watchdog
-        self.checkpoints.close()
-        with contextlib.suppress(OSError):  # the error below says it all, whether or not the disk takes the record
-            self.logger.log_event("train_stopped", step=self.step, error=reason)
-        with contextlib.suppress(OSError):
-            self.logger.close()
-        raise SaveError(reason)
-
-    def _resume_state(self) -> dict[str, Any]:
-        """What a resume needs besides the tensors."""
-        return {"tokens": self.tokens, "scheduler": self.scheduler.state_dict(), "loader": self.loader.state_dict(),
-                "tokenizer": self.stores[0].fingerprint}  # fmt: skip
 
     def _resume_or_init(self) -> None:
-        """Continue from the newest memory snapshot or checkpoint that verifies, or start from `init_from`."""
+        """Continue from the newest memory snapshot or checkpoint that verifies (`choose_resume`, the decision
+        the supervisor takes too), or start from `init_from`."""
         c = self.cfg.checkpoint
-        auto = c.resume == "auto"
-        in_memory = self.snapshots.agree() if self.snapshots and auto else None
-        newest = None
-        if in_memory is not None:
-            newest = self._on_main_then_share(lambda: [p.name for p in self.checkpoints.complete_checkpoints()[-1:]])
-        if in_memory is not None and in_memory >= (int(newest[0][5:]) if newest else 0):
-            path = None  # the snapshot is as new as any checkpoint: no checkpoint need be read, let alone verified
-        else:
-            path = newest_checkpoint(self.checkpoints) if auto else None  # the supervisor's verdict, if fresh
-            if path is not None and in_memory is not None and in_memory <= int(path.name[5:]):
-                in_memory = None
-        if in_memory is not None:
-            meta = self.snapshots.load(in_memory, self.model, self.optimizer)
-            self._continue_from(meta, in_memory, f"the memory snapshot in {self.snapshots.directory}")
+        point = None
+        if c.resume == "auto":
+            in_memory = self.snapshots.agree() if self.snapshots else None
+            newest = None
+            if in_memory is not None:
+                newest = self._on_main_then_share(lambda: [p.name for p in self.checkpoints.complete_checkpoints()[-1:]])
+            point = choose_resume(in_memory, step_of(Path(newest[0])) if newest else None,
+                                  lambda: newest_checkpoint(self.checkpoints))  # the supervisor's verdict, if fresh  # fmt: skip
+        if point is not None and point.source == "memory":
+            meta = self.snapshots.load(point.step, self.model, self.module.optimizer)
+            self._continue_from(meta, point.step, f"the memory snapshot in {self.snapshots.directory}")
             self._event("resumed", step=self.step, source="memory", path=str(self.snapshots.directory),
                         from_layout=str(self.layout))  # fmt: skip
-        elif path is not None:  # one that verifies may still fail to load: then the newest older one that does
-            path, meta = self.checkpoints.load_newest(path, self.model, self.optimizer)
+        elif point is not None and point.source == "checkpoint":
+            # one that verifies may still fail to load: then the newest older one that does
+            path, meta = self.checkpoints.load_newest(point.path, self.model, self.module.optimizer)
             self._continue_from(meta, int(meta["step"]), str(path))
             self._event("resumed", step=self.step, source="checkpoint", path=str(path), from_layout=meta.get("layout"))
         elif c.init_from:
-            source = Path(c.init_from)
-            if not (source / "meta.json").is_file():
-                raise ConfigError(f"checkpoint.init_from = {source}: no checkpoint there (meta.json missing)")
-            their_meta = json.loads((source / "meta.json").read_text())
-            theirs, ours = their_meta.get("model_args", {}), dataclasses.asdict(self.model_args)
-            differ = [f"model.{k} = {ours[k]} (checkpoint: {theirs.get(k)})" for k in self.spec.shape_fields
-                      if theirs.get(k) != ours[k]]  # fmt: skip
-            family = their_meta.get("model_family", "llama")
-            if family != self.spec.name:
-                differ.insert(0, f"model.family = {self.spec.name} (checkpoint: {family})")
-            if differ:
-                raise ConfigError(f"checkpoint.init_from = {source} has another model shape: {'; '.join(differ)}")
-            self.checkpoints.load(source, self.model)
-            self.say(f"initialised model weights from {source}")
-            self._event("initialised", path=str(source))
+            self._init_from(Path(c.init_from))
         if self.step == 0 and self.dist.is_main:  # a restart with nothing to resume from starts over
             _truncate_metrics(self.run_dir / "metrics.jsonl", 0)
+
+    def _init_from(self, source: Path) -> None:
+        if not (source / "meta.json").is_file():
+            raise ConfigError(f"checkpoint.init_from = {source}: no checkpoint there (meta.json missing)")
+        their_meta = json.loads((source / "meta.json").read_text())
+        theirs, ours = their_meta.get("model_args", {}), dataclasses.asdict(self.model_args)
+        differ = [f"model.{k} = {ours[k]} (checkpoint: {theirs.get(k)})" for k in self.module.spec.shape_fields
+                  if theirs.get(k) != ours[k]]  # fmt: skip
+        family = their_meta.get("model_family", "llama")
+        if family != self.module.spec.name:
+            differ.insert(0, f"model.family = {self.module.spec.name} (checkpoint: {family})")
+        if differ:
+            raise ConfigError(f"checkpoint.init_from = {source} has another model shape: {'; '.join(differ)}")
+        self.checkpoints.load(source, self.model)
+        self.say(f"initialised model weights from {source}")
+        self._event("initialised", path=str(source))
 
     def _continue_from(self, meta: dict[str, Any], step: int, source: str) -> None:
         if meta.get("tokenizer") != self.stores[0].fingerprint:
             data = ", ".join(str(s.path) for s in self.stores)
             raise ConfigError(f"{source} was trained with another tokenizer than the data in {data}")
-        self.scheduler.load_state_dict(meta["scheduler"])
+        self.module.scheduler.load_state_dict(meta["scheduler"])
         self.loader.load_state_dict(meta["loader"])
         self.step = step
         per_step = self.cfg.train.global_batch * self.cfg.train.seq_len
         self.tokens = int(meta.get("tokens", step * per_step))  # older snapshots lack it: tokens/step was constant
+        states = meta.get("callbacks", {})
+        for callback in self.callbacks:
+            if callback.name in states:
+                callback.load_state_dict(states[callback.name])
         if self.dist.is_main:
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
         self.say(f"resumed from {source} at step {self.step}")
+        self.notify("on_checkpoint_loaded", self.step, source)
 
     def _event(self, kind: str, **fields: Any) -> None:
         # Said before it is recorded: on a full disk the record may fail.
@@ -360,49 +363,6 @@ class Trainer:
         elif kind == "checkpoint_rejected":
             self.say(f"warning: checkpoint rejected: {fields.get('error')}")
         self.files.log_event(kind, **fields)
-
-    def clip_gradients(self) -> float:
-        return clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
-
-    @torch.no_grad()
-    def evaluate(self) -> float:
-        self.model.eval()
-        batches = self.loader.validation(self.cfg.train.eval_batches, self.micro_batch)
-        total = torch.zeros((), device=self.device)
-        for batch in batches:
-            batch = batch.to(self.device)
-            with self._autocast():
-                total += self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)).float()
-        self.model.train()
-        return self._mean_over_ranks(total / max(1, len(batches)))
-
-    def close(self) -> None:
-        """Leave the process group and release the run directory; the trainer cannot step after this."""
-        self.heartbeat.close()
-        shutdown_distributed()
-        if self.run_lock is not None:
-            self.run_lock.release()
-
-    # -- helpers ------------------------------------------------------------------------------------------
-    def _claim_run_dir(self, run_dir: Path | None, config_name: str) -> tuple[Path, bool]:
-        path, resumable, self.run_lock = _make_run_dir(self.cfg, run_dir, config_name)
-        return path, resumable
-
-    def _doc_ids(self, batch: Batch) -> torch.Tensor | None:
-        return batch.doc_ids if self.cfg.train.mask == "document" else None
-
-    def _autocast(self):
-        if not self.autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
-
-    def _mean_over_ranks(self, value: torch.Tensor) -> float:
-        # Tensor-parallel peers hold the same loss, so the mean over all ranks is the mean over data ranks.
-        if self.dist.distributed:
-            value = value.detach().clone()
-            dist.all_reduce(value)
-            value /= self.dist.world_size
-        return float(value)
 
     def _sum_over_ranks(self, value: float) -> float:
         if not self.dist.distributed:
@@ -442,6 +402,7 @@ class Trainer:
         if not self.dist.is_main:
             return
         tail = result.losses[-max(1, len(result.losses) // 10) :]
+        params = self.module.params
         result.summary = {
             "steps": self.step,
             "tokens": result.tokens,
@@ -450,9 +411,9 @@ class Trainer:
             "final_loss": result.losses[-1] if result.losses else None,
             "final_loss_smoothed": sum(tail) / len(tail) if tail else None,
             "val_loss": result.val_loss,
-            "parameters": self.params.total,
-            "non_embedding_parameters": self.params.non_embedding,
-            "flops_per_token": self.flops_per_token,
+            "parameters": params.total,
+            "non_embedding_parameters": params.non_embedding,
+            "flops_per_token": self.module.flops_per_token,
             "tokens_per_s": tokens_trained_now / result.seconds if result.seconds else None,
             "peak_flops": self.peak_flops,
             "peak_flops_source": self.peak_source,
@@ -464,15 +425,6 @@ class Trainer:
             path.write_text(to_json(result.summary, indent=2) + "\n")
         with naming(self.run_dir / "training.png"):
             plot_run(self.run_dir)
-
-
-def _model_args(cfg: Config, tokenizer_vocab: int) -> Any:
-    """The model's args in its family's type, derived from [model] by the family's spec."""
-    m = cfg.model
-    vocab = padded_vocab(m.vocab_size, tokenizer_vocab)  # multiples of 64 keep matmuls aligned
-    if vocab < tokenizer_vocab:
-        raise ConfigError(f"model.vocab_size = {vocab} is smaller than the tokenizer's {tokenizer_vocab} tokens")
-    return get_model_spec(m.family).args_from_config(m, vocab)
 
 
 def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[Path, bool, RunLock | None]:
@@ -511,16 +463,6 @@ def _truncate_metrics(path: Path, step: int) -> None:
     records = [(line, parse_record(line)) for line in path.read_text().splitlines()]
     keep = [line for line, record in records if record is not None and record.get("step", step + 1) <= step]
     path.write_text("".join(line + "\n" for line in keep))
-
-
-def _config_step(fn: Callable, *args: Any) -> Any:
-    """Setup steps raise ValueError for impossible settings; report them as configuration errors."""
-    try:
-        return fn(*args)
-    except ConfigError:
-        raise
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

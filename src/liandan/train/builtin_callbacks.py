@@ -1,0 +1,138 @@
+"""liandan's own callbacks, registered by name and chosen by the config like any other: heartbeats for the
+supervisor, metric logging, evaluation, memory snapshots and checkpoints. Their `order` leaves room for
+callbacks that must run between them (a guard that reads the logged loss before a snapshot is taken, say)."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING
+
+from liandan.config import Config
+from liandan.train.callbacks import Callback, register_callback
+from liandan.train.hardware import peak_memory_bytes
+
+if TYPE_CHECKING:
+    from liandan.train.trainer import Trainer, TrainResult
+
+
+class HeartbeatCallback(Callback):
+    """Each rank's step and phase into its heartbeat file, for the supervisor's hang detection; the step's end
+    once its metrics are logged, before evaluation and saves."""
+
+    order = 15
+
+    def on_phase(self, trainer: Trainer, step: int, phase: str, micro: int) -> None:
+        trainer.heartbeat.beat(step, phase, micro=micro)
+
+    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        trainer.heartbeat.beat(step, "step_end")
+
+
+class MetricsCallback(Callback):
+    """On every `train.log_every`-th step and the last: the loss averaged over ranks, grad norm, learning rate,
+    throughput, MFU, peak memory and step time, into metrics.jsonl and onto the console; a non-finite loss is
+    also an event. Later callbacks read what it logged from `metrics`."""
+
+    order = 10
+
+    def __init__(self) -> None:
+        self.step_started = 0.0
+
+    def before_step(self, trainer: Trainer, step: int) -> None:
+        self.step_started = time.perf_counter()
+
+    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        t = trainer.cfg.train
+        if step % t.log_every and step != t.steps:
+            return
+        trainer.phase("collective")
+        out = trainer.last_step
+        loss = trainer.mean_over_ranks(out.loss)
+        seconds = time.perf_counter() - self.step_started
+        tokens = trainer.tokens_per_step
+        metrics.update(
+            loss=loss,
+            grad_norm=float(out.grad_norm),
+            lr=out.lr,
+            tokens_per_s=tokens / seconds,
+            mfu=trainer.module.flops_per_token * tokens / seconds / trainer.peak_flops,
+            peak_mem_gib=peak_memory_bytes(trainer.device) / 2**30,
+            step_time_s=seconds,
+        )
+        if out.skipped:
+            metrics["update_skipped"] = 1.0
+        trainer.result.losses.append(loss)
+        trainer.logger.log_metrics(step, metrics)
+        if not math.isfinite(loss):
+            trainer.logger.log_event("nonfinite_loss", step=step, loss=str(loss))
+
+
+class EvalCallback(Callback):
+    """The validation loss every `train.eval_every` steps and at the last, as an "eval" event."""
+
+    order = 20
+
+    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        t = trainer.cfg.train
+        if step % t.eval_every and step != t.steps:
+            return
+        trainer.phase("eval")
+        loss = trainer.evaluate()
+        trainer.result.val_loss = loss
+        trainer.logger.log_event("eval", step=step, loss=loss)
+        trainer.notify("on_eval", step, loss)
+
+
+class SnapshotCallback(Callback):
+    """A copy of the whole training state in host memory every `checkpoint.memory_every` steps, for the
+    supervisor's restarts (it owns the snapshots; unsupervised runs take none)."""
+
+    order = 40
+
+    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        every = trainer.cfg.checkpoint.memory_every
+        if trainer.snapshots and step % every == 0 and step < trainer.cfg.train.steps:
+            trainer.snapshots.save(step, trainer.model, trainer.module.optimizer, trainer.resume_state())
+
+
+class CheckpointCallback(Callback):
+    """A checkpoint every `checkpoint.every` steps and at the last; at the end, the wait for the last save and
+    the refusal to report success when it (or too many saves in a row) failed."""
+
+    order = 50
+
+    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        every = trainer.cfg.checkpoint.every
+        if step % every == 0 or step == trainer.cfg.train.steps:
+            trainer.phase("checkpoint")
+            trainer.save_checkpoint()
+
+    def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
+        trainer.checkpoints.close()
+        trainer.stop_if_unsaved(final=True)
+
+
+@register_callback("heartbeat", builtin=True)
+def _heartbeat(cfg: Config) -> Callback:
+    return HeartbeatCallback()
+
+
+@register_callback("metrics", builtin=True)
+def _metrics(cfg: Config) -> Callback:
+    return MetricsCallback()
+
+
+@register_callback("eval", builtin=True)
+def _eval(cfg: Config) -> Callback | None:
+    return EvalCallback() if cfg.train.eval_every else None
+
+
+@register_callback("memory_snapshots", builtin=True)
+def _snapshots(cfg: Config) -> Callback | None:
+    return SnapshotCallback() if cfg.checkpoint.memory_every else None
+
+
+@register_callback("checkpoint", builtin=True)
+def _checkpoint(cfg: Config) -> Callback | None:
+    return CheckpointCallback() if cfg.checkpoint.every else None

@@ -1,0 +1,134 @@
+"""The train module: what one step does to the model. It builds the model from its family's spec, applies
+parallelism from outside, and owns forward and backward over the micro-batches, clipping, and the optimizer
+and scheduler steps. The trainer's loop calls it; nothing here knows about runs, files or callbacks."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from liandan.config import Config, ConfigError
+from liandan.data.loader import Batch
+from liandan.model.spec import ModelSpec, padded_vocab
+from liandan.model.spec import get as get_model_spec
+from liandan.spec.layout import Layout, uses_fsdp
+from liandan.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from liandan.train.parallelize import gradient_sync, parallelize
+
+PhaseHook = Callable[..., None]  # (phase, micro=0): where a step has got to, for heartbeats
+
+
+def model_args(cfg: Config, tokenizer_vocab: int) -> Any:
+    """The model's args in its family's type, derived from [model] by the family's spec."""
+    m = cfg.model
+    vocab = padded_vocab(m.vocab_size, tokenizer_vocab)  # multiples of 64 keep matmuls aligned
+    if vocab < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size = {vocab} is smaller than the tokenizer's {tokenizer_vocab} tokens")
+    return get_model_spec(m.family).args_from_config(m, vocab)
+
+
+class TrainModule:
+    def __init__(
+        self,
+        cfg: Config,
+        tokenizer_vocab: int,
+        mesh,
+        layout: Layout,
+        device: torch.device,
+        dtype: torch.dtype,
+    ):
+        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.spec: ModelSpec = get_model_spec(cfg.model.family)
+        self.args = model_args(cfg, tokenizer_vocab)
+        refusal = self.spec.tp_refusal(self.args, layout.tp)
+        if refusal:
+            raise ConfigError(refusal)
+        # The same seed on every rank gives every rank the same initial weights before sharding.
+        torch.manual_seed(cfg.run.seed)
+        model = self.spec.build(self.args)
+        configure = getattr(model, "configure_attention", None)
+        self.attention = _config_step(configure, device) if configure else "built in"
+        model.to(device)
+        fsdp = uses_fsdp(layout)
+        t = cfg.train
+        self.model = parallelize(
+            model,
+            mesh,
+            layout,
+            activation_checkpoint=t.activation_checkpoint,
+            compile=t.compile,
+            fsdp_param_dtype=dtype if fsdp and dtype != torch.float32 else None,
+            spec=self.spec,
+        )
+        # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
+        self.autocast = dtype != torch.float32 and not fsdp
+        self.optimizer = build_optimizer(self.model, cfg.optim, device, mixed_tensor_kinds=layout.tp > 1)
+        self.scheduler = build_scheduler(self.optimizer, t.steps, cfg.schedule)
+        self.params = self.spec.count_params(self.args)
+        self.flops_per_token = self.spec.flops_per_token(self.args, t.seq_len)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def forward_backward(self, batches: list[Batch], phase: PhaseHook) -> torch.Tensor:
+        """Forward and backward over the micro-batches of one step; returns the step's mean loss (detached).
+        Gradients are synchronised on the last micro-batch only."""
+        total = torch.zeros((), device=self.device)
+        for i, batch in enumerate(batches):
+            batch = batch.to(self.device)
+            with gradient_sync(self.model, sync=i == len(batches) - 1):
+                phase("forward", micro=i)
+                with self.autocasting():
+                    loss = self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)) / len(batches)
+                phase("backward", micro=i)
+                loss.backward()
+            total += loss.detach()
+        return total
+
+    def clip_gradients(self) -> float:
+        return clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def skip_step(self) -> None:
+        """Throw this step's gradients away; the schedule moves on as if the update had been made, so the
+        learning rate of every later step stays what the config says."""
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def loss_over(self, batches: list[Batch]) -> torch.Tensor:
+        """Mean loss over `batches` in eval mode (this rank's; the caller averages over ranks)."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for batch in batches:
+            batch = batch.to(self.device)
+            with self.autocasting():
+                total += self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)).float()
+        self.model.train()
+        return total / max(1, len(batches))
+
+    def autocasting(self):
+        if not self.autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def _doc_ids(self, batch: Batch) -> torch.Tensor | None:
+        return batch.doc_ids if self.cfg.train.mask == "document" else None
+
+
+def _config_step(fn: Callable, *args: Any) -> Any:
+    """Setup steps raise ValueError for impossible settings; report them as configuration errors."""
+    try:
+        return fn(*args)
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
