@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import ipaddress
 import json
 import os
 import socket
@@ -25,6 +26,7 @@ from liandan.config import ConfigError
 
 NODE_ENV = "LIANDAN_NODE_NAME"
 FAILURE_LIMIT_ENV = "LIANDAN_NODE_FAILURE_LIMIT"
+NODE_ADDR_ENV = "LIANDAN_NODE_ADDR"  # the address this node's stores listen on (default: its route to the endpoint)
 EXCLUDED_FILE = "excluded_nodes.json"
 EXCLUDED_HOSTLIST = "excluded_nodes.txt"  # for `srun --exclude=$(cat ...)` / `sbatch --exclude=...`
 
@@ -56,11 +58,36 @@ class Rendezvous:
     last_call_s: float | None = None
 
     def torchrun_args(self) -> list[str]:
-        args = [f"--nnodes={self.min_nodes}:{self.max_nodes}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}"]  # fmt: skip
+        from liandan.train.stores import RENDEZVOUS_BACKEND, parse_endpoint, route_address
+
+        # torchrun's c10d rendezvous, with its stores bound to the address the other nodes reach this one at
+        host, port = parse_endpoint(self.endpoint)
+        local = os.environ.get(NODE_ADDR_ENV, "").strip()
+        try:
+            local = local or route_address(host, port)
+            loopback = ipaddress.ip_address(local.split("%")[0]).is_loopback
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"$LIANDAN_RDZV_ENDPOINT = '{self.endpoint}' / ${NODE_ADDR_ENV} = '{local}': "
+                              f"no address of this node to listen on ({err})") from None  # fmt: skip
+        if loopback and not _is_loopback(host):
+            raise ConfigError(f"$LIANDAN_RDZV_ENDPOINT = '{self.endpoint}': {host} resolves to the loopback address "
+                              f"{local} here, which other nodes cannot reach; fix its entry in /etc/hosts or set "
+                              f"${NODE_ADDR_ENV} to this node's address on the cluster network")  # fmt: skip
+        args = [f"--nnodes={self.min_nodes}:{self.max_nodes}", f"--rdzv-backend={RENDEZVOUS_BACKEND}",
+                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
+                f"--local-addr={local}"]  # fmt: skip
         if self.last_call_s is not None:
             args.append(f"--rdzv-conf=last_call_timeout={self.last_call_s:g}")
         return args
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def rendezvous_from_env(default_id: str) -> Rendezvous | None:
