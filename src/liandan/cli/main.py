@@ -124,16 +124,27 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return _launch(args.config, cfg, name, args.nproc, overrides)
     from liandan.train import Trainer
     from liandan.train.callbacks import default_callbacks
+    from liandan.train.preemption import Preempted, PreemptionGuard
 
-    trainer = Trainer(cfg, config_name=name, callbacks=default_callbacks(cfg))
+    guard = PreemptionGuard().install()  # SIGTERM, SIGINT: save at the end of the step, then exit 128 + signal
     try:
-        result = trainer.train()
-    except Exception as err:
-        if "LIANDAN_SUPERVISED" in os.environ and not isinstance(err, (*USER_ERRORS, OSError)):
-            _crash_now()
-        raise
+        trainer = Trainer(cfg, config_name=name, callbacks=default_callbacks(cfg), preemption=guard)
+        try:
+            result = trainer.train()
+        except Exception as err:
+            if "LIANDAN_SUPERVISED" in os.environ and not isinstance(err, (*USER_ERRORS, OSError)):
+                _crash_now()
+            raise
+        finally:
+            trainer.close()
+    except Preempted as stop:
+        _leave_process_group()
+        if int(os.environ.get("RANK", "0")) == 0 and "LIANDAN_SUPERVISED" not in os.environ:  # it says so itself
+            resumes = "there" if stop.checkpoint else "from the newest checkpoint"
+            print(f"liandan: {stop}; the next run resumes {resumes}", file=sys.stderr)
+        return stop.exit_code
     finally:
-        trainer.close()
+        guard.close()
     _report(result)
     return 0
 

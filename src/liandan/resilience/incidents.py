@@ -9,7 +9,7 @@ from pathlib import Path
 from liandan.checkpoint.verify import CheckpointError
 
 SHOWN = ("incident", "restart", "recovered", "gave_up", "resumed", "checkpoint_failed", "checkpoint_rejected",
-         "nonfinite_loss", "node_excluded", "node_refused", "supervisor_end")  # fmt: skip
+         "nonfinite_loss", "node_excluded", "node_refused", "preempted", "supervisor_end")  # fmt: skip
 
 
 def read_events(run_dir: Path) -> list[dict]:
@@ -56,6 +56,12 @@ def _describe(e: dict) -> str:
         return f"node {e['node']} refused to join: excluded ({e.get('reason')})"
     if kind == "recovered":
         return f"recovered: step {e['step']} done {e['seconds']:.1f}s after the failure"
+    if kind == "preempted":
+        at = f" at step {e['step']}" if e.get("step") is not None else ""
+        if "outcome" in e:  # the supervisor's record
+            return f"PREEMPTED by {e['signal']}{at}: {e['outcome']}; resumes from step {e['resume_step']}"
+        saved = f"checkpoint {Path(e['checkpoint']).name} saved" if e.get("checkpoint") else "no checkpoint saved"
+        return f"PREEMPTED by {e['signal']}{at}: {saved}"
     if kind == "gave_up":
         return f"GAVE UP: {e['reason']}"
     if kind == "resumed" and e.get("source") == "memory":

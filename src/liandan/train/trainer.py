@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from liandan.train.hardware import device_peak_flops, peak_memory_bytes, resolve
 from liandan.train.heartbeat import Heartbeat
 from liandan.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from liandan.train.parallelize import build_mesh, dp_coordinates, gradient_sync, parallelize, resolve_layout, uses_fsdp
+from liandan.train.preemption import Preempted, PreemptionGuard
 
 
 class Callback:
@@ -68,8 +70,9 @@ class Trainer:
         callbacks: Sequence[Callback] = (),
         config_name: str = "run",
         say: Callable[[str], None] = print,
+        preemption: PreemptionGuard | None = None,
     ):
-        self.cfg, self.callbacks = cfg, list(callbacks)
+        self.cfg, self.callbacks, self.preemption = cfg, list(callbacks), preemption
         self.dist: DistInfo = init_distributed(cfg.run.device, cfg.parallel.backend,
                                                cfg.resilience.collective_timeout_s)  # fmt: skip
         self.say = say if self.dist.is_main else (lambda msg: None)
@@ -142,11 +145,11 @@ class Trainer:
             on_event=self._event,
         )
         # Snapshots in host memory serve the supervisor's restarts only: it owns them and removes them.
-        owner = os.environ.get(memory.OWNER_ENV)
+        owner, handed = os.environ.get(memory.OWNER_ENV), memory.handed_dir()
         self.snapshots = None
-        if c.memory_every and owner:
-            self.snapshots = memory.MemorySnapshots(memory.snapshot_dir(self.run_dir, c.memory_dir), self.dist.rank,
-                                                    self.dist.world_size, owner, str(self.layout))  # fmt: skip
+        if c.memory_every and owner and handed:
+            self.snapshots = memory.MemorySnapshots(handed, self.dist.rank, self.dist.world_size, owner,
+                                                    str(self.layout))  # fmt: skip
         self._resume_or_init()
 
         self.params = count_params(self.model_args)
@@ -170,6 +173,8 @@ class Trainer:
         self.logger.log_event("train_start", step=self.step, layout=str(self.layout), world_size=self.dist.world_size)
         started = time.perf_counter()
         first_step = self.step
+        if self.preemption:
+            self.preemption.start_loop(self.dist.distributed)
         self.model.train()
         while self.step < t.steps:
             for cb in self.callbacks:
@@ -214,10 +219,15 @@ class Trainer:
             if self.snapshots and self.step % cfg.checkpoint.memory_every == 0 and self.step < t.steps:
                 self.snapshots.save(self.step, self.model, self.optimizer, self._resume_state())
             every = cfg.checkpoint.every
-            if every and (self.step % every == 0 or self.step == t.steps):
+            stop = self.preemption.agreed() if self.preemption and self.step < t.steps else 0
+            if stop or (every and (self.step % every == 0 or self.step == t.steps)):
                 self.heartbeat.beat(self.step, "checkpoint")
                 self.save_checkpoint()
+            if stop:
+                self._stop_for_preemption(stop)
             maybe_inject("step", self.step)
+        if self.preemption:
+            self.preemption.end_loop()
         self.heartbeat.beat(self.step, "done")  # the teardown: the last save may still be writing
         self.checkpoints.close()
         result.seconds = time.perf_counter() - started
@@ -256,6 +266,16 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_checkpoint(self, self.step)
         return blocked
+
+    def _stop_for_preemption(self, signum: int) -> None:
+        """Every rank has just saved the checkpoint of this step: wait until it is complete, then stop."""
+        self.checkpoints.close()
+        saved = [o for o in self.checkpoints.outcomes if o.step == self.step and o.ok]
+        path = str(saved[-1].path) if saved else None
+        if "LIANDAN_SUPERVISED" not in os.environ:  # a supervisor records the preemption itself
+            self._event("preempted", signal=signal.Signals(signum).name, step=self.step, checkpoint=path)
+        self.logger.close()
+        raise Preempted(signum, self.step, path)
 
     def _resume_state(self) -> dict[str, Any]:
         """What a resume needs besides the tensors."""
@@ -429,7 +449,8 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
     resumable = cfg.checkpoint.resume == "auto" and any(ckpt_root.glob("step-*/manifest.json"))
     if cfg.checkpoint.resume == "auto" and cfg.checkpoint.memory_every and os.environ.get(memory.OWNER_ENV):
         # The supervisor empties the snapshot directory when it starts: what is there is this run's.
-        resumable = resumable or any(memory.snapshot_dir(run_dir, cfg.checkpoint.memory_dir).glob("rank-*.json"))
+        handed = memory.handed_dir()
+        resumable = resumable or bool(handed and any(handed.glob("rank-*.json")))
     # A supervised restart with nothing to resume from starts the run over.
     overwrite = cfg.run.overwrite or int(os.environ.get("LIANDAN_ATTEMPT", "0")) > 0
     if (run_dir / "metrics.jsonl").exists() and not resumable and not overwrite:
