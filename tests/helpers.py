@@ -70,3 +70,91 @@ def fill_disk(path: Path) -> Path:
             if err.errno != errno.ENOSPC:
                 raise
     return path
+
+
+def listening_sockets(pids) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket in LISTEN state that one of `pids` holds open (Linux /proc)."""
+    import ipaddress
+    import os
+
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:  # gone already
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = set()
+    for table in ("tcp", "tcp6"):
+        lines = Path(f"/proc/net/{table}").read_text().splitlines()[1:]
+        for line in lines:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            raw, port = local.split(":")
+            packed = bytes.fromhex(raw)
+            # /proc writes each 32-bit word of the address in host (little-endian) order
+            packed = b"".join(packed[i : i + 4][::-1] for i in range(0, len(packed), 4))
+            address = ipaddress.ip_address(packed)
+            if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped:
+                address = address.ipv4_mapped
+            found.add((str(address), int(port, 16)))
+    return found
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every process descended from it (Linux /proc)."""
+    import os
+
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree
+
+
+def listeners_until_exit(proc, timeout: float = 400.0) -> set[tuple[str, int]]:
+    """Every listening socket that `proc` or a process descended from it held while it ran (sampled)."""
+    import time
+
+    seen: set[tuple[str, int]] = set()
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline:
+        seen |= listening_sockets(process_tree(proc.pid))
+        time.sleep(0.05)  # a sampling interval: the stores live for the whole run
+    return seen
+
+
+def wait_for_step(run_dir: Path, step: int, proc, timeout: float = 300.0) -> None:
+    """Poll the run's metrics.jsonl until it has logged `step`; the process `proc` must not end first."""
+    import time
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        try:
+            lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+            if lines and json.loads(lines[-1])["step"] >= step:
+                return
+        except (OSError, ValueError):  # not there yet, or a line being written
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"step {step} not reached in {timeout}s")

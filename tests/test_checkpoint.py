@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import fill_disk, tiny_config, write_corpus
 
+from helpers import fill_disk, tiny_config, write_corpus
 from liandan.checkpoint.manager import CheckpointManager, load_model, rng_state, set_rng_state
 from liandan.checkpoint.verify import CheckpointError, verify
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers import tiny_config, write_corpus
 
 pytestmark = pytest.mark.slow
@@ -148,3 +149,35 @@ def test_collective_timeout_ends_a_wait_for_a_missing_peer():
     for p in procs:
         p.join(60)
     assert outcome == "failed" and 1.5 <= seconds < 30
+
+
+def test_a_bound_store_listens_on_loopback_only():
+    """c10d's TCPStore listens on every interface whatever host it is given; ours only where it is told."""
+    import torch.distributed as dist
+
+    from helpers import listening_sockets
+    from liandan.train.stores import LOOPBACK, bound_store
+
+    store = bound_store(LOOPBACK)
+    client = dist.TCPStore(LOOPBACK, store.port, is_master=False)
+    client.set("key", "value")
+    assert store.get("key") == b"value"
+    assert [(address, port) for address, port in listening_sockets([os.getpid()]) if port == store.port] == [
+        (LOOPBACK, store.port)
+    ]
+
+
+def test_torchrun_launch_listens_on_loopback_only(tmp_path):
+    """Unsupervised `--nproc=2` goes through torchrun: its rendezvous store, the workers' store and gloo's
+    sockets all listen on 127.0.0.1 only."""
+    from helpers import listeners_until_exit
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(tiny_config(tmp_path / "runs", write_corpus(tmp_path), "--train.steps=2").to_toml())
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LIANDAN_", "GLOO_", "NCCL_"))}
+    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", "--resilience.supervise=false"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = listeners_until_exit(proc)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert seen and {address for address, _ in seen} == {"127.0.0.1"}, seen

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 import torch
-from helpers import tiny_config, write_corpus
 
+from helpers import tiny_config, write_corpus
 from liandan.checkpoint.hf import load_consolidated
 from liandan.checkpoint.manager import load_model
 

@@ -6,8 +6,8 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import tiny_config, write_corpus
 
+from helpers import tiny_config, write_corpus
 from liandan.data import (
     ByteTokenizer,
     DataError,

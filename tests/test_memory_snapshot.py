@@ -4,6 +4,7 @@ ranks that agree on the newest step all of them hold (real gloo processes)."""
 
 import copy
 import json
+import stat
 
 import pytest
 import torch
@@ -94,12 +95,63 @@ def test_snapshots_of_another_owner_world_or_layout_are_ignored(tmp_path):
     assert header["format"] == snapshots.FORMAT and header["step"] == 1 and header["owner"] == "sup-1"
 
 
-def test_snapshot_directory_is_per_run_and_removable(tmp_path):
-    a, b = snapshots.snapshot_dir(tmp_path / "a", tmp_path), snapshots.snapshot_dir(tmp_path / "b", tmp_path)
-    assert a != b and a.parent == tmp_path and a == snapshots.snapshot_dir(tmp_path / "a", tmp_path)
+def test_snapshot_directory_is_per_run_unpredictable_and_removable(tmp_path):
+    a, b = snapshots.create_dir(tmp_path / "a", tmp_path), snapshots.create_dir(tmp_path / "b", tmp_path)
+    again = snapshots.create_dir(tmp_path / "a", tmp_path)  # another supervisor of the same run: another name
+    assert len({a, b, again}) == 3 and a.parent == tmp_path
+    assert snapshots.snapshot_dirs(tmp_path / "a", tmp_path) == sorted([a, again])
+    assert stat.S_IMODE(a.stat().st_mode) == 0o700
     MemorySnapshots(a, 0, 1, "x").save(1, torch.nn.Linear(2, 2), None, {})
-    snapshots.remove(tmp_path / "a", tmp_path)
+    snapshots.remove_dir(a)
     assert not a.exists()
+    assert snapshots.remove_stale(tmp_path / "a", tmp_path) == [] and snapshots.snapshot_dirs(tmp_path / "a", tmp_path) == []
+    assert b.is_dir()  # another run's
+
+
+def _victim(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "precious.txt").write_text("keep me")
+    return victim
+
+
+def test_a_planted_symlink_at_the_directory_path_is_never_written_through(tmp_path):
+    run, shm, victim = tmp_path / "run", tmp_path / "shm", _victim(tmp_path)
+    shm.mkdir(mode=0o700)
+    # the predictable names an attacker could plant: the old fixed one, and the new prefix with a guess
+    prefix = snapshots._prefix(run)
+    for name in (prefix[:-1], prefix + "guess"):
+        (shm / name).symlink_to(victim)
+    made = snapshots.create_dir(run, shm)
+    assert not made.is_symlink() and made.resolve().parent == shm.resolve()
+    with pytest.raises(PermissionError, match="symlink"):  # handed a link, a worker refuses it
+        MemorySnapshots(shm / (prefix + "guess"), 0, 1, "x")
+    assert snapshots.remove_stale(run, shm) == []  # removes our directory; leaves the links and their targets
+    assert not made.exists() and sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
+    assert (victim / "precious.txt").read_text() == "keep me"
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    with pytest.raises(PermissionError, match="open to other users"):
+        MemorySnapshots(shared, 0, 1, "x")
+
+
+def test_a_planted_symlink_at_a_slot_file_is_replaced_not_followed(tmp_path):
+    directory, victim = snapshots.create_dir(tmp_path / "run", tmp_path), _victim(tmp_path)
+    target = victim / "precious.txt"
+    for name in ("rank-00000.slot-0.bin", "rank-00000.slot-0.json", "rank-00000.slot-0.json.tmp"):
+        (directory / name).symlink_to(target)
+    model, optimizer = _model_and_optimizer()
+    snaps = MemorySnapshots(directory, 0, 1, "sup-1", "single")
+    assert snaps.steps() == {}  # a header that is a link is not read
+    _step(model, optimizer)
+    snaps.save(1, model, optimizer, {})
+    assert target.read_text() == "keep me" and sorted(p.name for p in victim.iterdir()) == ["precious.txt"]
+    assert not any(p.is_symlink() for p in directory.iterdir())
+    assert snaps.agree() == 1
+    (directory / "inside-link").symlink_to(victim)
+    snapshots.remove_dir(directory)  # cleanup removes everything of ours, links included, and nothing else
+    assert not directory.exists() and target.read_text() == "keep me"
 
 
 def _agree_worker(rank, directory, held, out):

@@ -150,3 +150,22 @@ def test_attribution_prefers_the_earliest_own_failure(tmp_path):
     )
     node, evidence = attribute(tmp_path, later, {"node-a": later + 1.9, "node-d": later + 0.5}, grace_s=0.3)
     assert node == "node-d" and evidence["silent"] == ["node-d"]
+
+
+def test_each_node_listens_on_its_address_towards_the_endpoint(monkeypatch):
+    """torchrun's rendezvous runs with liandan's backend (stores bound, not on every interface) and each
+    node's workers' store on the address it reaches the endpoint from, or $LIANDAN_NODE_ADDR."""
+    from liandan.config import ConfigError
+    from liandan.resilience.nodes import Rendezvous
+
+    monkeypatch.delenv("LIANDAN_NODE_ADDR", raising=False)
+    args = Rendezvous(1, 2, "127.0.0.1:29400", "run").torchrun_args()
+    assert "--rdzv-backend=liandan-c10d" in args and "--local-addr=127.0.0.1" in args
+    monkeypatch.setenv("LIANDAN_NODE_ADDR", "10.1.2.3")
+    assert "--local-addr=10.1.2.3" in Rendezvous(1, 2, "node01:29400", "run").torchrun_args()
+    monkeypatch.setenv("LIANDAN_NODE_ADDR", "localhost")  # a name where an address belongs
+    with pytest.raises(ConfigError, match="no address of this node to listen on"):
+        Rendezvous(1, 2, "node01:29400", "run").torchrun_args()
+    monkeypatch.setenv("LIANDAN_NODE_ADDR", "127.0.1.1")  # a host name that resolves to loopback on its node
+    with pytest.raises(ConfigError, match="other nodes cannot reach"):
+        Rendezvous(1, 2, "node01:29400", "run").torchrun_args()

@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import tiny_config, write_corpus
 
+from helpers import tiny_config, write_corpus
 from liandan.cli.main import main
 from liandan.config import ConfigError, load_config
 from liandan.model import ModelArgs, count_params, flops_per_token

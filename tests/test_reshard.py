@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers import tiny_config, write_corpus
 
 pytestmark = pytest.mark.slow

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -20,9 +21,10 @@ import time
 import pytest
 import torch
 
-from helpers import fill_disk, tiny_config, write_corpus
+from helpers import fill_disk, process_tree, tiny_config, wait_for_step, write_corpus
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.manager import load_model
+from liandan.checkpoint.verify import complete_checkpoints, verify
 from liandan.config import load_config
 from liandan.resilience.processes import alive
 from liandan.resilience.supervisor import Attempt, Supervisor
@@ -143,7 +145,7 @@ def test_memory_snapshots_resume_from_the_last_step(setup, name, faults, cause, 
     run_dir = config.parent / "runs" / name
     logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert logged == list(range(1, 9))  # every step once: none lost, none twice
-    assert not snapshots.snapshot_dir(run_dir).exists()  # the supervisor gave the memory back
+    assert snapshots.snapshot_dirs(run_dir) == []  # the supervisor gave the memory back
 
 
 def test_full_disk_during_save_needs_no_restart(setup):
@@ -366,3 +368,144 @@ def test_checkpoint_verdict_is_trusted_only_while_nothing_changed(tmp_path, monk
     assert handoff.trusted(root, checksums=True) == found.resolve()
     os.utime(found / "shard.distcp", ns=(1, 1))  # touched since the verdict
     assert handoff.trusted(root, checksums=True) is None
+
+
+def test_supervised_run_listens_on_loopback_only(setup):
+    """The rendezvous store the supervisor hosts and the ranks' gloo sockets listen on 127.0.0.1 only."""
+    from helpers import listeners_until_exit
+
+    config, _ = setup
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LIANDAN_", "GLOO_", "NCCL_"))}
+    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", "--run.name=loopback",
+           "--train.steps=2"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = listeners_until_exit(proc)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert seen and {address for address, _ in seen} == {"127.0.0.1"}, seen
+
+
+PREEMPT_STEPS = ["--train.steps=40", "--checkpoint.every=10"]  # long enough to be signalled in the middle
+
+
+def _preempted_run(config, name, signals):
+    """A real `liandan train --nproc=2` supervisor, sent `signals` after step 3: (run dir, its stdout, the
+    processes it had when signalled: itself, its workers and their standbys)."""
+    run_dir = config.parent / "runs" / name
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
+    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", f"--run.name={name}",
+           *PREEMPT_STEPS, "--checkpoint.memory_every=1"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(run_dir, 3, proc)
+    deadline = time.time() + 60
+    while len(tree := process_tree(proc.pid)) < 5:  # the supervisor, 2 workers and the next attempt's 2 standbys
+        assert time.time() < deadline and proc.poll() is None, "no standby workers started"
+        time.sleep(0.02)
+    assert len(snapshots.snapshot_dirs(run_dir)) == 1
+    proc.send_signal(signals[0])
+    announced = []
+    if len(signals) > 1:  # signals of one kind merge while pending: wait until the first one is handled
+        announced = [next(line for line in proc.stdout if "the workers save a checkpoint" in line)]
+        proc.send_signal(signals[1])
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signals[0], err[-3000:]
+    assert not any(alive(pid) for pid in tree)  # no worker, no standby
+    assert snapshots.snapshot_dirs(run_dir) == []  # the memory given back
+    [event] = _events(config, name, "preempted")
+    assert event["signal"] == signals[0].name and event["workers_left_alive"] == []
+    for checkpoint in complete_checkpoints(run_dir / "checkpoints"):
+        verify(checkpoint, checksums=True)  # a save cut short is not among them
+    timeline = subprocess.run([sys.executable, "-m", "liandan.cli", "incidents", str(run_dir)],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    [line] = [line for line in timeline.splitlines() if "PREEMPTED" in line]
+    assert f"by {signals[0].name}" in line
+    return run_dir, "".join(announced) + out, event
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_preemption_saves_cleans_up_and_resumes_exactly(setup, signum):
+    """A real signal to a real supervisor of two ranks: it exits 128 + signum with a checkpoint of the step
+    reached, no worker or standby left, no snapshots in memory and the event in the incident timeline; the
+    next launch finishes with the weights and final loss of an uninterrupted run."""
+    config, _ = setup
+    reference = config.parent / "runs" / "preempt-reference"
+    if not reference.is_dir():
+        done = _train(config, reference.name, extra=PREEMPT_STEPS)
+        assert done.returncode == 0, done.stderr[-3000:]
+    name = f"preempt-{signum.name}"
+    run_dir, out, event = _preempted_run(config, name, [signum])
+    step = event["step"]
+    assert event["saved"] and event["resume_step"] == step and 3 <= step < 40
+    assert (run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert logged[-1] == step
+    assert f"stopped by {signum.name} at step {step}: checkpoint saved" in out
+    resumed = _train(config, name, extra=PREEMPT_STEPS)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    [resume] = _events(config, name, "resumed")
+    assert resume["step"] == step and resume["source"] == "checkpoint"
+    summaries = [json.loads((run / "summary.json").read_text()) for run in (run_dir, reference)]
+    assert summaries[0]["final_loss"] == summaries[1]["final_loss"]
+    clean, _ = load_model(reference / "checkpoints" / "step-00000040")
+    again, _ = load_model(run_dir / "checkpoints" / "step-00000040")
+    for key, value in again.state_dict().items():
+        assert torch.equal(value, clean.state_dict()[key]), key
+
+
+def test_a_second_signal_during_the_preemption_save_stops_at_once(setup):
+    config, _ = setup
+    _, out, event = _preempted_run(config, "preempt-twice", [signal.SIGTERM, signal.SIGTERM])
+    assert not event["saved"] and "second signal" in event["outcome"]
+    assert "a second signal stopped it at once" in out
+
+
+@pytest.mark.parametrize("faults, first", [("kill@step:3:1", 1), ("raise@step:3:0", 0)], ids=["kill", "raise"])
+def test_a_peers_traceback_costs_the_console_one_line(setup, faults, first):
+    """The rank that failed first keeps its traceback on the console (when it printed one); the rank that
+    failed only because a peer went away gets one line there (when the supervisor did not end it before it
+    printed anything), its traceback kept in the attempt's log and in the incident."""
+    config, _ = setup
+    name = f"console-{faults.split('@')[0]}"
+    done = _train(config, name, faults=faults, extra=["--train.steps=4"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    survivor, own = 1 - first, int(faults.startswith("raise"))  # a raise prints a traceback, a kill does not
+    log = config.parent / "runs" / name / "logs" / "attempt-0.log"
+    assert done.stderr.count("Traceback (most recent call last)") == own  # the first failure's only, in full
+    if own:
+        assert "RuntimeError: injected fault at step 3 on rank 0" in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith(f"rank {survivor}: ")]
+    assert len(lines) == log.read_text().count("Traceback (most recent call last)") - own <= 1
+    [incident] = _events(config, name, "incident")
+    kept = incident["evidence"]["tracebacks"].get(f"rank {survivor}", [])
+    assert len(kept) == len(lines)
+    for line, traceback in zip(lines, kept):
+        assert "a consequence of another process ending" in line and str(log) in line
+        assert traceback.startswith("Traceback") and traceback.strip().splitlines()[-1].strip() in line
+
+
+def test_relay_holds_a_traceback_until_it_is_complete(tmp_path):
+    """A traceback (chained ones too) is shown in full, or as one line when a peer ended first or it says a
+    peer went away (all a node's supervisor can tell of other nodes); the log keeps every line."""
+    import io
+
+    from liandan.resilience.relay import Relay
+
+    def traceback(error):
+        return ("Traceback (most recent call last):\n  File \"a.py\", line 1, in f\n    g()\nValueError: first\n\n"
+                "During handling of the above exception, another exception occurred:\n\n"
+                f"Traceback (most recent call last):\n  File \"b.py\", line 2, in g\n    h()\n{error}\n")  # fmt: skip
+
+    for peer_ended, error, full in [(False, "RuntimeError: boom", True), (True, "RuntimeError: boom", False),
+                                    (False, "RuntimeError: Connection reset by peer", False)]:  # fmt: skip
+        output = "before\n" + traceback(error) + "step 5: loss 1.0\n"
+        relay, console = Relay(tmp_path / "attempt.log", lambda label, ended=peer_ended: ended), io.StringIO()
+        relay.follow("rank 0", io.StringIO(output), console)
+        relay.close()
+        if full:
+            assert console.getvalue() == output
+        else:
+            before, line, after = console.getvalue().splitlines()
+            assert (before, after) == ("before", "step 5: loss 1.0")
+            assert line == f"rank 0: {error} (a consequence of another process ending; traceback in {relay.log_path})"
+        assert relay.log_path.read_text() == output
+        assert relay.tracebacks["rank 0"] == [traceback(error)]

@@ -1,10 +1,11 @@
 import json
 import math
+import signal
 
 import pytest
 import torch
-from helpers import tiny_config, write_corpus
 
+from helpers import tiny_config, write_corpus
 from liandan.config import ConfigError, ScheduleSection
 from liandan.data import DataError
 from liandan.model import ModelArgs, Transformer
@@ -207,3 +208,62 @@ def test_clip_grad_norm_matches_torch():
     for p, q in zip(a, b):
         torch.testing.assert_close(p.grad, q.grad)
     assert clip_grad_norm(a, float("inf")) == pytest.approx(1.0, rel=1e-4)
+
+
+def _unsupervised(tmp_path, corpus, name, *overrides):
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(tiny_config(tmp_path / "runs", corpus, "--train.steps=200", "--checkpoint.every=0",
+                                  "--resilience.supervise=false", *overrides).to_toml())  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
+    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--run.name={name}"]
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_worker_told_to_stop_saves_its_step_and_exits_128_plus_signal(tmp_path, corpus, signum):
+    """`liandan train` in one process, no supervisor: SIGTERM or SIGINT lets the step finish, saves a
+    checkpoint of it (even with periodic checkpoints off) and exits 128 + signum, rather than dying mid-write."""
+    from helpers import wait_for_step
+    from liandan.checkpoint.verify import complete_checkpoints, verify
+
+    proc = _unsupervised(tmp_path, corpus, "stop")
+    run_dir = tmp_path / "runs" / "stop"
+    wait_for_step(run_dir, 2, proc)
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signum, err[-3000:]
+    [saved] = complete_checkpoints(run_dir / "checkpoints")
+    verify(saved, checksums=True)
+    step = int(saved.name[5:])
+    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert step >= 2 and logged[-1] == step
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    [preempted] = [e for e in events if e["kind"] == "preempted"]
+    assert preempted["signal"] == signum.name and preempted["step"] == step
+    said = f"liandan: stopped by {signum.name} at step {step}; checkpoint {saved}; the next run resumes there"
+    assert err.strip().splitlines()[-1] == said
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_worker_signalled_before_its_first_step_exits_at_once(tmp_path, corpus):
+    """Nothing to save yet: the worker ends promptly with 143, no traceback, no checkpoint."""
+    import time
+
+    proc = _unsupervised(tmp_path, corpus, "early")
+    deadline = time.time() + 120
+    while not (tmp_path / "runs" / "early" / "heartbeat").is_dir():  # the trainer has started
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err and "stopped by SIGTERM before the first step" in err
+    assert not (tmp_path / "runs" / "early" / "checkpoints").exists() or not any(
+        (tmp_path / "runs" / "early" / "checkpoints").glob("step-*/manifest.json")
+    )

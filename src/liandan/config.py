@@ -153,6 +153,11 @@ class ResilienceSection:
     hang_factor: float = _f(10.0, "a hang is no progress for this many median step times...", min=1.0)
     hang_floor_s: float = _f(60.0, "...but never less than this many seconds", min=0.1)
     startup_timeout_s: float = _f(1800.0, "no progress before the first step for this long is a hang", min=1.0)
+    preempt_grace_s: float = _f(
+        25.0, "on SIGTERM or SIGINT, how long the workers may take to finish their step and save a checkpoint"
+        " before they are stopped; keep it below the scheduler's kill delay (Slurm KillWait, Kubernetes"
+        " terminationGracePeriodSeconds, 30 s by default)", min=0.0,
+    )  # fmt: skip
     collective_timeout_s: float = _f(
         600.0, "a collective that waits this long for a peer fails (c10d/NCCL timeout): the backstop when the"
         " supervisor's watchdog is not running", min=1.0,

@@ -8,7 +8,7 @@ optimizer state, RNG states) into a file in `/dev/shm` after a step, with the sc
 beside it, and a restarted rank on the same node reads them back. Machines that die take their snapshots
 with them; the ranks then agree on no snapshot and the run resumes from the durable checkpoint as before.
 
-Layout of `<base>/liandan-<hash of the run directory>/`:
+Layout of `<base>/liandan-<hash of the run directory>-<random>/`:
     rank-00000.slot-0.bin    the tensors, each at a 64-byte aligned offset (preallocated, reused)
     rank-00000.slot-0.json   step, owner, world size, layout, tensor table, state, xxh3 of the .bin;
                              written after the data, so a header always describes complete data
@@ -17,15 +17,23 @@ Two slots per rank, written alternately, so the newest complete snapshot survive
 Ranks step in lockstep (every step has collectives), so with two slots some step is always held by all
 ranks; `agree` finds the newest. A snapshot belongs to one supervisor (its `owner`): a new invocation never
 picks up state left in memory by an earlier one, and the supervisor removes the directory when it ends.
+
+The directory is the supervisor's: it creates it under a name no one can guess beforehand (mkdtemp: mode
+0700, never an existing path or a symlink) and hands it to its workers in $LIANDAN_SNAPSHOT_DIR. Workers
+refuse a directory that is a symlink, is not theirs or that others may enter, and open every file with
+O_NOFOLLOW, so a planted link never redirects a snapshot into another file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import mmap
 import os
 import random
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -35,9 +43,10 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from liandan.run.worker_env import WorkerEnv
+
 FORMAT = "liandan-memory-snapshot"
 VERSION = 1
-OWNER_ENV = "LIANDAN_SNAPSHOT_OWNER"
 ALIGN = 64
 SLOTS = 2
 
@@ -48,14 +57,94 @@ def default_base() -> Path:
     return shm if shm.is_dir() and os.access(shm, os.W_OK) else Path(tempfile.gettempdir())
 
 
-def snapshot_dir(run_dir: Path, base: str | Path = "") -> Path:
-    """Where a run's snapshots live: one directory per run directory, under `base` (default: /dev/shm)."""
-    key = hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
-    return Path(base or default_base()) / f"liandan-{key}"
+def _prefix(run_dir: Path) -> str:
+    return f"liandan-{hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]}-"
 
 
-def remove(run_dir: Path, base: str | Path = "") -> None:
-    shutil.rmtree(snapshot_dir(run_dir, base), ignore_errors=True)
+def create_dir(run_dir: Path, base: str | Path = "") -> Path:
+    """A new snapshot directory for a supervisor of `run_dir` under `base` (default: /dev/shm):
+    `liandan-<hash of the run directory>-<random>`, mode 0700, made by mkdtemp, which never reuses an
+    existing path and never follows a symlink."""
+    where = Path(base or default_base())
+    try:
+        return Path(tempfile.mkdtemp(prefix=_prefix(run_dir), dir=where))
+    except OSError as err:
+        from liandan.config import ConfigError
+
+        raise ConfigError(f"checkpoint.memory_dir = '{where}': cannot create a snapshot directory there "
+                          f"({err.strerror or err})") from None  # fmt: skip
+
+
+def handed_dir() -> Path | None:
+    """The snapshot directory the supervisor handed to this worker ($LIANDAN_SNAPSHOT_DIR), if any."""
+    return WorkerEnv.from_env().snapshot_dir
+
+
+def check_dir(directory: Path) -> None:
+    """Raise unless `directory` is a real directory (no symlink) of this user that no one else may enter."""
+    info = os.lstat(directory)
+    problem = None
+    if stat.S_ISLNK(info.st_mode) or not stat.S_ISDIR(info.st_mode):
+        problem = "is not a directory but a symlink or a file" if stat.S_ISLNK(info.st_mode) else "is not a directory"
+    elif info.st_uid != os.geteuid():
+        problem = f"belongs to user {info.st_uid}, not to this one ({os.geteuid()})"
+    elif info.st_mode & 0o077:
+        problem = f"is open to other users (mode {stat.S_IMODE(info.st_mode):o}, not 700)"
+    if problem:
+        raise PermissionError(f"memory snapshot directory {directory} {problem}: refusing to write snapshots there")
+
+
+def snapshot_dirs(run_dir: Path, base: str | Path = "") -> list[Path]:
+    """The snapshot directories of supervisors of `run_dir` under `base` that are there now."""
+    where = Path(base or default_base())
+    prefix = _prefix(run_dir)
+    try:
+        return sorted(p for p in where.iterdir() if p.name.startswith(prefix) or p.name == prefix[:-1])
+    except OSError:
+        return []
+
+
+def remove_dir(directory: Path | None) -> None:
+    """Remove a snapshot directory this user owns (a symlink there is unlinked, never followed); raises
+    OSError when it cannot."""
+    if directory is None:
+        return
+    try:
+        info = os.lstat(directory)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(info.st_mode):
+        os.unlink(directory)  # what is at the path goes, never what it points to
+        return
+    check_dir(directory)
+    shutil.rmtree(directory)  # removes links inside, never their targets
+
+
+def remove_stale(run_dir: Path, base: str | Path = "") -> list[Path]:
+    """Remove what earlier supervisors of `run_dir` left in memory (a supervisor killed outright cannot
+    clean up): the directories of this user among `snapshot_dirs`. Others' entries, and symlinks, are left
+    alone. Returns those that could not be removed."""
+    left = []
+    for directory in snapshot_dirs(run_dir, base):
+        try:
+            info = os.lstat(directory)
+            if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():
+                shutil.rmtree(directory)
+        except OSError:
+            left.append(directory)
+    return left
+
+
+def _open_new(path: Path) -> int:
+    """A file descriptor of a new, empty file at `path`: whatever was there is unlinked (never followed)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
+def _open_existing(path: Path):
+    """`path` opened for reading, unless it is a symlink (OSError then)."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -133,8 +222,11 @@ class MemorySnapshots:
     def __init__(self, directory: Path, rank: int, world_size: int, owner: str, layout: str = ""):
         self.directory = Path(directory)
         self.rank, self.world_size, self.owner, self.layout = rank, world_size, owner, layout
-        self.directory.mkdir(parents=True, exist_ok=True)
+        if not os.path.lexists(self.directory):
+            self.directory.mkdir(mode=0o700, parents=True)
+        check_dir(self.directory)
         self._buffers: dict[int, torch.Tensor] = {}  # slot -> shared-memory bytes, kept mapped between saves
+        self._maps: dict[int, mmap.mmap] = {}
         self._next_slot = 0
 
     def _paths(self, slot: int) -> tuple[Path, Path]:
@@ -165,15 +257,20 @@ class MemorySnapshots:
             "checksum": _checksum(buffer[:offset]),
         }  # fmt: skip
         tmp = header_path.with_name(header_path.name + ".tmp")
-        tmp.write_text(json.dumps(header))
-        os.replace(tmp, header_path)
+        with os.fdopen(_open_new(tmp), "w") as f:
+            f.write(json.dumps(header))
+        os.replace(tmp, header_path)  # a rename replaces what is at the path, it never follows a link
 
     def _buffer(self, slot: int, path: Path, nbytes: int) -> torch.Tensor:
         buffer = self._buffers.get(slot)
         if buffer is None or buffer.numel() < nbytes:
-            with open(path, "wb") as f:
-                f.truncate(nbytes)  # sparse: pages are taken as they are written
-            buffer = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+            fd = _open_new(path)
+            try:
+                os.ftruncate(fd, nbytes)  # sparse: pages are taken as they are written
+                self._maps[slot] = mmap.mmap(fd, nbytes)  # shared: the bytes are the file's
+            finally:
+                os.close(fd)
+            buffer = torch.frombuffer(self._maps[slot], dtype=torch.uint8)
             self._buffers[slot] = buffer
         return buffer
 
@@ -191,7 +288,8 @@ class MemorySnapshots:
         if header is None:
             return None
         try:
-            data = np.fromfile(self._paths(slot)[0], dtype=np.uint8, count=header["bytes"])
+            with _open_existing(self._paths(slot)[0]) as f:
+                data = np.fromfile(f, dtype=np.uint8, count=header["bytes"])
         except (OSError, ValueError):
             return None
         if data.size != header["bytes"] or xxhash.xxh3_64_hexdigest(data.data) != header["checksum"]:
@@ -255,8 +353,9 @@ def _slot_paths(directory: Path, rank: int, slot: int) -> tuple[Path, Path]:
 def _read_header(path: Path, owner: str, world_size: int, layout: str | None) -> dict | None:
     """A header if it belongs to this owner and world (and layout, unless None), else None."""
     try:
-        header = json.loads(Path(path).read_text())
-    except (OSError, json.JSONDecodeError):
+        with _open_existing(path) as f:
+            header = json.loads(f.read())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
     expected = {"format": FORMAT, "version": VERSION, "owner": owner, "world_size": world_size}
     if layout is not None:

@@ -142,17 +142,29 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
         return _launch(args.config, cfg, name, args.nproc, overrides)
     from liandan.train import Trainer
     from liandan.train.callbacks import build_callbacks
+    from liandan.train.preemption import Preempted, PreemptionCallback, PreemptionGuard
 
     register_callbacks()
-    trainer = Trainer(cfg, config_name=name, callbacks=build_callbacks(cfg))
+
+    guard = PreemptionGuard().install()  # SIGTERM, SIGINT: save at the end of the step, then exit 128 + signal
     try:
-        result = trainer.train()
-    except Exception as err:
-        if supervised and not isinstance(err, (*USER_ERRORS, OSError)):
-            _crash_now()
-        raise
+        trainer = Trainer(cfg, config_name=name, callbacks=[*build_callbacks(cfg), PreemptionCallback(guard)])
+        try:
+            result = trainer.train()
+        except Exception as err:
+            if supervised and not isinstance(err, (*USER_ERRORS, OSError)):
+                _crash_now()
+            raise
+        finally:
+            trainer.close()
+    except Preempted as stop:
+        _leave_process_group()
+        if int(os.environ.get("RANK", "0")) == 0 and not supervised:  # it says so itself
+            resumes = "there" if stop.checkpoint else "from the newest checkpoint"
+            print(f"liandan: {stop}; the next run resumes {resumes}", file=sys.stderr)
+        return stop.exit_code
     finally:
-        trainer.close()
+        guard.close()
     _report(result)
     return 0
 

@@ -10,7 +10,7 @@ from liandan.checkpoint.verify import CheckpointError, step_of
 from liandan.track.logger import parse_record, read_metrics
 
 SHOWN = ("incident", "restart", "recovered", "gave_up", "resumed", "checkpoint_failed", "checkpoint_rejected",
-         "train_stopped", "stale_saves_removed", "nonfinite_loss", "node_excluded", "node_refused",
+         "train_stopped", "stale_saves_removed", "nonfinite_loss", "node_excluded", "node_refused", "preempted",
          "supervisor_end")  # fmt: skip
 
 
@@ -60,6 +60,12 @@ def _describe(e: dict) -> str:
         return f"node {e['node']} refused to join: excluded ({e.get('reason')})"
     if kind == "recovered":
         return f"recovered: step {e['step']} done {e['seconds']:.1f}s after the failure"
+    if kind == "preempted":
+        at = f" at step {e['step']}" if e.get("step") is not None else ""
+        if "outcome" in e:  # the supervisor's record
+            return f"PREEMPTED by {e['signal']}{at}: {e['outcome']}; resumes from step {e['resume_step']}"
+        saved = f"checkpoint {Path(e['checkpoint']).name} saved" if e.get("checkpoint") else "no checkpoint saved"
+        return f"PREEMPTED by {e['signal']}{at}: {saved}"
     if kind == "gave_up":
         return f"GAVE UP: {e['reason']}"
     if kind == "resumed" and e.get("source") == "memory":

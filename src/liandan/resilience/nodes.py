@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import ipaddress
 import json
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from liandan.run.worker_env import NodeEnv
+from liandan.config import ConfigError
+from liandan.run.worker_env import NODE_ADDR, NodeEnv
 
 EXCLUDED_FILE = "excluded_nodes.json"
 EXCLUDED_HOSTLIST = "excluded_nodes.txt"  # for `srun --exclude=$(cat ...)` / `sbatch --exclude=...`
@@ -43,11 +45,36 @@ class Rendezvous:
     last_call_s: float | None = None
 
     def torchrun_args(self) -> list[str]:
-        args = [f"--nnodes={self.min_nodes}:{self.max_nodes}", "--rdzv-backend=c10d",
-                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}"]  # fmt: skip
+        from liandan.train.stores import RENDEZVOUS_BACKEND, parse_endpoint, route_address
+
+        # torchrun's c10d rendezvous, with its stores bound to the address the other nodes reach this one at
+        host, port = parse_endpoint(self.endpoint)
+        local = NodeEnv.from_env().node_addr or ""
+        try:
+            local = local or route_address(host, port)
+            loopback = ipaddress.ip_address(local.split("%")[0]).is_loopback
+        except (OSError, ValueError) as err:
+            raise ConfigError(f"$LIANDAN_RDZV_ENDPOINT = '{self.endpoint}' / ${NODE_ADDR} = '{local}': "
+                              f"no address of this node to listen on ({err})") from None  # fmt: skip
+        if loopback and not _is_loopback(host):
+            raise ConfigError(f"$LIANDAN_RDZV_ENDPOINT = '{self.endpoint}': {host} resolves to the loopback address "
+                              f"{local} here, which other nodes cannot reach; fix its entry in /etc/hosts or set "
+                              f"${NODE_ADDR} to this node's address on the cluster network")  # fmt: skip
+        args = [f"--nnodes={self.min_nodes}:{self.max_nodes}", f"--rdzv-backend={RENDEZVOUS_BACKEND}",
+                f"--rdzv-endpoint={self.endpoint}", f"--rdzv-id={self.run_id}",
+                f"--local-addr={local}"]  # fmt: skip
         if self.last_call_s is not None:
             args.append(f"--rdzv-conf=last_call_timeout={self.last_call_s:g}")
         return args
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def rendezvous_from_env(default_id: str) -> Rendezvous | None:

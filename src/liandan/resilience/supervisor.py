@@ -26,7 +26,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -38,10 +37,13 @@ from liandan.checkpoint.resume import choose_resume
 from liandan.checkpoint.verify import complete_checkpoints, step_of
 from liandan.config import Config
 from liandan.resilience import incidents, nodes
-from liandan.resilience.processes import DeathClock, StandbyPool, end_processes, module_command
+from liandan.resilience.preempt import Preemption, SignalLatch
+from liandan.resilience.processes import DeathClock, StandbyPool, alive, end_processes, module_command
+from liandan.resilience.relay import Relay
 from liandan.run.worker_env import WORKER_NAMES, NodeEnv, WorkerEnv, node_name
 from liandan.track.logger import parse_record, read_metrics, to_json
 from liandan.track.run_dir import LOCK_FILE, lock_run_dir
+from liandan.train import stores
 from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
 
 POLL_S = 0.2
@@ -74,7 +76,7 @@ class Attempt:
     last_lines: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30))
 
 
-class Supervisor:
+class Supervisor(Preemption):
     def __init__(self, cfg: Config, worker_cmd: list[str], run_dir: Path, nproc: int = 1, say=print,
                  attempt_env: Callable[[int], dict[str, str]] | None = None):  # fmt: skip
         self.cfg, self.r, self.nproc = cfg, cfg.resilience, nproc
@@ -93,7 +95,7 @@ class Supervisor:
         self.step_seconds: list[float] = []
         self.phase_seconds: dict[str, list[float]] = {p: [] for p in SLOW_PHASES}
         self.pending_recovery: dict | None = None
-        self.snapshots = snapshots.snapshot_dir(self.run_dir, cfg.checkpoint.memory_dir)
+        self.snapshots: Path | None = None  # this supervisor's memory snapshot directory, made by run()
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -115,12 +117,20 @@ class Supervisor:
         failures: list[tuple[str, int]] = []
         restarts, streak, last_resume = 0, 0, None
         attempt = None
-        snapshots.remove(self.run_dir, self.cfg.checkpoint.memory_dir)  # an earlier supervisor's, never ours
+        c = self.cfg.checkpoint
+        for left in snapshots.remove_stale(self.run_dir, c.memory_dir):  # earlier supervisors' (never ours)
+            self.say(f"supervisor: warning: cannot remove an earlier memory snapshot directory {left}")
+        self.snapshots = snapshots.create_dir(self.run_dir, c.memory_dir) if c.memory_every else None
+        self.signals = SignalLatch().install()
         self._event("supervisor_start", supervisor=self.id, node=self.node)  # goodput counts every launch
         try:
             while True:
+                if self.signals.first:
+                    return self._preempt(attempt)
                 attempt = self._start(restarts)
                 self._watch(attempt)
+                if self.signals.first and not attempt.exits:
+                    return self._preempt(attempt)
                 self._end(attempt)
                 if attempt.exit_code == 0 and not attempt.hang:
                     self._finish(started, restarts, gave_up=None)
@@ -165,12 +175,20 @@ class Supervisor:
                 self.say(f"supervisor: {incident['summary']}; restart {restarts}/{self.r.max_restarts}"
                          + (f" in {delay:.1f}s" if delay else " now"))  # fmt: skip
                 self._event("restart", attempt=restarts, after_seconds=delay, step=incident["step"])
-                time.sleep(delay)  # a failure that recurs without progress: give the node or file system a moment
+                self.signals.wake.wait(delay)  # a failure that recurs without progress: give things a moment
         finally:
+            self.signals.close()
             if attempt is not None:  # interrupted or not: leave nothing running
                 self._end(attempt)
             self.standby.dismiss()
-            snapshots.remove(self.run_dir, self.cfg.checkpoint.memory_dir)  # give the host memory back
+            self._remove_snapshots()  # give the host memory back
+
+    def _remove_snapshots(self) -> None:
+        try:
+            snapshots.remove_dir(self.snapshots)
+        except OSError as err:  # host memory stays taken until someone removes it: say so
+            self.say(f"supervisor: warning: cannot remove the memory snapshots in {self.snapshots}: {err}")
+        self.snapshots = None
 
     def _start(self, number: int) -> Attempt:
         self._clear_heartbeats()
@@ -186,27 +204,28 @@ class Supervisor:
             attempt.procs.append((None, self._popen(command, env)))
         else:
             if self.nproc > 1:  # the ranks' rendezvous store, hosted here as torchrun's agent would
-                import torch.distributed as dist
-
-                self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+                self.store = stores.bound_store(stores.LOOPBACK, 0)
             standby = self.standby.take(number)
             for rank in range(self.nproc):
                 rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.nproc),
-                            "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                            "LOCAL_WORLD_SIZE": str(self.nproc), "GROUP_RANK": "0", "MASTER_ADDR": stores.LOOPBACK,
                             "MASTER_PORT": str(self.store.port if self.store else 0),
                             "TORCHELASTIC_USE_AGENT_STORE": str(self.store is not None)}  # fmt: skip
                 proc = standby[rank].go(*self.module, rank_env) if standby else None
                 attempt.procs.append((rank, proc or self._popen(self.worker_cmd, rank_env)))
-        self._log = open(self.logs / f"attempt-{number}.log", "w")  # noqa: SIM115 - closed when the attempt ends
-        lock = threading.Lock()
-        self.relays = []
-        for _, proc in attempt.procs:
+        self.relay = Relay(self.logs / f"attempt-{number}.log", lambda label: self._peer_ended(attempt, label))
+        attempt.last_lines = self.relay.last_lines
+        for rank, proc in attempt.procs:
             self.clock.watch(proc.pid)
+            label = f"rank {rank}" if rank is not None else f"node {self.node}"
             for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                relay = threading.Thread(target=self._relay, args=(stream, sink, self._log, lock, attempt), daemon=True)
-                relay.start()
-                self.relays.append(relay)
+                self.relay.start(label, stream, sink)
         return attempt
+
+    @staticmethod
+    def _peer_ended(attempt: Attempt, label: str) -> bool:
+        """Whether a rank of the attempt other than `label`'s has ended: its traceback is a consequence."""
+        return any(not alive(proc.pid) for rank, proc in attempt.procs if f"rank {rank}" != label and rank is not None)
 
     def _env(self, number: int) -> dict[str, str]:
         """The workers' environment for attempt `number`: this process's, the `attempt_env` hook's additions,
@@ -216,10 +235,14 @@ class Supervisor:
         worker = WorkerEnv.from_env(inherited).for_attempt(
             number, attempt_token=f"{self.id}-{number}", snapshot_owner=self.id, error_dir=self.errors,
             failure_file=self.logs / "failure.json", verified_checkpoint=verified if verified.is_file() else None,
+            snapshot_dir=self.snapshots,
         )  # fmt: skip
         env = {k: v for k, v in inherited.items() if k not in WORKER_NAMES}
         env.update(PYTHONUNBUFFERED="1", **worker.to_env())
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.nproc)))  # share the cores
+        if not self.rendezvous:  # one node: the process group's sockets listen on loopback only
+            for key, value in stores.single_node_env().items():
+                env.setdefault(key, value)
         if shutil.which("nvidia-smi"):  # NCCL settings, only where NCCL can run
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a dead peer fails the collective, not hangs
             env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the NCCL flight recorder, for hang forensics
@@ -231,26 +254,6 @@ class Supervisor:
     def _popen(command: list[str], env: dict[str, str]) -> subprocess.Popen:
         return subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
-
-    @staticmethod
-    def _relay(stream, sink, log, lock: threading.Lock, attempt: Attempt) -> None:
-        """Pass the workers' output through unchanged, keep a log per attempt and the last lines. A log that
-        cannot be written (a full disk) is given up, said once, and the output still relayed: a relay that
-        stopped reading would leave the workers blocked on a full pipe."""
-        for line in stream:
-            sink.write(line)
-            sink.flush()
-            with lock:
-                attempt.last_lines.append(line.rstrip("\n"))
-                if log.closed:
-                    continue
-                try:
-                    log.write(line)
-                    log.flush()
-                except OSError as err:
-                    _close_quietly(log)
-                    Supervisor._warn(f"cannot write {log.name}: {type(err).__name__}: {err.strerror or err}; the"
-                                     " workers' output goes on here but is no longer logged")  # fmt: skip
 
     # -- standby workers ----------------------------------------------------------------------------------
     def _prepare_standby(self, number: int) -> None:
@@ -264,7 +267,7 @@ class Supervisor:
         seen: dict[int, dict] = {}
         while True:
             self.clock.wait(POLL_S)
-            if self._exited(attempt):
+            if self._exited(attempt) or self.signals.first:
                 break
             beats = self._beats(attempt)
             now = time.time()
@@ -385,9 +388,7 @@ class Supervisor:
         attempt.survivors = end_processes(attempt.token, pids)
         for _, proc in attempt.procs:
             proc.wait()
-        for relay in self.relays:
-            relay.join(timeout=2)  # every writer is gone: the pipes are at their end
-        _close_quietly(self._log)  # a log the disk had no room for was reported when it failed
+        self.relay.close()
         self.clock.close()
         self.store = None
         if attempt.exit_code is None:
@@ -424,7 +425,8 @@ class Supervisor:
                 r: {"code": c, "after_s": round(t - failed_at, 3), "pid": pids.get(r)}
                 for r, (t, c) in attempt.exits.items()
             }
-            evidence = {"exit_code": code, "last_lines": list(attempt.last_lines), "exits": exits}
+            evidence = {"exit_code": code, "last_lines": list(attempt.last_lines), "exits": exits,
+                        "tracebacks": dict(self.relay.tracebacks)}  # fmt: skip
             summary = f"crash: rank {rank} ended with {cause} at step {step}"
             kind, since = "crash", failed_at
         if self.rendezvous:
@@ -457,7 +459,7 @@ class Supervisor:
         c = self.cfg.checkpoint
         root = Path(c.dir) if c.dir else self.run_dir / "checkpoints"
         in_memory = None
-        if c.memory_every and not self.rendezvous:  # on several nodes, the ranks agree among themselves
+        if self.snapshots and not self.rendezvous:  # on several nodes, the ranks agree among themselves
             in_memory = snapshots.newest_common_step(self.snapshots, self.nproc, self.id)
         complete = complete_checkpoints(root)
         point = choose_resume(

@@ -40,6 +40,7 @@ SUPERVISED = "LIANDAN_SUPERVISED"  # "1": a worker of the supervisor (it restart
 ATTEMPT = "LIANDAN_ATTEMPT"  # 0, 1, ...: the supervisor's attempt; > 0 is a restart
 ATTEMPT_TOKEN = "LIANDAN_ATTEMPT_TOKEN"  # marks every process of an attempt, so that none survives its end
 SNAPSHOT_OWNER = "LIANDAN_SNAPSHOT_OWNER"  # the supervisor whose memory snapshots the workers write and read
+SNAPSHOT_DIR = "LIANDAN_SNAPSHOT_DIR"  # the private directory (mode 0700) the supervisor made for them
 VERIFIED_CHECKPOINT = "LIANDAN_VERIFIED_CHECKPOINT"  # the supervisor's checkpoint verdict (checkpoint/handoff.py)
 FAILURE_FILE = "LIANDAN_FAILURE_FILE"  # where the multi-node agent leaves the rank that failed first
 # -- WorkerEnv: set by the supervisor and by launch_local (`--nproc`, the multi-node agent)
@@ -55,10 +56,11 @@ RDZV_ID = "LIANDAN_RDZV_ID"  # the rendezvous id (default: the run name)
 RDZV_LAST_CALL_S = "LIANDAN_RDZV_LAST_CALL_S"  # seconds the rendezvous waits for more nodes past the minimum
 NODE_FAILURE_LIMIT = "LIANDAN_NODE_FAILURE_LIMIT"  # failures attributed to a node before it is excluded
 STANDBY = "LIANDAN_STANDBY"  # "0": start no standby workers ahead of a restart
+NODE_ADDR = "LIANDAN_NODE_ADDR"  # the address this node's stores listen on (default: its route to the endpoint)
 
-WORKER_NAMES = (SUPERVISED, ATTEMPT, ATTEMPT_TOKEN, SNAPSHOT_OWNER, VERIFIED_CHECKPOINT, FAILURE_FILE, ERROR_DIR,
+WORKER_NAMES = (SUPERVISED, ATTEMPT, ATTEMPT_TOKEN, SNAPSHOT_OWNER, SNAPSHOT_DIR, VERIFIED_CHECKPOINT, FAILURE_FILE, ERROR_DIR,
                 NODE_NAME, CACHE_DIR, FAULTS, FAULTS_ALWAYS)  # fmt: skip
-NODE_NAMES = (NNODES, RDZV_ENDPOINT, RDZV_ID, RDZV_LAST_CALL_S, NODE_FAILURE_LIMIT, STANDBY)
+NODE_NAMES = (NNODES, RDZV_ENDPOINT, RDZV_ID, RDZV_LAST_CALL_S, NODE_FAILURE_LIMIT, STANDBY, NODE_ADDR)
 
 
 def _text(environ: Mapping[str, str], name: str) -> str | None:
@@ -105,6 +107,7 @@ class WorkerEnv:
     attempt: int = 0
     attempt_token: str | None = None
     snapshot_owner: str | None = None
+    snapshot_dir: Path | None = None
     verified_checkpoint: Path | None = None
     failure_file: Path | None = None
     error_dir: Path | None = None
@@ -121,6 +124,7 @@ class WorkerEnv:
             attempt=_whole(env, ATTEMPT, 0, 0, "attempts"),
             attempt_token=_text(env, ATTEMPT_TOKEN),
             snapshot_owner=_text(env, SNAPSHOT_OWNER),
+            snapshot_dir=_path(env, SNAPSHOT_DIR),
             verified_checkpoint=_path(env, VERIFIED_CHECKPOINT),
             failure_file=_path(env, FAILURE_FILE),
             error_dir=_path(env, ERROR_DIR),
@@ -136,6 +140,7 @@ class WorkerEnv:
             (ATTEMPT, self.attempt if self.supervised or self.attempt else None),  # a supervised attempt 0 says so
             (ATTEMPT_TOKEN, self.attempt_token),
             (SNAPSHOT_OWNER, self.snapshot_owner),
+            (SNAPSHOT_DIR, self.snapshot_dir),
             (VERIFIED_CHECKPOINT, self.verified_checkpoint),
             (FAILURE_FILE, self.failure_file),
             (ERROR_DIR, self.error_dir),
@@ -169,6 +174,7 @@ class NodeEnv:
     rdzv_last_call_s: float | None = None
     node_failure_limit: int = 2
     standby: bool = True
+    node_addr: str | None = None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> NodeEnv:
@@ -199,6 +205,7 @@ class NodeEnv:
             rdzv_last_call_s=last_call_s,
             node_failure_limit=_whole(env, NODE_FAILURE_LIMIT, 2, 1, "failures"),
             standby=_switch(env, STANDBY, True),
+            node_addr=_text(env, NODE_ADDR),
         )
 
     def to_env(self) -> dict[str, str]:

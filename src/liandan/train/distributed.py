@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from liandan.run.worker_env import ERROR_DIR, WorkerEnv
+from liandan.train.stores import LOOPBACK, RENDEZVOUS_BACKEND, register_rendezvous, single_node_env
 
 
 @dataclass(frozen=True)
@@ -111,9 +113,15 @@ def launch_local(
     # torchrun would give each process one thread; share the cores out instead.
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    register_rendezvous()
+    if rendezvous is None:  # one node: torchrun's stores and the process group listen on loopback only
+        for key, value in single_node_env().items():
+            os.environ.setdefault(key, value)
+        rendezvous = [f"--rdzv-backend={RENDEZVOUS_BACKEND}", f"--rdzv-endpoint={LOOPBACK}:0",
+                      f"--rdzv-id={uuid.uuid4()}", f"--local-addr={LOOPBACK}", "--nnodes=1"]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="liandan-errors-") as errors:
         os.environ.update(WorkerEnv(error_dir=Path(errors)).to_env())  # the workers inherit it
-        where = rendezvous if rendezvous is not None else ["--standalone"]
+        where = rendezvous
         parser = get_args_parser()
         parser.allow_abbrev = False  # the worker's own options (--nproc=...) are not torchrun's abbreviated
         parsed = parser.parse_args([*where, f"--nproc_per_node={nproc}", "-m", module, *args])

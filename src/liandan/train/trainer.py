@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from liandan.train.hardware import device_peak_flops, resolve_dtype
 from liandan.train.heartbeat import Heartbeat
 from liandan.train.module import TrainModule, _config_step
 from liandan.train.parallelize import build_mesh, dp_coordinates
+from liandan.train.preemption import Preempted
 
 
 @dataclass
@@ -211,6 +213,16 @@ class Trainer:
             self.logger.close()
         raise SaveError(reason)
 
+    def stop_for_preemption(self, signum: int) -> None:
+        """Every rank has just saved the checkpoint of this step: wait until it is complete, then stop."""
+        self.checkpoints.close()
+        saved = [o for o in self.checkpoints.outcomes if o.step == self.step and o.ok]
+        path = str(saved[-1].path) if saved else None
+        if not WorkerEnv.from_env().supervised:  # a supervisor records the preemption itself
+            self._event("preempted", signal=signal.Signals(signum).name, step=self.step, checkpoint=path)
+        self.logger.close()
+        raise Preempted(signum, self.step, path)
+
     def resume_state(self) -> dict[str, Any]:
         """What a resume needs besides the tensors: the schedule, the loader, the callbacks' states."""
         states = {c.name: state for c in self.callbacks if (state := c.state_dict())}
@@ -288,11 +300,10 @@ class Trainer:
                          + ", ".join(p.name for p in stale))  # fmt: skip
                 self._event("stale_saves_removed", paths=[str(p) for p in stale])
         # Snapshots in host memory serve the supervisor's restarts only: it owns them and removes them.
-        owner = WorkerEnv.from_env().snapshot_owner
+        owner, handed = WorkerEnv.from_env().snapshot_owner, snapshots.handed_dir()
         self.snapshots = None
-        if c.memory_every and owner:
-            where = snapshots.snapshot_dir(self.run_dir, c.memory_dir)
-            self.snapshots = snapshots.MemorySnapshots(where, self.dist.rank, self.dist.world_size, owner,
+        if c.memory_every and owner and handed:
+            self.snapshots = snapshots.MemorySnapshots(handed, self.dist.rank, self.dist.world_size, owner,
                                                        str(self.layout))  # fmt: skip
 
     def _resume_or_init(self) -> None:
@@ -439,7 +450,8 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
     resumable = cfg.checkpoint.resume == "auto" and any(ckpt_root.glob("step-*/manifest.json"))
     if cfg.checkpoint.resume == "auto" and cfg.checkpoint.memory_every and WorkerEnv.from_env().snapshot_owner:
         # The supervisor empties the snapshot directory when it starts: what is there is this run's.
-        resumable = resumable or any(snapshots.snapshot_dir(run_dir, cfg.checkpoint.memory_dir).glob("rank-*.json"))
+        handed = snapshots.handed_dir()
+        resumable = resumable or bool(handed and any(handed.glob("rank-*.json")))
     # A supervised restart with nothing to resume from starts the run over.
     overwrite = cfg.run.overwrite or WorkerEnv.from_env().attempt > 0
     if holds_progress(run_dir) and not resumable and not overwrite:
