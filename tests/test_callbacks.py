@@ -1,10 +1,12 @@
 """The registry of training callbacks: callbacks register by name from their own layer; the trainer never
 imports them, and `liandan train` registers liandan's own in every process that trains."""
 
+import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from liandan.config import load_config
 from liandan.train import Callback
@@ -62,3 +64,114 @@ def test_the_cli_registers_the_forecast_and_the_trainer_imports_no_plan():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['forecast']"
+
+
+# --------------------------------------------------------------------------------------------------------
+# callbacks in the loop: every step, state across a resume, a veto of the update on every rank
+
+
+class Counter(Callback):
+    """Counts the steps it has seen, across resumes: its state travels in checkpoints."""
+
+    name = "counter"
+
+    def __init__(self):
+        self.seen, self.hooks, self.loaded = 0, [], None
+
+    def on_train_start(self, trainer):
+        self.hooks.append(("start", trainer.step))
+
+    def after_step(self, trainer, step, metrics):
+        self.seen += 1
+        self.hooks.append(("after", step, "loss" in metrics))
+
+    def on_checkpoint_loaded(self, trainer, step, source):
+        self.loaded = (step, self.seen)
+
+    def state_dict(self):
+        return {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        self.seen = state["seen"]
+
+
+def _config(tmp_path, *overrides):
+    from helpers import tiny_config, write_corpus
+
+    corpus = tmp_path / "corpus.jsonl"
+    if not corpus.exists():
+        write_corpus(tmp_path)
+    return tiny_config(tmp_path / "runs", corpus, "--train.log_every=2", *overrides)
+
+
+def test_after_step_runs_every_step_and_state_survives_a_resume(tmp_path):
+    from liandan.train import Trainer
+
+    first = Counter()
+    trainer = Trainer(_config(tmp_path, "--train.steps=4", "--checkpoint.every=2"), callbacks=[first], say=print)
+    trainer.train()
+    trainer.close()
+    assert first.hooks == [("start", 0), ("after", 1, False), ("after", 2, True), ("after", 3, False),
+                           ("after", 4, True)]  # fmt: skip
+    second = Counter()
+    trainer = Trainer(_config(tmp_path, "--train.steps=6", "--checkpoint.every=2"), callbacks=[second], say=print)
+    assert second.loaded == (4, 4)  # the state was in the step-4 checkpoint
+    trainer.train()
+    trainer.close()
+    assert second.seen == 6 and second.hooks[0] == ("start", 4)
+
+
+class VetoOnRank(Callback):
+    """Vetoes the update of one step on one rank only."""
+
+    def __init__(self, step, rank):
+        self.step, self.rank, self.before = step, rank, None
+
+    def before_optimizer_step(self, trainer, step, loss, grad_norm):
+        if step + 1 == self.step:
+            self.before = [p.detach().clone() for p in trainer.model.parameters()]
+        return not (step + 1 == self.step and trainer.dist.rank == self.rank)
+
+    def after_step(self, trainer, step, metrics):
+        if step == self.step:
+            after = [p.detach() for p in trainer.model.parameters()]
+            self.unchanged = all(torch.equal(a, b) for a, b in zip(self.before, after))
+
+
+def _veto_rank(rank, port, root, out):
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")  # fmt: skip
+    from liandan.train import Trainer
+
+    veto = VetoOnRank(step=4, rank=1)
+    cfg = _config(root, "--train.steps=4", "--checkpoint.every=0", "--parallel.dp_shard=2")
+    trainer = Trainer(cfg, callbacks=[veto], say=lambda m: None)
+    result = trainer.train()
+    trainer.close()
+    out.put((rank, veto.unchanged, result.losses))
+
+
+@pytest.mark.slow
+def test_one_ranks_veto_skips_the_update_on_every_rank(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_veto_rank, args=(rank, port, tmp_path, out)) for rank in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((rank, (unchanged, losses)) for rank, unchanged, losses in (out.get(timeout=300) for _ in procs))
+    for p in procs:
+        p.join(timeout=60)
+    assert results[0][0] and results[1][0]  # neither rank applied the update of step 4
+    assert results[0][1] == results[1][1]
+    metrics = [json.loads(line) for line in (tmp_path / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if m.get("update_skipped")] == [4]
+    assert all(p.exitcode == 0 for p in procs)

@@ -1,6 +1,7 @@
 """liandan's own callbacks, registered by name and chosen by the config like any other: heartbeats for the
 supervisor, metric logging, evaluation, memory snapshots and checkpoints. Their `order` leaves room for
-callbacks that must run between them (a guard that reads the logged loss before a snapshot is taken, say)."""
+callbacks that must run between them: metrics 10, forecast 12, heartbeat 15, evaluation 20, a callback's
+default 50, snapshots 80, checkpoints 90, the preemption guard 95."""
 
 from __future__ import annotations
 
@@ -86,9 +87,10 @@ class EvalCallback(Callback):
 
 class SnapshotCallback(Callback):
     """A copy of the whole training state in host memory every `checkpoint.memory_every` steps, for the
-    supervisor's restarts (it owns the snapshots; unsupervised runs take none)."""
+    supervisor's restarts (it owns the snapshots; unsupervised runs take none). Late in the step, so the
+    states of the callbacks before it include this step."""
 
-    order = 40
+    order = 80
 
     def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         every = trainer.cfg.checkpoint.memory_every
@@ -98,9 +100,10 @@ class SnapshotCallback(Callback):
 
 class CheckpointCallback(Callback):
     """A checkpoint every `checkpoint.every` steps and at the last; at the end, the wait for the last save and
-    the refusal to report success when it (or too many saves in a row) failed."""
+    the refusal to report success when it (or too many saves in a row) failed. Last in the step but for the
+    preemption guard, so the states of the callbacks before it include this step."""
 
-    order = 50
+    order = 90
 
     def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         every = trainer.cfg.checkpoint.every

@@ -98,7 +98,7 @@ class PreemptionCallback(Callback):
     """The guard in the loop: after every step but the last the ranks agree whether to stop; on a signal,
     the step is saved (unless its regular checkpoint just was) and the run ends with `Preempted`."""
 
-    order = 60  # after the step's own checkpoint
+    order = 95  # after the step's own checkpoint
 
     def __init__(self, guard: PreemptionGuard):
         self.guard = guard
