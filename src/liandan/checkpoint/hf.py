@@ -29,6 +29,7 @@ import torch
 
 from liandan.model.spec import HFAdapter, ModelSpec, spec_for, specs
 from liandan.model.spec import get as get_model_spec
+from liandan.spec import tokens
 
 ARGS_METADATA_KEY = "liandan_model_args"
 FAMILY_METADATA_KEY = "liandan_model_family"  # absent in files written before families: llama
@@ -223,20 +224,18 @@ def export_hf(
 
 def _tokenizer_eos(path: Path) -> tuple[str, int, int]:
     """(end-of-document token, its id, vocabulary size) of a tokenizer.json, found by the same rule the
-    trainer uses (`liandan.data.tokenizer.HFTokenizer`)."""
+    trainer uses (`liandan.spec.tokens.eos_id`)."""
     from tokenizers import Tokenizer
-
-    from liandan.data.tokenizer import HFTokenizer
 
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises plain Exception for malformed files
         raise ValueError(f"cannot read tokenizer {path}: {err}") from None
     try:
-        eos_id = HFTokenizer(tok).eos_id
+        eos = tokens.eos_id(tok.token_to_id)
     except ValueError as err:
         raise ValueError(f"tokenizer {path}: {err}") from None
-    return tok.id_to_token(eos_id), eos_id, tok.get_vocab_size()
+    return tok.id_to_token(eos), eos, tok.get_vocab_size()
 
 
 def _write_tokenizer(tokenizer_json: Path, out_dir: Path, eos_token: str, max_len: int) -> None:
