@@ -15,7 +15,7 @@ from helpers import MICRO_MODEL, tiny_config, write_corpus
 from liandan.cli.main import main
 from liandan.config import ConfigError, ScheduleSection
 from liandan.plan.forecast import annealing_areas, schedule_fractions
-from liandan.plan.live_forecast import ForecastPruner
+from liandan.plan.pruner import ForecastPruner
 from liandan.plan.sweep import Reporter, _MetricsTail, _stop, _Sweep, load_sweep, make_pruner
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -131,7 +131,7 @@ def test_a_diverging_trial_is_stopped_at_once(base, tmp_path):
 
 
 def sweep_curve(spec):
-    from liandan.plan.live_forecast import PartialCurve
+    from liandan.plan.pruner import PartialCurve
 
     return PartialCurve([], [], schedule_fractions(spec.base_config.schedule, spec.base_config.train.steps))
 
