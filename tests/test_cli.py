@@ -1,18 +1,10 @@
 """The command line as a user meets it: real subprocesses, exit codes and messages."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import SHARED_DATA, tiny_config, write_corpus
-
-
-def liandan(*args, cwd=None, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "liandan.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout
-    )
+from helpers import SHARED_DATA, read_run, run_liandan, tiny_config, write_corpus
 
 
 def assert_one_line_error(done, *words, code=2):
@@ -33,7 +25,7 @@ def config(tmp_path_factory):
 
 
 def test_help_lists_commands():
-    done = liandan("--help")
+    done = run_liandan("--help")
     assert done.returncode == 0
     for command in ("train", "demo", "config"):
         assert command in done.stdout
@@ -53,40 +45,42 @@ def test_help_lists_commands():
     ],
 )
 def test_user_mistakes_give_one_line_and_nonzero_exit(config, args, words):
-    done = liandan("train", config, *args)
+    done = run_liandan("train", config, *args)
     code = 1 if "output_dir" in args[0] else 2
     assert_one_line_error(done, *words, code=code)
 
 
 def test_missing_and_broken_config_files(tmp_path):
-    assert_one_line_error(liandan("train", tmp_path / "absent.toml"), "config file not found")
+    assert_one_line_error(run_liandan("train", tmp_path / "absent.toml"), "config file not found")
     broken = tmp_path / "broken.toml"
     broken.write_text("[train]\nsteps = \n")
-    assert_one_line_error(liandan("train", broken), "not valid TOML")
-    assert_one_line_error(liandan("train", tmp_path / "absent.toml", "--nproc=0"), "config file not found")
+    assert_one_line_error(run_liandan("train", broken), "not valid TOML")
+    assert_one_line_error(run_liandan("train", tmp_path / "absent.toml", "--nproc=0"), "config file not found")
 
 
 def test_bad_nproc(config):
-    assert_one_line_error(liandan("train", config, "--nproc=0"), "--nproc = 0")
+    assert_one_line_error(run_liandan("train", config, "--nproc=0"), "--nproc = 0")
 
 
 def test_config_command(config):
-    done = liandan("config", config, "--train.steps=11")
+    done = run_liandan("config", config, "--train.steps=11")
     assert done.returncode == 0 and "steps = 11" in done.stdout
-    keys = liandan("config", "--keys")
+    keys = run_liandan("config", "--keys")
     assert keys.returncode == 0 and "model.qk_norm" in keys.stdout
 
 
+@pytest.mark.slow
 def test_train_command_end_to_end(config):
-    done = liandan("train", config, "--run.name=cli")
+    done = run_liandan("train", config, "--run.name=cli")
     assert done.returncode == 0, done.stderr
     assert "run directory:" in done.stdout and "final loss" in done.stdout
-    summary = json.loads((config.parent / "runs" / "cli" / "summary.json").read_text())
+    summary = read_run(config.parent / "runs" / "cli").summary
     assert summary["steps"] == 6
 
 
+@pytest.mark.slow
 def test_demo_runs_on_pythons_own_docs(tmp_path):
-    done = liandan("demo", "--steps=6", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=512")
+    done = run_liandan("demo", "--steps=6", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=512")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "Python documentation corpus" in out
@@ -107,10 +101,11 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     assert f"run directory: {run_dir}" in out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (SHARED_DATA / "corpus").is_dir(), reason="../shared/data is absent")
 def test_demo_on_users_chinese_and_english_files(tmp_path):
     files = [SHARED_DATA / "corpus" / "zh-classics.jsonl", SHARED_DATA / "corpus" / "en-shakespeare.txt"]
-    done = liandan("demo", "--data", *files, "--steps=4", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=1024")
+    done = run_liandan("demo", "--data", *files, "--steps=4", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=1024")
     assert done.returncode == 0, done.stderr
     data_dir = next(p for p in tmp_path.iterdir() if p.name.endswith("-data"))
     summary = json.loads((data_dir / "summary.json").read_text())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MICRO_MODEL, write_corpus
+from helpers import MICRO_MODEL, run_liandan, write_corpus
 from liandan.cli.main import EXTRAS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,12 +22,6 @@ def without_extras(tmp_path_factory):
     blocked = sorted(m for modules in EXTRAS.values() for m in modules)
     (site / "sitecustomize.py").write_text(f"import sys\nsys.modules.update(dict.fromkeys({blocked!r}))\n")
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT / "src")])}
-
-
-def _run(env, *args, timeout=600):
-    return subprocess.run(
-        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
-    )
 
 
 def test_extras_match_pyproject():
@@ -52,7 +46,7 @@ def test_only_the_pipeline_steps_and_the_sweep_need_an_extra_to_import(without_e
         "        except ModuleNotFoundError as err:\n"
         "            print(m.name, err.name)\n"
     )
-    done = _run(without_extras, "-c", code)
+    done = subprocess.run([sys.executable, "-c", code], env=without_extras, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(done.stdout.split("\n")[:-1]) == [
         "liandan.data.normalize ftfy",  # a step of `liandan data run`: [data]
@@ -62,7 +56,7 @@ def test_only_the_pipeline_steps_and_the_sweep_need_an_extra_to_import(without_e
 
 
 def test_a_command_that_needs_an_extra_says_which(without_extras, tmp_path):
-    done = _run(without_extras, "-m", "liandan.cli", "sweep", str(tmp_path / "sweep.toml"))
+    done = run_liandan("sweep", tmp_path / "sweep.toml", env=without_extras)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == "liandan: error: liandan sweep needs the [sweep] extra: pip install 'liandan[sweep]'\n"
     corpus = write_corpus(tmp_path)
@@ -70,7 +64,7 @@ def test_a_command_that_needs_an_extra_says_which(without_extras, tmp_path):
     toml.write_text(
         f'[pipeline]\noutput = "{tmp_path / "out"}"\n[[inputs]]\nname = "docs"\npaths = ["{corpus}"]\n[[steps]]\nname = "normalize"\n'
     )
-    done = _run(without_extras, "-m", "liandan.cli", "data", "run", str(toml))
+    done = run_liandan("data", "run", toml, env=without_extras)
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr == "liandan: error: liandan data needs the [data] extra: pip install 'liandan[data]'\n"
 
@@ -78,11 +72,11 @@ def test_a_command_that_needs_an_extra_says_which(without_extras, tmp_path):
 @pytest.mark.slow
 def test_train_and_plan_need_no_extra(without_extras, tmp_path):
     corpus = write_corpus(tmp_path, n_docs=10)
-    train = ["-m", "liandan.cli", "train", str(ROOT / "configs" / "tiny.toml"), *MICRO_MODEL, "--train.steps=2",
+    train = ["train", str(ROOT / "configs" / "tiny.toml"), *MICRO_MODEL, "--train.steps=2",
              "--train.eval_every=0", "--schedule.warmup_steps=1", "--data.tokenizer=byte", f'--data.paths=["{corpus}"]',
              f"--run.output_dir={tmp_path / 'runs'}", "--run.name=core", "--checkpoint.every=2"]  # fmt: skip
-    done = _run(without_extras, *train)
+    done = run_liandan(*train, env=without_extras)
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "runs" / "core" / "checkpoints" / "step-00000002" / "manifest.json").is_file()
-    done = _run(without_extras, "-m", "liandan.cli", "plan", str(ROOT / "configs" / "tiny.toml"))
+    done = run_liandan("plan", ROOT / "configs" / "tiny.toml", env=without_extras)
     assert done.returncode == 0 and "Memory per device" in done.stdout, done.stderr[-3000:]

@@ -430,6 +430,7 @@ def measure_in_fresh_process(root: Path, names) -> dict[str, tuple[float, float]
     return {k: tuple(v) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}
 
 
+@pytest.mark.slow
 @linux_only
 def test_estimate_matches_measured_peak_memory(tmp_path):
     results = measure_in_fresh_process(tmp_path, TESTED)
