@@ -1,8 +1,8 @@
 import json
 
 import pytest
-from helpers import SHARED_DATA
 
+from helpers import SHARED_DATA
 from liandan.data import (
     ByteTokenizer,
     DataError,

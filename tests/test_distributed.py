@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers import read_run, run_liandan, tiny_config, write_corpus
 
 pytestmark = pytest.mark.slow
@@ -30,7 +31,7 @@ def setup(tmp_path_factory):
 def _train(config, nproc, *overrides, env=None):
     done = run_liandan("train", config, f"--nproc={nproc}", *overrides, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return _losses(config, [o for o in overrides if o.startswith("--run.name=")][0].split("=", 1)[1])
+    return _losses(config, next(o for o in overrides if o.startswith("--run.name=")).split("=", 1)[1])
 
 
 def _losses(config, name):
@@ -90,8 +91,8 @@ def test_impossible_layout_is_refused_before_launch(setup):
     done = run_liandan("train", config, *args, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "liandan: error: parallel.dp_replicate x parallel.tp = 3 must divide the number of processes,"
-        " but 2 were launched (set --nproc or the torchrun/srun task count)"
+        ("liandan: error: parallel.dp_replicate x parallel.tp = 3 must divide the number of processes,"
+        " but 2 were launched (set --nproc or the torchrun/srun task count)")
     ]
 
 

@@ -3,8 +3,8 @@
 
 import pytest
 import torch
-from helpers import read_run, run_liandan, tiny_config, write_corpus
 
+from helpers import read_run, run_liandan, tiny_config, write_corpus
 from liandan.checkpoint.hf import load_consolidated
 from liandan.checkpoint.manager import load_model
 
@@ -28,7 +28,7 @@ def test_export_hf_loads_in_transformers_with_matching_logits(trained, tmp_path)
     _, run = trained
     done = run_liandan("export", run, tmp_path / "hf", "--hf")
     assert done.returncode == 0, done.stderr
-    ours, meta = load_model(run / "checkpoints" / "step-00000004")
+    ours, _meta = load_model(run / "checkpoints" / "step-00000004")
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
     tokens = torch.randint(0, 300, (2, 32))
     with torch.no_grad():

@@ -3,8 +3,8 @@ import shutil
 
 import numpy as np
 import pytest
-from helpers import tiny_config, write_corpus
 
+from helpers import tiny_config, write_corpus
 from liandan.data import (
     ByteTokenizer,
     DataError,

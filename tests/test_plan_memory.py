@@ -15,8 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import tiny_config, write_corpus
 
+from helpers import tiny_config, write_corpus
 from liandan.cli.main import main
 from liandan.config import ConfigError, load_config
 from liandan.model import ModelArgs, count_params, flops_per_token
@@ -424,7 +424,8 @@ def measure_in_fresh_process(root: Path, names) -> dict[str, tuple[float, float]
     )
     tests = str(Path(__file__).resolve().parent)
     done = subprocess.run(
-        [sys.executable, "-c", code, tests, str(root), ",".join(names)], capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", code, tests, str(root), ",".join(names)], capture_output=True, text=True, timeout=600,
+        check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return {k: tuple(v) for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()}

@@ -9,6 +9,7 @@ with the same global batch on any number of data-parallel ranks.
 import os
 
 import pytest
+
 from helpers import read_run, run_liandan, tiny_config, write_corpus
 
 pytestmark = pytest.mark.slow

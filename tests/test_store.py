@@ -3,8 +3,8 @@ import struct
 
 import numpy as np
 import pytest
-from helpers import SHARED_DATA
 
+from helpers import SHARED_DATA
 from liandan.data import (
     ByteTokenizer,
     DataError,

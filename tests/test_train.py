@@ -1,10 +1,11 @@
+import itertools
 import json
 import math
 
 import pytest
 import torch
-from helpers import read_run, tiny_config, write_corpus
 
+from helpers import read_run, tiny_config, write_corpus
 from liandan.config import ConfigError, ScheduleSection
 from liandan.model import ModelArgs, Transformer
 from liandan.spec.schedule import lr_multiplier
@@ -50,7 +51,7 @@ def test_same_seed_same_loss_curve_bit_for_bit(tmp_path, corpus):
 
 
 def test_run_directory_contents(tmp_path, corpus):
-    trainer, result = run(tmp_path, corpus, "--train.eval_every=3")
+    _trainer, result = run(tmp_path, corpus, "--train.eval_every=3")
     run_dir = result.run_dir
     recorded = read_run(run_dir)
     records = recorded.metrics
@@ -118,7 +119,7 @@ def test_schedules():
     assert cos[0] == pytest.approx(0.1) and cos[9] == pytest.approx(1.0)
     assert cos[10] == pytest.approx(1.0) and cos[-1] == pytest.approx(0.1)
     assert cos[55] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 89)))
-    assert all(x >= y for x, y in zip(cos[10:], cos[11:]))
+    assert all(x >= y for x, y in itertools.pairwise(cos[10:]))
     lin = curve(kind="linear", warmup_steps=0, min_lr_ratio=0.0)
     assert lin[0] == 1.0 and lin[-1] == pytest.approx(0.0)
     assert lin[50] == pytest.approx(1 - 50 / 99)

@@ -64,7 +64,7 @@ class HFTokenizer:
             raise DataError(f"tokenizer file not found: {path}")
         try:
             return cls(_Tok.from_file(str(path)))
-        except Exception as err:  # tokenizers raises plain Exception for malformed files
+        except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception for malformed files
             raise DataError(f"cannot read tokenizer {path}: {err}") from None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn as nn
+from torch import nn
 
 from liandan.config import OptimSection, ScheduleSection
 from liandan.spec.schedule import lr_multiplier

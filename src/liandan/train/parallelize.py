@@ -13,7 +13,7 @@ import contextlib
 from functools import partial
 
 import torch
-import torch.nn as nn
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from liandan.model.spec import ModelSpec, spec_for
