@@ -67,7 +67,7 @@ METHODS = ("torch.save", "dcp.save", "manager sync", "manager async")
 
 def model_args(params_millions: float) -> ModelArgs:
     """Vocabulary 32000, width 512, 8 heads, untied head; as many layers as come closest to the target."""
-    base = dict(vocab_size=32000, dim=512, n_heads=8, max_seq_len=256)
+    base = {"vocab_size": 32000, "dim": 512, "n_heads": 8, "max_seq_len": 256}
     one = count_params(ModelArgs(**base, n_layers=1)).total
     two = count_params(ModelArgs(**base, n_layers=2)).total
     per_layer, fixed = two - one, one - (two - one)
@@ -185,7 +185,7 @@ def run_once(name: str, model, optimizer, base: Path, step: int) -> dict[str, fl
 def machine() -> dict[str, object]:
     cpu = platform.processor() or platform.machine()
     try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout.splitlines():
             if line.startswith("Model name:"):
                 cpu = line.split(":", 1)[1].strip()
     except (OSError, subprocess.SubprocessError):
@@ -202,7 +202,7 @@ def machine() -> dict[str, object]:
 
 def filesystem(path: Path) -> str:
     try:
-        out = subprocess.run(["df", "-hT", str(path)], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(["df", "-hT", str(path)], capture_output=True, text=True, timeout=10, check=False).stdout
         fields = out.splitlines()[1].split()
         return f"{fields[0]} ({fields[1]}, mounted on {fields[6]})"
     except (OSError, subprocess.SubprocessError, IndexError):

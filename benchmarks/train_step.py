@@ -37,8 +37,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from liandan.config import OptimSection, ScheduleSection
 from liandan.model import ModelArgs, Transformer, count_params, flops_per_token

@@ -1,11 +1,16 @@
-"""Small shared builders for tests: a corpus written from Python's own documentation and a tiny run config."""
+"""Small shared builders for tests: a corpus written from Python's own documentation, a tiny run config,
+`liandan` run as a subprocess, and what a run directory holds."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from liandan.config import Config, load_config
+from liandan.run import RunDir
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
@@ -158,3 +163,33 @@ def wait_for_step(run_dir: Path, step: int, proc, timeout: float = 300.0) -> Non
             pass
         time.sleep(0.02)
     raise AssertionError(f"step {step} not reached in {timeout}s")
+
+def run_liandan(
+    *args, timeout: float = 600, env: dict[str, str] | None = None, check: bool = False, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m liandan.cli ARGS...` in a subprocess, its output captured as text; `env` replaces the
+    environment (None: this process's). With `check`, a non-zero exit raises CalledProcessError."""
+    return subprocess.run(
+        [sys.executable, "-m", "liandan.cli", *map(str, args)],
+        capture_output=True, text=True, timeout=timeout, env=env, check=check, cwd=cwd,
+    )  # fmt: skip
+
+
+@dataclass
+class RunRecords:
+    """What a run directory holds, read through `liandan.run.RunDir`."""
+
+    path: Path
+    metrics: list[dict]
+    events: list[dict]
+    summary: dict
+
+    def of_kind(self, kind: str) -> list[dict]:
+        """The events of one kind, in order."""
+        return [e for e in self.events if e["kind"] == kind]
+
+
+def read_run(run_dir: Path | str) -> RunRecords:
+    """A run directory's metrics, events and summary (empty where a file is missing)."""
+    run = RunDir.of(run_dir)
+    return RunRecords(run.path, run.read_metrics(), run.read_events(), run.read_summary())

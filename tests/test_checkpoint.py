@@ -1,16 +1,13 @@
 """Checkpoints with real processes and real files: kills, corruption, tampering, full disks, retention, resume."""
 
-import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import fill_disk, tiny_config, write_corpus
+from helpers import fill_disk, read_run, run_liandan, tiny_config, write_corpus
 from liandan.checkpoint.manager import CheckpointManager, load_model, rng_state, set_rng_state
 from liandan.checkpoint.verify import CheckpointError, verify
 
@@ -31,8 +28,7 @@ def train(config, name, *overrides, faults=None, expect=0):
     env.pop("LIANDAN_FAULTS", None)
     if faults:
         env["LIANDAN_FAULTS"] = faults
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--run.name={name}", *overrides]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    done = run_liandan("train", config, f"--run.name={name}", *overrides, env=env, timeout=300)
     if expect == "killed":
         assert done.returncode == -9, done.stderr[-2000:]
     else:
@@ -45,14 +41,13 @@ def run_dir(config, name) -> Path:
 
 
 def losses(config, name):
-    records = [json.loads(line) for line in (run_dir(config, name) / "metrics.jsonl").read_text().splitlines()]
+    records = read_run(run_dir(config, name)).metrics
     assert [r["step"] for r in records] == list(range(1, len(records) + 1))
     return [r["loss"] for r in records]
 
 
 def events(config, name, kind):
-    lines = (run_dir(config, name) / "events.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+    return read_run(run_dir(config, name)).of_kind(kind)
 
 
 def final_weights(config, name):
@@ -73,6 +68,7 @@ def assert_same_weights(a, b):
         assert torch.equal(a[key], b[key]), key
 
 
+@pytest.mark.slow
 def test_kill_and_resume_is_bit_identical(config, straight):
     # the kill run saves synchronously so that step 4's checkpoint is surely complete at step 6
     train(config, "killed", "--checkpoint.async_save=false", faults="kill@step:6", expect="killed")
@@ -84,6 +80,7 @@ def test_kill_and_resume_is_bit_identical(config, straight):
     assert_same_weights(final_weights(config, "killed"), straight[1])
 
 
+@pytest.mark.slow
 def test_kill_in_the_middle_of_a_save(config, straight):
     train(config, "midsave", "--checkpoint.every=2", faults="kill@save:6", expect="killed")
     names = sorted(p.name for p in (run_dir(config, "midsave") / "checkpoints").iterdir())
@@ -97,6 +94,7 @@ def test_kill_in_the_middle_of_a_save(config, straight):
     assert not list((run_dir(config, "midsave") / "checkpoints").glob("*.tmp"))  # cleaned up
 
 
+@pytest.mark.slow
 def test_synchronous_saves_match_async(config, straight):
     train(config, "sync", "--checkpoint.async_save=false")
     assert losses(config, "sync") == straight[0]
@@ -106,9 +104,10 @@ def test_synchronous_saves_match_async(config, straight):
 
 
 def _shard(directory: Path) -> Path:
-    return sorted(directory.glob("*.distcp"))[0]
+    return min(directory.glob("*.distcp"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no-manifest", "missing-file"])
 def test_damaged_newest_checkpoint_falls_back(config, straight, damage):
     name = f"damaged-{damage}"
@@ -132,7 +131,7 @@ def test_damaged_newest_checkpoint_falls_back(config, straight, damage):
     else:
         (newest / "meta.json").unlink()
         words = ["meta.json is missing"]
-    info = subprocess.run([sys.executable, "-m", "liandan.cli", "ckpt", "info", str(newest)], capture_output=True, text=True)
+    info = run_liandan("ckpt", "info", newest)
     assert info.returncode == 0 and "NOT VERIFIED" in info.stdout
     for word in words:
         assert word in info.stdout
@@ -145,12 +144,14 @@ def test_damaged_newest_checkpoint_falls_back(config, straight, damage):
     assert_same_weights(final_weights(config, name), straight[1])
 
 
+@pytest.mark.slow
 def test_retention_keeps_newest_and_milestones(config):
     train(config, "retain", "--train.steps=10", "--checkpoint.every=1", "--checkpoint.keep_last=2", "--checkpoint.keep_every=4")
     names = sorted(p.name for p in (run_dir(config, "retain") / "checkpoints").iterdir())
     assert names == ["step-00000004", "step-00000008", "step-00000009", "step-00000010"]
 
 
+@pytest.mark.slow
 def test_injected_enospc_is_reported_and_training_goes_on(config, straight):
     train(config, "enospc", faults="enospc@save:4")
     failed = events(config, "enospc", "checkpoint_failed")
@@ -174,8 +175,7 @@ def test_really_full_disk_fails_the_run_in_one_line(config, small_disk):
     assert "done:" not in done.stdout and "Traceback" not in done.stderr
     [error] = [line for line in done.stderr.splitlines() if line.startswith("liandan: error:")]
     assert str(disk / "step-00000008") in error and f"free space on {disk}: 0.0 MiB" in error, error
-    timeline = subprocess.run([sys.executable, "-m", "liandan.cli", "incidents", str(run_dir(config, "fulldisk"))],
-                              capture_output=True, text=True, check=True)  # fmt: skip
+    timeline = run_liandan("incidents", run_dir(config, "fulldisk"), check=True)
     shown = [line for line in timeline.stdout.splitlines() if "checkpoint failed" in line]
     assert len(shown) == 2 and "Traceback" not in timeline.stdout, timeline.stdout
     assert len(timeline.stdout.splitlines()) <= 3, timeline.stdout  # a line per event, not a traceback
@@ -236,6 +236,7 @@ def test_manager_never_deletes_the_only_checkpoint(tmp_path):
     assert manager.latest_verified() == tmp_path / "step-00000003"
 
 
+@pytest.mark.slow
 def test_init_from_checks_the_model_shape(config, straight):
     source = run_dir(config, "straight") / "checkpoints" / f"step-{STEPS:08d}"
     done = train(config, "badinit", f"--checkpoint.init_from={source}", "--model.dim=128", expect=2)
@@ -263,8 +264,7 @@ class _CreatesFile:
 
 
 def _liandan(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "liandan.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, env=env, check=False)  # fmt: skip
+    return run_liandan(*args, timeout=300, env=env)
 
 
 def _plant_in_metadata(checkpoint: Path, marker: Path) -> None:

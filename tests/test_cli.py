@@ -8,13 +8,7 @@ import time
 
 import pytest
 
-from helpers import SHARED_DATA, tiny_config, write_corpus
-
-
-def liandan(*args, cwd=None, timeout=600):
-    return subprocess.run(
-        [sys.executable, "-m", "liandan.cli", *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=timeout
-    )
+from helpers import SHARED_DATA, read_run, run_liandan, tiny_config, write_corpus
 
 
 def assert_one_line_error(done, *words, code=2):
@@ -35,7 +29,7 @@ def config(tmp_path_factory):
 
 
 def test_help_lists_commands():
-    done = liandan("--help")
+    done = run_liandan("--help")
     assert done.returncode == 0
     for command in ("train", "demo", "config"):
         assert command in done.stdout
@@ -59,35 +53,36 @@ def test_help_lists_commands():
     ],
 )
 def test_user_mistakes_give_one_line_and_nonzero_exit(config, args, words):
-    done = liandan("train", config, *args)
+    done = run_liandan("train", config, *args)
     code = 1 if "output_dir" in args[0] else 2
     assert_one_line_error(done, *words, code=code)
 
 
 def test_missing_and_broken_config_files(tmp_path):
-    assert_one_line_error(liandan("train", tmp_path / "absent.toml"), "config file not found")
+    assert_one_line_error(run_liandan("train", tmp_path / "absent.toml"), "config file not found")
     broken = tmp_path / "broken.toml"
     broken.write_text("[train]\nsteps = \n")
-    assert_one_line_error(liandan("train", broken), "not valid TOML")
-    assert_one_line_error(liandan("train", tmp_path / "absent.toml", "--nproc=0"), "config file not found")
+    assert_one_line_error(run_liandan("train", broken), "not valid TOML")
+    assert_one_line_error(run_liandan("train", tmp_path / "absent.toml", "--nproc=0"), "config file not found")
 
 
 def test_bad_nproc(config):
-    assert_one_line_error(liandan("train", config, "--nproc=0"), "--nproc = 0")
+    assert_one_line_error(run_liandan("train", config, "--nproc=0"), "--nproc = 0")
 
 
 def test_config_command(config):
-    done = liandan("config", config, "--train.steps=11")
+    done = run_liandan("config", config, "--train.steps=11")
     assert done.returncode == 0 and "steps = 11" in done.stdout
-    keys = liandan("config", "--keys")
+    keys = run_liandan("config", "--keys")
     assert keys.returncode == 0 and "model.qk_norm" in keys.stdout
 
 
+@pytest.mark.slow
 def test_train_command_end_to_end(config):
-    done = liandan("train", config, "--run.name=cli")
+    done = run_liandan("train", config, "--run.name=cli")
     assert done.returncode == 0, done.stderr
     assert "run directory:" in done.stdout and "final loss" in done.stdout
-    summary = json.loads((config.parent / "runs" / "cli" / "summary.json").read_text())
+    summary = read_run(config.parent / "runs" / "cli").summary
     assert summary["steps"] == 6
 
 
@@ -113,21 +108,23 @@ def test_one_run_at_a_time_in_a_run_directory(config):
         _wait_for(lambda: (run_dir / "checkpoints" / "step-00000002" / "manifest.json").is_file(), first, "step 2")
         metrics = (run_dir / "metrics.jsonl").read_text()
         for how in ([], ["--resilience.supervise=false"]):  # refused by a supervisor and by a plain run alike
-            done = liandan("train", config, "--run.name=locked", *how)
+            done = run_liandan("train", config, "--run.name=locked", *how)
             assert_one_line_error(done, f"run directory {run_dir} is in use", f"pid {first.pid} on ")
         assert (run_dir / "metrics.jsonl").read_text() == metrics  # the refused runs touched nothing
     finally:
         first.kill()  # SIGKILL: the kernel releases the lock
         first.wait()
     # The next run takes the directory: its supervisor holds the lock and its two workers train under it.
-    done = liandan("train", config, "--run.name=locked", "--nproc=2")
+    done = run_liandan("train", config, "--run.name=locked", "--nproc=2")
     assert done.returncode == 0, done.stderr
     assert "resumed from" in done.stdout and "done: 6 steps" in done.stdout
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
 
 
+
+@pytest.mark.slow
 def test_demo_runs_on_pythons_own_docs(tmp_path):
-    done = liandan("demo", "--steps=6", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=512")
+    done = run_liandan("demo", "--steps=6", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=512")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "Python documentation corpus" in out
@@ -165,14 +162,16 @@ def test_demo_takes_a_directory_of_data_files(tmp_path):
 
     empty = tmp_path / "empty"
     empty.mkdir()
-    done = liandan("demo", "--data", empty, "--output-dir", tmp_path)
+    done = run_liandan("demo", "--data", empty, "--output-dir", tmp_path)
     assert_one_line_error(done, f"--data {empty}: the directory holds no .txt, .jsonl or .parquet files")
 
 
+
+@pytest.mark.slow
 @pytest.mark.skipif(not (SHARED_DATA / "corpus").is_dir(), reason="../shared/data is absent")
 def test_demo_on_users_chinese_and_english_files(tmp_path):
     files = [SHARED_DATA / "corpus" / "zh-classics.jsonl", SHARED_DATA / "corpus" / "en-shakespeare.txt"]
-    done = liandan("demo", "--data", *files, "--steps=4", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=1024")
+    done = run_liandan("demo", "--data", *files, "--steps=4", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=1024")
     assert done.returncode == 0, done.stderr
     data_dir = next(p for p in tmp_path.iterdir() if p.name.endswith("-data"))
     summary = json.loads((data_dir / "summary.json").read_text())

@@ -5,7 +5,6 @@ Tolerance: losses agree to a relative 1e-5 in fp32. The layouts compute the same
 differences seen (~1e-7) and far below what a wrong gradient or a wrong batch split produces (> 1e-3).
 """
 
-import json
 import os
 import socket
 import subprocess
@@ -13,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import tiny_config, write_corpus
+from helpers import read_run, run_liandan, tiny_config, write_corpus
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -30,15 +29,13 @@ def setup(tmp_path_factory):
 
 
 def _train(config, nproc, *overrides, env=None):
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--nproc={nproc}", *overrides]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    done = run_liandan("train", config, f"--nproc={nproc}", *overrides, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return _losses(config, [o for o in overrides if o.startswith("--run.name=")][0].split("=", 1)[1])
+    return _losses(config, next(o for o in overrides if o.startswith("--run.name=")).split("=", 1)[1])
 
 
 def _losses(config, name):
-    metrics = config.parent / "runs" / name / "metrics.jsonl"
-    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    return [r["loss"] for r in read_run(config.parent / "runs" / name).metrics]
 
 
 @pytest.mark.parametrize(
@@ -57,7 +54,7 @@ def test_layout_matches_single_process(setup, nproc, layout):
     losses = _train(config, nproc, *layout, f"--run.name={name}")
     assert len(losses) == len(reference) == 5
     assert losses == pytest.approx(reference, rel=RTOL)
-    summary = json.loads((config.parent / "runs" / name / "summary.json").read_text())
+    summary = read_run(config.parent / "runs" / name).summary
     assert summary["world_size"] == nproc
 
 
@@ -84,27 +81,26 @@ def test_slurm_style_launch_without_torchrun(setup):
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
     assert _losses(config, "slurm") == pytest.approx(reference, rel=RTOL)
-    summary = json.loads((config.parent / "runs" / "slurm" / "summary.json").read_text())
+    summary = read_run(config.parent / "runs" / "slurm").summary
     assert summary["world_size"] == 2 and summary["layout"].startswith("fsdp")
 
 
 def test_impossible_layout_is_refused_before_launch(setup):
     config, _ = setup
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", "--parallel.tp=3", "--model.n_heads=3", "--model.n_kv_heads=3", "--model.dim=96"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    args = ["--nproc=2", "--parallel.tp=3", "--model.n_heads=3", "--model.n_kv_heads=3", "--model.dim=96"]
+    done = run_liandan("train", config, *args, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        "liandan: error: parallel.dp_replicate x parallel.tp = 3 must divide the number of processes,"
-        " but 2 were launched (set --nproc or the torchrun/srun task count)"
+        ("liandan: error: parallel.dp_replicate x parallel.tp = 3 must divide the number of processes,"
+        " but 2 were launched (set --nproc or the torchrun/srun task count)")
     ]
 
 
 def test_worker_side_error_is_one_line_from_the_launcher(setup, tmp_path):
     """An error that only the workers can find (here a missing tokenizer) still ends as one line, exit 2."""
     config, _ = setup
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", "--run.name=bad",
-           f"--data.tokenizer={tmp_path / 'missing.json'}"]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    done = run_liandan("train", config, "--nproc=2", "--run.name=bad", f"--data.tokenizer={tmp_path / 'missing.json'}",
+                       timeout=300)  # fmt: skip
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     # torch's C++ runtime may add "terminate called ..." for the rank torchrun stops; liandan says it once

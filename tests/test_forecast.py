@@ -4,14 +4,12 @@ tiny runs trained here, and `liandan forecast` end to end."""
 import json
 import math
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import tiny_config, write_corpus
+from helpers import run_liandan, tiny_config, write_corpus
 from liandan.config import ConfigError, ScheduleSection
 from liandan.plan.forecast import (
     annealing_areas,
@@ -211,14 +209,8 @@ def test_a_run_still_writing(runs, tmp_path):
 # the command line
 
 
-def liandan(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "liandan.cli", *map(str, args)], check=False, capture_output=True, text=True, timeout=300
-    )
-
-
 def test_cli_forecast_and_reference(runs):
-    done = liandan("forecast", runs["wsd"], "--upto=150", "--samples=8", f"--reference={runs['linear']}")
+    done = run_liandan("forecast", runs["wsd"], "--upto=150", "--samples=8", f"--reference={runs['linear']}")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "step 150 of 300 (50% observed)" in out
@@ -230,7 +222,7 @@ def test_cli_forecast_and_reference(runs):
     else:
         assert "not worse than reference" in out
     # against itself, finished: the forecast from a tenth of the run is too high (+13%), so flagged, exit 3
-    done = liandan(
+    done = run_liandan(
         "forecast",
         runs["cosine"],
         "--upto=30",
@@ -246,7 +238,7 @@ def test_cli_forecast_and_reference(runs):
 
 
 def test_cli_backtest(runs):
-    done = liandan("forecast", "--backtest", *runs.values(), "--samples=4", "--fractions=0.2,0.5")
+    done = run_liandan("forecast", "--backtest", *runs.values(), "--samples=4", "--fractions=0.2,0.5")
     assert done.returncode == 0, done.stderr
     for name in runs:
         assert name in done.stdout
@@ -263,9 +255,9 @@ def assert_one_line_error(done, *words):
 
 
 def test_cli_bad_input(runs, tmp_path):
-    assert_one_line_error(liandan("forecast", tmp_path), "not a run directory")
-    assert_one_line_error(liandan("forecast", runs["cosine"], "--upto=10"), "a forecast needs at least")
-    assert_one_line_error(liandan("forecast", "--backtest", runs["cosine"], "--fractions=0,2"), "--fractions")
+    assert_one_line_error(run_liandan("forecast", tmp_path), "not a run directory")
+    assert_one_line_error(run_liandan("forecast", runs["cosine"], "--upto=10"), "a forecast needs at least")
+    assert_one_line_error(run_liandan("forecast", "--backtest", runs["cosine"], "--fractions=0,2"), "--fractions")
 
 
 @pytest.mark.parametrize("bad", ["NaN", "null", "Infinity"])
@@ -284,11 +276,11 @@ def test_a_diverged_run_is_not_forecast_from_its_finite_prefix(runs, tmp_path, b
     with pytest.raises(ConfigError, match="not finite from step 120"):
         forecast_run(copy, samples=8)
     assert forecast_run(copy, upto_step=119, samples=8).observed_step == 119
-    assert_one_line_error(liandan("forecast", copy, "--samples=8"), "not finite from step 120", "--upto 119")
+    assert_one_line_error(run_liandan("forecast", copy, "--samples=8"), "not finite from step 120", "--upto 119")
 
 
 def test_an_interval_needs_bootstrap_refits(runs):
     for samples in ("0", "3"):
         assert_one_line_error(
-            liandan("forecast", runs["wsd"], f"--samples={samples}"), f"--samples = {samples}", "at least 4"
+            run_liandan("forecast", runs["wsd"], f"--samples={samples}"), f"--samples = {samples}", "at least 4"
         )

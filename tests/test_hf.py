@@ -33,17 +33,17 @@ HAS_QWEN3 = hasattr(transformers, "Qwen3ForCausalLM")
 
 def small_args(**overrides) -> ModelArgs:
     # Non-default theta and eps, so a config field that is dropped on the way shows up in the logits.
-    kwargs = dict(
-        vocab_size=VOCAB,
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=96,
-        max_seq_len=64,
-        rope_theta=500.0,
-        norm_eps=1e-5,
-    )
+    kwargs = {
+        "vocab_size": VOCAB,
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "ffn_dim": 96,
+        "max_seq_len": 64,
+        "rope_theta": 500.0,
+        "norm_eps": 1e-5,
+    }
     kwargs.update(overrides)
     return ModelArgs(**kwargs)
 
@@ -166,17 +166,17 @@ def test_exported_tokenizer_loads_with_autotokenizer(tmp_path):
 
 def hf_llama_with_random_norms(seed: int, **config_overrides):
     torch.manual_seed(seed)
-    kwargs = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=2000.0,
-    )
+    kwargs = {
+        "vocab_size": VOCAB,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 2000.0,
+    }
     kwargs.update(config_overrides)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
     with torch.no_grad():

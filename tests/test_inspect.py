@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from dataclasses import asdict
 
 import numpy as np
 import pytest
 
-from helpers import SHARED_DATA
+from helpers import SHARED_DATA, run_liandan
 from liandan.config import ConfigError
 from liandan.data.corpus import DataError, Document, read_documents
 from liandan.data.inspection import InspectionReport, Thresholds, inspect_sources
@@ -293,13 +291,7 @@ def test_malformed_records_are_counted_and_reported(tmp_path):
         + b'{"text": "bad \xff byte"}\n'
         + ("\n".join(good[6:]) + "\n").encode()
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "liandan.cli", "data", "inspect", str(path), "--out", str(tmp_path / "report")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = run_liandan("data", "inspect", path, "--out", tmp_path / "report", timeout=300)
     assert done.returncode == 0, done.stderr
     assert "mixed: 3 record(s) skipped" in done.stdout
     assert "1 malformed JSON" in done.stdout and "1 invalid UTF-8" in done.stdout and "no string field" in done.stdout

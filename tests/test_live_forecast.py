@@ -1,17 +1,14 @@
 """Forecasts of the final loss while a run trains: when they are made, what they write, the flag against a
 reference loss, and that training itself is untouched."""
 
-import json
 import logging
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import MICRO_MODEL, tiny_config, write_corpus
+from helpers import MICRO_MODEL, read_run, run_liandan, tiny_config, write_corpus
 from liandan.config import ScheduleSection
 from liandan.plan.forecast import schedule_fractions
 from liandan.plan.forecast_callback import ForecastCallback
@@ -34,8 +31,7 @@ def corpus(tmp_path_factory):
 
 
 def events(run_dir, kind):
-    lines = (run_dir / "events.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+    return read_run(run_dir).of_kind(kind)
 
 
 def decaying_curve(steps):
@@ -140,13 +136,7 @@ def test_forecasting_writes_events_and_leaves_training_untouched(tmp_path, corpu
 def test_liandan_train_forecasts_when_asked(tmp_path, corpus):
     config = tmp_path / "tiny.toml"
     config.write_text(tiny_config(tmp_path, corpus, *SHAPE, "--run.name=cli").to_toml())
-    done = subprocess.run(
-        [sys.executable, "-m", "liandan.cli", "train", config, "--resilience.supervise=false", "--forecast.every=15"],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_liandan("train", config, "--resilience.supervise=false", "--forecast.every=15", timeout=300)
     assert done.returncode == 0, done.stderr
     assert "step 15: forecast final loss" in done.stdout and "step 30: forecast final loss" in done.stdout
     assert "warning:" not in done.stdout  # no reference, no flag

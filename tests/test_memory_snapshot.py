@@ -170,6 +170,7 @@ def _agree_worker(rank, directory, held, out):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_the_newest_step_all_hold(tmp_path):
     """Rank 0 got to write step 4, rank 1 died before it did: both resume from step 3."""
     ctx = mp.get_context("spawn")

@@ -28,7 +28,7 @@ PREFIX_SEGMENTS = [[0, 1, 5, 6, 7, 16, 20, 21], [0, 1, 2, 3, 13, 16, 17, 18]]
 
 
 def small_args(**overrides) -> ModelArgs:
-    kwargs = dict(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=64)
+    kwargs = {"vocab_size": 97, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96, "max_seq_len": 64}
     kwargs.update(overrides)
     return ModelArgs(**kwargs)
 
@@ -463,7 +463,7 @@ def test_eager_attention_fp16_matches_reference_on_ordinary_inputs():
 
 # ------------------------------------------------------------------------------------- parameter counts
 
-COUNT_ARGS = dict(vocab_size=100, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
+COUNT_ARGS = {"vocab_size": 100, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 128}
 
 
 def hand_counts(tie: bool, qk_norm: bool) -> dict[str, int]:

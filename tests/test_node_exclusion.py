@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from helpers import tiny_config, write_corpus
+from helpers import read_run, run_liandan, tiny_config, write_corpus
 from liandan.resilience.nodes import ExclusionList, attribute, write_report
 
 pytestmark = pytest.mark.slow
@@ -50,8 +50,7 @@ def _train(config, name, env, **kwargs):
 
 
 def _events(run_dir, kind):
-    lines = (run_dir / "events.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+    return read_run(run_dir).of_kind(kind)
 
 
 def test_failing_node_is_excluded_and_the_others_carry_on(config):
@@ -99,8 +98,7 @@ def test_excluded_node_refuses_to_join(config):
 def test_bad_node_settings_are_one_line_errors(config):
     env = _node_env("node-a", 1234)
     env["LIANDAN_NNODES"] = "two"
-    done = subprocess.run([sys.executable, "-m", "liandan.cli", "train", str(config), "--run.name=bad"], env=env,
-                          capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    done = run_liandan("train", config, "--run.name=bad", env=env, timeout=60)
     assert done.returncode == 2
     assert (
         done.stderr.strip()

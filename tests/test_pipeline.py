@@ -6,13 +6,12 @@ import gzip
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from helpers import run_liandan
 from liandan.config import ConfigError
 from liandan.data.corpus import DataError
 from liandan.data.pipeline import read_jsonl_zst, run_pipeline
@@ -163,31 +162,32 @@ def test_stores_feed_the_training_loader(finished):
         TokenStore(out / "stores" / "docs", expect_tokenizer="another-tokenizer")
 
 
+@pytest.mark.slow
 def test_resume_after_a_real_kill_redoes_nothing_finished(finished, tmp_path):
     reference, _ = finished
     toml = write_inputs(tmp_path)
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "liandan.cli", "data", "run", str(toml), "--workers=1"]
+    command = ["data", "run", toml, "--workers=1"]
     env = {**os.environ, "LIANDAN_FAULTS": "kill@tokenize:1"}
-    first = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    first = run_liandan(*command, env=env, timeout=300)
     assert first.returncode == -9, first.stderr[-2000:]
     assert (out / "state" / "tokenize-00000.json").is_file()
     assert not (out / "state" / "tokenize-00001.json").exists()
     finished_files = {p: p.stat().st_mtime_ns for p in (out / "clean").glob("*") if p.is_file()}
     finished_files[out / "state" / "tokenize-00000.json"] = (out / "state" / "tokenize-00000.json").stat().st_mtime_ns
-    second = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    second = run_liandan(*command, timeout=300)
     assert second.returncode == 0, second.stderr[-2000:]
     assert {p: p.stat().st_mtime_ns for p in finished_files} == finished_files
     assert store_bytes(out) == store_bytes(reference)
 
 
+@pytest.mark.slow
 def test_ray_executor_writes_the_same_bytes(finished, tmp_path):
     pytest.importorskip("ray", reason="the ray executor needs ray installed")
     reference, _ = finished
     toml = write_inputs(tmp_path)
     # its own process: a Ray driver keeps threads and memory that would disturb later tests in this one
-    command = [sys.executable, "-m", "liandan.cli", "data", "run", str(toml), "--executor=ray", "--pipeline.inspect=false"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = run_liandan("data", "run", toml, "--executor=ray", "--pipeline.inspect=false", timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "(ray)" in done.stdout
     assert store_bytes(tmp_path / "out") == store_bytes(reference)
@@ -235,9 +235,7 @@ def test_bad_pipeline_files_end_in_one_line(tmp_path, body, message):
     (tmp_path / "x.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
     toml = tmp_path / "p.toml"
     toml.write_text(body)
-    run = subprocess.run(
-        [sys.executable, "-m", "liandan.cli", "data", "run", str(toml)], capture_output=True, text=True, timeout=120
-    )
+    run = run_liandan("data", "run", toml, timeout=120)
     assert run.returncode == 2
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and re.search(message, lines[0]), run.stderr

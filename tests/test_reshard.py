@@ -6,14 +6,11 @@ test_distributed.py (relative 1e-5, fp32): model, optimizer, scheduler and loade
 with the same global batch on any number of data-parallel ranks.
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from helpers import tiny_config, write_corpus
+from helpers import read_run, run_liandan, tiny_config, write_corpus
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -33,13 +30,11 @@ def _train(config, name, nproc, *overrides, faults=None):
     env = {k: v for k, v in os.environ.items() if k != "LIANDAN_FAULTS"}
     if faults:
         env["LIANDAN_FAULTS"] = faults
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--nproc={nproc}", f"--run.name={name}", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    return run_liandan("train", config, f"--nproc={nproc}", f"--run.name={name}", *overrides, env=env, timeout=300)
 
 
 def _losses(config, name):
-    lines = (config.parent / "runs" / name / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line)["loss"] for line in lines]
+    return [r["loss"] for r in read_run(config.parent / "runs" / name).metrics]
 
 
 @pytest.mark.parametrize(
@@ -63,6 +58,5 @@ def test_resume_in_another_layout(setup, before, after):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "at step 4" in done.stdout
     assert _losses(config, name) == pytest.approx(reference, rel=RTOL)
-    events = [json.loads(e) for e in (config.parent / "runs" / name / "events.jsonl").read_text().splitlines()]
-    resumed = [e for e in events if e["kind"] == "resumed"]
+    resumed = read_run(config.parent / "runs" / name).of_kind("resumed")
     assert resumed and resumed[-1]["step"] == 4

@@ -2,13 +2,12 @@
 laws from noisy synthetic runs, bootstrap intervals, and `liandan fit` / `liandan optimal` end to end."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 from scipy.optimize import minimize_scalar
 
+from helpers import run_liandan
 from liandan.cli.fit_cmd import _num as shown
 from liandan.cli.main import main
 from liandan.config import ConfigError
@@ -17,15 +16,6 @@ from liandan.plan.scaling import CHINCHILLA, ComputeLaw, Observations, ScalingLa
 
 TRUE = ScalingLaw(E=1.8, A=520.0, B=900.0, alpha=0.36, beta=0.32)
 
-
-def liandan(*args, timeout=120):
-    return subprocess.run(
-        [sys.executable, "-m", "liandan.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
 
 
 def assert_one_line_error(code, err, *words):
@@ -228,7 +218,7 @@ def test_read_runs_options(tmp_path):
 def test_cli_fit_csv_save_and_optimal(tmp_path, capsys):
     csv_path = write_csv(tmp_path / "runs.csv", synthetic_runs())
     saved = tmp_path / "fit.json"
-    done = liandan("fit", csv_path, "--bootstrap", 12, "--predict-flops", "1e22", "--save", saved)
+    done = run_liandan("fit", csv_path, "--bootstrap", 12, "--predict-flops", "1e22", "--save", saved)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     for words in (
@@ -257,7 +247,7 @@ def test_cli_fit_csv_save_and_optimal(tmp_path, capsys):
 
 def test_cli_fit_run_directories(tmp_path):
     fake_runs(tmp_path / "runs")
-    done = liandan(
+    done = run_liandan(
         "fit",
         *sorted((tmp_path / "runs").iterdir())[:6],
         tmp_path / "runs" / "run-8",
@@ -316,7 +306,7 @@ def test_optimal_default_names_its_law_in_process(capsys):
 
 
 def test_cli_missing_file_is_one_line():
-    done = liandan("fit", "/no/such/runs.csv")
+    done = run_liandan("fit", "/no/such/runs.csv")
     assert_one_line_error(done.returncode, done.stderr, "no such file or directory: /no/such/runs.csv")
 
 

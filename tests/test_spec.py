@@ -75,3 +75,13 @@ def test_lr_multiplier_is_the_trainers_schedule():
         optimizer.step()
         scheduler.step()
     assert seen == pytest.approx([lr_multiplier(s, 20, cfg) for s in range(20)])
+
+
+def test_the_end_of_document_rule_is_shared_by_the_pipeline_and_the_export():
+    from liandan.spec.tokens import EOS, eos_id
+
+    vocab = {"</s>": 7, "<eos>": 9}
+    assert eos_id(vocab.get) == 7
+    assert eos_id({EOS: 0, "</s>": 7}.get) == 0
+    with pytest.raises(ValueError, match="tokenizer has no end-of-document token"):
+        eos_id({}.get)

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 
-from helpers import fill_disk, process_tree, tiny_config, wait_for_step, write_corpus
+from helpers import fill_disk, process_tree, read_run, run_liandan, tiny_config, wait_for_step, write_corpus
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.manager import load_model
 from liandan.checkpoint.verify import complete_checkpoints, verify
@@ -57,8 +57,7 @@ def _train(config, name, faults=None, always=None, extra=()):
         env["LIANDAN_FAULTS"] = faults
     if always:
         env["LIANDAN_FAULTS_ALWAYS"] = always
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", f"--run.name={name}", *extra]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=400, check=False)
+    return run_liandan("train", config, "--nproc=2", f"--run.name={name}", *extra, env=env, timeout=400)
 
 
 def _weights(config, name):
@@ -68,8 +67,7 @@ def _weights(config, name):
 
 
 def _events(config, name, kind):
-    lines = (config.parent / "runs" / name / "events.jsonl").read_text().splitlines()
-    return [e for e in map(json.loads, lines) if e["kind"] == kind]
+    return read_run(config.parent / "runs" / name).of_kind(kind)
 
 
 @pytest.mark.parametrize(
@@ -111,11 +109,10 @@ def test_fault_is_survived_exactly(setup, name, faults, failure, cause, rank, re
     if name == "corrupt-then-kill":
         [rejected] = _events(config, name, "checkpoint_rejected")
         assert "step-00000004" in rejected["path"] and "fails its checksum" in rejected["error"]
-    summary = json.loads((config.parent / "runs" / name / "summary.json").read_text())
+    summary = read_run(config.parent / "runs" / name).summary
     assert summary["restarts"] == 1 and 0 < summary["goodput"] <= 1
     assert summary["steps"] == 8 and summary["tokens"] == 8 * TOKENS_PER_STEP  # not only the last attempt's
-    timeline = subprocess.run([sys.executable, "-m", "liandan.cli", "incidents", str(config.parent / "runs" / name)],
-                              capture_output=True, text=True, check=False)  # fmt: skip
+    timeline = run_liandan("incidents", config.parent / "runs" / name)
     assert failure.upper() in timeline.stdout and "recovered" in timeline.stdout and "goodput" in timeline.stdout
 
 
@@ -143,7 +140,7 @@ def test_memory_snapshots_resume_from_the_last_step(setup, name, faults, cause, 
     [resumed] = _events(config, name, "resumed")
     assert resumed["source"] == source and resumed["step"] == resume_step
     run_dir = config.parent / "runs" / name
-    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["step"] for r in read_run(run_dir).metrics]
     assert logged == list(range(1, 9))  # every step once: none lost, none twice
     assert snapshots.snapshot_dirs(run_dir) == []  # the supervisor gave the memory back
 

@@ -11,11 +11,11 @@ import numpy as np
 import optuna
 import pytest
 
-from helpers import MICRO_MODEL, tiny_config, write_corpus
+from helpers import MICRO_MODEL, run_liandan, tiny_config, write_corpus
 from liandan.cli.main import main
 from liandan.config import ConfigError, ScheduleSection
 from liandan.plan.forecast import annealing_areas, schedule_fractions
-from liandan.plan.live_forecast import ForecastPruner
+from liandan.plan.pruner import ForecastPruner
 from liandan.plan.sweep import Reporter, _MetricsTail, _stop, _Sweep, load_sweep, make_pruner
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
@@ -51,6 +51,7 @@ def read_csv(path):
         return list(csv.DictReader(handle))
 
 
+@pytest.mark.slow
 def test_sweep_prunes_continues_and_reports(base, tmp_path, capsys):
     # Seed 25 draws the sane learning rate for trial 0 and the absurd one (30: the loss climbs into the
     # thousands) for trial 1, which successive halving then stops at its first rung, step 5.
@@ -140,11 +141,12 @@ def test_a_null_loss_reads_as_divergence(tmp_path):
 
 
 def sweep_curve(spec):
-    from liandan.plan.live_forecast import PartialCurve
+    from liandan.plan.pruner import PartialCurve
 
     return PartialCurve([], [], schedule_fractions(spec.base_config.schedule, spec.base_config.train.steps))
 
 
+@pytest.mark.slow
 def test_trials_that_cannot_run_stop_the_sweep(base, tmp_path, capsys):
     """Each value passes on its own, together they make a head size of 9: every trial fails before it
     starts, and after three in a row the sweep stops with the reason."""
@@ -299,13 +301,7 @@ def test_sweep_file_mistakes_are_one_line(base, tmp_path, capsys, body, words):
 def test_sweep_file_mistake_through_a_real_process(tmp_path):
     sweep = tmp_path / "s.toml"
     sweep.write_text('base = "no/such.toml"\n[params]\n"optim.lr" = { low = 1e-4, high = 1e-2 }\n')
-    done = subprocess.run(
-        [sys.executable, "-m", "liandan.cli", "sweep", str(sweep)],
-        check=False,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_liandan("sweep", sweep, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [
         f"liandan: error: {sweep}: base no/such.toml with the overrides: config file not found: no/such.toml"

@@ -1,3 +1,4 @@
+import itertools
 import json
 import math
 import signal
@@ -5,7 +6,7 @@ import signal
 import pytest
 import torch
 
-from helpers import tiny_config, write_corpus
+from helpers import read_run, tiny_config, write_corpus
 from liandan.config import ConfigError, ScheduleSection
 from liandan.data import DataError
 from liandan.model import ModelArgs, Transformer
@@ -52,17 +53,17 @@ def test_same_seed_same_loss_curve_bit_for_bit(tmp_path, corpus):
 
 
 def test_run_directory_contents(tmp_path, corpus):
-    trainer, result = run(tmp_path, corpus, "--train.eval_every=3")
+    _trainer, result = run(tmp_path, corpus, "--train.eval_every=3")
     run_dir = result.run_dir
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recorded = read_run(run_dir)
+    records = recorded.metrics
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     for key in ("loss", "grad_norm", "lr", "tokens_per_s", "mfu", "peak_mem_gib", "step_time_s"):
         assert all(math.isfinite(r[key]) and r[key] >= 0 for r in records), key
     assert 0 < records[-1]["mfu"] < 1
     assert records[-1]["loss"] < records[0]["loss"]
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["kind"] == "eval"] == [3, 6]
-    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [e["step"] for e in recorded.of_kind("eval")] == [3, 6]
+    summary = recorded.summary
     assert summary["steps"] == 6 and summary["tokens"] == 6 * 4 * 64
     assert summary["val_loss"] == pytest.approx(result.val_loss)
     assert (run_dir / "training.png").stat().st_size > 10_000
@@ -167,7 +168,7 @@ def test_schedules():
     assert cos[0] == pytest.approx(0.1) and cos[9] == pytest.approx(1.0)
     assert cos[10] == pytest.approx(1.0) and cos[-1] == pytest.approx(0.1)
     assert cos[55] == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 45 / 89)))
-    assert all(x >= y for x, y in zip(cos[10:], cos[11:]))
+    assert all(x >= y for x, y in itertools.pairwise(cos[10:]))
     lin = curve(kind="linear", warmup_steps=0, min_lr_ratio=0.0)
     assert lin[0] == 1.0 and lin[-1] == pytest.approx(0.0)
     assert lin[50] == pytest.approx(1 - 50 / 99)

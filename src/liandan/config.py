@@ -227,7 +227,7 @@ def read_toml(path: str | Path) -> dict[str, Any]:
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:
-    text = item[2:] if item.startswith("--") else item
+    text = item.removeprefix("--")
     if "=" not in text or "." not in text.split("=", 1)[0]:
         raise ConfigError(f"override '{item}' must look like --section.key=value")
     dotted, value_text = text.split("=", 1)

@@ -63,7 +63,7 @@ def maybe_inject(point: str, step: int, path: Path | None = None) -> None:
         elif action == "enospc":
             raise OSError(errno.ENOSPC, f"No space left on device (injected at {point} {step})")
         elif action == "corrupt" and path is not None:
-            shard = sorted(Path(path).glob("*.distcp"))[0]
+            shard = min(Path(path).glob("*.distcp"))
             data = bytearray(shard.read_bytes())
             data[len(data) // 2] ^= 0xFF
             shard.write_bytes(bytes(data))

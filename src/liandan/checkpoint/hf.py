@@ -29,6 +29,7 @@ import torch
 
 from liandan.model.spec import HFAdapter, ModelSpec, spec_for, specs
 from liandan.model.spec import get as get_model_spec
+from liandan.spec import tokens
 
 ARGS_METADATA_KEY = "liandan_model_args"
 FAMILY_METADATA_KEY = "liandan_model_family"  # absent in files written before families: llama
@@ -67,7 +68,7 @@ def _plain_state_dict(state_dict: dict[str, torch.Tensor], what: str) -> dict[st
     out: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
         if not isinstance(value, torch.Tensor):
-            raise ValueError(f"{what}: entry {key!r} is a {type(value).__name__}, not a tensor")
+            raise ValueError(f"{what}: entry {key!r} is a {type(value).__name__}, not a tensor")  # noqa: TRY004
         if hasattr(value, "full_tensor") or hasattr(value, "_local_tensor"):
             raise ValueError(
                 f"{what}: {key!r} is a sharded DTensor; gather a full state dict first "
@@ -223,20 +224,18 @@ def export_hf(
 
 def _tokenizer_eos(path: Path) -> tuple[str, int, int]:
     """(end-of-document token, its id, vocabulary size) of a tokenizer.json, found by the same rule the
-    trainer uses (`liandan.data.tokenizer.HFTokenizer`)."""
+    trainer uses (`liandan.spec.tokens.eos_id`)."""
     from tokenizers import Tokenizer
-
-    from liandan.data.tokenizer import HFTokenizer
 
     try:
         tok = Tokenizer.from_file(str(path))
-    except Exception as err:  # tokenizers raises plain Exception for malformed files
+    except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception for malformed files
         raise ValueError(f"cannot read tokenizer {path}: {err}") from None
     try:
-        eos_id = HFTokenizer(tok).eos_id
+        eos = tokens.eos_id(tok.token_to_id)
     except ValueError as err:
         raise ValueError(f"tokenizer {path}: {err}") from None
-    return tok.id_to_token(eos_id), eos_id, tok.get_vocab_size()
+    return tok.id_to_token(eos), eos, tok.get_vocab_size()
 
 
 def _write_tokenizer(tokenizer_json: Path, out_dir: Path, eos_token: str, max_len: int) -> None:
@@ -272,7 +271,7 @@ def _read_config(model_dir: Path) -> dict:
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON: {err}") from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path} does not hold a JSON object")
+        raise ValueError(f"{path} does not hold a JSON object")  # noqa: TRY004 - a malformed file: a user error
     return config
 
 
@@ -336,7 +335,7 @@ def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
     for path in _weight_files(model_dir):
         try:
             tensors = load_file(str(path))
-        except Exception as err:  # safetensors raises its own error types for malformed files
+        except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for malformed files
             raise ValueError(f"cannot read {path}: {err}") from None
         for hf_name, tensor in tensors.items():
             if hf_name in names:
@@ -378,7 +377,7 @@ def _args_from_json(text: str, where: Path, family: str = "llama") -> Any:
     except json.JSONDecodeError as err:
         raise ValueError(f"{where}: metadata {ARGS_METADATA_KEY} is not valid JSON: {err}") from None
     if not isinstance(fields, dict):
-        raise ValueError(f"{where}: metadata {ARGS_METADATA_KEY} is not a JSON object")
+        raise ValueError(f"{where}: metadata {ARGS_METADATA_KEY} is not a JSON object")  # noqa: TRY004 - as above
     args_type = get_model_spec(family).args_type
     known = {f.name for f in dataclasses.fields(args_type)}
     unknown = sorted(set(fields) - known)
@@ -415,7 +414,7 @@ def load_consolidated(path: Path) -> tuple[dict[str, torch.Tensor], Any]:
             state_dict = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (safe_open is not a mapping)
     except ValueError:
         raise
-    except Exception as err:  # safetensors raises its own error types for malformed files
+    except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for malformed files
         raise ValueError(f"cannot read {path}: {err}") from None
     state_dict = _check_state_dict(state_dict, args, str(path))
     for key, source in spec_for(args).tied(args).items():

@@ -128,7 +128,7 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     print("incidents (liandan incidents <run>):")
     for line in timeline(run):
         print(f"  {line}")
-    model, meta = load_model(run / "checkpoints" / f"step-{s['steps']:08d}")
+    model, _ = load_model(run / "checkpoints" / f"step-{s['steps']:08d}")
     store = Path(next(iter(data_summary["stores"].values()))["path"])
     tokenizer = TokenStore(store).tokenizer
     prompt = "The for statement"

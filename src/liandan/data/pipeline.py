@@ -77,7 +77,7 @@ class _JsonlZstWriter:
         import zstandard
 
         self.path, self._tmp = path, path.with_name(path.name + ".tmp")
-        self._file = open(self._tmp, "wb")
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed with the stream, by close()
         self._stream = zstandard.ZstdCompressor(level=3).stream_writer(self._file)
         self.count = 0
 

@@ -9,10 +9,7 @@ from typing import Protocol
 import xxhash
 
 from liandan.data.corpus import DataError
-
-EOS = "<|endoftext|>"
-# End-of-document tokens of tokenizers trained elsewhere (GPT-2, Llama 3, Llama 2, Gemma), tried in order.
-EOS_CANDIDATES = (EOS, "<|end_of_text|>", "</s>", "<eos>")
+from liandan.spec.tokens import EOS, eos_id
 
 
 class Tokenizer(Protocol):
@@ -52,10 +49,10 @@ class HFTokenizer:
 
     def __init__(self, tok):
         self._tok = tok
-        ids = [tok.token_to_id(t) for t in EOS_CANDIDATES if tok.token_to_id(t) is not None]
-        if not ids:
-            raise DataError(f"tokenizer has no end-of-document token (one of {', '.join(EOS_CANDIDATES)})")
-        self.eos_id = ids[0]
+        try:
+            self.eos_id = eos_id(tok.token_to_id)
+        except ValueError as err:
+            raise DataError(str(err)) from None
         self.vocab_size = tok.get_vocab_size()
 
     @classmethod
@@ -67,7 +64,7 @@ class HFTokenizer:
             raise DataError(f"tokenizer file not found: {path}")
         try:
             return cls(_Tok.from_file(str(path)))
-        except Exception as err:  # tokenizers raises plain Exception for malformed files
+        except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception for malformed files
             raise DataError(f"cannot read tokenizer {path}: {err}") from None
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:

@@ -12,8 +12,8 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from liandan.model.attention import MaskSpec, PreparedMask, attend, choose_backend
 

@@ -37,7 +37,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from liandan.config import Config, ConfigError, describe, load_config
 from liandan.plan.forecast import measured_final_loss, schedule_fractions
-from liandan.plan.live_forecast import ForecastPruner, PartialCurve
+from liandan.plan.pruner import ForecastPruner, PartialCurve
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -1,5 +1,6 @@
-"""What `plan` and `train` both need to know about a run, without torch: the parallel layout, the data-sheet
-peak FLOP/s of accelerators, and the learning-rate schedule. Imports nothing of liandan but `config`."""
+"""What several layers need to know alike, without torch: the parallel layout, the data-sheet peak FLOP/s of
+accelerators and the learning-rate schedule (`plan` and `train`), and the tokenizers' end-of-document rule
+(`data` and `checkpoint`, in `liandan.spec.tokens`). Imports nothing of liandan but `config`."""
 
 from liandan.spec.layout import Layout, resolve_layout, uses_fsdp
 from liandan.spec.peaks import GPU_PEAK_TFLOPS_BF16, gpu_peak_flops

@@ -42,8 +42,8 @@ class JsonlLogger:
     so a crash loses nothing already reported. Non-finite numbers are written as null (`to_json`)."""
 
     def __init__(self, run_dir: Path):
-        self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
-        self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")
+        self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
