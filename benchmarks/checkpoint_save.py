@@ -185,7 +185,9 @@ def run_once(name: str, model, optimizer, base: Path, step: int) -> dict[str, fl
 def machine() -> dict[str, object]:
     cpu = platform.processor() or platform.machine()
     try:
-        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout.splitlines():
+        for line in subprocess.run(
+            ["lscpu"], capture_output=True, text=True, timeout=10, check=False
+        ).stdout.splitlines():
             if line.startswith("Model name:"):
                 cpu = line.split(":", 1)[1].strip()
     except (OSError, subprocess.SubprocessError):
@@ -300,8 +302,10 @@ def main() -> None:
 
         args = model_args(opts.params_millions)
         if count_params(args).total > 1.5 * opts.params_millions * 1e6:
-            print(f"note: the smallest model of this shape (one layer, vocabulary 32000, width 512) has "
-                  f"{count_params(args).total / 1e6:.1f}M parameters")
+            print(
+                f"note: the smallest model of this shape (one layer, vocabulary 32000, width 512) has "
+                f"{count_params(args).total / 1e6:.1f}M parameters"
+            )
         model, optimizer = trained_state(args)
         params = sum(p.numel() for p in model.parameters())
         nbytes = state_bytes(model, optimizer)

@@ -378,8 +378,12 @@ def main() -> int:
         help=f"resilience.backoff_s (default {RESILIENCE['backoff_s']:g})",
     )
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="tiny", help="which run (default tiny)")
-    parser.add_argument("--memory-every", type=int, default=1,
-                        help="checkpoint.memory_every: steps between in-memory snapshots, 0 for none (default 1)")
+    parser.add_argument(
+        "--memory-every",
+        type=int,
+        default=1,
+        help="checkpoint.memory_every: steps between in-memory snapshots, 0 for none (default 1)",
+    )
     parser.add_argument("--dir", type=Path, help="keep the runs here (default: a temporary directory, deleted)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--verbose", action="store_true", help="show the workers' output")

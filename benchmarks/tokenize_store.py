@@ -118,7 +118,9 @@ def main() -> int:
     verdict = "meets" if ratio >= TARGET else "misses"
     print(f"write_shard runs at {ratio:.3f}x the throughput of encode_batch + ids: {verdict} the target of {TARGET}x")
     fast = min(times["encode_batch_fast + ids"]) / shard_s
-    print(f"write_shard runs at {fast:.3f}x the throughput of encode_batch_fast + ids (pipeline overhead {1 - fast:+.1%})")
+    print(
+        f"write_shard runs at {fast:.3f}x the throughput of encode_batch_fast + ids (pipeline overhead {1 - fast:+.1%})"
+    )
     return 0
 
 

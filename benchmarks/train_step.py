@@ -53,6 +53,7 @@ except ImportError:  # older liandan: Trainer.clip_gradients called torch's fore
         grads = [p for p in parameters if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(grads, max_norm, foreach=True).item()
 
+
 from liandan.spec.layout import Layout
 from liandan.train.parallelize import parallelize
 
@@ -144,7 +145,11 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 def liandan_to_plain(state: dict[str, torch.Tensor], n_layers: int) -> dict[str, torch.Tensor]:
-    out = {"embed.weight": state["tok_embeddings.weight"], "norm": state["norm.weight"], "head.weight": state["output.weight"]}
+    out = {
+        "embed.weight": state["tok_embeddings.weight"],
+        "norm": state["norm.weight"],
+        "head.weight": state["output.weight"],
+    }
     for i in range(n_layers):
         p = f"layers.{i}."
         out[f"blocks.{i}.attn_norm"] = state[p + "attention_norm.weight"]
@@ -418,8 +423,19 @@ def report(results: dict, opts: argparse.Namespace) -> None:
     from rich.table import Table
 
     console = Console(width=max(Console().width, 130))
-    table = Table(title=f"Training step throughput, batch {opts.batch} x {opts.seq_len} tokens, {opts.steps} timed steps")
-    for col in ("dtype", "implementation", "tokens/s", "tokens/s median step", "step (ms)", "first step (s)", "MFU", "loss first→last"):
+    table = Table(
+        title=f"Training step throughput, batch {opts.batch} x {opts.seq_len} tokens, {opts.steps} timed steps"
+    )
+    for col in (
+        "dtype",
+        "implementation",
+        "tokens/s",
+        "tokens/s median step",
+        "step (ms)",
+        "first step (s)",
+        "MFU",
+        "loss first→last",
+    ):
         table.add_column(col, justify="left" if col in ("dtype", "implementation") else "right")
     for d in results["dtypes"]:
         for name, r in d["rows"].items():
@@ -520,10 +536,15 @@ def main(argv: list[str] | None = None) -> dict:
     )
     if {"hf", "plain"} & set(opts.impls) and "liandan" in opts.impls:
         check = initial_losses(args, state, batches[0])
-        print("fp32 loss on the first batch from the shared weights: " + ", ".join(f"{k} {v:.5f}" for k, v in check.items()))
+        print(
+            "fp32 loss on the first batch from the shared weights: "
+            + ", ".join(f"{k} {v:.5f}" for k, v in check.items())
+        )
         spread = max(check.values()) - min(check.values())
         if spread > 1e-3:
-            raise SystemExit(f"the implementations disagree on the same weights (spread {spread:.2e}): not the same model")
+            raise SystemExit(
+                f"the implementations disagree on the same weights (spread {spread:.2e}): not the same model"
+            )
 
     started = time.perf_counter()
     load_start = load_average()
@@ -537,11 +558,26 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{name}:")
         results["dtypes"].append(run_dtype(name, args, state, batches, opts, print))
     # Across dtypes: the fastest liandan configuration against the fastest peer configuration.
-    lian = [(d["rows"][d["liandan"]]["tokens_per_s"], f"{d['liandan']} {d['dtype']}") for d in results["dtypes"] if d["liandan"]]
-    peer = [(r["tokens_per_s"], f"{k} {d['dtype']}") for d in results["dtypes"] for k, r in d["rows"].items() if r["family"] in PEERS]
+    lian = [
+        (d["rows"][d["liandan"]]["tokens_per_s"], f"{d['liandan']} {d['dtype']}")
+        for d in results["dtypes"]
+        if d["liandan"]
+    ]
+    peer = [
+        (r["tokens_per_s"], f"{k} {d['dtype']}")
+        for d in results["dtypes"]
+        for k, r in d["rows"].items()
+        if r["family"] in PEERS
+    ]
     if lian and peer:
         (lt, ln), (pt, pn) = max(lian), max(peer)
-        results["overall"] = {"liandan": ln, "liandan_tokens_per_s": lt, "best_peer": pn, "best_peer_tokens_per_s": pt, "ratio": lt / pt}
+        results["overall"] = {
+            "liandan": ln,
+            "liandan_tokens_per_s": lt,
+            "best_peer": pn,
+            "best_peer_tokens_per_s": pt,
+            "ratio": lt / pt,
+        }
     results["seconds"] = time.perf_counter() - started
     results["load_average"] = {"start": load_start, "end": load_average()}
     report(results, opts)

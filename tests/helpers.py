@@ -164,6 +164,7 @@ def wait_for_step(run_dir: Path, step: int, proc, timeout: float = 300.0) -> Non
         time.sleep(0.02)
     raise AssertionError(f"step {step} not reached in {timeout}s")
 
+
 def run_liandan(
     *args, timeout: float = 600, env: dict[str, str] | None = None, check: bool = False, cwd: Path | None = None
 ) -> subprocess.CompletedProcess:

@@ -167,7 +167,7 @@ def test_one_ranks_veto_skips_the_update_on_every_rank(tmp_path):
     procs = [ctx.Process(target=_veto_rank, args=(rank, port, tmp_path, out)) for rank in range(2)]
     for p in procs:
         p.start()
-    results = dict((rank, (unchanged, losses)) for rank, unchanged, losses in (out.get(timeout=300) for _ in procs))
+    results = {rank: (unchanged, losses) for rank, unchanged, losses in (out.get(timeout=300) for _ in procs)}
     for p in procs:
         p.join(timeout=60)
     assert results[0][0] and results[1][0]  # neither rank applied the update of step 4

@@ -18,7 +18,14 @@ STEPS = 8
 def config(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     path = root / "tiny.toml"
-    cfg = tiny_config(root / "runs", write_corpus(root), f"--train.steps={STEPS}", "--checkpoint.every=4", "--run.name=", "--resilience.supervise=false")
+    cfg = tiny_config(
+        root / "runs",
+        write_corpus(root),
+        f"--train.steps={STEPS}",
+        "--checkpoint.every=4",
+        "--run.name=",
+        "--resilience.supervise=false",
+    )
     path.write_text(cfg.to_toml())
     return path
 
@@ -146,7 +153,14 @@ def test_damaged_newest_checkpoint_falls_back(config, straight, damage):
 
 @pytest.mark.slow
 def test_retention_keeps_newest_and_milestones(config):
-    train(config, "retain", "--train.steps=10", "--checkpoint.every=1", "--checkpoint.keep_last=2", "--checkpoint.keep_every=4")
+    train(
+        config,
+        "retain",
+        "--train.steps=10",
+        "--checkpoint.every=1",
+        "--checkpoint.keep_last=2",
+        "--checkpoint.keep_every=4",
+    )
     names = sorted(p.name for p in (run_dir(config, "retain") / "checkpoints").iterdir())
     assert names == ["step-00000004", "step-00000008", "step-00000009", "step-00000010"]
 
@@ -241,7 +255,14 @@ def test_init_from_checks_the_model_shape(config, straight):
     source = run_dir(config, "straight") / "checkpoints" / f"step-{STEPS:08d}"
     done = train(config, "badinit", f"--checkpoint.init_from={source}", "--model.dim=128", expect=2)
     assert "model.dim = 128 (checkpoint: 64)" in done.stderr
-    train(config, "init", f"--checkpoint.init_from={source}", "--train.steps=1", "--schedule.warmup_steps=0", "--checkpoint.every=0")
+    train(
+        config,
+        "init",
+        f"--checkpoint.init_from={source}",
+        "--train.steps=1",
+        "--schedule.warmup_steps=0",
+        "--checkpoint.every=0",
+    )
     assert losses(config, "init")[0] < straight[0][0]  # starts from trained weights
 
 

@@ -121,10 +121,11 @@ def test_one_run_at_a_time_in_a_run_directory(config):
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
 
 
-
 @pytest.mark.slow
 def test_demo_runs_on_pythons_own_docs(tmp_path):
-    done = run_liandan("demo", "--steps=6", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=512")
+    done = run_liandan(
+        "demo", "--steps=6", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=512"
+    )
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "Python documentation corpus" in out
@@ -166,12 +167,20 @@ def test_demo_takes_a_directory_of_data_files(tmp_path):
     assert_one_line_error(done, f"--data {empty}: the directory holds no .txt, .jsonl or .parquet files")
 
 
-
 @pytest.mark.slow
 @pytest.mark.skipif(not (SHARED_DATA / "corpus").is_dir(), reason="../shared/data is absent")
 def test_demo_on_users_chinese_and_english_files(tmp_path):
     files = [SHARED_DATA / "corpus" / "zh-classics.jsonl", SHARED_DATA / "corpus" / "en-shakespeare.txt"]
-    done = run_liandan("demo", "--data", *files, "--steps=4", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=1024")
+    done = run_liandan(
+        "demo",
+        "--data",
+        *files,
+        "--steps=4",
+        "--output-dir",
+        tmp_path,
+        "--train.global_batch=4",
+        "--data.bpe_vocab_size=1024",
+    )
     assert done.returncode == 0, done.stderr
     data_dir = next(p for p in tmp_path.iterdir() if p.name.endswith("-data"))
     summary = json.loads((data_dir / "summary.json").read_text())

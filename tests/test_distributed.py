@@ -91,8 +91,10 @@ def test_impossible_layout_is_refused_before_launch(setup):
     done = run_liandan("train", config, *args, timeout=120)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [
-        ("liandan: error: parallel.dp_replicate x parallel.tp = 3 must divide the number of processes,"
-        " but 2 were launched (set --nproc or the torchrun/srun task count)")
+        (
+            "liandan: error: parallel.dp_replicate x parallel.tp = 3 must divide the number of processes,"
+            " but 2 were launched (set --nproc or the torchrun/srun task count)"
+        )
     ]
 
 

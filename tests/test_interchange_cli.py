@@ -73,8 +73,11 @@ def test_import_hf_then_continue_training(trained, tmp_path):
     cont = run_liandan("train", config, "--run.name=continued", f"--checkpoint.init_from={tmp_path / 'imported'}",
                    "--train.steps=2", "--schedule.warmup_steps=1", "--checkpoint.every=0")  # fmt: skip
     assert cont.returncode == 0, cont.stderr
-    fresh = run_liandan("train", config, "--run.name=fresh", "--train.steps=2", "--schedule.warmup_steps=1", "--checkpoint.every=0")
+    fresh = run_liandan(
+        "train", config, "--run.name=fresh", "--train.steps=2", "--schedule.warmup_steps=1", "--checkpoint.every=0"
+    )
     assert fresh.returncode == 0
+
     def loss(name):
         return read_run(run.parent / name).metrics[0]["loss"]
 

@@ -104,7 +104,10 @@ def test_snapshot_directory_is_per_run_unpredictable_and_removable(tmp_path):
     MemorySnapshots(a, 0, 1, "x").save(1, torch.nn.Linear(2, 2), None, {})
     snapshots.remove_dir(a)
     assert not a.exists()
-    assert snapshots.remove_stale(tmp_path / "a", tmp_path) == [] and snapshots.snapshot_dirs(tmp_path / "a", tmp_path) == []
+    assert (
+        snapshots.remove_stale(tmp_path / "a", tmp_path) == []
+        and snapshots.snapshot_dirs(tmp_path / "a", tmp_path) == []
+    )
     assert b.is_dir()  # another run's
 
 

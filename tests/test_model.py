@@ -28,7 +28,15 @@ PREFIX_SEGMENTS = [[0, 1, 5, 6, 7, 16, 20, 21], [0, 1, 2, 3, 13, 16, 17, 18]]
 
 
 def small_args(**overrides) -> ModelArgs:
-    kwargs = {"vocab_size": 97, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 96, "max_seq_len": 64}
+    kwargs = {
+        "vocab_size": 97,
+        "dim": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "n_kv_heads": 2,
+        "ffn_dim": 96,
+        "max_seq_len": 64,
+    }
     kwargs.update(overrides)
     return ModelArgs(**kwargs)
 
@@ -687,4 +695,3 @@ def test_every_parameter_gets_a_finite_nonzero_gradient(overrides, kind):
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all(), name
         assert p.grad.abs().max() > 0, name
-

@@ -131,7 +131,9 @@ def test_planted_duplicates_are_removed_and_nothing_else(finished):
     from liandan.data.dedup import MinHasher, NearDedupParams
 
     out, summary = finished
-    docs = list(read_jsonl_zst(out / "clean" / "00000.jsonl.zst")) + list(read_jsonl_zst(out / "clean" / "00001.jsonl.zst"))
+    docs = list(read_jsonl_zst(out / "clean" / "00000.jsonl.zst")) + list(
+        read_jsonl_zst(out / "clean" / "00001.jsonl.zst")
+    )
     remove = np.concatenate([np.load(out / "dedup" / f"0000{i}.remove.npy") for i in (0, 1)])
     cluster = np.concatenate([np.load(out / "dedup" / f"0000{i}.cluster.npy") for i in (0, 1)])
     assert len(remove) == len(docs) == len(cluster)
@@ -200,7 +202,12 @@ def test_another_config_does_not_resume_into_old_output(finished, tmp_path):
     with pytest.raises(DataError, match="another pipeline config.*dedup"):
         run_pipeline(load_pipeline(toml, ["--pipeline.inspect=false", "--tokenizer.kind=byte"]), say=lambda m: None)
     # changing only where the work runs is fine
-    run_pipeline(load_pipeline(toml, ["--pipeline.inspect=false", "--dedup.near=false", "--tokenizer.kind=byte", "--pipeline.workers=1"]), say=lambda m: None)
+    run_pipeline(
+        load_pipeline(
+            toml, ["--pipeline.inspect=false", "--dedup.near=false", "--tokenizer.kind=byte", "--pipeline.workers=1"]
+        ),
+        say=lambda m: None,
+    )
 
 
 def test_pipeline_built_in_python(tmp_path):
@@ -223,8 +230,14 @@ def test_pipeline_built_in_python(tmp_path):
     "body, message",
     [
         ('[[inputs]]\nname = "a"\npaths = ["missing.jsonl"]\n', "data file not found"),
-        ('[[inputs]]\nname = "a"\npaths = ["x.jsonl"]\n[[steps]]\nname = "no_such_step"\n', "unknown pipeline step 'no_such_step'"),
-        ('[[inputs]]\nname = "a"\npaths = ["x.jsonl"]\n[[steps]]\nname = "normalize"\nbogus = 1\n', "step 'normalize' has no option 'bogus'"),
+        (
+            '[[inputs]]\nname = "a"\npaths = ["x.jsonl"]\n[[steps]]\nname = "no_such_step"\n',
+            "unknown pipeline step 'no_such_step'",
+        ),
+        (
+            '[[inputs]]\nname = "a"\npaths = ["x.jsonl"]\n[[steps]]\nname = "normalize"\nbogus = 1\n',
+            "step 'normalize' has no option 'bogus'",
+        ),
         ('[[inputs]]\nname = "a"\npaths = ["x.jsonl"]\n[dedup]\nthreshold = 2\n', "dedup.threshold = 2"),
         ("[pipeline]\nworkers = 1\n", "no \\[\\[inputs\\]\\]"),
     ],

@@ -430,7 +430,10 @@ def measure_in_fresh_process(root: Path, names) -> dict[str, tuple[float, float]
     )
     tests = str(Path(__file__).resolve().parent)
     done = subprocess.run(
-        [sys.executable, "-c", code, tests, str(root), ",".join(names)], capture_output=True, text=True, timeout=600,
+        [sys.executable, "-c", code, tests, str(root), ",".join(names)],
+        capture_output=True,
+        text=True,
+        timeout=600,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -20,7 +20,14 @@ RTOL = 1e-5
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
     config = root / "tiny.toml"
-    cfg = tiny_config(root / "runs", write_corpus(root), "--train.steps=8", "--checkpoint.every=4", "--run.name=", "--resilience.supervise=false")
+    cfg = tiny_config(
+        root / "runs",
+        write_corpus(root),
+        "--train.steps=8",
+        "--checkpoint.every=4",
+        "--run.name=",
+        "--resilience.supervise=false",
+    )
     config.write_text(cfg.to_toml())
     _train(config, "reference", 1)
     return config, _losses(config, "reference")

@@ -17,7 +17,6 @@ from liandan.plan.scaling import CHINCHILLA, ComputeLaw, Observations, ScalingLa
 TRUE = ScalingLaw(E=1.8, A=520.0, B=900.0, alpha=0.36, beta=0.32)
 
 
-
 def assert_one_line_error(code, err, *words):
     assert code == 2, err
     assert "Traceback" not in err

@@ -75,6 +75,7 @@ def test_run_directory_contents(tmp_path, corpus):
 
 def _strict_json(text):
     """JSON as the standard has it: NaN and Infinity are not JSON."""
+
     def refuse(constant):
         raise ValueError(f"{constant} is not JSON")
 
@@ -135,7 +136,9 @@ def test_activation_checkpointing_changes_no_numbers(tmp_path, corpus, mode):
 
 def test_document_mask_changes_training(tmp_path):
     short_docs = tmp_path / "short.jsonl"
-    short_docs.write_text("".join(json.dumps({"text": f"document number {i} says {'hi ' * i}"}) + "\n" for i in range(300)))
+    short_docs.write_text(
+        "".join(json.dumps({"text": f"document number {i} says {'hi ' * i}"}) + "\n" for i in range(300))
+    )
     _, doc = run(tmp_path, short_docs, "--train.mask=document", name="doc")
     trainer, causal = run(tmp_path, short_docs, "--train.mask=causal", name="causal")
     assert trainer.loader.next_step(4)[0].doc_ids.max() > 0  # sequences do span documents
@@ -188,7 +191,11 @@ def test_no_weight_decay_on_norms_and_embeddings():
     assert sorted(names[id(p)] for p in decay) == sorted(
         n for n, p in model.named_parameters() if p.dim() == 2 and "tok_embeddings" not in n
     )
-    assert {names[id(p)] for p in no_decay} >= {"tok_embeddings.weight", "norm.weight", "layers.0.attention.q_norm.weight"}
+    assert {names[id(p)] for p in no_decay} >= {
+        "tok_embeddings.weight",
+        "norm.weight",
+        "layers.0.attention.q_norm.weight",
+    }
     everything, _ = parameter_groups(model, decay_norms_and_embeddings=True)
     assert len(everything) == len(list(model.parameters()))
     tied = Transformer(ModelArgs(vocab_size=32, dim=16, n_layers=1, n_heads=2, tie_embeddings=True))

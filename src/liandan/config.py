@@ -147,7 +147,8 @@ class ResilienceSection:
     max_restarts: int = _f(5, "restarts before the supervisor gives up", min=0)
     same_failure_limit: int = _f(2, "give up when the same failure recurs at the same step this many times", min=1)
     backoff_s: float = _f(
-        1.0, "wait before restarting after a failure that recurred without progress; doubles per repeat, at most 60 s",
+        1.0,
+        "wait before restarting after a failure that recurred without progress; doubles per repeat, at most 60 s",
         min=0.0,
     )
     hang_factor: float = _f(10.0, "a hang is no progress for this many median step times...", min=1.0)
@@ -327,7 +328,9 @@ def check_config(cfg: Config) -> None:
     if m.dim % m.n_heads:
         raise ConfigError(f"model.dim = {m.dim} must be divisible by model.n_heads = {m.n_heads}")
     if (m.dim // m.n_heads) % 2:
-        raise ConfigError(f"head size model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings")
+        raise ConfigError(
+            f"head size model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings"
+        )
     kv = m.n_kv_heads or m.n_heads
     if m.n_heads % kv:
         raise ConfigError(f"model.n_kv_heads = {kv} must divide model.n_heads = {m.n_heads}")
@@ -342,7 +345,9 @@ def check_config(cfg: Config) -> None:
             what = "tie_embeddings" if m.tie_embeddings else "qk_norm"
             raise ConfigError(f"model.{what} = true is not supported with parallel.tp > 1 yet")
     if t.micro_batch and t.global_batch % t.micro_batch:
-        raise ConfigError(f"train.global_batch = {t.global_batch} must be a multiple of train.micro_batch = {t.micro_batch}")
+        raise ConfigError(
+            f"train.global_batch = {t.global_batch} must be a multiple of train.micro_batch = {t.micro_batch}"
+        )
     if cfg.schedule.warmup_steps > t.steps:
         raise ConfigError(f"schedule.warmup_steps = {cfg.schedule.warmup_steps} exceeds train.steps = {t.steps}")
 

@@ -319,11 +319,11 @@ class CheckpointManager:
             if meta.get("world_size") == self.world_size and rank_file.is_file():
                 try:
                     set_rng_state(torch.load(rank_file, weights_only=True))
-                except Exception as err:  # noqa: BLE001 - refused or malformed, the file is named either way
+                except Exception as err:
                     raise CheckpointError(f"{path}: file {rank_file.name} cannot be loaded: {reason(err)}") from None
         except CheckpointError as err:
             error = str(err)
-        except Exception as err:  # noqa: BLE001 - state that does not fit the model: it cannot be loaded here
+        except Exception as err:
             error = f"{path}: cannot be loaded: {reason(err)}"
         self._raise_agreed(error)
         return meta

@@ -171,6 +171,8 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
         shutil.rmtree(staging, ignore_errors=True)
     if (source / "tokenizer.json").is_file():
         shutil.copy(source / "tokenizer.json", out / "tokenizer.json")
-    print(f"imported {source} into {out}: train with --checkpoint.init_from={out}"
-          + (f" --data.tokenizer={out / 'tokenizer.json'}" if (out / "tokenizer.json").is_file() else ""))
+    print(
+        f"imported {source} into {out}: train with --checkpoint.init_from={out}"
+        + (f" --data.tokenizer={out / 'tokenizer.json'}" if (out / "tokenizer.json").is_file() else "")
+    )
     return 0

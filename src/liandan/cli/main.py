@@ -101,8 +101,12 @@ def _parser() -> argparse.ArgumentParser:
     p.set_defaults(command=cmd_train)
 
     p = sub.add_parser("demo", help="tokenize, train and sample a small model end to end on the CPU")
-    p.add_argument("--data", nargs="+", metavar="PATH",
-                   help="your own .txt/.jsonl/.parquet files, or directories of them, instead of Python's docs")
+    p.add_argument(
+        "--data",
+        nargs="+",
+        metavar="PATH",
+        help="your own .txt/.jsonl/.parquet files, or directories of them, instead of Python's docs",
+    )
     p.add_argument("--steps", type=int, help="optimizer steps (default 300)")
     p.add_argument("--output-dir", default="runs", help="where the run directory goes (default: runs)")
     p.set_defaults(command=cmd_demo)
@@ -209,7 +213,16 @@ def _supervise(config: str, cfg, name: str, nproc: int, overrides: list[str]) ->
 
     _check_launch(cfg, nproc)
     run_name = cfg.run_name(name)
-    worker = [sys.executable, "-m", "liandan.cli", "train", config, f"--nproc={nproc}", *overrides, f"--run.name={run_name}"]
+    worker = [
+        sys.executable,
+        "-m",
+        "liandan.cli",
+        "train",
+        config,
+        f"--nproc={nproc}",
+        *overrides,
+        f"--run.name={run_name}",
+    ]
     run_dir = Path(cfg.run.output_dir) / run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     return Supervisor(cfg, worker, run_dir, nproc=nproc).run()

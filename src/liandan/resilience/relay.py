@@ -88,8 +88,12 @@ class Relay:
         except OSError as err:
             with contextlib.suppress(OSError):
                 self.log.close()
-            print(f"supervisor: warning: cannot write {self.log_path}: {type(err).__name__}: {err.strerror or err};"
-                  " the workers' output goes on here but is no longer logged", file=sys.stderr, flush=True)
+            print(
+                f"supervisor: warning: cannot write {self.log_path}: {type(err).__name__}: {err.strerror or err};"
+                " the workers' output goes on here but is no longer logged",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _show(self, label: str, lines: list[str], sink: IO[str], after_peer: bool) -> None:
         text = "".join(lines)

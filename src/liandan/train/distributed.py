@@ -132,9 +132,7 @@ def launch_local(
             rank, info = failure.get_first_failure()
             failure_file = WorkerEnv.from_env().failure_file
             if failure_file is not None:  # for the supervisor's incident record
-                failure_file.write_text(
-                    json.dumps({"rank": rank, "exitcode": info.exitcode, "time": time.time()})
-                )
+                failure_file.write_text(json.dumps({"rank": rank, "exitcode": info.exitcode, "time": time.time()}))
             reports = sorted(Path(errors).glob("rank-*.txt"))
             message = reports[0].read_text().strip() if reports else ""
             if message:  # a user error: exit 2 whichever rank torchrun saw end first

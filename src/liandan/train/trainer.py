@@ -315,7 +315,9 @@ class Trainer:
             in_memory = self.snapshots.agree() if self.snapshots else None
             newest = None
             if in_memory is not None:
-                newest = self._on_main_then_share(lambda: [p.name for p in self.checkpoints.complete_checkpoints()[-1:]])
+                newest = self._on_main_then_share(
+                    lambda: [p.name for p in self.checkpoints.complete_checkpoints()[-1:]]
+                )
             point = choose_resume(in_memory, step_of(Path(newest[0])) if newest else None,
                                   lambda: newest_checkpoint(self.checkpoints))  # the supervisor's verdict, if fresh  # fmt: skip
         if point is not None and point.source == "memory":
@@ -462,7 +464,9 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
     if overwrite and not resumable:
         # A restart keeps events.jsonl: the incidents that led to it are part of the run's history.
         restarting = not cfg.run.overwrite
-        for name in ("metrics.jsonl", "summary.json") if restarting else ("metrics.jsonl", "events.jsonl", "summary.json"):
+        for name in (
+            ("metrics.jsonl", "summary.json") if restarting else ("metrics.jsonl", "events.jsonl", "summary.json")
+        ):
             (run_dir / name).unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir, resumable, lock
