@@ -7,7 +7,6 @@ recorded within twice its timeout of the last heartbeat. A failure that recurs a
 with a clear message; one that recurs without progress waits for its restart, one after progress does not.
 """
 
-import contextlib
 import io
 import json
 import os
@@ -15,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -27,7 +25,8 @@ from liandan.checkpoint.manager import load_model
 from liandan.checkpoint.verify import complete_checkpoints, verify
 from liandan.config import load_config
 from liandan.resilience.processes import alive
-from liandan.resilience.supervisor import Attempt, Supervisor
+from liandan.resilience.relay import Relay
+from liandan.resilience.supervisor import Supervisor
 from liandan.train.heartbeat import Heartbeat, read_heartbeats
 
 pytestmark = pytest.mark.slow
@@ -229,25 +228,22 @@ def test_output_relay_survives_a_full_disk(small_disk, capsys):
     """The attempt log cannot be written: the workers' output still reaches the console, and the workers are
     never left blocked on a pipe nobody reads."""
     disk = small_disk("64k")
-    log = open(disk / "attempt-0.log", "w")  # noqa: SIM115 - the relay writes it; closed below
+    relay = Relay(disk / "attempt-0.log", peer_ended=lambda label: False)  # the log is opened here
     fill_disk(disk / "filler")
     lines = 20000  # about 200 KB: far more than a pipe holds
     worker = subprocess.Popen([sys.executable, "-c", f"for i in range({lines}): print('line', i)"],
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
-    sink, attempt = io.StringIO(), Attempt(0, time.time(), token="relay")
-    relay = threading.Thread(target=Supervisor._relay, args=(worker.stdout, sink, log, threading.Lock(), attempt))
-    relay.start()
+    sink = io.StringIO()
+    relay.start("rank 0", worker.stdout, sink)
     try:
         assert worker.wait(timeout=30) == 0  # ample for 200 KB: a blocked worker never ends
     finally:
         worker.kill()
-        relay.join(timeout=10)
-    assert sink.getvalue().count("\n") == lines and attempt.last_lines[-1] == f"line {lines - 1}"
+        relay.close()
+    assert sink.getvalue().count("\n") == lines and relay.last_lines[-1] == f"line {lines - 1}"
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if "attempt-0.log" in line]
     assert len(warnings) == 1 and "No space left on device" in warnings[0], err  # once, not per line
-    with contextlib.suppress(OSError):  # closed by the relay already, its unwritten buffer dropped
-        log.close()
 
 
 def test_deterministic_crash_gives_up(setup):

@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "liandan"
 
 def test_worker_env_round_trips(tmp_path):
     env = WorkerEnv(supervised=True, attempt=3, attempt_token="sup-3", snapshot_owner="sup",
-                    verified_checkpoint=tmp_path / "verified.json", failure_file=tmp_path / "failure.json",
+                    snapshot_dir=tmp_path / "shm", verified_checkpoint=tmp_path / "verified.json", failure_file=tmp_path / "failure.json",
                     error_dir=tmp_path / "errors", node_name="node-a", cache_dir=tmp_path / "cache",
                     faults="kill@step:3", faults_always="hang@data:2:1")  # fmt: skip
     variables = env.to_env()
@@ -28,7 +28,7 @@ def test_worker_env_round_trips(tmp_path):
 
 def test_node_env_round_trips():
     env = NodeEnv(nnodes=(2, 4), rdzv_endpoint="head:29500", rdzv_id="r1", rdzv_last_call_s=2.5,
-                  node_failure_limit=3, standby=False)  # fmt: skip
+                  node_failure_limit=3, standby=False, node_addr="10.0.0.2")  # fmt: skip
     assert set(env.to_env()) == set(worker_env.NODE_NAMES)
     assert NodeEnv.from_env(env.to_env()) == env
     assert NodeEnv.from_env({worker_env.NNODES: "2", worker_env.RDZV_ENDPOINT: "h:1"}).nnodes == (2, 2)

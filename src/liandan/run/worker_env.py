@@ -220,4 +220,5 @@ class NodeEnv:
             (RDZV_LAST_CALL_S, f"{self.rdzv_last_call_s:g}" if self.rdzv_last_call_s is not None else None),
             (NODE_FAILURE_LIMIT, self.node_failure_limit if self.node_failure_limit != 2 else None),
             (STANDBY, None if self.standby else "0"),
+            (NODE_ADDR, self.node_addr),
         ])  # fmt: skip
