@@ -62,3 +62,16 @@ def test_layout_and_step_names(tmp_path):
     assert parse_step_dir("step-00000120.tmp") is None and parse_step_dir("latest") is None
     with pytest.raises(ValueError):
         step_dir_name(-1)
+
+
+def test_whole_file_readers_skip_a_half_written_last_line(tmp_path):
+    """A run killed mid-write leaves a cut-off last line: the incident timeline used to fail on it, and now
+    reads past it; a last record that is whole but lacks its newline still counts."""
+    from liandan.resilience.incidents import read_events, timeline
+
+    run = RunDir(tmp_path)
+    run.events.write_text('{"time": 1.0, "kind": "restart", "attempt": 1, "after_seconds": 0}\n{"time": 2.0, "ki')
+    assert [e["kind"] for e in read_events(tmp_path)] == ["restart"]
+    assert len(timeline(tmp_path)) == 1
+    run.metrics.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.25}')
+    assert [r["step"] for r in run.read_metrics()] == [1, 2]

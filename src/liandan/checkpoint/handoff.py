@@ -9,14 +9,15 @@ changed (and no newer checkpoint has appeared), and verifies as usual otherwise.
 
 from __future__ import annotations
 
-import json
-import os
+import contextlib
 from pathlib import Path
 
 from liandan.checkpoint.verify import complete_checkpoints
+from liandan.run import atomic_write, dumps_json, read_json
 from liandan.run.worker_env import WorkerEnv
 
-FILE = "verified.json"  # in the supervisor's logs; the workers find it through $LIANDAN_VERIFIED_CHECKPOINT
+# The verdict lives among the supervisor's logs (`RunDir.verdict`); the workers find it through
+# $LIANDAN_VERIFIED_CHECKPOINT.
 
 
 def stamp(directory: Path) -> dict[str, list[int]]:
@@ -44,12 +45,8 @@ def verify_and_hand_over(root: Path, checksums: bool, handoff: Path, on_event) -
     if found is not None:
         verdict = {"root": str(Path(root).resolve()), "checksums": checksums, "path": str(found.resolve()),
                    "stamp": stamp(found), "rejected": {str(Path(p).resolve()): stamp(Path(p)) for p in rejected}}  # fmt: skip
-        tmp = handoff.with_suffix(".tmp")
-        try:
-            tmp.write_text(json.dumps(verdict))
-            os.replace(tmp, handoff)
-        except OSError:  # no room for it (a full disk): the workers then verify for themselves
-            tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # no room for it (a full disk): the workers then verify for themselves
+            atomic_write(handoff, dumps_json(verdict), durable=False)  # read moments later, on this machine
     return found
 
 
@@ -59,9 +56,8 @@ def trusted(root: Path, checksums: bool) -> Path | None:
     handed = WorkerEnv.from_env().verified_checkpoint
     if handed is None:
         return None
-    try:
-        verdict = json.loads(handed.read_text())
-    except (OSError, json.JSONDecodeError):
+    verdict = read_json(handed)
+    if not isinstance(verdict, dict):
         return None
     root = Path(root).resolve()
     if verdict.get("root") != str(root) or (checksums and not verdict.get("checksums")):

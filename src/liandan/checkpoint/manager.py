@@ -45,6 +45,7 @@ from liandan.checkpoint.verify import (
     CheckpointError,
     complete_checkpoints,
     fsync_path,
+    step_dir_name,
     step_directories,
     step_of,
     total_bytes,
@@ -52,6 +53,7 @@ from liandan.checkpoint.verify import (
     write_manifest,
 )
 from liandan.faults import maybe_inject
+from liandan.run import RunDir
 
 # DCP notes on every single-process save and load that it runs without a process group, which is intended.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -60,10 +62,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 class SaveError(CheckpointError):
     """Checkpoints were not saved, so the run stops: training on, or reporting success, would risk work that
     could not be resumed. The message names the checkpoint and the error."""
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 @dataclass
@@ -367,7 +365,7 @@ class CheckpointManager:
         keep = set(complete[-self.keep_last :]) if self.keep_last else set(complete)
         keep.add(complete[-1])
         if self.keep_every:
-            keep |= {p for p in complete if int(p.name[5:]) % self.keep_every == 0}
+            keep |= {p for p in complete if step_of(p) % self.keep_every == 0}
         deleted = [p for p in complete if p not in keep]
         deleted += [p for p in self.root.glob("step-*.tmp") if p.name[:-4] < complete[-1].name]
         for path in deleted:
@@ -492,9 +490,9 @@ def run_checkpoint_root(run_dir: Path) -> Path:
     `<run>/checkpoints`, just as training chose."""
     from liandan.config import read_toml
 
-    config = Path(run_dir) / "config.toml"
+    config = RunDir(Path(run_dir)).config
     directory = read_toml(config).get("checkpoint", {}).get("dir") if config.is_file() else None
-    return Path(directory) if directory else Path(run_dir) / "checkpoints"
+    return RunDir.of(run_dir, directory).checkpoints
 
 
 def resolve_checkpoint(path: Path) -> Path:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from pathlib import Path
 
 import xxhash
 
+from liandan.run.steps import STEP_DIR, parse_step_dir, step_dir_name  # noqa: F401 - re-exported for checkpoint callers
+
 MANIFEST = "manifest.json"
-STEP_DIR = re.compile(r"^step-(\d{8})$")
 FORMAT = "liandan-checkpoint"
 VERSION = 1
 _CHUNK = 8 << 20
@@ -29,8 +29,7 @@ class CheckpointError(ValueError):
 
 def step_of(directory: Path) -> int | None:
     """The step of a `step-XXXXXXXX` directory (None for any other name)."""
-    match = STEP_DIR.match(Path(directory).name)
-    return int(match.group(1)) if match else None
+    return parse_step_dir(Path(directory).name)
 
 
 def step_directories(root: Path) -> list[Path]:

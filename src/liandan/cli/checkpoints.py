@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from liandan.checkpoint.verify import CheckpointError
+from liandan.run import RunDir, parse_step_dir, step_dir_name
 
 
 def add_commands(sub) -> None:
@@ -40,18 +41,19 @@ def _user_error(err: Exception) -> CheckpointError:
 
 
 def cmd_ckpt_info(args: argparse.Namespace, overrides: list[str]) -> int:
-    from liandan.checkpoint.manager import STEP_DIR, describe_checkpoint, run_checkpoint_root
+    from liandan.checkpoint.manager import describe_checkpoint, run_checkpoint_root
 
     path = Path(args.path)
     if not path.exists():
         raise CheckpointError(f"no such path: {path}")
     candidates = [path] if (path / "meta.json").is_file() or (path / "manifest.json").is_file() else []
     if not candidates:
-        root = run_checkpoint_root(path) if (path / "config.toml").is_file() else path
-        root = path / "checkpoints" if not root.is_dir() and (path / "checkpoints").is_dir() else root
+        room = RunDir(path)
+        root = run_checkpoint_root(path) if room.config.is_file() else path
+        root = room.checkpoints if not root.is_dir() and room.checkpoints.is_dir() else root
         if not root.is_dir():
             raise CheckpointError(f"no checkpoints under {path}: {root} does not exist")
-        candidates = sorted(p for p in root.iterdir() if STEP_DIR.match(p.name) or p.name.endswith(".tmp"))
+        candidates = sorted(p for p in root.iterdir() if parse_step_dir(p.name) is not None or p.name.endswith(".tmp"))
     if not candidates:
         raise CheckpointError(f"no checkpoints under {path}")
     for candidate in candidates:
@@ -161,7 +163,7 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     try:
         manager = CheckpointManager(staging, async_save=False)
         manager.save(0, model, None, meta)
-        saved = manager.root / "step-00000000"
+        saved = manager.root / step_dir_name(0)
         if not (saved / "manifest.json").is_file():
             raise CheckpointError(f"could not write the checkpoint under {staging}: {manager.outcomes[-1].error}")
         if out.exists():

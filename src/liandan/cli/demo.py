@@ -20,6 +20,7 @@ from liandan.checkpoint.manager import load_model
 from liandan.config import load_config
 from liandan.data.store import TokenStore
 from liandan.resilience.incidents import timeline
+from liandan.run import RunDir, step_dir_name
 from liandan.run.worker_env import WorkerEnv
 
 # A model that learns visibly in a few CPU minutes: ~3.5M parameters, 256-token sequences.
@@ -115,8 +116,9 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     code = train_supervised(cfg, run)
     if code != 0:
         return code
-    s = json.loads((run / "summary.json").read_text())
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    room = RunDir.of(run, cfg.checkpoint.dir)
+    s = room.read_summary()
+    records = room.read_metrics()
     losses = [r["loss"] if r["loss"] is not None else float("nan") for r in records]  # null: not a number
     print()
     print(
@@ -128,7 +130,7 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     print("incidents (liandan incidents <run>):")
     for line in timeline(run):
         print(f"  {line}")
-    model, _ = load_model(run / "checkpoints" / f"step-{s['steps']:08d}")
+    model, _ = load_model(room.checkpoints / step_dir_name(s["steps"]))
     store = Path(next(iter(data_summary["stores"].values()))["path"])
     tokenizer = TokenStore(store).tokenizer
     prompt = "The for statement"
@@ -181,7 +183,7 @@ def show_checkpoints(run: Path) -> None:
     from liandan.checkpoint.manager import describe_checkpoint
 
     print("checkpoints:")
-    for path in sorted((run / "checkpoints").glob("step-*")):
+    for path in sorted(RunDir(run).checkpoints.glob("step-*")):
         info = describe_checkpoint(path)
         status = "verified" if info["verified"] else f"NOT VERIFIED ({info['error']})"
         print(f"  {path.name}: step {info['step']}, {info['bytes'] / 2**20:.1f} MiB, {status}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import sys
 from collections.abc import Sequence
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from liandan.config import ConfigError
+from liandan.run import RunDir
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -209,12 +209,10 @@ def most_important_param(study) -> str | None:
 
 
 def _curve(run_dir: str) -> tuple[list[int], list[float]]:
-    path = Path(run_dir) / "metrics.jsonl"
     steps, losses = [], []
-    if run_dir and path.is_file():
-        for line in path.read_text(errors="replace").splitlines():
+    if run_dir:
+        for record in RunDir(Path(run_dir)).read_metrics():
             try:
-                record = json.loads(line)
                 step, loss = int(record["step"]), float(record["loss"])
             except (ValueError, KeyError, TypeError):
                 continue

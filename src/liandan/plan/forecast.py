@@ -42,7 +42,6 @@ after s - 1 updates; `lr_fractions[j]` is the multiplier of update j + 1 (`lr_mu
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from liandan.config import ConfigError, ScheduleSection, load_config
+from liandan.run import RunDir
 from liandan.spec.schedule import lr_multiplier
 
 PAPER_DECAY = 0.999  # Tissue et al. 2024
@@ -555,15 +555,15 @@ def read_run(run_dir: str | Path) -> RunCurve:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir} is not a run directory (no such directory)")
-    config, metrics = run_dir / "config.toml", run_dir / "metrics.jsonl"
+    room = RunDir(run_dir)
+    config, metrics = room.config, room.metrics
     if not config.is_file() or not metrics.is_file():
-        missing = "config.toml" if not config.is_file() else "metrics.jsonl"
+        missing = config.name if not config.is_file() else metrics.name
         raise ConfigError(f"{run_dir} is not a run directory ({missing} missing)")
     cfg = load_config(config)
     steps, losses, diverged_at = [], [], None
-    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:  # a run in progress may have a half-written last line
-            record = json.loads(line)
+    for record in room.read_metrics():  # a run in progress may have a half-written last line: skipped
+        try:
             step, loss = int(record["step"]), record.get("loss")
         except (ValueError, KeyError, TypeError):
             continue

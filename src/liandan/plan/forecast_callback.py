@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from liandan.config import Config
-from liandan.track import read_metrics
 from liandan.train.callbacks import Callback, register_callback
 
 if TYPE_CHECKING:
@@ -32,7 +31,7 @@ class ForecastCallback(Callback):
         if self.active and trainer.step > 0:  # resumed: the curve so far is in metrics.jsonl
             records = [
                 (r["step"], r["loss"])
-                for r in read_metrics(trainer.run_dir)
+                for r in trainer.room.read_metrics()
                 if r["step"] <= trainer.step and isinstance(r.get("loss"), (int, float))
             ]
             self.forecaster.resume([s for s, _ in records], [x for _, x in records])

@@ -34,6 +34,7 @@ import numpy as np
 from scipy.optimize import minimize
 
 from liandan.config import ConfigError
+from liandan.run import RunDir
 
 HUBER_DELTA = 1e-3
 
@@ -267,10 +268,10 @@ LOSS_KEYS = {"smoothed": "final_loss_smoothed", "final": "final_loss", "val": "v
 def find_runs(path: Path) -> list[Path]:
     """A run directory (it has summary.json), or the run directories directly under a directory."""
     path = Path(path)
-    if (path / "summary.json").is_file():
+    if RunDir(path).summary.is_file():
         return [path]
     if path.is_dir():
-        runs = sorted(p for p in path.iterdir() if (p / "summary.json").is_file())
+        runs = sorted(p for p in path.iterdir() if RunDir(p).summary.is_file())
         if runs:
             return runs
         raise ConfigError(f"{path}: no summary.json in it or in the directories under it")
@@ -285,7 +286,7 @@ def read_runs(run_dirs: Sequence[Path], *, params: str = "non_embedding", loss: 
     has one, else smoothed). C is flops_per_token × tokens (PaLM's accounting, attention included)."""
     summaries = []
     for run in run_dirs:
-        file = Path(run) / "summary.json"
+        file = RunDir(Path(run)).summary
         try:
             summaries.append(json.loads(file.read_text(encoding="utf-8")))
         except FileNotFoundError:
@@ -330,7 +331,7 @@ def load_observations(
     runs: list[Path] = []
     for raw in paths:
         path = Path(raw)
-        if path.name == "summary.json" and path.is_file():
+        if path == RunDir(path.parent).summary and path.is_file():
             runs.append(path.parent)
         elif path.is_file():
             csvs.append(read_csv(path))

@@ -38,6 +38,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from liandan.config import Config, ConfigError, describe, load_config
 from liandan.plan.forecast import measured_final_loss, schedule_fractions
 from liandan.plan.pruner import ForecastPruner, PartialCurve
+from liandan.run import JsonlTail, RunDir
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -309,20 +310,12 @@ class _MetricsTail:
     waits for the next read."""
 
     def __init__(self, path: Path):
-        self.path, self.offset = path, 0
+        self.tail = JsonlTail(path)
 
     def read(self) -> list[tuple[int, float]]:
-        if not self.path.is_file():
-            return []
-        with self.path.open("rb") as handle:
-            handle.seek(self.offset)
-            data = handle.read()
-        end = data.rfind(b"\n") + 1
-        self.offset += end
         out = []
-        for line in data[:end].decode("utf-8", errors="replace").splitlines():
+        for record in self.tail.read():
             try:
-                record = json.loads(line)
                 loss = record["loss"]  # a non-finite loss is logged as null (as "nan" by older versions)
                 out.append((int(record["step"]), math.nan if loss is None else float(loss)))
             except (ValueError, KeyError, TypeError):
@@ -351,7 +344,8 @@ class _Sweep:
             cfg = load_config(spec.base, overrides)
         except ConfigError as err:  # a combination of values the config refuses
             raise self._failed(trial, f"config refused: {err}") from None
-        if (run_dir / "metrics.jsonl").exists():
+        room = RunDir(run_dir)
+        if room.metrics.exists():
             raise self._failed(trial, f"{run_dir} already holds a run (of an earlier study of this name?)")
         run_dir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "liandan.cli", "train", str(spec.base), *overrides, f"--run.name={name}"]
@@ -362,7 +356,7 @@ class _Sweep:
         with (run_dir / "trial.log").open("w") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             try:
-                verdict = self._follow(trial, process, _MetricsTail(run_dir / "metrics.jsonl"), curve, cfg.train.steps)
+                verdict = self._follow(trial, process, _MetricsTail(room.metrics), curve, cfg.train.steps)
             except KeyboardInterrupt:
                 trial.set_user_attr("note", "interrupted")
                 raise
@@ -375,7 +369,7 @@ class _Sweep:
             raise optuna.TrialPruned(verdict)
         if process.returncode != 0:
             raise self._failed(trial, f"exit code {process.returncode}: {_last_error(run_dir / 'trial.log')}")
-        summary_path = run_dir / "summary.json"
+        summary_path = room.summary
         if not summary_path.is_file() or not curve.steps:
             raise self._failed(trial, f"no summary.json or no loss records in {run_dir}")
         try:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from datetime import datetime, timezone
 from pathlib import Path
 
 from liandan.checkpoint.verify import CheckpointError, step_of
-from liandan.track.logger import parse_record, read_metrics
+from liandan.run import RunDir
 
 SHOWN = ("incident", "restart", "recovered", "gave_up", "resumed", "checkpoint_failed", "checkpoint_rejected",
          "train_stopped", "stale_saves_removed", "nonfinite_loss", "node_excluded", "node_refused", "preempted",
@@ -15,10 +14,11 @@ SHOWN = ("incident", "restart", "recovered", "gave_up", "resumed", "checkpoint_f
 
 
 def read_events(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "events.jsonl"
-    if not path.is_file():
-        raise CheckpointError(f"no events.jsonl in {run_dir}: not a run directory")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The run's events; a line a crash (or a full disk) left half-written is skipped."""
+    room = RunDir(Path(run_dir))
+    if not room.events.is_file():
+        raise CheckpointError(f"no {room.events.name} in {run_dir}: not a run directory")
+    return room.read_events()
 
 
 def timeline(run_dir: Path) -> list[str]:
@@ -30,15 +30,13 @@ def timeline(run_dir: Path) -> list[str]:
             continue
         when = datetime.fromtimestamp(e["time"], timezone.utc).strftime("%H:%M:%S")
         lines.append(f"{when} +{e['time'] - start:8.1f}s  {_describe(e)}")
-    summary_path = Path(run_dir) / "summary.json"
-    if summary_path.is_file():
-        s = json.loads(summary_path.read_text())
-        if "goodput" in s:
-            launches = s.get("supervisor_launches", 1)
-            over = f" over {launches} launches" if launches > 1 else ""
-            lines.append(f"goodput {100 * s['goodput']:.1f}%: {s['kept_step_seconds']:.1f}s of kept steps in "
-                         f"{s['supervisor_wall_seconds']:.1f}s{over}, {s['restarts']} restart(s)"
-                         + (f"; gave up: {s['gave_up']}" if s.get("gave_up") else ""))  # fmt: skip
+    s = RunDir(Path(run_dir)).read_summary()
+    if "goodput" in s:
+        launches = s.get("supervisor_launches", 1)
+        over = f" over {launches} launches" if launches > 1 else ""
+        lines.append(f"goodput {100 * s['goodput']:.1f}%: {s['kept_step_seconds']:.1f}s of kept steps in "
+                     f"{s['supervisor_wall_seconds']:.1f}s{over}, {s['restarts']} restart(s)"
+                     + (f"; gave up: {s['gave_up']}" if s.get("gave_up") else ""))  # fmt: skip
     return lines
 
 
@@ -94,7 +92,7 @@ def goodput(run_dir: Path, current: tuple[float, float], current_id: str) -> tup
     their supervisor_start events; one that ended without a supervisor_end (killed) ends at its last record.
     Launches that overlap (one supervisor per node) are one period of wall time."""
     events = _read_events_tolerantly(run_dir)
-    records = read_metrics(run_dir)
+    records = RunDir(Path(run_dir)).read_metrics()
     starts = sorted((e["time"], e.get("supervisor")) for e in events if e.get("kind") == "supervisor_start"
                     and e.get("supervisor") != current_id and e["time"] < current[0])  # fmt: skip
     ends = {e.get("supervisor"): e["time"] for e in events if e.get("kind") == "supervisor_end"}
@@ -119,8 +117,4 @@ def goodput(run_dir: Path, current: tuple[float, float], current_id: str) -> tup
 
 def _read_events_tolerantly(run_dir: Path) -> list[dict]:
     """events.jsonl without the line a crash (or a full disk) may have left half-written."""
-    try:
-        lines = (Path(run_dir) / "events.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    return [event for line in lines if (event := parse_record(line)) is not None and "time" in event]
+    return [event for event in RunDir(Path(run_dir)).read_events() if "time" in event]

@@ -16,17 +16,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import ipaddress
-import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from liandan.config import ConfigError
+from liandan.run import RunDir, atomic_write, dumps_json, read_json
 from liandan.run.worker_env import NODE_ADDR, NodeEnv
-
-EXCLUDED_FILE = "excluded_nodes.json"
-EXCLUDED_HOSTLIST = "excluded_nodes.txt"  # for `srun --exclude=$(cat ...)` / `sbatch --exclude=...`
 
 
 def failure_limit() -> int:
@@ -96,14 +92,13 @@ class ExclusionList:
     comma-separated, for Slurm's --exclude."""
 
     def __init__(self, run_dir: Path, limit: int = 2):
-        self.path = Path(run_dir) / EXCLUDED_FILE
+        room = RunDir(Path(run_dir))
+        self.path = room.excluded_nodes
+        self.hostlist = room.excluded_hostlist  # for `srun --exclude=$(cat ...)` / `sbatch --exclude=...`
         self.limit = limit
 
     def read(self) -> dict:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, json.JSONDecodeError):
-            data = {}
+        data = read_json(self.path, {})
         data.setdefault("nodes", {})
         return data
 
@@ -131,13 +126,9 @@ class ExclusionList:
             self._write(data)
 
     def _write(self, data: dict) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=1) + "\n")
-        os.replace(tmp, self.path)
+        atomic_write(self.path, dumps_json(data, indent=1) + "\n")
         names = sorted(n for n, e in data["nodes"].items() if e.get("excluded"))
-        hostlist = self.path.with_name(EXCLUDED_HOSTLIST)
-        hostlist.with_suffix(".tmp").write_text(",".join(names) + "\n")
-        os.replace(hostlist.with_suffix(".tmp"), hostlist)
+        atomic_write(self.hostlist, ",".join(names) + "\n")
 
     @contextlib.contextmanager
     def _locked(self):
@@ -163,19 +154,16 @@ def lost_a_peer(output: str) -> bool:
 def write_report(run_dir: Path, node: str, report: dict) -> None:
     """What this node saw of a failure: when it began here (`since`) and where it thinks it began
     (`origin`: this node for a crash of its own workers, the stalled rank's node for a hang)."""
-    directory = Path(run_dir) / "nodes"
+    directory = RunDir(Path(run_dir)).nodes
     directory.mkdir(parents=True, exist_ok=True)
-    tmp = directory / f".{node}.json.tmp"
-    tmp.write_text(json.dumps({"node": node, "time": time.time(), **report}))
-    os.replace(tmp, directory / f"{node}.json")
+    atomic_write(directory / f"{node}.json", dumps_json({"node": node, "time": time.time(), **report}), durable=False)
 
 
 def read_reports(run_dir: Path, newer_than: float) -> dict[str, dict]:
     out = {}
-    for path in sorted((Path(run_dir) / "nodes").glob("*.json")):
-        try:
-            report = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
+    for path in sorted(RunDir(Path(run_dir)).nodes.glob("*.json")):
+        report = read_json(path)
+        if not isinstance(report, dict):
             continue
         if report.get("time", 0) >= newer_than:
             out[report["node"]] = report

@@ -14,10 +14,10 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
-from liandan.checkpoint.verify import complete_checkpoints
+from liandan.checkpoint.verify import complete_checkpoints, step_of
+from liandan.run import RunDir
 from liandan.train.preemption import EXTERNAL, REQUEST
 
 if TYPE_CHECKING:
@@ -106,5 +106,5 @@ class Preemption:
 
     def _newest_checkpoint_step(self) -> int:
         c = self.cfg.checkpoint
-        complete = complete_checkpoints(Path(c.dir) if c.dir else self.run_dir / "checkpoints")
-        return int(complete[-1].name[5:]) if complete else 0
+        complete = complete_checkpoints(RunDir.of(self.run_dir, c.dir).checkpoints)
+        return step_of(complete[-1]) if complete else 0

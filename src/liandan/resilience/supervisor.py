@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import json
 import os
 import shutil
 import signal
@@ -40,9 +39,8 @@ from liandan.resilience import incidents, nodes
 from liandan.resilience.preempt import Preemption, SignalLatch
 from liandan.resilience.processes import DeathClock, StandbyPool, alive, end_processes, module_command
 from liandan.resilience.relay import Relay
+from liandan.run import RunDir, append_jsonl, atomic_write_json, lock_run_dir, read_json, temporary
 from liandan.run.worker_env import WORKER_NAMES, NodeEnv, WorkerEnv, node_name
-from liandan.track.logger import parse_record, read_metrics, to_json
-from liandan.track.run_dir import LOCK_FILE, lock_run_dir
 from liandan.train import stores
 from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
 
@@ -82,10 +80,12 @@ class Supervisor(Preemption):
         self.cfg, self.r, self.nproc = cfg, cfg.resilience, nproc
         self.worker_cmd, self.run_dir, self.say = worker_cmd, Path(run_dir), say
         self.attempt_env = attempt_env or (lambda number: {})
-        self.heartbeat_dir = self.run_dir / "heartbeat"
+        self.room = RunDir.of(self.run_dir, cfg.checkpoint.dir)
+        self.heartbeat_dir = self.room.heartbeats
         self.node = node_name()
         self.rendezvous = nodes.rendezvous_from_env(default_id=self.run_dir.name)
-        self.logs = self.run_dir / "logs" / self.node if self.rendezvous else self.run_dir / "logs"
+        self.logs = self.room.node_logs(self.node if self.rendezvous else None)
+        self.verdict = self.room.verdict(self.node if self.rendezvous else None)
         self.errors = self.logs / "errors"  # where workers leave a user error's message
         self.exclusions = nodes.ExclusionList(self.run_dir, nodes.failure_limit()) if self.rendezvous else None
         self.id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -101,7 +101,7 @@ class Supervisor(Preemption):
     def run(self) -> int:
         """Supervise the run to its end, holding the run directory's lock all along (its workers take none).
         On several nodes each node's supervisor holds a lock of its own node."""
-        lock = lock_run_dir(self.run_dir, f"run-{self.node}.lock" if self.rendezvous else LOCK_FILE)
+        lock = lock_run_dir(self.room, self.room.node_lock(self.node).name if self.rendezvous else None)
         try:
             return self._supervise()
         finally:
@@ -110,8 +110,8 @@ class Supervisor(Preemption):
     def _supervise(self) -> int:
         started = time.time()
         self.logs.mkdir(parents=True, exist_ok=True)
-        (self.logs / handoff.FILE).unlink(missing_ok=True)  # a verdict is handed over only moments after it
-        (self.logs / handoff.FILE).with_suffix(".tmp").unlink(missing_ok=True)  # half-written by an earlier one
+        self.verdict.unlink(missing_ok=True)  # a verdict is handed over only moments after it
+        temporary(self.verdict).unlink(missing_ok=True)  # half-written by an earlier one
         if self.exclusions and self.node in self.exclusions.excluded():
             return self._refuse(self.exclusions.excluded()[self.node])
         failures: list[tuple[str, int]] = []
@@ -231,7 +231,7 @@ class Supervisor(Preemption):
         """The workers' environment for attempt `number`: this process's, the `attempt_env` hook's additions,
         and the supervisor-worker contract (`liandan.run.worker_env`) for this attempt."""
         inherited = {**os.environ, **self.attempt_env(number)}
-        verified = self.logs / handoff.FILE
+        verified = self.verdict
         worker = WorkerEnv.from_env(inherited).for_attempt(
             number, attempt_token=f"{self.id}-{number}", snapshot_owner=self.id, error_dir=self.errors,
             failure_file=self.logs / "failure.json", verified_checkpoint=verified if verified.is_file() else None,
@@ -310,7 +310,7 @@ class Supervisor(Preemption):
         if failed:
             attempt.failed_at, attempt.failed_rank, attempt.exit_code = failed[0]
             if self.rendezvous:  # the agent names the rank that failed first
-                report = _read_json(self.logs / "failure.json")
+                report = read_json(self.logs / "failure.json", {})
                 attempt.failed_rank = report.get("rank")
                 local = [self.clock.deaths[p] for p in self.clock.deaths if p != attempt.procs[0][1].pid]
                 attempt.failed_at = min(local, default=attempt.failed_at)
@@ -330,7 +330,7 @@ class Supervisor(Preemption):
 
     def _clear_heartbeats(self) -> None:
         for stale in self.heartbeat_dir.glob("rank-*.json"):
-            beat = _read_json(stale)
+            beat = read_json(stale, {})
             if not self.rendezvous or beat.get("host") in (None, self.node):  # other nodes clear their own
                 stale.unlink(missing_ok=True)
 
@@ -415,7 +415,7 @@ class Supervisor(Preemption):
             code = attempt.exit_code
             cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             if self.rendezvous:
-                report = _read_json(self.logs / "failure.json")
+                report = read_json(self.logs / "failure.json", {})
                 if report.get("exitcode") is not None:
                     code = report["exitcode"]
                     cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
@@ -457,7 +457,7 @@ class Supervisor(Preemption):
         newest checkpoint that verifies, as the workers will find them (0 when there is neither). The
         checkpoint verdict is handed to the workers, who then need not verify again."""
         c = self.cfg.checkpoint
-        root = Path(c.dir) if c.dir else self.run_dir / "checkpoints"
+        root = self.room.checkpoints
         in_memory = None
         if self.snapshots and not self.rendezvous:  # on several nodes, the ranks agree among themselves
             in_memory = snapshots.newest_common_step(self.snapshots, self.nproc, self.id)
@@ -465,24 +465,22 @@ class Supervisor(Preemption):
         point = choose_resume(
             in_memory,
             step_of(complete[-1]) if complete else None,
-            lambda: handoff.verify_and_hand_over(root, c.verify, self.logs / handoff.FILE, self._event),
+            lambda: handoff.verify_and_hand_over(root, c.verify, self.verdict, self._event),
         )
         if point.source == "memory":  # the workers will read no checkpoint: none is handed over
-            (self.logs / handoff.FILE).unlink(missing_ok=True)
+            self.verdict.unlink(missing_ok=True)
         return point.step
 
     def _redone_seconds(self, attempt: Attempt, resume_step: int, failed_at: float) -> float:
         """Seconds of this attempt's work that the next one does again: from when this attempt stood at the
         resumed checkpoint (its start of training, or the last record at or before that step) to the failure."""
         began = None
-        for e in _read_events(self.run_dir):
+        for e in self.room.read_events():
             if e["kind"] == "train_start" and e["time"] >= attempt.started and e["step"] >= resume_step:
                 began = e["time"]
                 break
         if began is None:
-            records = [
-                r for r in read_metrics(self.run_dir) if r["time"] >= attempt.started and r["step"] <= resume_step
-            ]
+            records = [r for r in self.room.read_metrics() if r["time"] >= attempt.started and r["step"] <= resume_step]
             began = records[-1]["time"] if records else None
         return max(0.0, failed_at - began) if began is not None else 0.0
 
@@ -511,10 +509,9 @@ class Supervisor(Preemption):
     def _event(self, kind: str, **fields) -> float:
         """Record an event; one the disk has no room for is said on stderr instead, and supervision goes on."""
         now = time.time()
-        path = self.run_dir / "events.jsonl"
+        path = self.room.events
         try:
-            with open(path, "a") as f:
-                f.write(to_json({"time": now, "kind": kind, **fields}, default=str) + "\n")
+            append_jsonl(path, {"time": now, "kind": kind, **fields})
         except OSError as err:
             self._warn(f"cannot record the {kind} event in {path}: {type(err).__name__}: {err.strerror or err}")
         return now
@@ -527,12 +524,12 @@ class Supervisor(Preemption):
         now = time.time()
         kept, wall, launches = incidents.goodput(self.run_dir, (started, now), self.id)
         goodput = kept / wall if wall else 0.0
-        summary_path = self.run_dir / "summary.json"
-        summary = _read_json(summary_path)
+        summary_path = self.room.summary
+        summary = self.room.read_summary()
         summary.update(supervisor_wall_seconds=round(wall, 2), kept_step_seconds=round(kept, 2), goodput=goodput,
                        supervisor_launches=launches, restarts=restarts, gave_up=gave_up)  # fmt: skip
         try:
-            summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+            atomic_write_json(summary_path, summary)
         except OSError as err:
             self._warn(f"cannot write {summary_path}: {type(err).__name__}: {err.strerror or err}")
         self._event("supervisor_end", supervisor=self.id, wall_seconds=round(now - started, 2), restarts=restarts,
@@ -569,18 +566,3 @@ def _read(path: Path, tail: int = 20000) -> str:
         return path.read_text(errors="replace")[-tail:]
     except OSError:
         return ""
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-
-
-def _read_events(run_dir: Path) -> list[dict]:
-    try:
-        lines = (run_dir / "events.jsonl").read_text().splitlines()
-    except OSError:
-        return []
-    return [event for line in lines if (event := parse_record(line)) is not None]  # a torn last line skipped

@@ -4,9 +4,11 @@ line at a time. JSON is written strictly: a non-finite number becomes null, neve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,18 @@ def dumps_json(obj: Any, indent: int | None = None) -> str:
     return json.dumps(_finite(obj), indent=indent, allow_nan=False, default=str)
 
 
+@contextlib.contextmanager
+def naming(path: Path | str) -> Iterator[Path]:
+    """Give OS errors raised inside the name of `path` (a write to an open file, on a full disk say, carries
+    no file name of its own), so the error says which file failed. Yields `path`."""
+    try:
+        yield Path(path)
+    except OSError as err:
+        if err.filename:
+            raise
+        raise OSError(err.errno, err.strerror or str(err) or type(err).__name__, str(path)) from err
+
+
 def fsync_directory(directory: Path) -> None:
     """Make a rename in `directory` durable."""
     fd = os.open(directory, os.O_RDONLY)
@@ -41,20 +55,28 @@ def atomic_write(path: Path, data: str | bytes, *, durable: bool = True) -> None
     """Replace `path` with `data` all at once. On any error (a full disk, say) the old file stays as it was,
     the temporary is removed, and the error propagates with the path in it."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
+    tmp = temporary(path)
     payload = data.encode("utf-8") if isinstance(data, str) else data
-    try:
-        with open(tmp, "wb") as handle:
-            handle.write(payload)
-            handle.flush()
-            if durable:
-                os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if durable:
-        fsync_directory(path.parent)
+    with naming(path):
+        try:
+            with open(tmp, "wb") as handle:
+                handle.write(payload)
+                handle.flush()
+                if durable:
+                    os.fsync(handle.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if durable:
+            fsync_directory(path.parent)
+
+
+def temporary(path: Path) -> Path:
+    """The temporary name `atomic_write` writes `path` under (hidden, next to it): a writer killed midway
+    leaves it behind, and whoever owns the directory may remove it."""
+    path = Path(path)
+    return path.with_name(f".{path.name}{TMP_SUFFIX}")
 
 
 def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
@@ -64,5 +86,5 @@ def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:
 def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     """Append one record as one line (opened, written and closed per call: for files written rarely, such
     as a supervisor's events; loggers that write every step keep their file open)."""
-    with open(path, "a", encoding="utf-8") as handle:
+    with naming(path), open(path, "a", encoding="utf-8") as handle:
         handle.write(dumps_json(record) + "\n")

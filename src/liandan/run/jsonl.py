@@ -4,8 +4,11 @@ the next read, a malformed line is skipped and counted, never fatal."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from liandan.run.files import naming
 
 
 def read_json(path: Path, default: Any = None) -> Any:
@@ -16,26 +19,45 @@ def read_json(path: Path, default: Any = None) -> Any:
         return default
 
 
+def parse_line(line: str) -> dict[str, Any] | None:
+    """One JSON-lines record, or None for a blank line, one that a crash or a full disk left half-written,
+    or anything else that is not a JSON object."""
+    try:
+        record = json.loads(line) if line.strip() else None
+    except json.JSONDecodeError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def _records(data: bytes) -> tuple[list[dict[str, Any]], int]:
     records, bad = [], 0
     for line in data.decode("utf-8", errors="replace").splitlines():
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+        record = parse_line(line)
+        if record is None:
             bad += 1
-            continue
-        if isinstance(record, dict):
-            records.append(record)
         else:
-            bad += 1
+            records.append(record)
     return records, bad
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete record of a JSON-lines file (none when it does not exist)."""
-    return JsonlTail(path).read()
+    """Every record of a JSON-lines file (none when it does not exist or cannot be read). A last line
+    without its newline counts when it is a whole record, and is skipped when it was cut off."""
+    return JsonlTail(path).read(final=True)
+
+
+def keep_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool]) -> None:
+    """Rewrite a JSON-lines file in place with the lines of the records `keep` accepts, byte for byte;
+    malformed lines go. In place, not renamed over: a logger may hold the file open for appending."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    with naming(path):
+        lines = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+        kept = [line for line in lines if (record := parse_line(line)) is not None and keep(record)]
+        path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
 class JsonlTail:
@@ -47,7 +69,9 @@ class JsonlTail:
         self.offset = 0
         self.skipped = 0  # malformed lines seen so far
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self, final: bool = False) -> list[dict[str, Any]]:
+        """The records completed since the last read. `final`: the writer is done, so a last line without
+        its newline is read too when it is a whole record (and skipped, counted, when it was cut off)."""
         try:
             with self.path.open("rb") as handle:
                 size = handle.seek(0, 2)
@@ -55,9 +79,9 @@ class JsonlTail:
                     self.offset = 0
                 handle.seek(self.offset)
                 data = handle.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             return []
-        end = data.rfind(b"\n") + 1
+        end = len(data) if final else data.rfind(b"\n") + 1
         self.offset += end
         records, bad = _records(data[:end])
         self.skipped += bad

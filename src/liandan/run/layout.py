@@ -4,13 +4,14 @@
     metrics.jsonl         one record per logged step (rank 0)
     events.jsonl          what happened: starts, resumes, saves, incidents, forecasts (trainer and supervisor)
     summary.json          the run's totals, written when it ends
+    training.png          loss, learning rate and throughput against step, drawn when it ends
     heartbeat/            rank-N.json: each rank's step and phase, for the supervisor's hang detection
     logs/                 each worker's output, per attempt
     checkpoints/          step-NNNNNNNN/ per save (or `checkpoint.dir`)
     data/                 the token store made from `[data] paths` (none with `[data] stores`)
     nodes/, excluded_nodes.json, excluded_nodes.txt   failure attribution across nodes
-    verified.json         the supervisor's verdict on the newest checkpoint, handed to the next attempt
-    run.lock              held by the process that owns the run
+    logs/verified.json    the supervisor's verdict on the newest checkpoint, handed to the next attempt
+    run.lock              held by the process that owns the run (run-<node>.lock: by each node's supervisor)
 
 Only this module spells those names; everyone else asks a `RunDir`.
 """
@@ -20,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from liandan.run.jsonl import JsonlTail, read_json, read_jsonl
+from liandan.run.files import atomic_write, atomic_write_json
+from liandan.run.jsonl import JsonlTail, keep_jsonl, read_json, read_jsonl
 
 
 @dataclass(frozen=True)
@@ -83,15 +85,24 @@ class RunDir:
     def excluded_hostlist(self) -> Path:
         return self.path / "excluded_nodes.txt"
 
-    @property
-    def verdict(self) -> Path:
-        return self.path / "verified.json"
+    def node_logs(self, node: str | None = None) -> Path:
+        """Where a supervisor keeps its workers' logs: `logs/`, or `logs/<node>/` on each node of a multi-node
+        run."""
+        return self.logs / node if node else self.logs
+
+    def verdict(self, node: str | None = None) -> Path:
+        """The supervisor's checkpoint verdict for its next attempt, among its logs."""
+        return self.node_logs(node) / "verified.json"
 
     @property
     def lock(self) -> Path:
         return self.path / "run.lock"
 
-    def plot(self, name: str = "loss") -> Path:
+    def node_lock(self, node: str) -> Path:
+        """The lock each node's supervisor of a multi-node run holds."""
+        return self.path / f"run-{node}.lock"
+
+    def plot(self, name: str = "training") -> Path:
         return self.path / f"{name}.png"
 
     # -- reading -----------------------------------------------------------------------------------------
@@ -113,3 +124,15 @@ class RunDir:
 
     def follow_events(self) -> JsonlTail:
         return JsonlTail(self.events)
+
+    # -- writing -----------------------------------------------------------------------------------------
+    def write_config(self, toml: str) -> None:
+        atomic_write(self.config, toml)
+
+    def write_summary(self, summary: dict) -> None:
+        atomic_write_json(self.summary, summary)
+
+    def truncate_metrics(self, step: int) -> None:
+        """Drop the records of steps after `step` (they are about to be trained again), in place: the run's
+        logger keeps metrics.jsonl open for appending."""
+        keep_jsonl(self.metrics, lambda record: record.get("step", step + 1) <= step)

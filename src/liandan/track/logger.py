@@ -3,14 +3,12 @@ wants them (files, the console, later the run store and the dashboard) implement
 
 from __future__ import annotations
 
-import contextlib
-import json
-import math
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
+
+from liandan.run import RunDir, dumps_json, naming
 
 
 class MetricsLogger(Protocol):
@@ -21,36 +19,21 @@ class MetricsLogger(Protocol):
     def close(self) -> None: ...
 
 
-def to_json(value: Any, **kwargs: Any) -> str:
-    """`json.dumps` that writes only valid JSON: the run's convention for a non-finite number (a diverged
-    loss, say) is null, as JSON has no NaN or Infinity. Readers take null as "not a number"."""
-    return json.dumps(_finite(value), allow_nan=False, **kwargs)
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    return value
-
-
 class JsonlLogger:
     """metrics.jsonl (one record per logged step) and events.jsonl in the run directory, flushed per line
-    so a crash loses nothing already reported. Non-finite numbers are written as null (`to_json`)."""
+    so a crash loses nothing already reported. Non-finite numbers are written as null (`dumps_json`)."""
 
-    def __init__(self, run_dir: Path):
-        self._metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
-        self._events = open(run_dir / "events.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+    def __init__(self, run_dir: Path | RunDir):
+        room = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+        self._metrics = open(room.metrics, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self._events = open(room.events, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, "time": time.time(), **metrics}
-        _append(self._metrics, to_json(record))
+        _append(self._metrics, dumps_json(record))
 
     def log_event(self, kind: str, **fields: Any) -> None:
-        _append(self._events, to_json({"time": time.time(), "kind": kind, **fields}, default=str))
+        _append(self._events, dumps_json({"time": time.time(), "kind": kind, **fields}))
 
     def close(self) -> None:
         try:
@@ -65,18 +48,6 @@ def _append(handle, line: str) -> None:
     with naming(handle.name):
         handle.write(line + "\n")
         handle.flush()
-
-
-@contextlib.contextmanager
-def naming(path: Path | str) -> Iterator[Path]:
-    """Give OS errors raised inside the name of `path` (a write to an open file, on a full disk say, carries
-    no file name of its own), so the error says which file failed. Yields `path`."""
-    try:
-        yield Path(path)
-    except OSError as err:
-        if err.filename:
-            raise
-        raise OSError(err.errno, err.strerror or str(err) or type(err).__name__, str(path)) from err
 
 
 class ConsoleLogger:
@@ -171,17 +142,5 @@ class NullLogger:
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The records of metrics.jsonl; a non-finite value reads as None (null), or as the string "nan"/"inf"
-    in files written before null was the convention."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [record for line in path.read_text().splitlines() if (record := parse_record(line)) is not None]
-
-
-def parse_record(line: str) -> dict[str, Any] | None:
-    """A JSON-lines record, or None for a blank line or one that a crash or a full disk left half-written."""
-    try:
-        record = json.loads(line) if line.strip() else None
-    except json.JSONDecodeError:
-        return None
-    return record if isinstance(record, dict) else None
+    in files written before null was the convention. A half-written last line is skipped."""
+    return RunDir(Path(run_dir)).read_metrics()

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from liandan.track.logger import read_metrics
+from liandan.run import RunDir
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path | None:
     """Write `run_dir/training.png`; returns its path, or None when there is nothing to plot."""
-    records = [r for r in read_metrics(run_dir) if isinstance(r.get("loss"), (int, float))]
+    run = RunDir(Path(run_dir))
+    records = [r for r in run.read_metrics() if isinstance(r.get("loss"), (int, float))]
     if not records:
         return None
     import matplotlib
@@ -18,10 +18,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    evals = []
-    events = Path(run_dir) / "events.jsonl"
-    if events.is_file():
-        evals = [e for e in map(json.loads, events.read_text().splitlines()) if e.get("kind") == "eval"]
+    evals = [e for e in run.read_events() if e.get("kind") == "eval"]
     steps = [r["step"] for r in records]
     fig, (ax_loss, ax_lr, ax_tps) = plt.subplots(1, 3, figsize=(13, 3.6))
     ax_loss.plot(steps, [r["loss"] for r in records], lw=1, label="train")
@@ -37,7 +34,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> Path | None:
         ax.grid(alpha=0.3)
     fig.suptitle(Path(run_dir).name)
     fig.tight_layout()
-    out = out or Path(run_dir) / "training.png"
+    out = out or run.plot()
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out

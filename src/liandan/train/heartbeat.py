@@ -6,13 +6,13 @@ from __future__ import annotations
 import collections
 import contextlib
 import faulthandler
-import json
 import os
 import signal
 import sys
 import time
 from pathlib import Path
 
+from liandan.run import atomic_write, dumps_json, read_json, temporary
 from liandan.run.worker_env import node_name
 
 PHASES = ("startup", "data", "forward", "backward", "optimizer", "collective", "step_end", "checkpoint", "eval", "done")
@@ -31,7 +31,7 @@ class Heartbeat:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.rank = rank
         self.path = self.directory / f"rank-{rank:05d}.json"
-        self._tmp = self.path.with_suffix(".tmp")
+        self._tmp = temporary(self.path)
         with contextlib.suppress(OSError):
             self._tmp.unlink(missing_ok=True)  # half-written by an earlier process of this rank
         self._write_failed = False
@@ -50,7 +50,7 @@ class Heartbeat:
         self._last = (phase, now)
         record = {"rank": self.rank, "pid": os.getpid(), "host": self.host, "step": step, "phase": phase,
                   "micro": micro, "time": now, "longest": {p: round(max(d), 4) for p, d in self._durations.items() if d}}  # fmt: skip
-        self._write(json.dumps(record))
+        self._write(dumps_json(record))
 
     def _write(self, text: str) -> None:
         """Best-effort: a heartbeat that cannot be written (a full disk) must not end training. Replacing the
@@ -58,13 +58,10 @@ class Heartbeat:
         rewritten in place instead (its blocks are already allocated), which readers skip if they catch it
         half-written. A failure is reported once."""
         try:
-            self._tmp.write_text(text)
-            os.replace(self._tmp, self.path)
+            atomic_write(self.path, text, durable=False)  # many a second: a crash of the machine ends the run anyway
             return
         except OSError as err:
             first_error = err
-        with contextlib.suppress(OSError):
-            self._tmp.unlink(missing_ok=True)
         try:
             with open(self.path, "r+") as f:  # never creates: a new file would need room too
                 f.write(text)
@@ -98,10 +95,9 @@ class Heartbeat:
 def read_heartbeats(directory: Path) -> list[dict]:
     out = []
     for path in sorted(Path(directory).glob("rank-*.json")):
-        try:
-            out.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
-            continue  # being replaced right now
+        beat = read_json(path)  # None: being replaced right now
+        if isinstance(beat, dict):
+            out.append(beat)
     return out
 
 

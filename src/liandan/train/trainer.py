@@ -28,11 +28,10 @@ from liandan.config import Config, ConfigError
 from liandan.data.loader import PackedLoader
 from liandan.data.prepare import open_prepared, open_stores, prepare_store
 from liandan.faults import maybe_inject
+from liandan.run import RunDir, RunLock, holds_progress, lock_run_dir, naming
 from liandan.run.worker_env import WorkerEnv
 from liandan.spec.layout import resolve_layout
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
-from liandan.track.logger import naming, parse_record, to_json
-from liandan.track.run_dir import RunLock, holds_progress, lock_run_dir
 from liandan.train.callbacks import Callback, builtin_callbacks, in_order
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
 from liandan.train.hardware import device_peak_flops, resolve_dtype
@@ -90,10 +89,11 @@ class Trainer:
         self.last_step: StepOutput | None = None
         self.run_lock: RunLock | None = None  # held by rank 0 of an unsupervised run (the supervisor holds its own)
         self.run_dir, resuming = self._on_main_then_share(lambda: self._claim_run_dir(run_dir, config_name))
+        self.room = RunDir.of(self.run_dir, cfg.checkpoint.dir)
         self.result.run_dir = self.run_dir
         self.say(f"run directory: {self.run_dir}")
-        self.files = JsonlLogger(self.run_dir) if self.dist.is_main else NullLogger()
-        self.heartbeat = Heartbeat(self.run_dir / "heartbeat", self.dist.rank)
+        self.files = JsonlLogger(self.room) if self.dist.is_main else NullLogger()
+        self.heartbeat = Heartbeat(self.room.heartbeats, self.dist.rank)
         self.heartbeat.enable_stack_dumps()
         self.heartbeat.beat(0, "startup")
         self._open_data(resuming)
@@ -261,7 +261,7 @@ class Trainer:
         if cfg.data.stores:
             self.stores, self.tokenizer = open_stores(cfg.data.stores)
         else:
-            data_dir = self.run_dir / "data"
+            data_dir = self.room.data
 
             def prepare() -> None:
                 if not (resuming and (data_dir / "manifest.json").is_file()):
@@ -286,7 +286,7 @@ class Trainer:
     def _open_checkpoints(self) -> None:
         c = self.cfg.checkpoint
         self.checkpoints = CheckpointManager(
-            Path(c.dir) if c.dir else self.run_dir / "checkpoints",
+            self.room.checkpoints,
             keep_last=c.keep_last,
             keep_every=c.keep_every,
             async_save=c.async_save,
@@ -333,7 +333,7 @@ class Trainer:
         elif c.init_from:
             self._init_from(Path(c.init_from))
         if self.step == 0 and self.dist.is_main:  # a restart with nothing to resume from starts over
-            _truncate_metrics(self.run_dir / "metrics.jsonl", 0)
+            self.room.truncate_metrics(0)
 
     def _init_from(self, source: Path) -> None:
         if not (source / "meta.json").is_file():
@@ -365,7 +365,7 @@ class Trainer:
             if callback.name in states:
                 callback.load_state_dict(states[callback.name])
         if self.dist.is_main:
-            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+            self.room.truncate_metrics(self.step)
         self.say(f"resumed from {source} at step {self.step}")
         self.notify("on_checkpoint_loaded", self.step, source)
 
@@ -403,8 +403,7 @@ class Trainer:
     def _make_logger(self) -> MetricsLogger:
         if not self.dist.is_main:
             return NullLogger()
-        with naming(self.run_dir / "config.toml") as path:
-            path.write_text(self.cfg.to_toml())
+        self.room.write_config(self.cfg.to_toml())
         return FanOut(self.files, ConsoleLogger(self.cfg.train.steps, first_step=self.step))
 
     def _finish(self, result: TrainResult, first_step: int, tokens_trained_now: int) -> None:
@@ -434,9 +433,8 @@ class Trainer:
             "world_size": self.dist.world_size,
             "dtype": _dtype_name(self.dtype),
         }
-        with naming(self.run_dir / "summary.json") as path:
-            path.write_text(to_json(result.summary, indent=2) + "\n")
-        with naming(self.run_dir / "training.png"):
+        self.room.write_summary(result.summary)
+        with naming(self.room.plot()):
             plot_run(self.run_dir)
 
 
@@ -446,17 +444,17 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
     run is refused. A supervised worker takes no lock: its supervisor holds it."""
     if run_dir is None:
         run_dir = Path(cfg.run.output_dir) / cfg.run_name(config_name)
-    run_dir = Path(run_dir)
-    lock = None if WorkerEnv.from_env().supervised else lock_run_dir(run_dir)  # before anything is touched
-    ckpt_root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    resumable = cfg.checkpoint.resume == "auto" and any(ckpt_root.glob("step-*/manifest.json"))
+    room = RunDir.of(run_dir, cfg.checkpoint.dir)
+    run_dir = room.path
+    lock = None if WorkerEnv.from_env().supervised else lock_run_dir(room)  # before anything is touched
+    resumable = cfg.checkpoint.resume == "auto" and any(room.checkpoints.glob("step-*/manifest.json"))
     if cfg.checkpoint.resume == "auto" and cfg.checkpoint.memory_every and WorkerEnv.from_env().snapshot_owner:
         # The supervisor empties the snapshot directory when it starts: what is there is this run's.
         handed = snapshots.handed_dir()
         resumable = resumable or bool(handed and any(handed.glob("rank-*.json")))
     # A supervised restart with nothing to resume from starts the run over.
     overwrite = cfg.run.overwrite or WorkerEnv.from_env().attempt > 0
-    if holds_progress(run_dir) and not resumable and not overwrite:
+    if holds_progress(room) and not resumable and not overwrite:
         raise ConfigError(
             f"run directory {run_dir} already holds a run with no checkpoint to resume from;"
             " choose another --run.name or pass --run.overwrite=true"
@@ -464,21 +462,10 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
     if overwrite and not resumable:
         # A restart keeps events.jsonl: the incidents that led to it are part of the run's history.
         restarting = not cfg.run.overwrite
-        for name in (
-            ("metrics.jsonl", "summary.json") if restarting else ("metrics.jsonl", "events.jsonl", "summary.json")
-        ):
-            (run_dir / name).unlink(missing_ok=True)
+        for path in (room.metrics, room.summary) if restarting else (room.metrics, room.events, room.summary):
+            path.unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir, resumable, lock
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records of steps after `step`: they are about to be trained again."""
-    if not path.is_file():
-        return
-    records = [(line, parse_record(line)) for line in path.read_text().splitlines()]
-    keep = [line for line, record in records if record is not None and record.get("step", step + 1) <= step]
-    path.write_text("".join(line + "\n" for line in keep))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -20,8 +20,9 @@ import weakref
 from pathlib import Path
 
 from liandan.config import ConfigError
+from liandan.run.layout import RunDir
 
-LOCK_FILE = "run.lock"
+LOCK_FILE = RunDir(Path()).lock.name
 _READ_HOLDER_TRIES = 20  # the holder writes who it is just after it locks: a moment for that to land
 
 
@@ -50,10 +51,12 @@ class RunLock:
 _held: weakref.WeakValueDictionary[str, RunLock] = weakref.WeakValueDictionary()
 
 
-def lock_run_dir(run_dir: Path, name: str = LOCK_FILE) -> RunLock:
-    """Take the exclusive lock on `run_dir` (created if missing), or raise RunDirInUse naming its holder."""
-    run_dir = Path(run_dir)
-    path = run_dir / name
+def lock_run_dir(run_dir: Path | RunDir, name: str | None = None) -> RunLock:
+    """Take the exclusive lock on `run_dir` (created if missing), or raise RunDirInUse naming its holder.
+    `name` is another lock file in it (each node's supervisor of a multi-node run holds its own)."""
+    room = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+    run_dir = room.path
+    path = room.lock if name is None else run_dir / name
     key = os.path.abspath(path)
     held = _held.get(key)
     if held is not None and held.held:
@@ -91,8 +94,8 @@ def _holder(fd: int) -> str:
     return "a process that has not said who it is"
 
 
-def holds_progress(run_dir: Path) -> bool:
+def holds_progress(run_dir: Path | RunDir) -> bool:
     """Whether an earlier run logged a step here. A run refused before its first step leaves at most an
     empty metrics.jsonl, which must not stand in the way of the corrected rerun."""
-    metrics = Path(run_dir) / "metrics.jsonl"
+    metrics = (run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))).metrics
     return metrics.is_file() and metrics.stat().st_size > 0
