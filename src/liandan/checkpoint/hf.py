@@ -29,6 +29,7 @@ import torch
 
 from liandan.model.spec import HFAdapter, ModelSpec, spec_for, specs
 from liandan.model.spec import get as get_model_spec
+from liandan.run import atomic_write
 from liandan.spec import tokens
 
 ARGS_METADATA_KEY = "liandan_model_args"
@@ -152,9 +153,7 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
 
 
 def _write_json(path: Path, obj: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import xxhash
 
+from liandan.run.files import atomic_write
 from liandan.run.steps import STEP_DIR, parse_step_dir, step_dir_name  # noqa: F401 - re-exported for checkpoint callers
 
 MANIFEST = "manifest.json"
@@ -73,13 +74,7 @@ def write_manifest(directory: Path) -> dict:
         fsync_path(path)
         files[str(path.relative_to(directory))] = {"bytes": path.stat().st_size, "xxh64": file_digest(path)}
     manifest = {"format": FORMAT, "version": VERSION, "files": files}
-    tmp = directory / (MANIFEST + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, directory / MANIFEST)
-    fsync_path(directory)
+    atomic_write(directory / MANIFEST, json.dumps(manifest, indent=1))  # durable: file and directory fsync'd
     return manifest
 
 

@@ -33,6 +33,7 @@ from liandan.data.executor import make_executor
 from liandan.data.pipeline_config import PipelineConfig, expand_paths
 from liandan.data.steps import Step, StepStats, build_step
 from liandan.faults import maybe_inject
+from liandan.run import atomic_write
 
 # Settings that change where the work runs, never what it writes: a resumed run may change them.
 _RUNTIME_KEYS = ("executor", "workers", "ray_address", "inspect", "baseline")
@@ -61,9 +62,7 @@ def plan_tasks(cfg: PipelineConfig) -> list[Task]:
 
 # -- files ---------------------------------------------------------------------------------------------------
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    atomic_write(path, data, durable=False)  # a crashed stage is redone from its done markers
 
 
 def _write_json(path: Path, value: Any) -> None:

@@ -45,6 +45,7 @@ import xxhash
 
 from liandan.data.corpus import DataError, Document
 from liandan.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from liandan.run import atomic_write
 
 FORMAT = "liandan-token-store"
 VERSION = 1
@@ -244,9 +245,7 @@ def write_manifest(store_dir: Path, shards: list[ShardInfo], tokenizer: Tokenize
             {"name": s.path.name, "documents": s.documents, "tokens": s.tokens, "files": s.files} for s in shards
         ],
     }
-    tmp = store_dir / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, store_dir / MANIFEST)
+    atomic_write(store_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
 # -- reading -----------------------------------------------------------------------------------------------------
