@@ -10,12 +10,11 @@ tampering).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import xxhash
 
-from liandan.run.files import atomic_write
+from liandan.run.files import atomic_write, fsync_path
 from liandan.run.steps import STEP_DIR, parse_step_dir, step_dir_name  # noqa: F401 - re-exported for checkpoint callers
 
 MANIFEST = "manifest.json"
@@ -57,14 +56,6 @@ def file_digest(path: Path) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
-
-
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_manifest(directory: Path) -> dict:

@@ -6,7 +6,7 @@ from liandan.run.files import (
     atomic_write,
     atomic_write_json,
     dumps_json,
-    fsync_directory,
+    fsync_path,
     naming,
     temporary,
 )
@@ -25,7 +25,7 @@ __all__ = [
     "atomic_write",
     "atomic_write_json",
     "dumps_json",
-    "fsync_directory",
+    "fsync_path",
     "holds_progress",
     "keep_jsonl",
     "lock_run_dir",

@@ -42,9 +42,9 @@ def naming(path: Path | str) -> Iterator[Path]:
         raise OSError(err.errno, err.strerror or str(err) or type(err).__name__, str(path)) from err
 
 
-def fsync_directory(directory: Path) -> None:
-    """Make a rename in `directory` durable."""
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """Flush a file to disk, or make the renames in a directory durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -69,7 +69,7 @@ def atomic_write(path: Path, data: str | bytes, *, durable: bool = True) -> None
             tmp.unlink(missing_ok=True)
             raise
         if durable:
-            fsync_directory(path.parent)
+            fsync_path(path.parent)
 
 
 def temporary(path: Path) -> Path:
