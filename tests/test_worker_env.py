@@ -119,7 +119,6 @@ def test_the_names_are_defined_in_the_contract_only():
     owners = {
         SRC / "run" / "worker_env.py",
         SRC / "faults.py",  # below the contract: it reads its own two variables, and the contract imports their names
-        SRC / "checkpoint" / "snapshots.py",  # its OWNER_ENV is read and written by no one since the contract
     }
     stray = {str(p.relative_to(SRC)): _liandan_literals(p) for p in SRC.rglob("*.py") if p not in owners}
     assert {path: names for path, names in stray.items() if names} == {}
