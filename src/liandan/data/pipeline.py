@@ -60,13 +60,9 @@ def plan_tasks(cfg: PipelineConfig) -> list[Task]:
     return tasks
 
 
-# -- files ---------------------------------------------------------------------------------------------------
-def _write_atomic(path: Path, data: bytes) -> None:
-    atomic_write(path, data, durable=False)  # a crashed stage is redone from its done markers
-
-
+# -- files (not fsync'd: a crashed stage is redone from its done markers) ----------------------------------------------
 def _write_json(path: Path, value: Any) -> None:
-    _write_atomic(path, (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode())
+    atomic_write(path, (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode(), durable=False)
 
 
 class _JsonlZstWriter:
@@ -186,7 +182,7 @@ def clean_task(cfg: PipelineConfig, task: Task, out: Path) -> dict[str, Any]:
 def _save_npy(path: Path, array: np.ndarray) -> None:
     buffer = io.BytesIO()
     np.save(buffer, array)
-    _write_atomic(path, buffer.getvalue())
+    atomic_write(path, buffer.getvalue(), durable=False)
 
 
 def dedup_params(cfg: PipelineConfig):
@@ -370,7 +366,7 @@ def _claim_output(cfg: PipelineConfig, out: Path, overwrite: bool) -> None:
             shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "state").mkdir(exist_ok=True)
-    _write_atomic(resolved, cfg.to_toml().encode())
+    atomic_write(resolved, cfg.to_toml().encode(), durable=False)
 
 
 def _output_defining(raw: dict[str, Any]) -> dict[str, Any]:
