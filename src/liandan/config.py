@@ -172,6 +172,53 @@ class ForecastSection:
 
 
 @dataclass
+class GuardSection:
+    """The loss-spike guard (docs/training.md, "The guard"). Rules compare each step with a running median and
+    the median absolute deviation (MAD, scaled to a standard deviation) of the last `window` accepted steps."""
+
+    enabled: bool = _f(True, "watch every step for non-finite values, loss spikes, gradient and logit growth")
+    window: int = _f(100, "accepted steps of history the running median and MAD are taken over", min=4)
+    warmup: int = _f(20, "steps of history before the spike, gradient and logit rules judge", min=2)
+    spike_mads: float = _f(5.0, "loss spike: this many MADs above the running median...", min=0.0)
+    spike_min_ratio: float = _f(0.05, "...and at least this fraction of the median loss above it", min=0.0)
+    spike_persist: int = _f(2, "consecutive steps over the threshold that make a spike...", min=1)
+    spike_immediate: float = _f(2.0, "...unless one step is this many times over it: a spike at once", min=1.0)
+    grad_mads: float = _f(8.0, "gradient-norm explosion: log norm this many MADs above its running median...",
+                          min=0.0)  # fmt: skip
+    grad_min_ratio: float = _f(4.0, "...and at least this many times the median norm", min=1.0)
+    logit_mads: float = _f(8.0, "output-logit or z growth: log value this many MADs above its running median...",
+                           min=0.0)  # fmt: skip
+    logit_min_ratio: float = _f(2.0, "...and at least this many times the median", min=1.0)
+    attention_logit_limit: float = _f(
+        100.0, "largest attention logit (measured with the layer statistics) that is still healthy; 0 disables",
+        min=0.0,
+    )  # fmt: skip
+    drop_mads: float = _f(
+        8.0, "too good to be true: loss this many MADs below its running median for spike_persist steps...", min=0.0
+    )
+    drop_min_ratio: float = _f(0.25, "...and at least this fraction of the median below it", min=0.0)
+    on_nonfinite: Literal["warn", "skip", "rollback", "stop"] = _f("skip", "what a non-finite loss or gradient does")
+    on_spike: Literal["warn", "skip", "rollback", "stop"] = _f("rollback", "what a loss spike does")
+    on_grad: Literal["warn", "skip", "rollback", "stop"] = _f("skip", "what a gradient-norm explosion does")
+    on_logits: Literal["warn", "skip", "rollback", "stop"] = _f("warn", "what output/attention logit growth does")
+    on_drop: Literal["warn", "stop"] = _f("warn", "what a too-good-to-be-true loss drop does")
+    escalate_after: int = _f(3, "skipped updates in a row that become a rollback; 0 never escalates", min=0)
+    ring_every: int = _f(25, "steps between the in-memory states kept to roll back to", min=1)
+    ring_size: int = _f(3, "in-memory states kept (each a copy of the rank's model and optimizer state)", min=1)
+    rollback_margin: int = _f(1, "roll back to a state at least this many steps before the spike began", min=0)
+    skip_batches: int = _f(
+        0, "batches skipped after a rollback, counted from the restored state; at least those up to the"
+        " detection (0: exactly those)", min=0,
+    )  # fmt: skip
+    lr_factor: float = _f(1.0, "after a rollback, scale the learning rate by this (compounding)...", min=0.0, max=1.0)
+    lr_steps: int = _f(0, "...for this many steps; 0 keeps it for the rest of the run", min=0)
+    max_rollbacks: int = _f(3, "rollbacks allowed within rollback_window steps; one more stops the run", min=0)
+    rollback_window: int = _f(1000, "steps over which rollbacks are counted", min=1)
+    stats_every: int = _f(100, "per-layer statistics every this many steps; 0 only around incidents", min=0)
+    replay: bool = _f(True, "after a rollback, replay the spike's steps to find the layers that moved first")
+
+
+@dataclass
 class Config:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -183,6 +230,7 @@ class Config:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     resilience: ResilienceSection = field(default_factory=ResilienceSection)
     forecast: ForecastSection = field(default_factory=ForecastSection)
+    guard: GuardSection = field(default_factory=GuardSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -6,12 +6,18 @@ Format: comma-separated `ACTION@POINT:STEP[:RANK]`, for example
     LIANDAN_FAULTS="hang@data:5:1"        rank 1 sleeps forever while loading the batch of step 5
     LIANDAN_FAULTS="corrupt@saved:8"      flip a byte in a shard of the checkpoint of step 8 once it is complete
     LIANDAN_FAULTS="enospc@save:4"        raise ENOSPC while writing the checkpoint of step 4
+    LIANDAN_FAULTS="nan@grad:30:1"        rank 1's gradients of step 30 turn NaN after backward
+    LIANDAN_FAULTS="spike@grad:30:1"      rank 1's gradients of step 30 are multiplied by 10^4
+    LIANDAN_FAULTS="burst@update:30"      the update of step 30 is made at 100 times the learning rate
 
 Points: `data` (loading the batch of step STEP), `step` (after optimizer step STEP), `save` (a checkpoint's
 shards written, its manifest not yet), `saved` (a checkpoint complete; its path is passed along); in the data
 pipeline, `clean` and `tokenize` (task STEP's output written, its done marker not yet). Actions:
 `kill` (SIGKILL), `exit` (exit code 1 at once), `raise` (RuntimeError), `hang` (sleep forever), `enospc`
 (OSError ENOSPC), `corrupt` (flip one byte of a checkpoint shard; `saved` only).
+
+Gradient and update faults fire once per process, the first time their step is trained: a run that rolls
+back over that step does not meet them again, as with a real transient fault.
 
 Real faults are transient: the supervisor hands $LIANDAN_FAULTS to the first attempt of a supervised run only
 (`liandan.run.worker_env`). Faults in $LIANDAN_FAULTS_ALWAYS fire in every attempt, the way a deterministic bug
@@ -25,9 +31,14 @@ import errno
 import os
 import signal
 import threading
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 ENV, ENV_ALWAYS = "LIANDAN_FAULTS", "LIANDAN_FAULTS_ALWAYS"
+BURST = 100.0  # the learning-rate factor of a `burst`
+SPIKE = 1e4  # the gradient factor of a `spike`
+_fired: set[tuple[str, str, int]] = set()
 
 
 def _parse(spec: str) -> list[tuple[str, str, int, int | None]]:
@@ -69,3 +80,38 @@ def maybe_inject(point: str, step: int, path: Path | None = None) -> None:
             shard.write_bytes(bytes(data))
         else:
             raise ValueError(f"{ENV}: cannot do '{action}' at '{point}'")
+
+
+def _once(point: str, step: int) -> list[str]:
+    """The actions configured for this point, step and rank that have not fired in this process yet."""
+    if ENV not in os.environ and ENV_ALWAYS not in os.environ:
+        return []
+    rank = int(os.environ.get("RANK", "0"))
+    actions = []
+    for action, where, at_step, at_rank in _active():
+        mine = where == point and at_step == step and (at_rank is None or at_rank == rank)
+        if mine and (action, point, step) not in _fired:
+            _fired.add((action, point, step))
+            actions.append(action)
+    return actions
+
+
+def corrupt_gradients(step: int, parameters: Iterable[Any]) -> None:
+    """`nan@grad` and `spike@grad`: this rank's gradients of `step`, after backward and before clipping."""
+    for action in _once("grad", step):
+        if action not in ("nan", "spike"):
+            raise ValueError(f"{ENV}: cannot do '{action}' at 'grad'")
+        for p in parameters:
+            if p.grad is not None:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                grad.fill_(float("nan")) if action == "nan" else grad.mul_(SPIKE)
+
+
+def learning_rate_burst(step: int) -> float:
+    """`burst@update`: the factor on the learning rate of the update of `step` (1 but for a burst)."""
+    factor = 1.0
+    for action in _once("update", step):
+        if action != "burst":
+            raise ValueError(f"{ENV}: cannot do '{action}' at 'update'")
+        factor *= BURST
+    return factor

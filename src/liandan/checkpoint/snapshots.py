@@ -152,7 +152,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state (AdamW makes it lazily, on the first step) without changing any weight:
     one step with zero gradients at a learning rate of zero. The state is overwritten right after."""
     if optimizer.state:
@@ -169,7 +169,7 @@ def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, torch.Tensor]]:
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, torch.Tensor]]:
     """Every tensor a rank must get back to continue bit for bit, by a name stable across restarts."""
     out = [(f"param.{n}", _local(p.detach())) for n, p in model.named_parameters()]
     out += [(f"buffer.{n}", _local(b)) for n, b in model.named_buffers()]
@@ -185,7 +185,7 @@ def _state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | No
     return out
 
 
-def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
+def optimizer_hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
     if optimizer is None:
         return []
     groups = []
@@ -199,13 +199,13 @@ def _hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict[str, 
     return groups
 
 
-def _python_rng() -> dict[str, Any]:
+def python_rng() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     kind, key, pos, has_gauss, cached = np.random.get_state()
     return {"python": [version, list(internal), gauss], "numpy": [kind, key.tolist(), pos, has_gauss, cached]}
 
 
-def _set_python_rng(state: dict[str, Any]) -> None:
+def set_python_rng(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, key, pos, has_gauss, cached = state["numpy"]
@@ -239,7 +239,7 @@ class MemorySnapshots:
         self._next_slot = (slot + 1) % SLOTS
         data_path, header_path = self._paths(slot)
         header_path.unlink(missing_ok=True)  # from here until the new header, this slot holds nothing valid
-        tensors = _state_tensors(model, optimizer)
+        tensors = state_tensors(model, optimizer)
         table, offset = [], 0
         for name, t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -253,7 +253,7 @@ class MemorySnapshots:
         header = {
             "format": FORMAT, "version": VERSION, "step": step, "owner": self.owner, "rank": self.rank,
             "world_size": self.world_size, "layout": self.layout, "bytes": offset, "tensors": table,
-            "optimizer_groups": _hyperparameters(optimizer), "rng": _python_rng(), "state": state,
+            "optimizer_groups": optimizer_hyperparameters(optimizer), "rng": python_rng(), "state": state,
             "checksum": _checksum(buffer[:offset]),
         }  # fmt: skip
         tmp = header_path.with_name(header_path.name + ".tmp")
@@ -315,8 +315,8 @@ class MemorySnapshots:
             raise RuntimeError(f"rank {self.rank} has no sound memory snapshot of step {step} in {self.directory}")
         header, data = found
         if optimizer is not None:
-            _ensure_optimizer_state(optimizer)
-        tensors = dict(_state_tensors(model, optimizer))
+            ensure_optimizer_state(optimizer)
+        tensors = dict(state_tensors(model, optimizer))
         source = torch.from_numpy(data)
         names = {entry["name"] for entry in header["tensors"]}
         missing = sorted(set(tensors) - names - {"rng.cuda"})
@@ -332,7 +332,7 @@ class MemorySnapshots:
         torch.set_rng_state(tensors["rng.torch"])  # it was filled above like every other tensor
         if "rng.cuda" in tensors and "rng.cuda" in names:
             torch.cuda.set_rng_state(tensors["rng.cuda"])
-        _set_python_rng(header["rng"])
+        set_python_rng(header["rng"])
         if optimizer is not None:
             for group, saved in zip(optimizer.param_groups, header["optimizer_groups"], strict=True):
                 for key, value in saved.items():

@@ -11,9 +11,10 @@ from liandan import __version__
 from liandan.checkpoint.verify import CheckpointError
 from liandan.config import ConfigError, describe, load_config
 from liandan.data.corpus import DataError
+from liandan.run.errors import RunStopped
 from liandan.run.worker_env import NodeEnv, WorkerEnv
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, RunStopped)
 # The optional extras of pyproject.toml, by the top-level modules they install: a command that needs one it
 # lacks says which to install, in one line.
 EXTRAS = {

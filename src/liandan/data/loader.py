@@ -214,7 +214,8 @@ class PackedLoader:
         self.seed, self.val_fraction, self.dp_rank, self.dp_size = seed, val_fraction, dp_rank, dp_size
         self.streams = [_Stream(s, i, seq_len, seed, val_fraction) for i, s in enumerate(stores)]
         self.schedule = MixtureSchedule(weights, global_batch)
-        self.step = 0
+        self.step = 0  # the next data step: optimizer steps plus the batches skipped so far
+        self.skipped: list[tuple[int, int]] = []  # [first, end) data steps skipped, in order
 
     # -- state for checkpoints -----------------------------------------------------------------------------
     def _identity(self) -> dict:
@@ -228,7 +229,8 @@ class PackedLoader:
         }
 
     def state_dict(self) -> dict:
-        return {"step": self.step, "mixture": list(self.schedule.extras(self.step)), **self._identity()}
+        return {"step": self.step, "mixture": list(self.schedule.extras(self.step)),
+                "skipped": [list(r) for r in self.skipped], **self._identity()}  # fmt: skip
 
     def load_state_dict(self, state: dict) -> None:
         for key, ours in self._identity().items():
@@ -240,6 +242,27 @@ class PackedLoader:
                 raise DataError(f"loader state has {key}={state[key]}, this run has {ours}")
         self.schedule.restore(int(state["step"]), state["mixture"])
         self.step = int(state["step"])
+        self.skipped = [(int(a), int(b)) for a, b in state.get("skipped", [])]
+
+    def skip(self, batches: int) -> tuple[int, int]:
+        """Pass over the next `batches` global batches without training on them (a loss-spike rollback's data
+        skip); they stay listed in `skipped` and in the state, so a resume stays exact and
+        `batch_at`/`documents_for_step` can still give them back. Returns their [first, end) data steps."""
+        first = self.step
+        self.step += batches
+        self.schedule.extras(self.step)  # advanced here, so the state saved next restores at once
+        if batches:
+            self.skipped.append((first, self.step))
+        return first, self.step
+
+    def batch_at(self, step: int, micro_batch: int) -> list[Batch]:
+        """This rank's share of the global batch of data step `step` (a replay; the position is unchanged)."""
+        saved = self.step
+        self.step = step
+        try:
+            return self.next_step(micro_batch)
+        finally:
+            self.step = saved
 
     # -- batches ------------------------------------------------------------------------------------------
     def windows_for_step(self, step: int) -> tuple[np.ndarray, np.ndarray]:

@@ -103,6 +103,23 @@ class Attention(nn.Module):
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
+    @torch.no_grad()
+    def largest_logit(self, x: torch.Tensor, rope: torch.Tensor, positions: int = 256) -> torch.Tensor:
+        """The largest causal attention logit q.k/sqrt(head_dim) over the first sequence's first `positions`
+        positions (its own heads under tensor parallelism): a diagnostic, computed beside the real forward."""
+        x = x[:1, :positions]
+        seq = x.shape[1]
+        q = self.wq(x).view(1, seq, -1, self.head_dim)
+        k = self.wk(x).view(1, seq, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope[:seq]), apply_rope(k, rope[:seq])
+        q, k = q.transpose(1, 2).float(), k.transpose(1, 2).float()
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        logits = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        future = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+        return logits.masked_fill(future, -math.inf).amax()
+
 
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -191,6 +208,11 @@ class Transformer(nn.Module):
         """Final norm, output projection and loss: one unit, so it can be compiled as one (the fp32 logits
         of a large vocabulary are the biggest tensor of a small model's step)."""
         return lm_loss(self.output(self.norm(h)), targets, self.args.z_loss)
+
+
+def block_attention_logit(block: Block, x: torch.Tensor, args: tuple) -> torch.Tensor:
+    """The spec's `attention_logit`: a block's largest attention logit, from its input and its rotary table."""
+    return block.attention.largest_logit(block.attention_norm(x), args[0])
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:

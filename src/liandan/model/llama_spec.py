@@ -7,7 +7,7 @@ import dataclasses
 
 from liandan.config import ModelSection
 from liandan.model import counts, llama_hf
-from liandan.model.llama import ModelArgs, Transformer
+from liandan.model.llama import ModelArgs, Transformer, block_attention_logit
 from liandan.model.spec import HFAdapter, ModelSpec, TensorParallelPlan, register
 
 # ModelArgs fields that do not come from [model] under the same name: derived from the tokenizer.
@@ -100,6 +100,7 @@ LLAMA = register(
         tp_check=tp_check,
         blocks="layers",
         compiled_methods=("head_loss",),
+        attention_logit=block_attention_logit,
         hf=HFAdapter(
             architectures=llama_hf.ARCHITECTURES,
             to_hf_name=llama_hf.to_hf_name,

@@ -91,6 +91,10 @@ class ModelSpec:
     blocks: str = "layers"  # the container of repeated blocks: one FSDP2 unit and one recomputation unit each
     compiled_methods: tuple[str, ...] = ()  # methods compiled on their own when blocks are compiled one by one
     hf: HFAdapter | None = None
+    head: str = "output"  # the module whose output is the logits, watched by the loss-spike guard
+    # (block, its input activations, the rest of its forward's arguments) -> the largest attention logit of
+    # the block's first sequence, for the guard's layer statistics; None: the family does not say
+    attention_logit: Callable[[Any, Any, tuple], Any] | None = None
 
     def tp_refusal(self, args: Any, tp: int) -> str | None:
         """Why a tensor-parallel degree of `tp` cannot split a model of `args` (one line), or None."""

@@ -1,6 +1,7 @@
 """The run directory: its layout, the one atomic writer, tolerant readers of its JSON-lines files, and the
 names of its step directories. Every other module reads and writes a run through this room."""
 
+from liandan.run.errors import RunStopped
 from liandan.run.files import (
     append_jsonl,
     atomic_write,
@@ -21,6 +22,7 @@ __all__ = [
     "RunDir",
     "RunDirInUse",
     "RunLock",
+    "RunStopped",
     "append_jsonl",
     "atomic_write",
     "atomic_write_json",

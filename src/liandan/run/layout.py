@@ -9,6 +9,8 @@
     logs/                 each worker's output, per attempt
     checkpoints/          step-NNNNNNNN/ per save (or `checkpoint.dir`)
     data/                 the token store made from `[data] paths` (none with `[data] stores`)
+    guard/                the loss-spike guard's reports (spike-step-NNNNNNNN.json) and layer statistics
+                          (layers.jsonl)
     nodes/, excluded_nodes.json, excluded_nodes.txt   failure attribution across nodes
     logs/verified.json    the supervisor's verdict on the newest checkpoint, handed to the next attempt
     run.lock              held by the process that owns the run (run-<node>.lock: by each node's supervisor)
@@ -72,6 +74,17 @@ class RunDir:
     @property
     def data(self) -> Path:
         return self.path / "data"
+
+    @property
+    def guard(self) -> Path:
+        return self.path / "guard"
+
+    def guard_report(self, kind: str, step: int) -> Path:
+        return self.guard / f"{kind}-step-{step:08d}.json"
+
+    @property
+    def layer_stats(self) -> Path:
+        return self.guard / "layers.jsonl"
 
     @property
     def nodes(self) -> Path:

@@ -76,7 +76,7 @@ class EvalCallback(Callback):
 
     def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         t = trainer.cfg.train
-        if step % t.eval_every and step != t.steps:
+        if (step % t.eval_every and step != t.steps) or trainer.rolling_back:
             return
         trainer.phase("eval")
         loss = trainer.evaluate()
@@ -94,7 +94,7 @@ class SnapshotCallback(Callback):
 
     def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         every = trainer.cfg.checkpoint.memory_every
-        if trainer.snapshots and step % every == 0 and step < trainer.cfg.train.steps:
+        if trainer.snapshots and step % every == 0 and step < trainer.cfg.train.steps and not trainer.rolling_back:
             trainer.snapshots.save(step, trainer.model, trainer.module.optimizer, trainer.resume_state())
 
 
@@ -107,7 +107,7 @@ class CheckpointCallback(Callback):
 
     def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         every = trainer.cfg.checkpoint.every
-        if step % every == 0 or step == trainer.cfg.train.steps:
+        if (step % every == 0 or step == trainer.cfg.train.steps) and not trainer.rolling_back:
             trainer.phase("checkpoint")
             trainer.save_checkpoint()
 

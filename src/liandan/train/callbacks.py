@@ -57,6 +57,11 @@ class Callback:
         """After every step. `metrics` holds the logged metrics on the steps that log them (every
         `train.log_every`), and is empty on the others."""
 
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        """After every callback's `after_step`: where a callback may move the run to another step (the
+        loss-spike guard rolls back here). While `trainer.rolling_back` is set, the step is about to be undone
+        and `after_step` should not save, evaluate or stop on it."""
+
     def on_eval(self, trainer: Trainer, step: int, loss: float) -> None:
         """After an evaluation on the validation data."""
 

@@ -67,12 +67,13 @@ class TrainModule:
         self.autocast = dtype != torch.float32 and not fsdp
         self.optimizer = build_optimizer(self.model, cfg.optim, device, mixed_tensor_kinds=layout.tp > 1)
         self.scheduler = build_scheduler(self.optimizer, t.steps, cfg.schedule)
+        self.lr_scale = 1.0  # on top of the schedule; the loss-spike guard lowers it after a rollback
         self.params = self.spec.count_params(self.args)
         self.flops_per_token = self.spec.flops_per_token(self.args, t.seq_len)
 
     @property
     def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0]
+        return self.scheduler.get_last_lr()[0] * self.lr_scale
 
     def forward_backward(self, batches: list[Batch], phase: PhaseHook) -> torch.Tensor:
         """Forward and backward over the micro-batches of one step; returns the step's mean loss (detached).
@@ -92,7 +93,14 @@ class TrainModule:
     def clip_gradients(self) -> float:
         return clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
 
-    def optimizer_step(self) -> None:
+    def optimizer_step(self, factor: float = 1.0) -> None:
+        """The update at the scheduled learning rate times `lr_scale` (and `factor`, for this step only)."""
+        for group, scheduled in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
+            lr = scheduled * self.lr_scale * factor
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

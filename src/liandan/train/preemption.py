@@ -107,7 +107,7 @@ class PreemptionCallback(Callback):
         self.guard.start_loop(trainer.dist.distributed)
 
     def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        if step >= trainer.cfg.train.steps:
+        if step >= trainer.cfg.train.steps or trainer.rolling_back:  # stop after the step that replaces it
             return
         signum = self.guard.agreed()
         if not signum:

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import liandan.train.builtin_callbacks  # noqa: F401 - registers liandan's own callbacks
+import liandan.train.builtin_callbacks
+import liandan.train.guard.callback  # noqa: F401 - and the loss-spike guard
 from liandan import __version__
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.handoff import newest_checkpoint
@@ -27,7 +28,7 @@ from liandan.checkpoint.verify import step_of
 from liandan.config import Config, ConfigError
 from liandan.data.loader import PackedLoader
 from liandan.data.prepare import open_prepared, open_stores, prepare_store
-from liandan.faults import maybe_inject
+from liandan.faults import corrupt_gradients, learning_rate_burst, maybe_inject
 from liandan.run import RunDir, RunLock, holds_progress, lock_run_dir, naming
 from liandan.run.worker_env import WorkerEnv
 from liandan.spec.layout import resolve_layout
@@ -87,6 +88,7 @@ class Trainer:
         self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
         self.result = TrainResult(Path(), cfg.train.steps)
         self.last_step: StepOutput | None = None
+        self.rolling_back = False  # the step just taken is about to be undone (see Callback.on_step_end)
         self.run_lock: RunLock | None = None  # held by rank 0 of an unsupervised run (the supervisor holds its own)
         self.run_dir, resuming = self._on_main_then_share(lambda: self._claim_run_dir(run_dir, config_name))
         self.room = RunDir.of(self.run_dir, cfg.checkpoint.dir)
@@ -124,15 +126,20 @@ class Trainer:
                 batches = self.loader.next_step(self.micro_batch)
                 maybe_inject("data", self.step + 1)
                 loss = self.module.forward_backward(batches, self.phase)
+                corrupt_gradients(self.step + 1, self.model.parameters())
                 self.phase("optimizer")
                 grad_norm, lr = self.module.clip_gradients(), self.module.lr
                 update = self._agree_to_update(loss, grad_norm)
-                self.module.optimizer_step() if update else self.module.skip_step()
+                if update:
+                    self.module.optimizer_step(learning_rate_burst(self.step + 1))
+                else:
+                    self.module.skip_step()
                 self.step += 1
                 self.tokens += self.tokens_per_step
                 self.last_step = StepOutput(loss, grad_norm, lr, skipped=not update)
                 self.notify("after_step", self.step, {})
                 maybe_inject("step", self.step)
+                self.notify("on_step_end", self.step)
             self.phase("done")  # the teardown: the last save may still be writing
             result.seconds, result.tokens = time.perf_counter() - started, self.tokens
             self.notify("on_train_end", result)
@@ -229,6 +236,23 @@ class Trainer:
         return {"tokens": self.tokens, "scheduler": self.module.scheduler.state_dict(),
                 "loader": self.loader.state_dict(), "tokenizer": self.stores[0].fingerprint,
                 "callbacks": states}  # fmt: skip
+
+    def rewind(self, step: int, state: dict[str, Any]) -> None:
+        """Go back to `step`, whose `resume_state()` is `state`, after the caller has put that step's model and
+        optimizer state back: the schedule, the loader, the callbacks' states, the token count, the metrics
+        (the steps after `step` are about to be trained again)."""
+        t = self.cfg.train
+        undone = sum(1 for s in range(step + 1, self.step + 1) if s % t.log_every == 0 or s == t.steps)
+        del self.result.losses[max(0, len(self.result.losses) - undone) :]
+        self.module.scheduler.load_state_dict(state["scheduler"])
+        self.loader.load_state_dict(state["loader"])
+        self.tokens = int(state["tokens"])
+        self.step = step
+        for callback in self.callbacks:
+            if callback.name in state.get("callbacks", {}):
+                callback.load_state_dict(state["callbacks"][callback.name])
+        if self.dist.is_main:
+            self.room.truncate_metrics(step)
 
     def evaluate(self) -> float:
         batches = self.loader.validation(self.cfg.train.eval_batches, self.micro_batch)

@@ -1,0 +1,83 @@
+"""A short ring of recent training states in this process's host memory, for rolling back without waiting
+for a durable checkpoint: every rank copies its own part of the model and optimizer state (a shard under
+FSDP or tensor parallelism), its random-number state and a small JSON state, and puts them back in place.
+The layout cannot change within a process, so no resharding is needed; nothing here is durable."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from liandan.checkpoint.snapshots import (
+    ensure_optimizer_state,
+    optimizer_hyperparameters,
+    python_rng,
+    set_python_rng,
+    state_tensors,
+)
+
+
+@dataclass
+class HeldState:
+    step: int
+    tensors: dict[str, torch.Tensor]  # host copies, by the names of `state_tensors`
+    optimizer_groups: list[dict[str, Any]]
+    rng: dict[str, Any]
+    state: dict[str, Any]  # the trainer's resume state: schedule, loader, callbacks
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class StateRing:
+    """The newest `size` states this rank was asked to keep, oldest first."""
+
+    def __init__(self, size: int):
+        self.held: deque[HeldState] = deque(maxlen=size)
+
+    def keep(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> HeldState:
+        tensors = {name: t.detach().to("cpu", copy=True) for name, t in state_tensors(model, optimizer)}
+        held = HeldState(step, tensors, optimizer_hyperparameters(optimizer), python_rng(), state)
+        self.held = deque((h for h in self.held if h.step < step), maxlen=self.held.maxlen)  # a rewound run's
+        self.held.append(held)
+        return held
+
+    def newest_at_or_before(self, step: int) -> HeldState | None:
+        return next((h for h in reversed(self.held) if h.step <= step), None)
+
+    def drop_after(self, step: int) -> None:
+        self.held = deque((h for h in self.held if h.step <= step), maxlen=self.held.maxlen)
+
+    @property
+    def steps(self) -> list[int]:
+        return [h.step for h in self.held]
+
+
+def restore(held: HeldState, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Put `held` back into this rank's model and optimizer, in place; returns its JSON state."""
+    if not any(name.startswith("optim.") for name in held.tensors):
+        optimizer.state.clear()  # kept before the first update: AdamW had no state yet
+    elif not optimizer.state:
+        ensure_optimizer_state(optimizer)  # overwritten below
+    targets = dict(state_tensors(model, optimizer))
+    with torch.no_grad():
+        for name, saved in held.tensors.items():
+            target = targets.get(name)
+            if target is not None and name not in ("rng.torch", "rng.cuda"):
+                target.copy_(saved)
+    torch.set_rng_state(held.tensors["rng.torch"])
+    if "rng.cuda" in held.tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(held.tensors["rng.cuda"])
+    set_python_rng(held.rng)
+    for group, saved in zip(optimizer.param_groups, held.optimizer_groups, strict=True):
+        for key, value in saved.items():
+            current = group.get(key)
+            if isinstance(current, torch.Tensor):
+                current.fill_(value)
+            else:
+                group[key] = tuple(value) if isinstance(current, tuple) else value
+    return held.state

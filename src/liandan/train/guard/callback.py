@@ -1,0 +1,319 @@
+"""The loss-spike guard: a callback that watches every step, vetoes bad updates on every rank at once, rolls
+back to a state from before a spike, skips the data behind it, lowers the learning rate if asked, and writes
+a report naming the batches, documents and layers behind each incident.
+
+Each step, before the update, the ranks share one small vector (loss, gradient norm, output-logit
+statistics) and every rank judges the same numbers by the same rules (`rules.py`), so their verdicts agree
+without a vote. A verdict is acted on by the detector's policy: warn, skip the update, roll back, or stop.
+A rollback is decided before the update (the update is never applied) and carried out at the end of the
+step (`on_step_end`): the newest in-memory state from before the spike began is put back, the batches from
+there up to the detection are diagnosed and skipped, and training goes on from the restored step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from liandan.checkpoint.ring import HeldState, StateRing, restore
+from liandan.config import Config, GuardSection
+from liandan.run import RunStopped
+from liandan.train.callbacks import Callback, register_callback
+from liandan.train.guard import diagnosis
+from liandan.train.guard.rules import Rule, Streak
+from liandan.train.guard.stats import BlockProbe, HeadProbe, norms_by_layer
+
+if TYPE_CHECKING:
+    from liandan.train.trainer import Trainer
+
+SEVERITY = {"ok": 0, "warn": 1, "skip": 2, "rollback": 3, "stop": 4}
+
+
+class GuardCallback(Callback):
+    order = 5  # first: its veto and its rollback come before anything else reads the step
+
+    def __init__(self, cfg: GuardSection):
+        self.cfg = g = cfg
+        self.loss = Rule(g.window, g.warmup, g.spike_mads, g.spike_min_ratio)
+        self.drop = Rule(g.window, g.warmup, g.drop_mads, g.drop_min_ratio, downward=True)
+        self.drop.history = self.loss.history  # one loss history, judged both ways
+        self.grad = Rule(g.window, g.warmup, g.grad_mads, g.grad_min_ratio, log=True)
+        self.logit = Rule(g.window, g.warmup, g.logit_mads, g.logit_min_ratio, log=True)
+        self.z = Rule(g.window, g.warmup, g.logit_mads, g.logit_min_ratio, log=True)
+        self.spike_streak, self.drop_streak = Streak(), Streak()
+        self.skips_in_row = 0
+        self.rollbacks: list[dict[str, Any]] = []
+        self.lr_scale, self.lr_until = 1.0, None
+        self.ring = StateRing(g.ring_size)
+        self.pending: dict[str, Any] | None = None  # the rollback decided at this step
+        self.head: HeadProbe | None = None
+        self.blocks: BlockProbe | None = None
+        self.layer_record: dict[str, Any] | None = None
+        self.before_update: list[torch.Tensor] | None = None
+
+    # -- the hooks ----------------------------------------------------------------------------------------
+    def on_train_start(self, trainer: Trainer) -> None:
+        if not trainer.cfg.train.compile:  # a hook inside a compiled head would recompile it
+            self.head = HeadProbe(trainer.model, trainer.module.spec)
+        trainer.module.lr_scale = self._current_scale(trainer.step)
+        self._keep(trainer)
+
+    def before_step(self, trainer: Trainer, step: int) -> None:
+        trainer.module.lr_scale = self._current_scale(step)
+        if self._stats_step(step + 1):
+            self.blocks = BlockProbe(trainer.model, trainer.module.spec)
+
+    def before_optimizer_step(self, trainer: Trainer, step: int, loss: Any, grad_norm: float) -> bool:
+        n = step + 1
+        loss_value, grad_value, largest, z = self._shared(trainer, loss, grad_norm)
+        findings = self._judge(n, loss_value, grad_value, largest, z)
+        if self.blocks is not None:
+            self.layer_record = self._layer_stats(trainer, n, grad_value)
+            attention = self.layer_record["attention_logit"]
+            limit = self.cfg.attention_logit_limit
+            if limit and attention and max(attention.values()) > limit:
+                layer = max(attention, key=attention.get)
+                what = f"largest attention logit {attention[layer]:.4g} in {layer} exceeds the limit {limit:g}"
+                findings.append(("logits", n, what))
+        action = max((self._policy(kind) for kind, _, _ in findings), key=SEVERITY.get, default="ok")
+        if action == "skip":
+            self.skips_in_row += 1
+            if self.cfg.escalate_after and self.skips_in_row >= self.cfg.escalate_after:
+                findings.append(("skips", n, f"{self.skips_in_row} updates skipped in a row"))
+                action = "rollback"
+        else:
+            self.skips_in_row = 0
+        if action == "rollback":
+            action = self._plan_rollback(trainer, n, findings, loss_value)
+        self._record(trainer, n, action, findings, loss_value)
+        if action == "stop":
+            self._stop(trainer, n, findings)
+        return action in ("ok", "warn")
+
+    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        if self.layer_record is not None:
+            record, self.layer_record = self.layer_record, None
+            if self.before_update is not None:
+                record["update"] = self._update_norms(trainer)
+            if trainer.dist.is_main:
+                diagnosis.append_layer_stats(trainer.room, record)
+        if metrics and self.lr_scale != 1.0:
+            metrics["lr_scale"] = self.lr_scale
+        if not trainer.rolling_back and step % self.cfg.ring_every == 0 and not self.spike_streak.length:
+            self._keep(trainer)
+
+    def on_step_end(self, trainer: Trainer, step: int) -> None:
+        if self.pending is None:
+            return
+        plan, self.pending = self.pending, None
+        started = time.perf_counter()
+        bookkeeping = self._bookkeeping()
+        target: HeldState = plan["target"]
+        detected_at = trainer.loader.step  # the data step after the spike's last batch
+        skipped_before = list(trainer.loader.skipped)
+        self._restore(trainer, target)
+        first_data = trainer.loader.step
+        found = diagnosis.diagnose(trainer, self, target, step, plan["began"], first_data, plan["losses"])
+        self._restore(trainer, target)  # the replay moved on: back again
+        self._load_bookkeeping(bookkeeping)
+        skip = max(self.cfg.skip_batches, detected_at - first_data)
+        trainer.loader.skipped = sorted(set(skipped_before) | set(trainer.loader.skipped))
+        skipped = trainer.loader.skip(skip)
+        if self.cfg.lr_factor != 1.0:
+            self.lr_scale *= self.cfg.lr_factor
+            self.lr_until = target.step + self.cfg.lr_steps if self.cfg.lr_steps else None
+        trainer.module.lr_scale = self._current_scale(target.step)
+        rollback = {"at": step, "began": plan["began"], "to": target.step, "skipped": list(skipped),
+                    "lr_scale": self.lr_scale, "lr_until": self.lr_until,
+                    "seconds": round(time.perf_counter() - started, 3), "steps_redone": step - target.step}  # fmt: skip
+        self.rollbacks.append(rollback)
+        trainer.rolling_back = False
+        self._keep(trainer)  # the restored step, with its data skip, is the new place to come back to
+        if trainer.dist.is_main:
+            path = diagnosis.write_report(trainer, plan, rollback, found)
+            trainer.files.log_event("rollback", step=step, report=str(path), **_event_fields(plan, rollback, found))
+            trainer.say(diagnosis.one_line(plan, rollback, found, path))
+
+    def on_train_end(self, trainer: Trainer, result: Any) -> None:
+        for probe in (self.head, self.blocks):
+            if probe is not None:
+                probe.close()
+
+    def on_error(self, trainer: Trainer, error: BaseException) -> None:
+        self.on_train_end(trainer, None)
+
+    # -- state ----------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loss": self.loss.state_dict(), "grad": self.grad.state_dict(), "logit": self.logit.state_dict(),
+            "z": self.z.state_dict(), "spike_streak": self.spike_streak.state_dict(),
+            "drop_streak": self.drop_streak.state_dict(), "skips_in_row": self.skips_in_row,
+            **self._bookkeeping(),
+        }  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loss.load_state_dict(state["loss"])
+        self.grad.load_state_dict(state["grad"])
+        self.logit.load_state_dict(state["logit"])
+        self.z.load_state_dict(state["z"])
+        self.spike_streak.load_state_dict(state["spike_streak"])
+        self.drop_streak.load_state_dict(state["drop_streak"])
+        self.skips_in_row = int(state["skips_in_row"])
+        self._load_bookkeeping(state)
+
+    def _bookkeeping(self) -> dict[str, Any]:
+        """What a rollback must not undo: the rollbacks made and the learning-rate scale they left."""
+        return {"rollbacks": [dict(r) for r in self.rollbacks], "lr_scale": self.lr_scale, "lr_until": self.lr_until}
+
+    def _load_bookkeeping(self, state: dict[str, Any]) -> None:
+        self.rollbacks = [dict(r) for r in state["rollbacks"]]
+        self.lr_scale, self.lr_until = float(state["lr_scale"]), state["lr_until"]
+
+    # -- judging ----------------------------------------------------------------------------------------------
+    def _shared(self, trainer: Trainer, loss: torch.Tensor, grad_norm: float) -> tuple[float, float, float, float]:
+        """(mean loss, largest gradient norm, largest output logit, mean z) over all ranks: one collective."""
+        largest, z = self.head.take(trainer.device) if self.head else (torch.zeros(()), torch.zeros(()))
+        local = torch.stack([loss.detach().float().reshape(()), torch.tensor(float(grad_norm)).to(loss.device),
+                             largest.float().to(loss.device), z.float().to(loss.device)]).double()  # fmt: skip
+        if trainer.dist.distributed:
+            gathered = [torch.empty_like(local) for _ in range(trainer.dist.world_size)]
+            dist.all_gather(gathered, local)
+            every = torch.stack(gathered).cpu()
+            # A non-finite value anywhere must win: max() would drop a NaN.
+            rows = every.tolist()
+            return (
+                sum(r[0] for r in rows) / len(rows),
+                _largest(r[1] for r in rows),
+                _largest(r[2] for r in rows),
+                sum(r[3] for r in rows) / len(rows),
+            )
+        values = local.cpu().tolist()
+        return values[0], values[1], values[2], values[3]
+
+    def _judge(self, n: int, loss: float, grad: float, largest: float, z: float) -> list[tuple[str, int, str]]:
+        """The findings of step `n`: (detector, the step it began at, what was seen)."""
+        found: list[tuple[str, int, str]] = []
+        if not (math.isfinite(loss) and math.isfinite(grad)):
+            found.append(("nonfinite", n, f"loss {loss:.4g}, gradient norm {grad:.4g}"))
+            self.spike_streak.update(n, False)
+            return found
+        spike, drop = self.loss.judge(loss), self.drop.judge(loss)
+        streak = self.spike_streak.update(n, bool(spike and spike.over))
+        if spike and spike.over and (streak >= self.cfg.spike_persist or spike.severity >= self.cfg.spike_immediate):
+            found.append(("spike", self.spike_streak.began, spike.describe("loss")))
+        dropping = self.drop_streak.update(n, bool(drop and drop.over))
+        if drop and drop.over and dropping == self.cfg.spike_persist:
+            found.append(("drop", self.drop_streak.began, drop.describe("loss") + ": falling far faster than before"))
+        if not streak and not dropping:
+            self.loss.accept(loss)
+        verdict = self.grad.judge(grad)
+        if verdict and verdict.over:
+            found.append(("grad", n, verdict.describe("gradient norm")))
+        else:
+            self.grad.accept(grad)
+        for rule, value, what in ((self.logit, largest, "largest output logit"), (self.z, z, "mean z")):
+            if value <= 0:
+                continue  # not measured
+            verdict = rule.judge(value)
+            if verdict and verdict.over:
+                found.append(("logits", n, verdict.describe(what)))
+            else:
+                rule.accept(value)
+        return found
+
+    def _policy(self, kind: str) -> str:
+        c = self.cfg
+        return {"nonfinite": c.on_nonfinite, "spike": c.on_spike, "grad": c.on_grad, "logits": c.on_logits,
+                "drop": c.on_drop, "skips": "rollback"}[kind]  # fmt: skip
+
+    def _plan_rollback(self, trainer: Trainer, n: int, findings: list, loss: float) -> str:
+        """Decide the rollback of step `n`: "rollback", or "stop" past the limit, or "skip" with nothing old
+        enough to go back to."""
+        began = min(step for _, step, _ in findings)
+        recent = [r for r in self.rollbacks if r["at"] > n - self.cfg.rollback_window]
+        if len(recent) >= self.cfg.max_rollbacks:
+            what = f"{len(recent)} rollback(s) within guard.rollback_window = {self.cfg.rollback_window} steps already"
+            findings.append(("limit", began, what))
+            return "stop"
+        target = self.ring.newest_at_or_before(began - 1 - self.cfg.rollback_margin)
+        if target is None:
+            what = f"no state kept from before step {began - self.cfg.rollback_margin} (kept: {self.ring.steps})"
+            findings.append(("no_state", began, what + "; skipping the update instead"))
+            return "skip"
+        median = self.loss.history.center_and_spread()[0] if len(self.loss.history) else None
+        self.pending = {"target": target, "began": began, "at": n, "findings": list(findings),
+                        "losses": {"at": loss, "running_median": median}}  # fmt: skip
+        trainer.rolling_back = True
+        return "rollback"
+
+    def _record(self, trainer: Trainer, n: int, action: str, findings: list, loss: float) -> None:
+        if any(kind == "drop" for kind, _, _ in findings):
+            diagnosis.report_drop(trainer, n, "; ".join(what for kind, _, what in findings if kind == "drop"))
+        if not findings or not trainer.dist.is_main:
+            return
+        described = "; ".join(f"{kind} (from step {began}): {what}" for kind, began, what in findings)
+        trainer.files.log_event("guard", step=n, action=action, detectors=sorted({k for k, _, _ in findings}),
+                                began=min(b for _, b, _ in findings), detail=described)  # fmt: skip
+        if action != "rollback":  # a rollback speaks for itself once it is done
+            verb = {"warn": "warning", "skip": "update skipped", "stop": "stopping", "ok": "noted"}[action]
+            trainer.say(f"guard: step {n}: {verb}: {described}")
+
+    def _stop(self, trainer: Trainer, n: int, findings: list) -> None:
+        path = diagnosis.write_stop_report(trainer, n, findings, self.rollbacks) if trainer.dist.is_main else None
+        where = f"; report: {path}" if path else ""
+        raise RunStopped(f"the loss-spike guard stopped the run at step {n}: "
+                         + "; ".join(what for _, _, what in findings) + where)  # fmt: skip
+
+    # -- states and the learning rate ---------------------------------------------------------------------------
+    def _keep(self, trainer: Trainer) -> None:
+        self.ring.keep(trainer.step, trainer.model, trainer.optimizer, trainer.resume_state())
+
+    def _restore(self, trainer: Trainer, held: HeldState) -> None:
+        restore(held, trainer.model, trainer.optimizer)
+        trainer.rewind(held.step, held.state)
+
+    def _current_scale(self, step: int) -> float:
+        if self.lr_until is not None and step >= self.lr_until:
+            self.lr_scale, self.lr_until = 1.0, None
+        return self.lr_scale
+
+    # -- layer statistics --------------------------------------------------------------------------------------
+    def _stats_step(self, n: int) -> bool:
+        return bool(self.cfg.stats_every) and n % self.cfg.stats_every == 0
+
+    def _layer_stats(self, trainer: Trainer, n: int, grad_norm: float) -> dict[str, Any]:
+        """Per-layer statistics of step `n` before its update (the blocks' probe is removed here)."""
+        probe, self.blocks = self.blocks, None
+        probe.close()
+        record = diagnosis.layer_stats(trainer, n, probe, grad_norm)
+        self.before_update = [p.detach().clone() for p in trainer.model.parameters()]
+        return record
+
+    def _update_norms(self, trainer: Trainer) -> dict[str, float]:
+        before, self.before_update = self.before_update, None
+        named = [(name, p.detach() - old) for (name, p), old in zip(trainer.model.named_parameters(), before)]
+        return norms_by_layer(named)
+
+
+def _largest(values) -> float:
+    values = list(values)
+    return next((v for v in values if not math.isfinite(v)), max(values))
+
+
+def _event_fields(plan: dict, rollback: dict, found: dict) -> dict[str, Any]:
+    return {
+        "began": rollback["began"], "to": rollback["to"], "skipped": rollback["skipped"],
+        "lr_scale": rollback["lr_scale"], "seconds": rollback["seconds"], "steps_redone": rollback["steps_redone"],
+        "detectors": sorted({kind for kind, _, _ in plan["findings"]}),
+        "culprit_data_steps": found.get("culprit_data_steps", []), "documents": len(found.get("documents", [])),
+        "reproduced": found.get("reproduced"), "layers_first": found.get("layers_first", [])[:3],
+    }  # fmt: skip
+
+
+@register_callback("guard", builtin=True)
+def _guard(cfg: Config) -> Callback | None:
+    return GuardCallback(cfg.guard) if cfg.guard.enabled else None

@@ -1,0 +1,278 @@
+"""What the guard finds out about an incident, and the reports it writes.
+
+After a rollback it has the state from before the spike and the batches that followed. It puts each batch
+through the model from before the spike: a batch whose loss is anomalous there is bad data (its documents
+are named), while batches that look normal there point at the updates (learning rate, optimizer state) or at
+the device. Then it replays the steps from the restored state with per-layer statistics on every step, and
+names the layers whose statistics moved first; whether the spike comes back on replay says whether it is
+reproducible (data, state) or transient (a device, a one-off fault). Both passes start from and end at the
+restored state, so they change nothing in the run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+from statistics import median
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from liandan.run import RunDir, append_jsonl, atomic_write_json
+from liandan.train.guard.stats import BlockProbe, norms_by_layer
+
+if TYPE_CHECKING:
+    from liandan.checkpoint.ring import HeldState
+    from liandan.train.guard.callback import GuardCallback
+    from liandan.train.trainer import Trainer
+
+MOVED = math.log(2.0)  # a statistic has "moved" once it doubled or halved
+NEAR_ZERO_LOSS = 0.1  # nats: a token predicted this well is one the model has all but memorised
+SHOWN_TOKENS = 10
+
+
+# -- layer statistics ---------------------------------------------------------------------------------------
+def layer_stats(trainer: Trainer, n: int, probe: BlockProbe, grad_norm: float) -> dict[str, Any]:
+    """Per-layer statistics of step `n` once its gradients are clipped, before its update: weight and gradient
+    norms (the gradient's before clipping), and the largest activation RMS and attention logit over ranks."""
+    named = list(trainer.model.named_parameters())
+    clip = trainer.cfg.optim.grad_clip
+    unclip = max(1.0, grad_norm / clip) if clip and math.isfinite(grad_norm) else 1.0
+    grads = {k: v * unclip for k, v in norms_by_layer((name, p.grad) for name, p in named).items()}
+    record = {
+        "step": n,
+        "grad_norm": grad_norm,
+        "weight": norms_by_layer((name, p) for name, p in named),
+        "grad": grads,
+        "activation_rms": _largest_over_ranks(trainer, probe.rms),
+        "attention_logit": _largest_over_ranks(trainer, probe.attention),
+    }
+    if probe.failed:
+        record["attention_logit_error"] = probe.failed
+    return record
+
+
+def _largest_over_ranks(trainer: Trainer, values: dict[str, torch.Tensor]) -> dict[str, float]:
+    if not values:
+        return {}
+    names = sorted(values)
+    stacked = torch.stack([values[name].float().reshape(()) for name in names])
+    if trainer.dist.distributed:
+        dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
+    return dict(zip(names, stacked.cpu().tolist(), strict=True))
+
+
+def append_layer_stats(room: RunDir, record: dict[str, Any]) -> None:
+    room.guard.mkdir(parents=True, exist_ok=True)
+    append_jsonl(room.layer_stats, record)
+
+
+# -- after a rollback -------------------------------------------------------------------------------------------
+def diagnose(trainer: Trainer, guard: GuardCallback, target: HeldState, at: int, began: int, first_data: int,
+             losses: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """The batches of steps target.step + 1 .. `at` (data steps from `first_data`) judged on the model from
+    before the spike, their culprits' documents, and (with `guard.replay`) a replay with layer statistics.
+    Called on every rank with the restored state in place; leaves the model moved on by the replay."""
+    micro = trainer.micro_batch
+    count = at - target.step
+    batches = []
+    for i in range(count):
+        loss = trainer.mean_over_ranks(trainer.module.loss_over(trainer.loader.batch_at(first_data + i, micro)))
+        verdict = guard.loss.judge(loss)
+        batches.append({"step": target.step + 1 + i, "data_step": first_data + i, "loss_before_spike": loss,
+                        "culprit": bool(verdict is None and not math.isfinite(loss) or verdict and verdict.over)})  # fmt: skip
+    culprits = [b["data_step"] for b in batches if b["culprit"]]
+    found: dict[str, Any] = {"batches": batches, "culprit_data_steps": culprits}
+    if trainer.dist.is_main:
+        found["documents"] = [
+            {
+                "data_step": d,
+                "store": ref.store,
+                "shard": ref.shard,
+                "document": ref.document,
+                "source": ref.source,
+                "id": ref.doc_id,
+            }
+            for d in culprits
+            for ref in trainer.loader.documents_for_step(d)
+        ]
+    if guard.cfg.replay:
+        records = replay(trainer, count)
+        found["replay"] = records
+        index = began - target.step - 1
+        if 0 <= index < len(records):
+            verdict = guard.loss.judge(records[index]["loss"])
+            found["reproduced"] = bool(verdict is None and not math.isfinite(records[index]["loss"])
+                                       or verdict and verdict.over)  # fmt: skip
+        found["layers_first"] = moved_first(records, began) if found.get("reproduced") else []
+    if guard.head is not None:
+        guard.head.take(trainer.device)  # what the diagnosis measured is not the next step's
+    return found
+
+
+def replay(trainer: Trainer, count: int) -> list[dict[str, Any]]:
+    """Train `count` steps from the current state with layer statistics on each (the run's position is put
+    back by the caller)."""
+    module, records = trainer.module, []
+    for i in range(count):
+        probe = BlockProbe(trainer.model, module.spec)
+        batches = trainer.loader.next_step(trainer.micro_batch)
+        loss = module.forward_backward(batches, lambda *args, step=i, **kwargs: trainer.phase("rollback", step))
+        grad_norm = module.clip_gradients()
+        probe.close()
+        record = layer_stats(trainer, trainer.step + 1 + i, probe, grad_norm)
+        before = [p.detach().clone() for p in trainer.model.parameters()]
+        if math.isfinite(grad_norm):
+            module.optimizer_step()
+        else:
+            module.skip_step()
+        pairs = zip(trainer.model.named_parameters(), before, strict=True)
+        record["update"] = norms_by_layer((name, p.detach() - old) for (name, p), old in pairs)
+        record["loss"] = trainer.mean_over_ranks(loss)
+        records.append(record)
+    return records
+
+
+def moved_first(records: list[dict[str, Any]], began: int) -> list[dict[str, Any]]:
+    """The layer statistics that moved earliest from step `began` on, against their own history in the replay
+    before it: a move is a change of at least a factor of two and of five times the statistic's own
+    step-to-step noise. One entry per (layer, statistic), earliest first, then by how far it moved."""
+    before = [r for r in records if r["step"] < began]
+    after = [r for r in records if r["step"] >= began]
+    if not before or not after:
+        return []
+    moved = []
+    for stat in ("grad", "update", "activation_rms", "attention_logit", "weight"):
+        for layer in before[0].get(stat, {}):
+            history = [math.log(v) for r in before if (v := r.get(stat, {}).get(layer)) and v > 0 and math.isfinite(v)]
+            if not history:
+                continue
+            base = median(history)
+            diffs = [abs(b - a) for a, b in itertools.pairwise(history)]
+            threshold = max(MOVED, 5 * median(diffs)) if diffs else MOVED
+            for record in after:
+                value = record.get(stat, {}).get(layer)
+                if value is None:
+                    continue
+                change = math.log(value) - base if value > 0 and math.isfinite(value) else math.inf
+                if abs(change) >= threshold:
+                    moved.append({"layer": layer, "statistic": stat, "step": record["step"],
+                                  "factor": math.exp(change) if math.isfinite(change) else None,
+                                  "size": abs(change)})  # fmt: skip
+                    break
+    moved.sort(key=lambda m: (m["step"], -m["size"]))
+    for m in moved:
+        del m["size"]
+    return moved
+
+
+# -- reports ----------------------------------------------------------------------------------------------------
+def write_report(trainer: Trainer, plan: dict[str, Any], rollback: dict[str, Any], found: dict[str, Any]) -> Path:
+    path = trainer.room.guard_report("spike", rollback["at"])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "kind": "rollback",
+        "step": rollback["at"],
+        "began": rollback["began"],
+        "findings": [{"detector": k, "began": b, "detail": d} for k, b, d in plan["findings"]],
+        "loss": plan["losses"],
+        "rollback": rollback,
+        "verdict": verdict(found),
+        **{k: v for k, v in found.items() if k != "replay"},
+        "replay": found.get("replay", []),
+    }
+    atomic_write_json(path, report)
+    return path
+
+
+def verdict(found: dict[str, Any]) -> str:
+    if found.get("culprit_data_steps"):
+        steps = ", ".join(str(s) for s in found["culprit_data_steps"])
+        return f"bad data: the batch(es) of data step {steps} are anomalous on the model from before the spike"
+    if found.get("reproduced") is False:
+        return ("not reproducible: the batches look normal on the model from before the spike and the spike did"
+                " not come back on replay (a transient fault: an update or a device)")  # fmt: skip
+    return "the batches look normal on the model from before the spike: the updates (learning rate, optimizer state)"
+
+
+def one_line(plan: dict[str, Any], rollback: dict[str, Any], found: dict[str, Any], path: Path) -> str:
+    first, end = rollback["skipped"]
+    detectors = ", ".join(sorted({kind for kind, _, _ in plan["findings"]}))
+    lr = f", learning rate x{rollback['lr_scale']:g}" if rollback["lr_scale"] != 1.0 else ""
+    layers = found.get("layers_first", [])
+    moved = f"; moved first: {layers[0]['layer']} {layers[0]['statistic']}" if layers else ""
+    return (f"guard: {detectors} at step {rollback['at']} (began at step {rollback['began']}): rolled back to step"
+            f" {rollback['to']}, skipped data steps {first}..{end - 1}{lr}; {verdict(found)}{moved}; report {path}")  # fmt: skip
+
+
+def write_stop_report(trainer: Trainer, n: int, findings: list, rollbacks: list[dict[str, Any]]) -> Path:
+    path = trainer.room.guard_report("stop", n)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"kind": "stop", "step": n, "rollbacks": rollbacks,
+                             "findings": [{"detector": k, "began": b, "detail": d} for k, b, d in findings]})  # fmt: skip
+    return path
+
+
+# -- too good to be true ------------------------------------------------------------------------------------
+@torch.no_grad()
+def easiest_tokens(trainer: Trainer, data_step: int) -> list[dict[str, Any]]:
+    """The tokens that carry the most targets of the batch of `data_step` at near-zero loss: what a model
+    that found a shortcut in the data (a flood of one character) predicts. Collective: every rank calls it."""
+    model, module = trainer.model, trainer.module
+    vocab = module.args.vocab_size
+    count = torch.zeros(vocab, dtype=torch.float64)
+    loss_sum = torch.zeros(vocab, dtype=torch.float64)
+    predicted = torch.zeros(vocab, dtype=torch.float64)
+    model.eval()
+    try:
+        for batch in trainer.loader.batch_at(data_step, trainer.micro_batch):
+            batch = batch.to(trainer.device)
+            with module.autocasting():
+                logits = model(batch.inputs)
+            logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).float().flatten(0, 1)
+            targets = batch.targets.flatten()
+            losses = torch.nn.functional.cross_entropy(logits, targets, reduction="none").double().cpu()
+            targets = targets.cpu()
+            count.index_add_(0, targets, torch.ones_like(losses))
+            loss_sum.index_add_(0, targets, losses)
+            predicted.index_add_(0, logits.argmax(-1).cpu(), torch.ones_like(losses))
+    finally:
+        model.train()
+    if trainer.dist.distributed:
+        for t in (count, loss_sum, predicted):
+            dist.all_reduce(t)
+    total = float(count.sum()) or 1.0
+    mean = loss_sum / count.clamp(min=1)
+    easy = torch.nonzero((count > 0) & (mean < NEAR_ZERO_LOSS)).flatten().tolist()
+    easy.sort(key=lambda i: -float(count[i]))
+    return [
+        {
+            "id": i,
+            "text": trainer.tokenizer.decode([i]),
+            "share": float(count[i]) / total,
+            "mean_loss": float(mean[i]),
+            "predicted_share": float(predicted[i]) / total,
+        }
+        for i in easy[:SHOWN_TOKENS]
+    ]
+
+
+def report_drop(trainer: Trainer, n: int, described: str) -> None:
+    """A too-good-to-be-true warning's report: what was seen and the tokens the model finds easiest in the
+    step's batch. Collective."""
+    tokens = easiest_tokens(trainer, trainer.loader.step - 1)
+    if not trainer.dist.is_main:
+        return
+    path = trainer.room.guard_report("drop", n)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"kind": "drop", "step": n, "detail": described, "easiest_tokens": tokens,
+                             "documents": [ref.__dict__ for ref in trainer.loader.documents_for_step(trainer.loader.step - 1)]})  # fmt: skip
+    shown = ", ".join(
+        f"{t['text']!r} {100 * t['share']:.1f}% of targets at loss {t['mean_loss']:.3f}" for t in tokens[:3]
+    )
+    trainer.say(
+        f"guard: step {n}: too good to be true? easiest tokens: {shown or 'none near zero loss'}; report {path}"
+    )
+    trainer.files.log_event("too_good", step=n, report=str(path), tokens=[t["text"] for t in tokens[:5]])

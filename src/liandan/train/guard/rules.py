@@ -1,0 +1,131 @@
+"""The guard's robust rules: a value is judged against the running median of its recent accepted history and
+the median absolute deviation (MAD, scaled by 1.4826 to estimate a standard deviation) of its step-to-step
+changes, so a single outlier never moves the yardstick, a falling trend is not taken for noise, the threshold follows the loss down as training progresses, and a floor relative
+to the median keeps a very smooth curve from raising alarms over tiny bumps. Pure Python, so every rank,
+given the same numbers, reaches the same verdict; the state is a few hundred floats and goes into
+checkpoints."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from dataclasses import dataclass
+from statistics import median
+from typing import Any
+
+MAD_TO_SIGMA = 1.4826  # a normal distribution's standard deviation in MADs
+LEVEL = 16  # newest values whose median is the running level
+
+
+class History:
+    """The newest `size` accepted values of one quantity."""
+
+    def __init__(self, size: int):
+        self.values: deque[float] = deque(maxlen=size)
+
+    def add(self, value: float) -> None:
+        if math.isfinite(value):
+            self.values.append(float(value))
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def center_and_spread(self) -> tuple[float, float]:
+        """(running level, noise as a standard deviation). The level is the median of the newest `LEVEL`
+        values; the noise is the MAD of step-to-step differences over the whole history, divided by sqrt(2):
+        differences cancel the trend, so a loss that is still falling fast does not pass for noise."""
+        values = list(self.values)
+        level = median(values[-LEVEL:])
+        if len(values) < 3:
+            return level, 0.0
+        diffs = [b - a for a, b in itertools.pairwise(values)]
+        center = median(diffs)
+        return level, MAD_TO_SIGMA * median(abs(d - center) for d in diffs) / math.sqrt(2)
+
+    def state_dict(self) -> list[float]:
+        return list(self.values)
+
+    def load_state_dict(self, values: list[float]) -> None:
+        self.values = deque((float(v) for v in values), maxlen=self.values.maxlen)
+
+
+@dataclass
+class Verdict:
+    value: float
+    median: float
+    threshold: float  # the excess over the median that counts
+    excess: float  # how far past the median the value is, in the rule's units
+
+    @property
+    def over(self) -> bool:
+        return self.excess > self.threshold
+
+    @property
+    def severity(self) -> float:
+        """The excess in thresholds: 1 is just over."""
+        return self.excess / self.threshold if self.threshold > 0 else math.inf
+
+    def describe(self, what: str) -> str:
+        return f"{what} {self.value:.4g} against a running median of {self.median:.4g}"
+
+
+class Rule:
+    """Upward (or downward) deviation of a positive quantity from its running median by at least `mads` MADs
+    and at least a relative floor: `min_ratio` of the median (linear rules) or a factor of `min_ratio`
+    (logarithmic rules, for quantities that grow by factors: gradient norms, logits)."""
+
+    def __init__(self, size: int, warmup: int, mads: float, min_ratio: float, log: bool = False,
+                 downward: bool = False):  # fmt: skip
+        self.history = History(size)
+        self.warmup, self.mads, self.min_ratio = warmup, mads, min_ratio
+        self.log, self.downward = log, downward
+
+    def _scale(self, value: float) -> float:
+        return math.log(max(value, 1e-30)) if self.log else value
+
+    def judge(self, value: float) -> Verdict | None:
+        """The verdict on `value`, or None while the history is too short to judge."""
+        if len(self.history) < self.warmup or not math.isfinite(value):
+            return None
+        center, spread = self.history.center_and_spread()
+        x = self._scale(value)
+        excess = center - x if self.downward else x - center
+        if self.log:
+            floor = math.log(self.min_ratio) if self.min_ratio > 1 else 0.0
+            shown = math.exp(center)
+        else:
+            floor = self.min_ratio * abs(center)
+            shown = center
+        return Verdict(value, shown, max(self.mads * spread, floor), excess)
+
+    def accept(self, value: float) -> None:
+        self.history.add(self._scale(value) if math.isfinite(value) else value)
+
+    def state_dict(self) -> list[float]:
+        return self.history.state_dict()
+
+    def load_state_dict(self, state: Any) -> None:
+        self.history.load_state_dict(state)
+
+
+class Streak:
+    """Consecutive steps over a rule's threshold, with the step the streak began at."""
+
+    def __init__(self) -> None:
+        self.length, self.began = 0, 0
+
+    def update(self, step: int, over: bool) -> int:
+        if not over:
+            self.length = 0
+        else:
+            if self.length == 0:
+                self.began = step
+            self.length += 1
+        return self.length
+
+    def state_dict(self) -> dict[str, int]:
+        return {"length": self.length, "began": self.began}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.length, self.began = int(state["length"]), int(state["began"])
