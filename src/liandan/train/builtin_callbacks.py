@@ -63,6 +63,8 @@ class MetricsCallback(Callback):
         )
         if out.skipped:
             metrics["update_skipped"] = 1.0
+        if trainer.module.lr_scale != 1.0:  # the loss-spike guard lowered it after a rollback
+            metrics["lr_scale"] = trainer.module.lr_scale
         trainer.result.losses.append(loss)
         trainer.logger.log_metrics(step, metrics)
         if not math.isfinite(loss):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import shutil
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -488,6 +489,8 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
         restarting = not cfg.run.overwrite
         for path in (room.metrics, room.summary) if restarting else (room.metrics, room.events, room.summary):
             path.unlink(missing_ok=True)
+        if not restarting:  # an earlier run's guard reports are not this run's
+            shutil.rmtree(room.guard, ignore_errors=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir, resumable, lock
 

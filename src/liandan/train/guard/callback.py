@@ -25,7 +25,7 @@ from liandan.run import RunStopped
 from liandan.train.callbacks import Callback, register_callback
 from liandan.train.guard import diagnosis
 from liandan.train.guard.rules import Rule, Streak
-from liandan.train.guard.stats import BlockProbe, HeadProbe, norms_by_layer
+from liandan.train.guard.stats import BlockProbe, HeadProbe, norms_by_layer, submodule
 
 if TYPE_CHECKING:
     from liandan.train.trainer import Trainer
@@ -57,8 +57,10 @@ class GuardCallback(Callback):
 
     # -- the hooks ----------------------------------------------------------------------------------------
     def on_train_start(self, trainer: Trainer) -> None:
-        if not trainer.cfg.train.compile:  # a hook inside a compiled head would recompile it
-            self.head = HeadProbe(trainer.model, trainer.module.spec)
+        spec = trainer.module.spec
+        # A hook inside a compiled head would recompile it; a family may name no head module.
+        if not trainer.cfg.train.compile and _has_module(trainer.model, spec.head):
+            self.head = HeadProbe(trainer.model, spec)
         trainer.module.lr_scale = self._current_scale(trainer.step)
         self._keep(trainer)
 
@@ -101,8 +103,6 @@ class GuardCallback(Callback):
                 record["update"] = self._update_norms(trainer)
             if trainer.dist.is_main:
                 diagnosis.append_layer_stats(trainer.room, record)
-        if metrics and self.lr_scale != 1.0:
-            metrics["lr_scale"] = self.lr_scale
         if not trainer.rolling_back and step % self.cfg.ring_every == 0 and not self.spike_streak.length:
             self._keep(trainer)
 
@@ -297,6 +297,14 @@ class GuardCallback(Callback):
         before, self.before_update = self.before_update, None
         named = [(name, p.detach() - old) for (name, p), old in zip(trainer.model.named_parameters(), before)]
         return norms_by_layer(named)
+
+
+def _has_module(model: torch.nn.Module, name: str) -> bool:
+    try:
+        submodule(model, name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _largest(values) -> float:

@@ -103,9 +103,10 @@ def diagnose(trainer: Trainer, guard: GuardCallback, target: HeldState, at: int,
         found["replay"] = records
         index = began - target.step - 1
         if 0 <= index < len(records):
-            verdict = guard.loss.judge(records[index]["loss"])
-            found["reproduced"] = bool(verdict is None and not math.isfinite(records[index]["loss"])
-                                       or verdict and verdict.over)  # fmt: skip
+            replayed = records[index]["loss"]
+            verdict = guard.loss.judge(replayed)
+            if not math.isfinite(replayed) or verdict is not None:  # too little history: cannot tell
+                found["reproduced"] = not math.isfinite(replayed) or verdict.over
         found["layers_first"] = moved_first(records, began) if found.get("reproduced") else []
     if guard.head is not None:
         guard.head.take(trainer.device)  # what the diagnosis measured is not the next step's

@@ -46,6 +46,13 @@ def norms_by_layer(named: Iterable[tuple[str, torch.Tensor | None]]) -> dict[str
     return {layer: math.sqrt(s) for layer, s in squares.items()}
 
 
+def submodule(model: nn.Module, name: str) -> nn.Module:
+    """`model.get_submodule(name)` through a DistributedDataParallel wrapper."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model.get_submodule(name)
+
+
 def _unwrap(module: nn.Module) -> nn.Module:
     while True:
         inner = getattr(module, "_checkpoint_wrapped_module", None) or getattr(module, "_orig_mod", None)
@@ -66,7 +73,7 @@ class HeadProbe:
     def __init__(self, model: nn.Module, spec: ModelSpec):
         self.largest: list[torch.Tensor] = []
         self.z: list[torch.Tensor] = []
-        head = model.get_submodule(spec.head)
+        head = submodule(model, spec.head)
         self.handle = head.register_forward_hook(self._hook)
         self.enabled = True
 
@@ -100,7 +107,7 @@ class BlockProbe:
         self.attention: dict[str, torch.Tensor] = {}
         self.handles = []
         self.failed = ""
-        blocks = model.get_submodule(spec.blocks)
+        blocks = submodule(model, spec.blocks)
         for index, block in blocks.named_children():
             name = f"{spec.blocks}.{index}"
             self.handles.append(block.register_forward_hook(self._output_hook(name)))

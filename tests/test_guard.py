@@ -1,0 +1,232 @@
+"""The loss-spike guard on real runs: a poisoned batch, a learning-rate burst, a gradient corrupted on one rank,
+NaN gradients, a diverging learning rate, clean runs, and a kill in the middle of a rollback window."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import string
+
+import pytest
+import torch
+
+from helpers import read_run, run_liandan, tiny_config, write_corpus
+from liandan import faults
+from liandan.checkpoint.ring import StateRing, restore
+from liandan.data.loader import PackedLoader
+from liandan.data.prepare import prepare_store
+from liandan.train import Trainer
+from liandan.train.guard.rules import Rule
+
+STEPS = 60
+# A byte-level model that learns in 60 steps, with batches large enough that its loss is not mostly noise.
+GUARDED = [f"--train.steps={STEPS}", "--optim.lr=3e-3", "--train.global_batch=16", "--guard.ring_every=10",
+           "--guard.stats_every=20", f"--train.eval_every={STEPS}", "--train.eval_batches=8"]  # fmt: skip
+TOLERANCE = 0.15  # nats: how close a guarded run's final validation loss stays to the clean run's
+POISONED_DATA_STEP = 30  # the batch of step 31
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Python's language-reference topics cut into short documents, so that one batch draws on a few dozen
+    documents and poisoning them all leaves the rest of the corpus as it was."""
+    out = tmp_path_factory.mktemp("guard-corpus")
+    whole = write_corpus(out, 200)
+    path = out / "short.jsonl"
+    with whole.open() as src, path.open("w") as dst:
+        for line in src:
+            record = json.loads(line)
+            text = record["text"]
+            for k in range(0, len(text), 300):
+                dst.write(json.dumps({"id": f"{record['id']}-{k // 300}", "text": text[k : k + 300]}) + "\n")
+    return path
+
+
+def train(out, corpus, *overrides, fault="", name="run"):
+    """An in-process run with `fault` in $LIANDAN_FAULTS; returns (result, what the run directory holds)."""
+    faults._fired.clear()
+    previous = os.environ.pop(faults.ENV, None)
+    if fault:
+        os.environ[faults.ENV] = fault
+    try:
+        trainer = Trainer(tiny_config(out, corpus, f"--run.name={name}", *GUARDED, *overrides), say=lambda m: None)
+        try:
+            result = trainer.train()
+        finally:
+            trainer.close()
+    finally:
+        os.environ.pop(faults.ENV, None)
+        if previous is not None:
+            os.environ[faults.ENV] = previous
+    return result, read_run(result.run_dir)
+
+
+@pytest.fixture(scope="module")
+def clean(tmp_path_factory, corpus):
+    return train(tmp_path_factory.mktemp("guard-clean"), corpus)
+
+
+@pytest.fixture(scope="module")
+def poisoned(tmp_path_factory, corpus):
+    """The corpus with every document of one batch rewritten as noise of the same length (so every other
+    batch is what it was), and the ids of those documents."""
+    out = tmp_path_factory.mktemp("guard-poison")
+    cfg = tiny_config(out, corpus, *GUARDED)
+    store, _ = prepare_store(cfg.data, out / "probe-store", say=lambda m: None)
+    t = cfg.train
+    loader = PackedLoader(store, t.seq_len, t.global_batch, cfg.run.seed, cfg.data.val_fraction)
+    refs = loader.documents_for_step(POISONED_DATA_STEP)
+    shard = store.shards[0]
+    lengths = {ref.doc_id: int((shard.tokens[shard.doc_starts[ref.document] : shard.doc_starts[ref.document + 1]]
+                                < 256).sum()) for ref in refs}  # fmt: skip
+    rng = random.Random(0)
+    (out / "poisoned").mkdir()
+    path = out / "poisoned" / corpus.name
+    with corpus.open() as src, path.open("w") as dst:
+        for line in src:
+            record = json.loads(line)
+            if record["id"] in lengths:
+                record["text"] = "".join(rng.choice(string.ascii_letters + string.punctuation)
+                                         for _ in range(lengths[record["id"]]))  # fmt: skip
+            dst.write(json.dumps(record) + "\n")
+    return path, {(ref.source.replace(str(corpus), str(path)), ref.doc_id) for ref in refs}
+
+
+def config_file(out, corpus):
+    path = out / "guarded.toml"
+    path.write_text(tiny_config(out, corpus, *GUARDED).to_toml())
+    return path
+
+
+def _final_val(records) -> float:
+    return [e["loss"] for e in records.of_kind("eval")][-1]
+
+
+def test_a_clean_run_raises_no_alarm(clean):
+    result, records = clean
+    assert records.of_kind("guard") == [] and records.of_kind("rollback") == []
+    assert math.isfinite(_final_val(records)) and len(result.losses) == STEPS
+
+
+def test_a_poisoned_batch_is_rolled_back_skipped_and_its_documents_named(tmp_path, poisoned, clean):
+    path, injected = poisoned
+    result, records = train(tmp_path, path)
+    [rollback] = records.of_kind("rollback")
+    assert rollback["step"] == POISONED_DATA_STEP + 1  # detected on the step that trained on it, before its update
+    assert rollback["to"] == 20 and rollback["skipped"] == [20, POISONED_DATA_STEP + 1]
+    assert rollback["culprit_data_steps"] == [POISONED_DATA_STEP] and rollback["reproduced"] is True
+    report = json.loads((result.run_dir / "guard" / f"spike-step-{rollback['step']:08d}.json").read_text())
+    assert {(d["source"], d["id"]) for d in report["documents"]} == injected
+    assert report["verdict"].startswith("bad data")
+    assert len(result.losses) == STEPS and [m["step"] for m in records.metrics] == list(range(1, STEPS + 1))
+    assert abs(_final_val(records) - _final_val(clean[1])) < TOLERANCE
+
+
+def test_a_learning_rate_burst_is_rolled_back_and_found_not_reproducible(tmp_path, corpus, clean):
+    _, records = train(tmp_path, corpus, fault="burst@update:30")
+    [rollback] = records.of_kind("rollback")
+    assert rollback["began"] in (31, 32) and rollback["step"] <= 33  # the burst's update is step 30's
+    assert rollback["to"] == 20 and rollback["culprit_data_steps"] == [] and rollback["reproduced"] is False
+    assert abs(_final_val(records) - _final_val(clean[1])) < TOLERANCE
+
+
+def test_kill_in_a_rollback_window_then_resume_equals_the_uninterrupted_run(tmp_path, corpus):
+    """The burst's rollback lowers the learning rate for 20 steps; a kill in that window and a resume from the
+    checkpoint inside it gives the same loss curve, bit for bit, as the run that was not killed."""
+    args = ["train", config_file(tmp_path, corpus), "--guard.lr_factor=0.5", "--guard.lr_steps=20",
+            "--checkpoint.every=5", "--resilience.supervise=false"]  # fmt: skip
+
+    def liandan(name, fault, expect):
+        env = {k: v for k, v in os.environ.items() if k != faults.ENV}
+        if fault:
+            env[faults.ENV] = fault
+        done = run_liandan(*args, f"--run.name={name}", env=env, timeout=300)
+        assert done.returncode == expect, done.stderr[-3000:]
+        return read_run(tmp_path / name)
+
+    whole = liandan("whole", "burst@update:30", 0)
+    killed = liandan("killed", "burst@update:30,kill@step:37", -9)
+    assert killed.of_kind("rollback") and not killed.summary
+    resumed = liandan("killed", "", 0)
+    assert [e["step"] for e in resumed.of_kind("resumed")] == [35]
+    assert [m["loss"] for m in resumed.metrics] == [m["loss"] for m in whole.metrics]
+    assert [m.get("lr_scale") for m in resumed.metrics] == [m.get("lr_scale") for m in whole.metrics]
+    assert {m.get("lr_scale") for m in whole.metrics} == {None, 0.5}
+
+
+@pytest.mark.slow
+def test_a_gradient_corrupted_on_one_rank_and_nan_gradients_never_reach_the_weights(tmp_path, corpus, clean):
+    """Two data-parallel replicas (DDP): rank 1's gradients turn NaN at step 25 and rank 0's blow up at step 35,
+    after the gradient sync, so the other rank saw nothing wrong. Both updates are skipped everywhere."""
+    from liandan.checkpoint.manager import load_model
+
+    args = ["train", config_file(tmp_path, corpus), "--nproc=2", "--parallel.dp_replicate=2",
+            "--parallel.dp_shard=1", "--checkpoint.every=60", "--run.name=ranks"]  # fmt: skip
+    env = {**{k: v for k, v in os.environ.items() if k != faults.ENV}, faults.ENV: "nan@grad:25:1,spike@grad:35:0"}
+    done = run_liandan(*args, env=env, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_run(tmp_path / "ranks")
+    skipped = [(e["step"], e["detectors"]) for e in records.of_kind("guard") if e["action"] == "skip"]
+    assert skipped == [(25, ["nonfinite"]), (35, ["grad"])]
+    assert [m["step"] for m in records.metrics if m.get("update_skipped")] == [25, 35]
+    assert records.of_kind("rollback") == []
+    model, _ = load_model(tmp_path / "ranks" / "checkpoints" / "step-00000060")
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert abs(_final_val(records) - _final_val(clean[1])) < TOLERANCE
+
+
+def test_a_diverging_learning_rate_finishes_with_the_guard(tmp_path, corpus):
+    # Adam keeps this tiny model stable far past any sensible learning rate; 10 without clipping is not.
+    hot = ["--optim.lr=10", "--schedule.kind=constant", "--schedule.warmup_steps=40", "--optim.grad_clip=0",
+           "--guard.warmup=10"]  # fmt: skip
+    result, records = train(tmp_path, corpus, *hot, "--guard.enabled=false", name="unguarded")
+    first = records.metrics[0]["loss"]
+    final = _final_val(records)
+    assert not math.isfinite(final) or final > first, "the learning rate does not diverge without the guard"
+    result, records = train(tmp_path, corpus, *hot, "--guard.lr_factor=0.3", "--guard.max_rollbacks=6", name="guarded")
+    assert records.of_kind("rollback") and math.isfinite(_final_val(records)) and _final_val(records) < first - 1
+    assert len(result.losses) == STEPS
+
+
+def test_rules_ignore_a_falling_trend_and_catch_a_jump():
+    rule = Rule(size=100, warmup=10, mads=5, min_ratio=0.05)
+    rng = random.Random(0)
+    for i in range(40):
+        value = 6.0 - 0.05 * i + rng.gauss(0, 0.02)
+        verdict = rule.judge(value)
+        assert verdict is None or not verdict.over, i
+        rule.accept(value)
+    assert rule.judge(4.0 + 1.0).over and not rule.judge(4.05).over
+
+
+def test_state_ring_puts_model_and_optimizer_back_bit_for_bit():
+    from liandan.model.llama import ModelArgs, Transformer
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=1, n_heads=2, max_seq_len=16))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ring = StateRing(2)
+    tokens = torch.randint(0, 64, (2, 17))
+
+    def step():
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    ring.keep(0, model, optimizer, {"at": 0})
+    step()
+    ring.keep(1, model, optimizer, {"at": 1})
+    after_one = {k: v.clone() for k, v in model.state_dict().items()}
+    step()
+    step()
+    assert restore(ring.newest_at_or_before(1), model, optimizer) == {"at": 1}
+    assert all(torch.equal(after_one[k], v) for k, v in model.state_dict().items())
+    step()  # the optimizer state came back too: the same step as the first time round
+    ring2 = {k: v.clone() for k, v in model.state_dict().items()}
+    restore(ring.newest_at_or_before(1), model, optimizer)
+    step()
+    assert all(torch.equal(ring2[k], v) for k, v in model.state_dict().items())
+    restore(ring.newest_at_or_before(0), model, optimizer)
+    assert not optimizer.state  # kept before the first update: AdamW starts afresh
