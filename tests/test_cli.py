@@ -123,18 +123,25 @@ def test_one_run_at_a_time_in_a_run_directory(config):
 
 @pytest.mark.slow
 def test_demo_runs_on_pythons_own_docs(tmp_path):
-    done = run_liandan(
-        "demo", "--steps=6", "--output-dir", tmp_path, "--train.global_batch=4", "--data.bpe_vocab_size=512"
-    )
+    # A short guard warmup and ring, so that 50 steps fit the burst, its rollback and the kill after them.
+    done = run_liandan("demo", "--steps=50", "--output-dir", tmp_path, "--train.global_batch=4",
+                       "--data.bpe_vocab_size=512", "--guard.warmup=8", "--guard.ring_every=10")  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "Python documentation corpus" in out
     assert "sample, prompted with 'The for statement'" in out
-    assert "rank 1 will be killed (SIGKILL) after step 2" in out and "with 1 restart(s)" in out
-    assert "CRASH" in out and "resumed at step 2 from the in-memory snapshot" in out  # no step lost
+    assert "rank 1 will be killed (SIGKILL) after step 20" in out and "with 1 restart(s)" in out
+    assert "CRASH" in out and "resumed at step 20 from the in-memory snapshot" in out  # no step lost
+    assert "the update of step 18 will be made at 100x the learning rate" in out
+    rollbacks = [line for line in out.splitlines() if "ROLLBACK" in line]
+    assert len(rollbacks) == 1 and "at step 19: " in rollbacks[0], out
+    assert "back to step 10, skipped data steps 10..18" in rollbacks[0]
     run_dir, data_dir = sorted(tmp_path.iterdir())  # demo-<time> and demo-<time>-data
-    for name in ("config.toml", "metrics.jsonl", "summary.json", "training.png", "hf/config.json"):
+    for name in ("config.toml", "metrics.jsonl", "summary.json", "training.png", "hf/config.json",
+                 "guard/spike-step-00000019.json"):  # fmt: skip
         assert (run_dir / name).exists(), name
+    skipped = run_liandan("skipped", run_dir, check=True).stdout
+    assert skipped.startswith(f"9 skipped batch(es) of {run_dir} (") and "  data step 18: " in skipped
     for name in ("summary.json", "stores/corpus/manifest.json", "stores/corpus/tokenizer.json", "report/report.html"):
         assert (data_dir / name).exists(), name
     summary = json.loads((data_dir / "summary.json").read_text())

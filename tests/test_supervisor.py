@@ -321,6 +321,9 @@ def test_the_rank_furthest_behind_stopped_first():
     assert stopped_first([beat(0, 6, "collective", 100.0), beat(1, 5, "optimizer", 100.3)])["rank"] == 1
     assert stopped_first([beat(0, 5, "forward", 100.0, micro=1), beat(1, 5, "backward", 100.3)])["rank"] == 1
     assert stopped_first([beat(0, 5, "forward", 100.3), beat(1, 5, "forward", 100.0)])["rank"] == 1  # equals: oldest
+    # A guard's rollback replays steps before the next step's batch; a phase missing from the order used to
+    # end the supervisor watching such a run.
+    assert stopped_first([beat(0, 5, "rollback", 100.0, micro=3), beat(1, 5, "data", 100.3)])["rank"] == 0
 
 
 def test_heartbeat_reports_how_long_each_part_of_a_step_takes(tmp_path):

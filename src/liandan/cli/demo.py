@@ -3,8 +3,9 @@
 Runs the data pipeline on the corpus (normalize, language tags, repetition filter, exact and near dedup, a
 byte-level BPE, a token store and an inspection report), trains a small Llama on the store with document
 masking, validation and verified checkpoints on two processes (FSDP2) under the supervisor, which survives a
-rank killed on purpose part-way (it resumes from the in-memory snapshot of that very step), then samples from
-the final checkpoint, exports it for `transformers` and says where everything is.
+rank killed on purpose part-way (it resumes from the in-memory snapshot of that very step), while the
+loss-spike guard rolls back a learning-rate burst injected earlier, then samples from the final checkpoint,
+exports it for `transformers` and says where everything is.
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
         ("summary.json", "the run's totals"),
         ("training.png", "loss, learning rate and throughput curves"),
         ("checkpoints/", "sharded, verified checkpoints (liandan ckpt info <run>/checkpoints)"),
+        ("guard/", "the loss-spike guard's reports (liandan incidents <run>; liandan skipped <run>)"),
         ("hf/", "the final model for Hugging Face transformers (LlamaForCausalLM + tokenizer)"),
     ]:
         if (run / name).exists():
@@ -164,19 +166,36 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
 
 
 def train_supervised(cfg, run: Path) -> int:
-    """Train on NPROC processes under the supervisor, with rank 1 killed after 40% of the steps."""
+    """Train on NPROC processes under the supervisor, with rank 1 killed after 40% of the steps and, where the
+    guard has a history to judge by before then, a learning-rate burst for it to roll back."""
     from liandan.resilience.supervisor import Supervisor
 
     run.mkdir(parents=True, exist_ok=True)
     config = run / "launch.toml"
     config.write_text(cfg.to_toml())
     fault_step = max(1, cfg.train.steps * 2 // 5)
+    faults = [f"kill@step:{fault_step}:1"]
+    burst = burst_step(cfg, fault_step)
+    if burst is not None:
+        faults.append(f"burst@update:{burst}")
+        print(f"the update of step {burst} will be made at 100x the learning rate: the guard should roll it back")
     print(
         f"training on {NPROC} processes under the supervisor; rank 1 will be killed (SIGKILL) after step {fault_step}"
     )
     worker = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--nproc={NPROC}", f"--run.name={run.name}"]
-    fault = WorkerEnv(faults=f"kill@step:{fault_step}:1").to_env()  # handed to the first attempt only
+    fault = WorkerEnv(faults=",".join(faults)).to_env()  # handed to the first attempt only
     return Supervisor(cfg, worker, run, nproc=NPROC, attempt_env=lambda number: fault).run()
+
+
+def burst_step(cfg, before: int) -> int | None:
+    """A step for the learning-rate burst: once the guard has judged a few steps past its warmup, with a state
+    kept in its ring a few steps before (the burst's spike shows in the loss of the step after it), and before
+    the kill, so that the first attempt meets it. None where the run is too short for that."""
+    g = cfg.guard
+    if not g.enabled:
+        return None
+    step = max(g.warmup + 10, g.ring_every + 5)
+    return step if step < before else None
 
 
 def show_checkpoints(run: Path) -> None:

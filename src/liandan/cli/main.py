@@ -117,13 +117,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--keys", action="store_true", help="list every key, its default and what it does")
     p.set_defaults(command=cmd_config)
 
-    p = sub.add_parser("incidents", help="the timeline of a run's failures, restarts and recoveries, and its goodput")
+    p = sub.add_parser(
+        "incidents", help="the timeline of a run's failures, restarts, recoveries and guard actions, and its goodput"
+    )
     p.add_argument("run", help="a run directory")
     p.set_defaults(command=cmd_incidents)
 
-    from liandan.cli import checkpoints, data_cmd, fit_cmd, forecast_cmd, plan_cmd, sweep_cmd
+    from liandan.cli import checkpoints, data_cmd, fit_cmd, forecast_cmd, guard_cmd, plan_cmd, sweep_cmd
 
-    for module in (data_cmd, checkpoints, plan_cmd, fit_cmd, forecast_cmd, sweep_cmd):
+    for module in (guard_cmd, data_cmd, checkpoints, plan_cmd, fit_cmd, forecast_cmd, sweep_cmd):
         module.add_commands(sub)
     return parser
 

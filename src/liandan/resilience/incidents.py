@@ -1,4 +1,5 @@
-"""The incident timeline of a run, from its events.jsonl: failures, restarts, recoveries, checkpoint trouble."""
+"""The incident timeline of a run, from its events.jsonl: failures, restarts, recoveries, checkpoint trouble,
+and what the loss-spike guard did (rollbacks, skipped updates, warnings)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from liandan.run import RunDir
 
 SHOWN = ("incident", "restart", "recovered", "gave_up", "resumed", "checkpoint_failed", "checkpoint_rejected",
          "train_stopped", "stale_saves_removed", "nonfinite_loss", "node_excluded", "node_refused", "preempted",
-         "supervisor_end")  # fmt: skip
+         "supervisor_end", "guard", "rollback", "too_good")  # fmt: skip
 
 
 def read_events(run_dir: Path) -> list[dict]:
@@ -24,10 +25,18 @@ def read_events(run_dir: Path) -> list[dict]:
 def timeline(run_dir: Path) -> list[str]:
     events = read_events(run_dir)
     start = events[0]["time"] if events else 0.0
+    # The guard logs its verdict first; a rollback's or a loss drop's own record then says more about it.
+    told = {(e["step"], "rollback" if e["kind"] == "rollback" else "drop") for e in events
+            if e["kind"] in ("rollback", "too_good")}  # fmt: skip
+    drops = {
+        e["step"]: e.get("detail", "") for e in events if e["kind"] == "guard" and "drop" in e.get("detectors", ())
+    }
     lines = []
     for e in events:
-        if e["kind"] not in SHOWN:
+        if e["kind"] not in SHOWN or e["kind"] == "guard" and _told_elsewhere(e, told):
             continue
+        if e["kind"] == "too_good":
+            e = {**e, "detail": drops.get(e["step"], "")}
         when = datetime.fromtimestamp(e["time"], timezone.utc).strftime("%H:%M:%S")
         lines.append(f"{when} +{e['time'] - start:8.1f}s  {_describe(e)}")
     s = RunDir(Path(run_dir)).read_summary()
@@ -40,8 +49,16 @@ def timeline(run_dir: Path) -> list[str]:
     return lines
 
 
+def _told_elsewhere(e: dict, told: set[tuple[int, str]]) -> bool:
+    if e.get("action") == "rollback":
+        return (e["step"], "rollback") in told
+    return e.get("action") == "warn" and e.get("detectors") == ["drop"] and (e["step"], "drop") in told
+
+
 def _describe(e: dict) -> str:
     kind = e["kind"]
+    if kind in ("guard", "rollback", "too_good"):
+        return _describe_guard(e)
     if kind == "incident":
         seen = f" (seen by {e['reported_by']})" if e.get("reported_by") not in (None, e["host"]) else ""
         return (
@@ -83,6 +100,50 @@ def _describe(e: dict) -> str:
     # One line per event: an error's traceback stays in the record, its last line says what happened.
     detail = [line for line in str(e.get("error") or e.get("loss") or "").splitlines() if line.strip()]
     return f"{kind.replace('_', ' ')} step {e.get('step', '?')}: {detail[-1].strip() if detail else ''}"
+
+
+def _describe_guard(e: dict) -> str:
+    kind = e["kind"]
+    if kind == "rollback":
+        first, end = e["skipped"]
+        skipped = f"skipped data steps {first}..{end - 1}" if end > first else "skipped no data"
+        lr = ""
+        if e.get("lr_scale", 1.0) != 1.0:
+            until = f" until step {e['lr_until']}" if e.get("lr_until") is not None else ""
+            lr = f"; learning rate now x{e['lr_scale']:g} of its schedule{until}"
+        return (f"ROLLBACK at step {e['step']}: {', '.join(e['detectors'])} from step {e['began']}; back to step"
+                f" {e['to']}, {skipped}, {e['steps_redone']} step(s) redone{lr}; {_verdict(e)};"
+                f" report {_report_name(e['report'])}")  # fmt: skip
+    if kind == "too_good":
+        tokens = ", ".join(repr(t) for t in e.get("tokens", [])) or "none near zero loss"
+        seen = f": {e['detail']}" if e.get("detail") else ""
+        return (
+            f"TOO GOOD TO BE TRUE? step {e['step']}{seen}; easiest tokens {tokens}; report {_report_name(e['report'])}"
+        )
+    what = {"skip": "update skipped", "warn": "guard warning", "stop": "GUARD STOPPED the run",
+            "rollback": "rollback begun"}.get(e["action"], e["action"])  # fmt: skip
+    return f"{what} at step {e['step']}: {e['detail']}"
+
+
+def _verdict(e: dict) -> str:
+    """The rollback's diagnosis in a few words: the report has the whole of it."""
+    culprits = e.get("culprit_data_steps") or []
+    if culprits:
+        said = f"bad data: data step(s) {', '.join(str(s) for s in culprits)} ({e.get('documents', 0)} document(s))"
+    else:
+        said = "no culprit batch"
+    if e.get("reproduced") is not None:
+        said += ", reproduced on replay" if e["reproduced"] else ", did not come back on replay"
+    if e.get("layers_first"):
+        first = e["layers_first"][0]
+        said += f", moved first: {first['layer']} {first['statistic']}"
+    return said
+
+
+def _report_name(path: str) -> str:
+    """A report's path within its run directory: the timeline is read with the run directory at hand."""
+    path = Path(path)
+    return f"{path.parent.name}/{path.name}"
 
 
 def goodput(run_dir: Path, current: tuple[float, float], current_id: str) -> tuple[float, float, int]:

@@ -15,14 +15,17 @@ from pathlib import Path
 from liandan.run import atomic_write, dumps_json, read_json, temporary
 from liandan.run.worker_env import node_name
 
-PHASES = ("startup", "data", "forward", "backward", "optimizer", "collective", "step_end", "checkpoint", "eval", "done")
+PHASES = ("startup", "data", "forward", "backward", "optimizer", "collective", "step_end", "checkpoint", "eval",
+          "rollback", "done")  # fmt: skip
 # The parts of a training step. FSDP's and TP's collectives run inside forward, backward and optimizer (the
 # gradient norm); `collective` is the loop's own (the mean loss over ranks).
 STEP_PHASES = ("data", "forward", "backward", "optimizer", "collective", "step_end")
 # The order in which a rank passes the phases for one value of `step` (the steps completed): what follows a
 # step (its logged loss, evaluation, checkpoint) is beaten with the new count, and so are the next step's
-# parts. Forward and backward repeat for each micro-batch.
-_PROGRESS = ("startup", "collective", "step_end", "eval", "checkpoint", "data", "micro_batches", "optimizer", "done")
+# parts. Forward and backward repeat for each micro-batch. A guard's rollback replays steps from the state it
+# restored, beaten with that state's step, before the step after it starts.
+_PROGRESS = ("startup", "collective", "step_end", "eval", "checkpoint", "rollback", "data", "micro_batches",
+             "optimizer", "done")  # fmt: skip
 
 
 class Heartbeat:

@@ -315,7 +315,8 @@ def _largest(values) -> float:
 def _event_fields(plan: dict, rollback: dict, found: dict) -> dict[str, Any]:
     return {
         "began": rollback["began"], "to": rollback["to"], "skipped": rollback["skipped"],
-        "lr_scale": rollback["lr_scale"], "seconds": rollback["seconds"], "steps_redone": rollback["steps_redone"],
+        "lr_scale": rollback["lr_scale"], "lr_until": rollback["lr_until"], "seconds": rollback["seconds"],
+        "steps_redone": rollback["steps_redone"],
         "detectors": sorted({kind for kind, _, _ in plan["findings"]}),
         "culprit_data_steps": found.get("culprit_data_steps", []), "documents": len(found.get("documents", [])),
         "reproduced": found.get("reproduced"), "layers_first": found.get("layers_first", [])[:3],
