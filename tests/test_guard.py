@@ -8,6 +8,7 @@ import math
 import os
 import random
 import string
+from pathlib import Path
 
 import pytest
 import torch
@@ -230,3 +231,17 @@ def test_state_ring_puts_model_and_optimizer_back_bit_for_bit():
     assert all(torch.equal(ring2[k], v) for k, v in model.state_dict().items())
     restore(ring.newest_at_or_before(0), model, optimizer)
     assert not optimizer.state  # kept before the first update: AdamW starts afresh
+
+
+@pytest.mark.slow
+def test_the_shipped_tiny_config_trains_without_a_false_alarm(tmp_path):
+    """configs/tiny.toml through the fast fall of its first steps, judged from step 11 on (a full 300-step run
+    is recorded in docs/training.md; it is too slow for every test run)."""
+    config = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
+    done = run_liandan("train", config, "--train.steps=60", "--schedule.warmup_steps=20", "--train.eval_every=0",
+                       "--resilience.supervise=false", f"--run.output_dir={tmp_path}", "--run.name=tiny",
+                       "--guard.warmup=10", "--guard.stats_every=20", timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_run(tmp_path / "tiny")
+    assert records.of_kind("guard") == [] and records.of_kind("rollback") == []
+    assert len((tmp_path / "tiny" / "guard" / "layers.jsonl").read_text().splitlines()) == 3

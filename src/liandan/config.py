@@ -185,7 +185,7 @@ class GuardSection:
     spike_immediate: float = _f(2.0, "...unless one step is this many times over it: a spike at once", min=1.0)
     grad_mads: float = _f(8.0, "gradient-norm explosion: log norm this many MADs above its running median...",
                           min=0.0)  # fmt: skip
-    grad_min_ratio: float = _f(4.0, "...and at least this many times the median norm", min=1.0)
+    grad_min_ratio: float = _f(10.0, "...and at least this many times the median norm", min=1.0)
     logit_mads: float = _f(8.0, "output-logit or z growth: log value this many MADs above its running median...",
                            min=0.0)  # fmt: skip
     logit_min_ratio: float = _f(2.0, "...and at least this many times the median", min=1.0)
