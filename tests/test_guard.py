@@ -125,6 +125,19 @@ def test_a_poisoned_batch_is_rolled_back_skipped_and_its_documents_named(tmp_pat
     assert abs(_final_val(records) - _final_val(clean[1])) < TOLERANCE
 
 
+@pytest.mark.slow
+def test_two_fsdp_ranks_roll_back_a_poisoned_batch_together(tmp_path, poisoned):
+    path, injected = poisoned
+    done = run_liandan("train", config_file(tmp_path, path), "--nproc=2", "--run.name=fsdp", timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_run(tmp_path / "fsdp")
+    [rollback] = records.of_kind("rollback")
+    assert (rollback["step"], rollback["to"], rollback["culprit_data_steps"]) == (31, 20, [POISONED_DATA_STEP])
+    report = json.loads(Path(rollback["report"]).read_text())
+    assert {(d["source"], d["id"]) for d in report["documents"]} == injected
+    assert [m["step"] for m in records.metrics] == list(range(1, STEPS + 1))
+
+
 def test_a_learning_rate_burst_is_rolled_back_and_found_not_reproducible(tmp_path, corpus, clean):
     _, records = train(tmp_path, corpus, fault="burst@update:30")
     [rollback] = records.of_kind("rollback")
@@ -160,19 +173,22 @@ def test_kill_in_a_rollback_window_then_resume_equals_the_uninterrupted_run(tmp_
 @pytest.mark.slow
 def test_a_gradient_corrupted_on_one_rank_and_nan_gradients_never_reach_the_weights(tmp_path, corpus, clean):
     """Two data-parallel replicas (DDP): rank 1's gradients turn NaN at step 25 and rank 0's blow up at step 35,
-    after the gradient sync, so the other rank saw nothing wrong. Both updates are skipped everywhere."""
+    after the gradient sync, so the other rank saw nothing wrong. The NaN update is skipped everywhere; the
+    explosion, with `on_grad = "rollback"`, rolls both ranks back to step 30 and skips the batches since."""
     from liandan.checkpoint.manager import load_model
 
     args = ["train", config_file(tmp_path, corpus), "--nproc=2", "--parallel.dp_replicate=2",
-            "--parallel.dp_shard=1", "--checkpoint.every=60", "--run.name=ranks"]  # fmt: skip
+            "--parallel.dp_shard=1", "--checkpoint.every=60", "--run.name=ranks", "--guard.on_grad=rollback"]  # fmt: skip
     env = {**{k: v for k, v in os.environ.items() if k != faults.ENV}, faults.ENV: "nan@grad:25:1,spike@grad:35:0"}
     done = run_liandan(*args, env=env, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_run(tmp_path / "ranks")
-    skipped = [(e["step"], e["detectors"]) for e in records.of_kind("guard") if e["action"] == "skip"]
-    assert skipped == [(25, ["nonfinite"]), (35, ["grad"])]
-    assert [m["step"] for m in records.metrics if m.get("update_skipped")] == [25, 35]
-    assert records.of_kind("rollback") == []
+    acted = [(e["step"], e["action"], e["detectors"]) for e in records.of_kind("guard")]
+    assert acted == [(25, "skip", ["nonfinite"]), (35, "rollback", ["grad"])]
+    [rollback] = records.of_kind("rollback")
+    assert rollback["to"] == 30 and rollback["skipped"] == [30, 35] and rollback["reproduced"] is False
+    assert [m["step"] for m in records.metrics if m.get("update_skipped")] == [25]
+    assert [m["step"] for m in records.metrics] == list(range(1, STEPS + 1))
     model, _ = load_model(tmp_path / "ranks" / "checkpoints" / "step-00000060")
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert abs(_final_val(records) - _final_val(clean[1])) < TOLERANCE
