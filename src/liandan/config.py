@@ -197,6 +197,14 @@ class GuardSection:
         8.0, "too good to be true: loss this many MADs below its running median for spike_persist steps...", min=0.0
     )
     drop_min_ratio: float = _f(0.25, "...and at least this fraction of the median below it", min=0.0)
+    source_floor: float = _f(
+        0.05, "too good to be true, per store of a mixture: its sampled loss below this many nats for spike_persist"
+        " of its steps...; 0 disables", min=0.0,
+    )  # fmt: skip
+    source_collapse: float = _f(
+        4.0, "...or its loss relative to the other stores' this many times below its running median (and drop_mads"
+        " MADs); 0 disables", min=0.0,
+    )  # fmt: skip
     on_nonfinite: Literal["warn", "skip", "rollback", "stop"] = _f("skip", "what a non-finite loss or gradient does")
     on_spike: Literal["warn", "skip", "rollback", "stop"] = _f("rollback", "what a loss spike does")
     on_grad: Literal["warn", "skip", "rollback", "stop"] = _f("skip", "what a gradient-norm explosion does")

@@ -268,6 +268,20 @@ class PackedLoader:
     def windows_for_step(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(store index, window index within that store) of each sample of the global batch of `step`, in rank
         order."""
+        stores, positions = self._placed(step)
+        windows = np.empty(self.global_batch, dtype=np.int64)
+        for i, stream in enumerate(self.streams):
+            sel = stores == i
+            windows[sel] = stream.train_windows_at(positions[sel])
+        return stores, windows
+
+    def stores_for_step(self, step: int) -> np.ndarray:
+        """The store index of each sample of the global batch of `step`, in rank order, without looking up a
+        window: cheap enough to ask every step."""
+        return self._placed(step)[0]
+
+    def _placed(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(store index, position in that store's stream) of each sample of the global batch of `step`."""
         counts, consumed = self.schedule.counts(step), self.schedule.consumed(step)
         stores = np.repeat(np.arange(len(self.stores)), counts)
         # Stream positions in store order, then placed by a seeded shuffle (a no-op for one store).
@@ -275,11 +289,7 @@ class PackedLoader:
         if len(self.stores) > 1:
             place = np.random.default_rng([self.seed, step, _PLACE]).permutation(self.global_batch)
             stores, positions = stores[place], positions[place]
-        windows = np.empty(self.global_batch, dtype=np.int64)
-        for i, stream in enumerate(self.streams):
-            sel = stores == i
-            windows[sel] = stream.train_windows_at(positions[sel])
-        return stores, windows
+        return stores, positions
 
     def next_step(self, micro_batch: int) -> list[Batch]:
         """This rank's share of the next step, as micro-batches of `micro_batch` sequences."""

@@ -24,7 +24,7 @@ from liandan.config import Config, GuardSection
 from liandan.run import RunStopped
 from liandan.train.callbacks import Callback, register_callback
 from liandan.train.guard import diagnosis
-from liandan.train.guard.rules import Rule, Streak
+from liandan.train.guard.rules import Rule, SourceWatch, Streak
 from liandan.train.guard.stats import BlockProbe, HeadProbe, norms_by_layer, submodule
 
 if TYPE_CHECKING:
@@ -45,6 +45,8 @@ class GuardCallback(Callback):
         self.logit = Rule(g.window, g.warmup, g.logit_mads, g.logit_min_ratio, log=True)
         self.z = Rule(g.window, g.warmup, g.logit_mads, g.logit_min_ratio, log=True)
         self.spike_streak, self.drop_streak = Streak(), Streak()
+        self.sources = SourceWatch(g.window, g.warmup, g.drop_mads, g.source_floor, g.source_collapse, g.spike_persist)
+        self.source_names: list[str] = []  # of a mixture watched source by source; empty otherwise
         self.skips_in_row = 0
         self.rollbacks: list[dict[str, Any]] = []
         self.lr_scale, self.lr_until = 1.0, None
@@ -60,7 +62,10 @@ class GuardCallback(Callback):
         spec = trainer.module.spec
         # A hook inside a compiled head would recompile it; a family may name no head module.
         if not trainer.cfg.train.compile and _has_module(trainer.model, spec.head):
-            self.head = HeadProbe(trainer.model, spec)
+            stores = trainer.loader.stores
+            watch = len(stores) > 1 and bool(self.cfg.source_floor or self.cfg.source_collapse)
+            self.source_names = [s.name for s in stores] if watch else []
+            self.head = HeadProbe(trainer.model, spec, per_sequence=watch)
         trainer.module.lr_scale = self._current_scale(trainer.step)
         self._keep(trainer)
 
@@ -71,8 +76,10 @@ class GuardCallback(Callback):
 
     def before_optimizer_step(self, trainer: Trainer, step: int, loss: Any, grad_norm: float) -> bool:
         n = step + 1
-        loss_value, grad_value, largest, z = self._shared(trainer, loss, grad_norm)
+        loss_value, grad_value, largest, z, parts = self._shared(trainer, loss, grad_norm)
         findings = self._judge(n, loss_value, grad_value, largest, z)
+        if parts and math.isfinite(loss_value):
+            findings += [("drop", began, what) for began, what in self.sources.judge(n, parts)]
         if self.blocks is not None:
             self.layer_record = self._layer_stats(trainer, n, grad_value)
             attention = self.layer_record["attention_logit"]
@@ -152,6 +159,7 @@ class GuardCallback(Callback):
             "loss": self.loss.state_dict(), "grad": self.grad.state_dict(), "logit": self.logit.state_dict(),
             "z": self.z.state_dict(), "spike_streak": self.spike_streak.state_dict(),
             "drop_streak": self.drop_streak.state_dict(), "skips_in_row": self.skips_in_row,
+            "sources": self.sources.state_dict(),
             **self._bookkeeping(),
         }  # fmt: skip
 
@@ -163,6 +171,7 @@ class GuardCallback(Callback):
         self.spike_streak.load_state_dict(state["spike_streak"])
         self.drop_streak.load_state_dict(state["drop_streak"])
         self.skips_in_row = int(state["skips_in_row"])
+        self.sources.load_state_dict(state.get("sources", {}))  # absent from a checkpoint of an older guard
         self._load_bookkeeping(state)
 
     def _bookkeeping(self) -> dict[str, Any]:
@@ -174,25 +183,47 @@ class GuardCallback(Callback):
         self.lr_scale, self.lr_until = float(state["lr_scale"]), state["lr_until"]
 
     # -- judging ----------------------------------------------------------------------------------------------
-    def _shared(self, trainer: Trainer, loss: torch.Tensor, grad_norm: float) -> tuple[float, float, float, float]:
-        """(mean loss, largest gradient norm, largest output logit, mean z) over all ranks: one collective."""
+    def _shared(self, trainer: Trainer, loss: torch.Tensor, grad_norm: float) -> tuple:
+        """(mean loss, largest gradient norm, largest output logit, mean z) over all ranks, and each watched
+        source's (sum of sampled losses, count) over all ranks: one collective."""
         largest, z = self.head.take(trainer.device) if self.head else (torch.zeros(()), torch.zeros(()))
-        local = torch.stack([loss.detach().float().reshape(()), torch.tensor(float(grad_norm)).to(loss.device),
-                             largest.float().to(loss.device), z.float().to(loss.device)]).double()  # fmt: skip
+        values = [loss.detach().float().reshape(()), torch.tensor(float(grad_norm)).to(loss.device),
+                  largest.float().to(loss.device), z.float().to(loss.device)]  # fmt: skip
+        if self.source_names:
+            values.append(self._source_parts(trainer).to(loss.device))
+        local = torch.cat([v.reshape(-1) for v in values]).double()
         if trainer.dist.distributed:
             gathered = [torch.empty_like(local) for _ in range(trainer.dist.world_size)]
             dist.all_gather(gathered, local)
-            every = torch.stack(gathered).cpu()
-            # A non-finite value anywhere must win: max() would drop a NaN.
-            rows = every.tolist()
-            return (
-                sum(r[0] for r in rows) / len(rows),
-                _largest(r[1] for r in rows),
-                _largest(r[2] for r in rows),
-                sum(r[3] for r in rows) / len(rows),
-            )
-        values = local.cpu().tolist()
-        return values[0], values[1], values[2], values[3]
+            rows = torch.stack(gathered).cpu().tolist()
+        else:
+            rows = [local.cpu().tolist()]
+        # A non-finite value anywhere must win: max() would drop a NaN.
+        shared = (
+            sum(r[0] for r in rows) / len(rows),
+            _largest(r[1] for r in rows),
+            _largest(r[2] for r in rows),
+            sum(r[3] for r in rows) / len(rows),
+        )
+        count = len(self.source_names)
+        totals = [sum(r[4 + i] for r in rows) for i in range(2 * count)]
+        parts = {name: (totals[i], totals[count + i]) for i, name in enumerate(self.source_names)}
+        return (*shared, parts)
+
+    def _source_parts(self, trainer: Trainer) -> torch.Tensor:
+        """This rank's sums of sampled sequence losses by source, then their counts: zeros when the probe saw
+        other sequences than the loader gave this rank (the same length on every rank either way)."""
+        loader, count = trainer.loader, len(self.source_names)
+        sequences = self.head.sequences if self.head else None
+        per_rank = loader.global_batch // loader.dp_size
+        if sequences is None or sequences[0].numel() != per_rank:
+            return torch.zeros(2 * count, dtype=torch.float64)
+        stores = loader.stores_for_step(loader.step - 1)[loader.dp_rank * per_rank : (loader.dp_rank + 1) * per_rank]
+        owner = torch.from_numpy(stores).to(sequences[0].device)
+        by_source = torch.zeros(2, count, dtype=torch.float64, device=owner.device)
+        for row, values in zip(by_source, sequences, strict=True):
+            row.index_add_(0, owner, values.double())  # on the device: no sync before the collective
+        return by_source.reshape(-1)
 
     def _judge(self, n: int, loss: float, grad: float, largest: float, z: float) -> list[tuple[str, int, str]]:
         """The findings of step `n`: (detector, the step it began at, what was seen)."""
@@ -252,7 +283,8 @@ class GuardCallback(Callback):
 
     def _record(self, trainer: Trainer, n: int, action: str, findings: list, loss: float) -> None:
         if any(kind == "drop" for kind, _, _ in findings):
-            diagnosis.report_drop(trainer, n, "; ".join(what for kind, _, what in findings if kind == "drop"))
+            described = "; ".join(what for kind, _, what in findings if kind == "drop")
+            diagnosis.report_drop(trainer, n, described, dict(self.sources.latest))
         if not findings or not trainer.dist.is_main:
             return
         described = "; ".join(f"{kind} (from step {began}): {what}" for kind, began, what in findings)

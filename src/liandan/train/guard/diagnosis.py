@@ -260,20 +260,22 @@ def easiest_tokens(trainer: Trainer, data_step: int) -> list[dict[str, Any]]:
     ]
 
 
-def report_drop(trainer: Trainer, n: int, described: str) -> None:
-    """A too-good-to-be-true warning's report: what was seen and the tokens the model finds easiest in the
-    step's batch. Collective."""
+def report_drop(trainer: Trainer, n: int, described: str, sources: dict[str, float] | None = None) -> None:
+    """A too-good-to-be-true warning's report: what was seen, each source's newest sampled loss (a mixture's)
+    and the tokens the model finds easiest in the step's batch. Collective."""
     tokens = easiest_tokens(trainer, trainer.loader.step - 1)
     if not trainer.dist.is_main:
         return
     path = trainer.room.guard_report("drop", n)
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, {"kind": "drop", "step": n, "detail": described, "easiest_tokens": tokens,
-                             "documents": [ref.__dict__ for ref in trainer.loader.documents_for_step(trainer.loader.step - 1)]})  # fmt: skip
+    documents = [ref.__dict__ for ref in trainer.loader.documents_for_step(trainer.loader.step - 1)]
+    atomic_write_json(path, {"kind": "drop", "step": n, "detail": described, "source_losses": sources or {},
+                             "easiest_tokens": tokens, "documents": documents})  # fmt: skip
     shown = ", ".join(
         f"{t['text']!r} {100 * t['share']:.1f}% of targets at loss {t['mean_loss']:.3f}" for t in tokens[:3]
     )
     trainer.say(
         f"guard: step {n}: too good to be true? easiest tokens: {shown or 'none near zero loss'}; report {path}"
     )
-    trainer.files.log_event("too_good", step=n, report=str(path), tokens=[t["text"] for t in tokens[:5]])
+    trainer.files.log_event("too_good", step=n, report=str(path), detail=described,
+                            tokens=[t["text"] for t in tokens[:5]])  # fmt: skip

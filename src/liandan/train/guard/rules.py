@@ -129,3 +129,79 @@ class Streak:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.length, self.began = int(state["length"]), int(state["began"])
+
+
+class SourceWatch:
+    """Too good to be true, one source (token store) of a mixture at a time: its sampled loss below an absolute
+    `floor`, or falling by a factor of `factor` (and `mads` MADs) below its own running median while its ratio
+    to the rest of the mixture's loss falls as far below that ratio's running median, on `persist` steps in a
+    row that drew from it. The ratio cancels the trend every source shares, and asking for the source's own
+    fall as well keeps a collapse elsewhere from making the healthy sources look too good. A source is named
+    at most once per `size` steps. Sources are kept by name and made on first sight, so a checkpoint's state
+    loads before any step."""
+
+    def __init__(self, size: int, warmup: int, mads: float, floor: float, factor: float, persist: int):
+        self.size, self.warmup, self.mads, self.floor, self.factor = size, warmup, mads, floor, factor
+        self.persist = persist
+        self.watched: dict[str, _Source] = {}
+        self.latest: dict[str, float] = {}  # each source's newest sampled loss, for reports
+
+    def _of(self, name: str) -> _Source:
+        if name not in self.watched:
+            rules = [Rule(self.size, self.warmup, self.mads, self.factor, log=True, downward=True) for _ in "ab"]
+            self.watched[name] = _Source(*rules, Streak())
+        return self.watched[name]
+
+    def judge(self, step: int, parts: dict[str, tuple[float, float]]) -> list[tuple[int, str]]:
+        """(the step it began at, what was seen) for each source whose streak reaches `persist` at `step`;
+        `parts` holds each source's (sum of sampled losses, count) of the step over all ranks."""
+        found: list[tuple[int, str]] = []
+        total = sum(s for s, _ in parts.values()), sum(c for _, c in parts.values())
+        for name, (loss_sum, count) in parts.items():
+            if count <= 0 or not math.isfinite(loss_sum):
+                continue  # not in this step's batch: its streak neither grows nor breaks
+            loss = loss_sum / count
+            self.latest[name] = loss
+            source = self._of(name)
+            rest_count = total[1] - count
+            rest = (total[0] - loss_sum) / rest_count if rest_count > 0 else 0.0
+            ratio = loss / rest if rest > 0 else None
+            own = source.own.judge(loss) if self.factor else None
+            relative = source.ratio.judge(ratio) if ratio is not None and self.factor else None
+            low = bool(self.floor) and loss < self.floor
+            alone = bool(own and own.over and relative and relative.over)
+            if source.streak.update(step, low or alone) == self.persist and step >= source.quiet_until:
+                source.quiet_until = step + self.size
+                if low:
+                    what = f"source {name}: sampled loss {loss:.3g} is below the floor of {self.floor:g}"
+                else:
+                    what = (f"source {name}: sampled loss {loss:.3g} against its running median of {own.median:.3g},"
+                            f" and {ratio:.3g} times the rest of the mixture's against a running"
+                            f" {relative.median:.3g} times: collapsing alone")  # fmt: skip
+                found.append((source.streak.began, what))
+            if not source.streak.length:
+                source.own.accept(loss)
+                if ratio is not None:
+                    source.ratio.accept(ratio)
+        return found
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: {"own": s.own.state_dict(), "ratio": s.ratio.state_dict(), "streak": s.streak.state_dict(),
+                       "quiet_until": s.quiet_until} for name, s in self.watched.items()}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.watched, self.latest = {}, {}
+        for name, saved in state.items():
+            source = self._of(name)
+            source.own.load_state_dict(saved["own"])
+            source.ratio.load_state_dict(saved["ratio"])
+            source.streak.load_state_dict(saved["streak"])
+            source.quiet_until = int(saved["quiet_until"])
+
+
+@dataclass
+class _Source:
+    own: Rule  # the source's loss
+    ratio: Rule  # its loss over the rest of the mixture's
+    streak: Streak
+    quiet_until: int = 0  # named lately: not again before this step

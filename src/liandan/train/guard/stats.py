@@ -61,32 +61,51 @@ def _unwrap(module: nn.Module) -> nn.Module:
         module = inner
 
 
-def _sample_rows(t: torch.Tensor) -> torch.Tensor:
+def _sample_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Every stride-th row of `t` flattened to (rows, last dimension), and the stride."""
     rows = t.reshape(-1, t.shape[-1])
     stride = max(1, rows.shape[0] // SAMPLED_ROWS)
-    return _local(rows[::stride]).float()
+    return _local(rows[::stride]).float(), stride
 
 
 class HeadProbe:
-    """The largest |logit| and the mean squared log-normaliser of every forward's head output, sampled."""
+    """The largest |logit| and the mean squared log-normaliser of every forward's head output, sampled; with
+    `per_sequence`, also each sequence's loss on the sampled positions (the log-normaliser is computed for z
+    anyway, so a loss costs one gather). The targets are read off the model's own call by a pre-hook."""
 
-    def __init__(self, model: nn.Module, spec: ModelSpec):
+    def __init__(self, model: nn.Module, spec: ModelSpec, per_sequence: bool = False):
         self.largest: list[torch.Tensor] = []
         self.z: list[torch.Tensor] = []
+        self.loss_parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sequences: tuple[torch.Tensor, torch.Tensor] | None = None  # of the last `take`: (loss sums, counts)
+        self.targets: torch.Tensor | None = None
         head = submodule(model, spec.head)
-        self.handle = head.register_forward_hook(self._hook)
+        self.handles = [head.register_forward_hook(self._hook)]
+        if per_sequence:
+            self.handles.append(model.register_forward_pre_hook(self._remember_targets, with_kwargs=True))
         self.enabled = True
+
+    def _remember_targets(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        targets = args[1] if len(args) > 1 else kwargs.get("targets")
+        self.targets = targets if isinstance(targets, torch.Tensor) and module.training else None
 
     @torch.no_grad()
     def _hook(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        targets, self.targets = self.targets, None
         if not self.enabled or not module.training:
             return
-        rows = _sample_rows(output.detach())
+        rows, stride = _sample_rows(output.detach())
         self.largest.append(rows.abs().amax())
-        self.z.append(torch.logsumexp(rows, dim=-1).pow(2).mean())
+        normaliser = torch.logsumexp(rows, dim=-1)
+        self.z.append(normaliser.pow(2).mean())
+        if targets is not None and targets.shape == output.shape[:-1]:
+            self.loss_parts.append(_sequence_losses(rows, normaliser, stride, targets))
 
     def take(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(largest |logit|, mean z) since the last call, as tensors (no device sync)."""
+        """(largest |logit|, mean z) since the last call, as tensors (no device sync); the sampled losses of the
+        sequences seen since then, in order, go to `sequences`."""
+        parts, self.loss_parts = self.loss_parts, []
+        self.sequences = (torch.cat([s for s, _ in parts]), torch.cat([c for _, c in parts])) if parts else None
         if not self.largest:
             zero = torch.zeros((), device=device)
             return zero, zero
@@ -95,7 +114,23 @@ class HeadProbe:
         return largest, z
 
     def close(self) -> None:
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def _sequence_losses(rows: torch.Tensor, normaliser: torch.Tensor, stride: int,
+                     targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(sum of the sampled positions' losses, their count) for each sequence of `targets` (b, T); targets below
+    zero are ignored, as in the model's loss."""
+    sequences, length = targets.shape
+    picked = targets.reshape(-1)[::stride][: rows.shape[0]].to(rows.device)
+    valid = picked >= 0
+    losses = (normaliser - rows.gather(1, picked.clamp(min=0)[:, None]).squeeze(1)) * valid
+    owner = torch.arange(0, sequences * length, stride, device=rows.device)[: rows.shape[0]] // length
+    sums = torch.zeros(sequences, device=rows.device).index_add_(0, owner, losses)
+    counts = torch.zeros(sequences, device=rows.device).index_add_(0, owner, valid.float())
+    return sums, counts
 
 
 class BlockProbe:
@@ -119,7 +154,7 @@ class BlockProbe:
         @torch.no_grad()
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             out = output[0] if isinstance(output, tuple) else output
-            rms = _sample_rows(out.detach()).pow(2).mean().sqrt()
+            rms = _sample_rows(out.detach())[0].pow(2).mean().sqrt()
             self.rms[name] = torch.maximum(self.rms[name], rms) if name in self.rms else rms
 
         return hook
