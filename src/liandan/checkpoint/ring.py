@@ -40,9 +40,19 @@ class StateRing:
         self.held: deque[HeldState] = deque(maxlen=size)
 
     def keep(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> HeldState:
-        tensors = {name: t.detach().to("cpu", copy=True) for name, t in state_tensors(model, optimizer)}
-        held = HeldState(step, tensors, optimizer_hyperparameters(optimizer), python_rng(), state)
         self.held = deque((h for h in self.held if h.step < step), maxlen=self.held.maxlen)  # a rewound run's
+        # The state about to drop out lends its buffers: a fresh allocation of the same size every few steps
+        # costs page faults on top of the copy.
+        spare = self.held[0].tensors if len(self.held) == self.held.maxlen else {}
+        tensors = {}
+        with torch.no_grad():
+            for name, t in state_tensors(model, optimizer):
+                buffer = spare.get(name)
+                if buffer is not None and buffer.shape == t.shape and buffer.dtype == t.dtype:
+                    tensors[name] = buffer.copy_(t.detach())
+                else:
+                    tensors[name] = t.detach().to("cpu", copy=True)
+        held = HeldState(step, tensors, optimizer_hyperparameters(optimizer), python_rng(), state)
         self.held.append(held)
         return held
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from liandan.model.spec import ModelSpec
 
-SAMPLED_ROWS = 512  # positions of a micro-batch whose logits are measured
+SAMPLED_ROWS = 128  # positions of a micro-batch whose logits are measured
 WRAPPERS = ("_orig_mod.", "_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module.")
 
 
