@@ -5,7 +5,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import SHARED_DATA, read_run, run_liandan, tiny_config, write_corpus
@@ -123,20 +125,41 @@ def test_one_run_at_a_time_in_a_run_directory(config):
 
 @pytest.mark.slow
 def test_demo_runs_on_pythons_own_docs(tmp_path):
-    # A short guard warmup and ring, so that 50 steps fit the burst, its rollback and the kill after them.
+    # A short guard warmup and ring, so that 50 steps fit the poisoned batch, its rollback and the kill after them.
+    # The demo's own vocabulary of 4096: with 512 ids a model this young is close to uniform over them, and noise
+    # costs it too little more than text for a spike.
     done = run_liandan("demo", "--steps=50", "--output-dir", tmp_path, "--train.global_batch=4",
-                       "--data.bpe_vocab_size=512", "--guard.warmup=8", "--guard.ring_every=10")  # fmt: skip
+                       "--guard.warmup=8", "--guard.ring_every=10")  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "Python documentation corpus" in out
     assert "sample, prompted with 'The for statement'" in out
     assert "rank 1 will be killed (SIGKILL) after step 20" in out and "with 1 restart(s)" in out
     assert "CRASH" in out and "resumed at step 20 from the in-memory snapshot" in out  # no step lost
-    assert "the update of step 18 will be made at 100x the learning rate" in out
+    [poisoned_line] = [line for line in out.splitlines() if line.startswith("poisoned data step 18: its ")]
     rollbacks = [line for line in out.splitlines() if "ROLLBACK" in line]
     assert len(rollbacks) == 1 and "at step 19: " in rollbacks[0], out
     assert "back to step 10, skipped data steps 10..18" in rollbacks[0]
+    assert "bad data: data step(s) 18 (" in rollbacks[0]
     run_dir, data_dir = sorted(tmp_path.iterdir())  # demo-<time> and demo-<time>-data
+    # The guard names exactly the documents made noise, found here by comparing the store trained on with the
+    # pipeline's.
+    from liandan.data import TokenStore
+
+    store = data_dir / "stores" / "corpus-poisoned"
+    clean, poisoned = TokenStore(data_dir / "stores" / "corpus"), TokenStore(store)
+    changed = []
+    for index, (a, b) in enumerate(zip(clean.shards, poisoned.shards, strict=True)):
+        differs = np.flatnonzero(np.asarray(a.tokens) != np.asarray(b.tokens))
+        changed += [
+            ("corpus-poisoned", index, int(d), *b.provenance(int(d))) for d in np.unique(a.document_of(differs))
+        ]
+    [rollback] = read_run(run_dir).of_kind("rollback")
+    assert rollback["culprit_data_steps"] == [18]
+    report = json.loads(Path(rollback["report"]).read_text())
+    named = [(d["store"], d["shard"], d["document"], d["source"], d["id"]) for d in report["documents"]]
+    assert changed and named == sorted(changed)
+    assert f"its {len(named)} document(s) are random tokens" in poisoned_line
     for name in ("config.toml", "metrics.jsonl", "summary.json", "training.png", "hf/config.json",
                  "guard/spike-step-00000019.json"):  # fmt: skip
         assert (run_dir / name).exists(), name
@@ -149,7 +172,7 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     import tomllib
 
     config = tomllib.loads((run_dir / "config.toml").read_text())
-    assert config["data"]["stores"] == [str(data_dir / "stores" / "corpus")]
+    assert config["data"]["stores"] == [str(store)]
     assert f"run directory: {run_dir}" in out
 
 

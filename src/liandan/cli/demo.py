@@ -1,11 +1,12 @@
 """`liandan demo`: the whole system on a laptop CPU in a few minutes, on text that ships with Python.
 
 Runs the data pipeline on the corpus (normalize, language tags, repetition filter, exact and near dedup, a
-byte-level BPE, a token store and an inspection report), trains a small Llama on the store with document
-masking, validation and verified checkpoints on two processes (FSDP2) under the supervisor, which survives a
-rank killed on purpose part-way (it resumes from the in-memory snapshot of that very step), while the
-loss-spike guard rolls back a learning-rate burst injected earlier, then samples from the final checkpoint,
-exports it for `transformers` and says where everything is.
+byte-level BPE, a token store and an inspection report), poisons one batch of the store (a copy in which that
+batch's documents are random tokens), trains a small Llama on the copy with document masking, validation and
+verified checkpoints on two processes (FSDP2) under the supervisor, which survives a rank killed on purpose
+part-way (it resumes from the in-memory snapshot of that very step), while the loss-spike guard rolls back the
+poisoned batch and names its documents, then samples from the final checkpoint, exports it for `transformers`
+and says where everything is.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     settings = list(DEMO_SETTINGS)
     vocab_size = load_config(None, settings + overrides).data.bpe_vocab_size  # checks the overrides, too
     data_summary = prepare_data(data, output_dir / f"{name}-data", vocab_size)
-    settings.append("--data.stores=" + json.dumps([s["path"] for s in data_summary["stores"].values()]))
+    store = Path(next(iter(data_summary["stores"].values()))["path"])  # one input, so one store
     if steps is not None:
         settings.append(f"--train.steps={steps}")
         settings.append(f"--train.eval_every={max(1, steps // 6)}")
@@ -113,6 +114,8 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     settings.append(f"--run.output_dir={output_dir}")
     settings.append(f"--run.name={name}")
     cfg = load_config(None, settings + overrides)
+    trained_on = poison_batch(cfg, store, kill_step(cfg))
+    cfg = load_config(None, [*settings, "--data.stores=" + json.dumps([str(trained_on)]), *overrides])
     run = Path(cfg.run.output_dir) / name
     code = train_supervised(cfg, run)
     if code != 0:
@@ -132,7 +135,6 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     for line in timeline(run):
         print(f"  {line}")
     model, _ = load_model(room.checkpoints / step_dir_name(s["steps"]))
-    store = Path(next(iter(data_summary["stores"].values()))["path"])
     tokenizer = TokenStore(store).tokenizer
     prompt = "The for statement"
     print(f"\nsample, prompted with {prompt!r}:\n  {sample(model, tokenizer, prompt)!r}\n")
@@ -144,6 +146,7 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
         ("clean/", "cleaned documents, and every dropped record with its step and reason (*.rejects.jsonl.zst)"),
         ("dedup/stats.json", "exact and near duplicates found"),
         ("stores/corpus/", "the token store: shards with self-describing headers, provenance, manifest, tokenizer"),
+        ("stores/corpus-poisoned/", "the store trained on: the same, with the documents of one batch made noise"),
         ("report/report.html", "the inspection report: distributions, repeated lines, anomaly flags"),
         ("summary.json", "what every stage did"),
     ]:
@@ -165,37 +168,54 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     return 0
 
 
+def kill_step(cfg) -> int:
+    """The step after which rank 1 is killed: 40% of the way."""
+    return max(1, cfg.train.steps * 2 // 5)
+
+
 def train_supervised(cfg, run: Path) -> int:
-    """Train on NPROC processes under the supervisor, with rank 1 killed after 40% of the steps and, where the
-    guard has a history to judge by before then, a learning-rate burst for it to roll back."""
+    """Train on NPROC processes under the supervisor, with rank 1 killed after `kill_step`."""
     from liandan.resilience.supervisor import Supervisor
 
     run.mkdir(parents=True, exist_ok=True)
     config = run / "launch.toml"
     config.write_text(cfg.to_toml())
-    fault_step = max(1, cfg.train.steps * 2 // 5)
-    faults = [f"kill@step:{fault_step}:1"]
-    burst = burst_step(cfg, fault_step)
-    if burst is not None:
-        faults.append(f"burst@update:{burst}")
-        print(f"the update of step {burst} will be made at 100x the learning rate: the guard should roll it back")
+    fault_step = kill_step(cfg)
     print(
         f"training on {NPROC} processes under the supervisor; rank 1 will be killed (SIGKILL) after step {fault_step}"
     )
     worker = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--nproc={NPROC}", f"--run.name={run.name}"]
-    fault = WorkerEnv(faults=",".join(faults)).to_env()  # handed to the first attempt only
+    fault = WorkerEnv(faults=f"kill@step:{fault_step}:1").to_env()  # handed to the first attempt only
     return Supervisor(cfg, worker, run, nproc=NPROC, attempt_env=lambda number: fault).run()
 
 
-def burst_step(cfg, before: int) -> int | None:
-    """A step for the learning-rate burst: once the guard has judged a few steps past its warmup, with a state
-    kept in its ring a few steps before (the burst's spike shows in the loss of the step after it), and before
-    the kill, so that the first attempt meets it. None where the run is too short for that."""
+def poison_batch(cfg, store: Path, before: int) -> Path:
+    """The store to train on: where the guard can judge a batch before the kill, a copy of `store` next to it
+    with the documents of that batch turned into noise for the guard to roll back and name; else `store`."""
+    from liandan.data.poison import poison_store
+
+    data_step = poison_step(cfg, before)
+    if data_step is None:
+        return store
+    poisoned = store.with_name(store.name + "-poisoned")
+    t = cfg.train
+    refs = poison_store(store, poisoned, data_step, seq_len=t.seq_len, global_batch=t.global_batch,
+                        seed=cfg.run.seed, val_fraction=cfg.data.val_fraction)  # fmt: skip
+    print(f"poisoned data step {data_step}: its {len(refs)} document(s) are random tokens in {poisoned};"
+          f" the guard should roll back step {data_step + 1}, which trains on them, and name them")  # fmt: skip
+    return poisoned
+
+
+def poison_step(cfg, before: int) -> int | None:
+    """A data step to poison: step s + 1 trains on data step s, so its spike shows in the loss of step s + 1.
+    That step comes once the guard has judged a few steps past its warmup, with a state kept in its ring a few
+    steps before, and before the kill, so that the first attempt meets it. None where the run is too short for
+    that."""
     g = cfg.guard
     if not g.enabled:
         return None
-    step = max(g.warmup + 10, g.ring_every + 5)
-    return step if step < before else None
+    data_step = max(g.warmup + 10, g.ring_every + 5)
+    return data_step if data_step + 1 < before else None
 
 
 def show_checkpoints(run: Path) -> None:
