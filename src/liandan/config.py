@@ -173,20 +173,22 @@ class ForecastSection:
 
 @dataclass
 class GuardSection:
-    """The loss-spike guard (docs/training.md, "The guard"). Rules compare each step with a running median and
-    the median absolute deviation (MAD, scaled to a standard deviation) of the last `window` accepted steps."""
+    """The loss-spike guard (docs/training.md, "The loss-spike guard"). Rules compare each step with the running
+    level of its quantity (the median of the newest accepted values) in noise units: the median absolute
+    deviation (MAD, scaled to a standard deviation) of the step-to-step changes over the last `window` accepted
+    steps."""
 
     enabled: bool = _f(True, "watch every step for non-finite values, loss spikes, gradient and logit growth")
-    window: int = _f(100, "accepted steps of history the running median and MAD are taken over", min=4)
+    window: int = _f(100, "accepted steps of history the noise (MAD of step-to-step changes) is taken over", min=4)
     warmup: int = _f(20, "steps of history before the spike, gradient and logit rules judge", min=2)
-    spike_mads: float = _f(5.0, "loss spike: this many MADs above the running median...", min=0.0)
+    spike_mads: float = _f(5.0, "loss spike: this many noise units above the running level...", min=0.0)
     spike_min_ratio: float = _f(0.05, "...and at least this fraction of the median loss above it", min=0.0)
     spike_persist: int = _f(2, "consecutive steps over the threshold that make a spike...", min=1)
     spike_immediate: float = _f(2.0, "...unless one step is this many times over it: a spike at once", min=1.0)
-    grad_mads: float = _f(8.0, "gradient-norm explosion: log norm this many MADs above its running median...",
+    grad_mads: float = _f(8.0, "gradient-norm explosion: log norm this many noise units above its running level...",
                           min=0.0)  # fmt: skip
     grad_min_ratio: float = _f(10.0, "...and at least this many times the median norm", min=1.0)
-    logit_mads: float = _f(8.0, "output-logit or z growth: log value this many MADs above its running median...",
+    logit_mads: float = _f(8.0, "output-logit or z growth: log value this many noise units above its running level...",
                            min=0.0)  # fmt: skip
     logit_min_ratio: float = _f(2.0, "...and at least this many times the median", min=1.0)
     attention_logit_limit: float = _f(
@@ -194,7 +196,9 @@ class GuardSection:
         min=0.0,
     )  # fmt: skip
     drop_mads: float = _f(
-        8.0, "too good to be true: loss this many MADs below its running median for spike_persist steps...", min=0.0
+        8.0,
+        "too good to be true: loss this many noise units below its running level for spike_persist steps...",
+        min=0.0,
     )
     drop_min_ratio: float = _f(0.25, "...and at least this fraction of the median below it", min=0.0)
     source_floor: float = _f(
