@@ -146,6 +146,18 @@ def test_a_learning_rate_burst_is_rolled_back_and_found_not_reproducible(tmp_pat
     assert abs(_final_val(records) - _final_val(clean[1])) < TOLERANCE
 
 
+def test_a_rollback_goes_to_a_newer_durable_checkpoint_than_any_state_in_memory(tmp_path, corpus):
+    """With the ring keeping only the start, the checkpoint of step 25 is the newest state from before the
+    burst's spike: the guard loads it and goes on from there as from a state in memory."""
+    _, records = train(tmp_path, corpus, "--guard.ring_every=100", "--checkpoint.every=5", fault="burst@update:30")
+    [rollback] = records.of_kind("rollback")
+    assert rollback["to"] == 25 and rollback["from"].endswith("step-00000025")
+    assert rollback["skipped"] == [25, rollback["step"]]
+    assert [m["step"] for m in records.metrics] == list(range(1, STEPS + 1))
+    timeline = run_liandan("incidents", records.path, check=True).stdout
+    assert "back to step 25 (checkpoint step-00000025)" in timeline, timeline
+
+
 def test_kill_in_a_rollback_window_then_resume_equals_the_uninterrupted_run(tmp_path, corpus):
     """The burst's rollback lowers the learning rate for 20 steps; a kill in that window and a resume from the
     checkpoint inside it gives the same loss curve, bit for bit, as the run that was not killed."""

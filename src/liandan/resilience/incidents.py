@@ -111,8 +111,10 @@ def _describe_guard(e: dict) -> str:
         if e.get("lr_scale", 1.0) != 1.0:
             until = f" until step {e['lr_until']}" if e.get("lr_until") is not None else ""
             lr = f"; learning rate now x{e['lr_scale']:g} of its schedule{until}"
+        source = e.get("from", "memory")
+        where = "" if source == "memory" else f" (checkpoint {Path(source).name})"
         return (f"ROLLBACK at step {e['step']}: {', '.join(e['detectors'])} from step {e['began']}; back to step"
-                f" {e['to']}, {skipped}, {e['steps_redone']} step(s) redone{lr}; {_verdict(e)};"
+                f" {e['to']}{where}, {skipped}, {e['steps_redone']} step(s) redone{lr}; {_verdict(e)};"
                 f" report {_report_name(e['report'])}")  # fmt: skip
     if kind == "too_good":
         tokens = ", ".join(repr(t) for t in e.get("tokens", [])) or "none near zero loss"

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from liandan.checkpoint.manager import SaveOutcome
 from liandan.checkpoint.ring import HeldState, StateRing, restore
 from liandan.config import Config, GuardSection
 from liandan.run import RunStopped
@@ -119,9 +120,17 @@ class GuardCallback(Callback):
         plan, self.pending = self.pending, None
         started = time.perf_counter()
         bookkeeping = self._bookkeeping()
-        target: HeldState = plan["target"]
+        target = plan["target"]
         detected_at = trainer.loader.step  # the data step after the spike's last batch
         skipped_before = list(trainer.loader.skipped)
+        source = "memory"
+        if isinstance(target, SaveOutcome):  # read once, then kept in the ring for the passes below
+            meta = trainer.checkpoints.load(target.path, trainer.model, trainer.optimizer)
+            trainer.rewind(int(meta["step"]), meta)
+            target, source = (
+                self.ring.keep(trainer.step, trainer.model, trainer.optimizer, trainer.resume_state()),
+                str(target.path),
+            )
         self._restore(trainer, target)
         first_data = trainer.loader.step
         found = diagnosis.diagnose(trainer, self, target, step, plan["began"], first_data, plan["losses"])
@@ -134,7 +143,7 @@ class GuardCallback(Callback):
             self.lr_scale *= self.cfg.lr_factor
             self.lr_until = target.step + self.cfg.lr_steps if self.cfg.lr_steps else None
         trainer.module.lr_scale = self._current_scale(target.step)
-        rollback = {"at": step, "began": plan["began"], "to": target.step, "skipped": list(skipped),
+        rollback = {"at": step, "began": plan["began"], "to": target.step, "from": source, "skipped": list(skipped),
                     "lr_scale": self.lr_scale, "lr_until": self.lr_until,
                     "seconds": round(time.perf_counter() - started, 3), "steps_redone": step - target.step}  # fmt: skip
         self.rollbacks.append(rollback)
@@ -270,7 +279,11 @@ class GuardCallback(Callback):
             what = f"{len(recent)} rollback(s) within guard.rollback_window = {self.cfg.rollback_window} steps already"
             findings.append(("limit", began, what))
             return "stop"
-        target = self.ring.newest_at_or_before(began - 1 - self.cfg.rollback_margin)
+        limit = began - 1 - self.cfg.rollback_margin
+        target: HeldState | SaveOutcome | None = self.ring.newest_at_or_before(limit)
+        saved = [o for o in trainer.checkpoints.outcomes if o.ok and o.step <= limit and o.path.is_dir()]
+        if saved and (target is None or saved[-1].step > target.step):
+            target = saved[-1]  # a durable checkpoint is newer (after a resume, the ring starts afresh)
         if target is None:
             what = f"no state kept from before step {began - self.cfg.rollback_margin} (kept: {self.ring.steps})"
             findings.append(("no_state", began, what + "; skipping the update instead"))
@@ -346,7 +359,7 @@ def _largest(values) -> float:
 
 def _event_fields(plan: dict, rollback: dict, found: dict) -> dict[str, Any]:
     return {
-        "began": rollback["began"], "to": rollback["to"], "skipped": rollback["skipped"],
+        "began": rollback["began"], "to": rollback["to"], "from": rollback["from"], "skipped": rollback["skipped"],
         "lr_scale": rollback["lr_scale"], "lr_until": rollback["lr_until"], "seconds": rollback["seconds"],
         "steps_redone": rollback["steps_redone"],
         "detectors": sorted({kind for kind, _, _ in plan["findings"]}),
