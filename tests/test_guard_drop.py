@@ -117,3 +117,23 @@ def test_a_source_below_the_floor_is_named_once_per_window_and_missing_steps_do_
 def test_disabled_per_source_rules_judge_nothing():
     watch = _watch(floor=0.0, factor=0.0)
     assert not [f for step in range(1, 40) for f in watch.judge(step, _parts(web=3.0, flood=0.001 * step))]
+
+
+@pytest.mark.slow
+def test_two_ranks_agree_on_a_collapsing_source(tmp_path, mixtures):
+    """The per-source losses of both FSDP ranks go into the guard's one shared vector: the flood is named once,
+    by the run, and both ranks carry on together."""
+    from helpers import read_run, run_liandan
+
+    stores = json.dumps([str(s) for s in mixtures["flood"]])
+    cfg = tiny_config(tmp_path, tmp_path / "unused", f"--train.steps={STEPS}", "--train.global_batch=16",
+                      "--optim.lr=1e-2", "--schedule.kind=constant", f"--data.stores={stores}",
+                      "--data.weights=[0.75, 0.25]", "--run.name=ranks", "--data.paths=[]")  # fmt: skip
+    config = tmp_path / "flood.toml"
+    config.write_text(cfg.to_toml())
+    done = run_liandan("train", config, "--nproc=2", timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_run(tmp_path / "ranks")
+    warned = records.of_kind("too_good")
+    assert warned and "source scrape" in warned[0]["detail"] and warned[0]["tokens"][0] == "\\"
+    assert [m["step"] for m in records.metrics] == list(range(1, STEPS + 1))
