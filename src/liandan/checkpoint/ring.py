@@ -15,7 +15,8 @@ from liandan.checkpoint.snapshots import (
     ensure_optimizer_state,
     optimizer_hyperparameters,
     python_rng,
-    set_python_rng,
+    set_optimizer_hyperparameters,
+    set_rng,
     state_tensors,
 )
 
@@ -79,15 +80,6 @@ def restore(held: HeldState, model: torch.nn.Module, optimizer: torch.optim.Opti
             target = targets.get(name)
             if target is not None and name not in ("rng.torch", "rng.cuda"):
                 target.copy_(saved)
-    torch.set_rng_state(held.tensors["rng.torch"])
-    if "rng.cuda" in held.tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(held.tensors["rng.cuda"])
-    set_python_rng(held.rng)
-    for group, saved in zip(optimizer.param_groups, held.optimizer_groups, strict=True):
-        for key, value in saved.items():
-            current = group.get(key)
-            if isinstance(current, torch.Tensor):
-                current.fill_(value)
-            else:
-                group[key] = tuple(value) if isinstance(current, tuple) else value
+    set_rng(held.tensors["rng.torch"], held.tensors.get("rng.cuda"), held.rng)
+    set_optimizer_hyperparameters(optimizer, held.optimizer_groups)
     return held.state

@@ -199,6 +199,25 @@ def optimizer_hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[d
     return groups
 
 
+def set_optimizer_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """Put back what `optimizer_hyperparameters` read, group by group."""
+    for group, saved in zip(optimizer.param_groups, groups, strict=True):
+        for key, value in saved.items():
+            current = group.get(key)
+            if isinstance(current, torch.Tensor):
+                current.fill_(value)
+            else:
+                group[key] = tuple(value) if isinstance(current, tuple) else value
+
+
+def set_rng(torch_state: torch.Tensor, cuda_state: torch.Tensor | None, python_state: dict[str, Any]) -> None:
+    """Every random-number state a rank uses: torch's, CUDA's (when there is one), Python's and numpy's."""
+    torch.set_rng_state(torch_state)
+    if cuda_state is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda_state)
+    set_python_rng(python_state)
+
+
 def python_rng() -> dict[str, Any]:
     version, internal, gauss = random.getstate()
     kind, key, pos, has_gauss, cached = np.random.get_state()
@@ -329,18 +348,10 @@ class MemorySnapshots:
                     continue
                 raw = source[entry["offset"] : entry["offset"] + entry["nbytes"]]
                 target.copy_(raw.view(target.dtype).view(target.shape))
-        torch.set_rng_state(tensors["rng.torch"])  # it was filled above like every other tensor
-        if "rng.cuda" in tensors and "rng.cuda" in names:
-            torch.cuda.set_rng_state(tensors["rng.cuda"])
-        set_python_rng(header["rng"])
+        rng_cuda = tensors["rng.cuda"] if "rng.cuda" in tensors and "rng.cuda" in names else None
+        set_rng(tensors["rng.torch"], rng_cuda, header["rng"])  # the tensors were filled above like every other
         if optimizer is not None:
-            for group, saved in zip(optimizer.param_groups, header["optimizer_groups"], strict=True):
-                for key, value in saved.items():
-                    current = group.get(key)
-                    if isinstance(current, torch.Tensor):
-                        current.fill_(value)
-                    else:
-                        group[key] = tuple(value) if isinstance(current, tuple) else value
+            set_optimizer_hyperparameters(optimizer, header["optimizer_groups"])
         return header["state"]
 
 

@@ -26,7 +26,7 @@ from liandan.run import RunStopped
 from liandan.train.callbacks import Callback, register_callback
 from liandan.train.guard import diagnosis
 from liandan.train.guard.rules import Rule, SourceWatch, Streak
-from liandan.train.guard.stats import BlockProbe, HeadProbe, norms_by_layer, submodule
+from liandan.train.guard.stats import BlockProbe, HeadProbe, parameters_now, submodule, update_norms
 
 if TYPE_CHECKING:
     from liandan.train.trainer import Trainer
@@ -335,13 +335,12 @@ class GuardCallback(Callback):
         probe, self.blocks = self.blocks, None
         probe.close()
         record = diagnosis.layer_stats(trainer, n, probe, grad_norm)
-        self.before_update = [p.detach().clone() for p in trainer.model.parameters()]
+        self.before_update = parameters_now(trainer.model)
         return record
 
     def _update_norms(self, trainer: Trainer) -> dict[str, float]:
         before, self.before_update = self.before_update, None
-        named = [(name, p.detach() - old) for (name, p), old in zip(trainer.model.named_parameters(), before)]
-        return norms_by_layer(named)
+        return update_norms(trainer.model, before)
 
 
 def _has_module(model: torch.nn.Module, name: str) -> bool:

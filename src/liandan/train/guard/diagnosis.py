@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from liandan.run import RunDir, append_jsonl, atomic_write_json
-from liandan.train.guard.stats import BlockProbe, norms_by_layer
+from liandan.train.guard.stats import BlockProbe, norms_by_layer, parameters_now, update_norms
 
 if TYPE_CHECKING:
     from liandan.checkpoint.ring import HeldState
@@ -124,13 +124,12 @@ def replay(trainer: Trainer, count: int) -> list[dict[str, Any]]:
         grad_norm = module.clip_gradients()
         probe.close()
         record = layer_stats(trainer, trainer.step + 1 + i, probe, grad_norm)
-        before = [p.detach().clone() for p in trainer.model.parameters()]
+        before = parameters_now(trainer.model)
         if math.isfinite(grad_norm):
             module.optimizer_step()
         else:
             module.skip_step()
-        pairs = zip(trainer.model.named_parameters(), before, strict=True)
-        record["update"] = norms_by_layer((name, p.detach() - old) for (name, p), old in pairs)
+        record["update"] = update_norms(trainer.model, before)
         record["loss"] = trainer.mean_over_ranks(loss)
         records.append(record)
     return records

@@ -53,6 +53,17 @@ def submodule(model: nn.Module, name: str) -> nn.Module:
     return model.get_submodule(name)
 
 
+def parameters_now(model: nn.Module) -> list[torch.Tensor]:
+    """A copy of every parameter, to measure an update against (`update_norms`)."""
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def update_norms(model: nn.Module, before: list[torch.Tensor]) -> dict[str, float]:
+    """Each layer's norm of what changed since `before` (from `parameters_now`)."""
+    pairs = zip(model.named_parameters(), before, strict=True)
+    return norms_by_layer((name, p.detach() - old) for (name, p), old in pairs)
+
+
 def _unwrap(module: nn.Module) -> nn.Module:
     while True:
         inner = getattr(module, "_checkpoint_wrapped_module", None) or getattr(module, "_orig_mod", None)
