@@ -9,6 +9,10 @@ Format: comma-separated `ACTION@POINT:STEP[:RANK]`, for example
     LIANDAN_FAULTS="nan@grad:30:1"        rank 1's gradients of step 30 turn NaN after backward
     LIANDAN_FAULTS="spike@grad:30:1"      rank 1's gradients of step 30 are multiplied by 10^4
     LIANDAN_FAULTS="burst@update:30"      the update of step 30 is made at 100 times the learning rate
+    LIANDAN_FAULTS="perturb@matmul:40:1"  rank 1's matrix products are wrong in rare elements from step 40 on
+    LIANDAN_FAULTS="flip@param:40:2"      rank 2 flips one bit of one parameter after the update of step 40
+    LIANDAN_FAULTS="slow@forward:40:1"    rank 1 sleeps SLOW_S in every forward pass from step 40 on
+    LIANDAN_FAULTS="corrupt@allreduce:40:1"  rank 1's contribution to the gradient all-reduce of step 40 is wrong
 
 Points: `data` (loading the batch of step STEP), `step` (after optimizer step STEP), `save` (a checkpoint's
 shards written, its manifest not yet), `saved` (a checkpoint complete; its path is passed along); in the data
@@ -17,7 +21,10 @@ pipeline, `clean` and `tokenize` (task STEP's output written, its done marker no
 (OSError ENOSPC), `corrupt` (flip one byte of a checkpoint shard; `saved` only).
 
 Gradient and update faults fire once per process, the first time their step is trained: a run that rolls
-back over that step does not meet them again, as with a real transient fault.
+back over that step does not meet them again, as with a real transient fault. So do `flip@param` and
+`corrupt@allreduce`. Device faults are persistent, as a bad device is: `perturb@matmul` and `slow@forward` hold
+on their rank from their step on, for the rest of the process (step 0: from before the first step, so the
+preflight doctor meets them too).
 
 Real faults are transient: the supervisor hands $LIANDAN_FAULTS to the first attempt of a supervised run only
 (`liandan.run.worker_env`). Faults in $LIANDAN_FAULTS_ALWAYS fire in every attempt, the way a deterministic bug
@@ -31,6 +38,7 @@ import errno
 import os
 import signal
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -38,6 +46,9 @@ from typing import Any
 ENV, ENV_ALWAYS = "LIANDAN_FAULTS", "LIANDAN_FAULTS_ALWAYS"
 BURST = 100.0  # the learning-rate factor of a `burst`
 SPIKE = 1e4  # the gradient factor of a `spike`
+SLOW_S = 0.05  # the sleep of a `slow` forward pass
+PERTURBATION = 0.5  # added to the rare elements a `perturb`ed matrix product gets wrong
+PERTURB_EVERY = 997  # one output element in this many is wrong (and at least one per product)
 _fired: set[tuple[str, str, int]] = set()
 
 
@@ -115,3 +126,91 @@ def learning_rate_burst(step: int) -> float:
             raise ValueError(f"{ENV}: cannot do '{action}' at 'update'")
         factor *= BURST
     return factor
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _from_step(action: str, point: str, step: int) -> bool:
+    """Whether a persistent device fault `action@point` holds on this rank at `step`."""
+    if ENV not in os.environ and ENV_ALWAYS not in os.environ:
+        return False
+    rank = _rank()
+    return any(a == action and w == point and step >= s and (r is None or r == rank) for a, w, s, r in _active())
+
+
+def slow_forward(step: int) -> None:
+    """`slow@forward`: a straggler: this rank sleeps SLOW_S in each forward pass from its step on."""
+    if _from_step("slow", "forward", step):
+        time.sleep(SLOW_S)
+
+
+def perturb(output: Any) -> Any:
+    """Make rare elements of a matrix product wrong, the way a faulty device does: every PERTURB_EVERY-th
+    element (and the first) gets PERTURBATION added. Deterministic, so a recomputation on the same device
+    is wrong in the same way and only another device or a float64 reference tells."""
+    import torch
+
+    if not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.numel() == 0:
+        return output
+    flat = output.reshape(-1)
+    wrong = flat[::PERTURB_EVERY] + PERTURBATION
+    flat = flat.clone()
+    flat[::PERTURB_EVERY] = wrong
+    return flat.view(output.shape)
+
+
+def faulty_matmuls(step: int):
+    """`perturb@matmul`: a context under which this rank's matrix products (`mm`, `matmul`, `bmm`, `addmm`,
+    `linear`, `@`) are wrong in rare elements, when the fault holds at `step`; a null context otherwise."""
+    import contextlib
+
+    if not _from_step("perturb", "matmul", step):
+        return contextlib.nullcontext()
+    return _faulty_matmul_mode_type()()
+
+
+def _faulty_matmul_mode_type():
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    products = {torch.mm, torch.matmul, torch.bmm, torch.addmm, torch.nn.functional.linear,
+                torch.Tensor.__matmul__, torch.Tensor.matmul, torch.Tensor.mm}  # fmt: skip
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return perturb(out) if func in products else out
+
+    return Mode
+
+
+def flip_parameter_bit(step: int, parameters: Iterable[Any]) -> str | None:
+    """`flip@param`: after the update of `step`, flip one exponent bit of one element of this rank's first
+    parameter with elements, as a memory error would; returns what was flipped (or None)."""
+    if "flip" not in _once("param", step):
+        return None
+    import torch
+
+    for index, p in enumerate(parameters):
+        local = p.data.to_local() if hasattr(p.data, "to_local") else p.data
+        if local.numel() == 0:
+            continue
+        flat = local.view(-1)
+        bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()]
+        element = flat.numel() // 2
+        as_int = flat[element : element + 1].view(bits)
+        as_int ^= 1 << (flat.element_size() * 8 - 3)  # the exponent's second-highest bit
+        return f"parameter {index}, element {element}"
+    return None
+
+
+def corrupt_contribution(step: int, tensor: Any) -> bool:
+    """`corrupt@allreduce`: this rank's contribution to the gradient all-reduce of `step` goes out wrong
+    (rare elements perturbed in place, before it is sent); True when it did."""
+    if "corrupt" not in _once("allreduce", step):
+        return False
+    flat = tensor.view(-1)
+    flat[::PERTURB_EVERY] += PERTURBATION * 100
+    return True

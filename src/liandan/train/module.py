@@ -12,6 +12,7 @@ import torch
 
 from liandan.config import Config, ConfigError
 from liandan.data.loader import Batch
+from liandan.faults import faulty_matmuls, slow_forward
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
 from liandan.spec.layout import Layout, uses_fsdp
@@ -75,14 +76,15 @@ class TrainModule:
     def lr(self) -> float:
         return self.scheduler.get_last_lr()[0] * self.lr_scale
 
-    def forward_backward(self, batches: list[Batch], phase: PhaseHook) -> torch.Tensor:
-        """Forward and backward over the micro-batches of one step; returns the step's mean loss (detached).
-        Gradients are synchronised on the last micro-batch only."""
+    def forward_backward(self, batches: list[Batch], phase: PhaseHook, step: int = 0) -> torch.Tensor:
+        """Forward and backward over the micro-batches of step `step` (counted from 1); returns the step's mean
+        loss (detached). Gradients are synchronised on the last micro-batch only."""
         total = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             batch = batch.to(self.device)
-            with gradient_sync(self.model, sync=i == len(batches) - 1):
+            with gradient_sync(self.model, sync=i == len(batches) - 1), faulty_matmuls(step):
                 phase("forward", micro=i)
+                slow_forward(step)
                 with self.autocasting():
                     loss = self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)) / len(batches)
                 phase("backward", micro=i)

@@ -29,7 +29,7 @@ from liandan.checkpoint.verify import step_of
 from liandan.config import Config, ConfigError
 from liandan.data.loader import PackedLoader
 from liandan.data.prepare import open_prepared, open_stores, prepare_store
-from liandan.faults import corrupt_gradients, learning_rate_burst, maybe_inject
+from liandan.faults import corrupt_gradients, flip_parameter_bit, learning_rate_burst, maybe_inject
 from liandan.run import RunDir, RunLock, holds_progress, lock_run_dir, naming
 from liandan.run.worker_env import WorkerEnv
 from liandan.spec.layout import resolve_layout
@@ -126,7 +126,7 @@ class Trainer:
                 self.phase("data")
                 batches = self.loader.next_step(self.micro_batch)
                 maybe_inject("data", self.step + 1)
-                loss = self.module.forward_backward(batches, self.phase)
+                loss = self.module.forward_backward(batches, self.phase, self.step + 1)
                 corrupt_gradients(self.step + 1, self.model.parameters())
                 self.phase("optimizer")
                 grad_norm, lr = self.module.clip_gradients(), self.module.lr
@@ -135,6 +135,7 @@ class Trainer:
                     self.module.optimizer_step(learning_rate_burst(self.step + 1))
                 else:
                     self.module.skip_step()
+                flip_parameter_bit(self.step + 1, self.model.parameters())
                 self.step += 1
                 self.tokens += self.tokens_per_step
                 self.last_step = StepOutput(loss, grad_norm, lr, skipped=not update)
