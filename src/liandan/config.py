@@ -231,6 +231,32 @@ class GuardSection:
 
 
 @dataclass
+class DoctorSection:
+    """The hardware doctor (docs/resilience.md, "The doctor"): `liandan doctor`, and the preflight of every
+    `liandan train`. Sizes of 0 take the device's default: small on CPUs, large enough to time on GPUs."""
+
+    preflight: bool = _f(True, "run the doctor on every rank before the first step of `liandan train`; a failure"
+                         " stops the run and names the rank and host")  # fmt: skip
+    golden_size: int = _f(256, "side of the seeded matrix product each rank checks against float64 and the other"
+                          " ranks", min=16, max=8192)  # fmt: skip
+    matmul_size: int = _f(0, "side of the matrices whose product times matmul throughput; 0: 512 on CPUs, 4096 on"
+                          " GPUs", min=0, max=16384)  # fmt: skip
+    copy_mib: float = _f(0.0, "MiB copied to time memory bandwidth; 0: 32 on CPUs, 1024 on GPUs", min=0.0)
+    measure_s: float = _f(0.1, "seconds each throughput is timed for (the best repetition counts)", min=0.01,
+                          max=10.0)  # fmt: skip
+    collective_kib: float = _f(64.0, "KiB each rank sends in the collective correctness tests", min=1.0)
+    bandwidth_mib: float = _f(0.0, "MiB per rank in the collective bandwidth tests, across all ranks and in pairs;"
+                              " 0: 4 on CPUs, 256 on GPUs", min=0.0)  # fmt: skip
+    pairs: bool = _f(True, "also test every pair of ranks, for correctness and bandwidth (n-1 rounds of pairs)")
+    write_mib: float = _f(4.0, "MiB each rank writes and fsyncs into the checkpoint directory (then removes)",
+                          min=0.0)  # fmt: skip
+    slow_ratio: float = _f(0.5, "a throughput or bandwidth below this fraction of the median of the other ranks on"
+                           " its host is out of line; 0 disables", min=0.0, max=1.0)  # fmt: skip
+    on_slow: Literal["warn", "fail"] = _f("warn", "what an out-of-line throughput or bandwidth does (wrong answers"
+                                          " always fail)")  # fmt: skip
+
+
+@dataclass
 class Config:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -243,6 +269,7 @@ class Config:
     resilience: ResilienceSection = field(default_factory=ResilienceSection)
     forecast: ForecastSection = field(default_factory=ForecastSection)
     guard: GuardSection = field(default_factory=GuardSection)
+    doctor: DoctorSection = field(default_factory=DoctorSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -123,9 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="a run directory")
     p.set_defaults(command=cmd_incidents)
 
-    from liandan.cli import checkpoints, data_cmd, fit_cmd, forecast_cmd, guard_cmd, plan_cmd, sweep_cmd
+    from liandan.cli import checkpoints, data_cmd, doctor_cmd, fit_cmd, forecast_cmd, guard_cmd, plan_cmd, sweep_cmd
 
-    for module in (guard_cmd, data_cmd, checkpoints, plan_cmd, fit_cmd, forecast_cmd, sweep_cmd):
+    for module in (doctor_cmd, guard_cmd, data_cmd, checkpoints, plan_cmd, fit_cmd, forecast_cmd, sweep_cmd):
         module.add_commands(sub)
     return parser
 
@@ -195,6 +195,7 @@ def register_callbacks() -> None:
     """Register liandan's own training callbacks, each in its module's layer (`liandan.train.callbacks`).
     Every process that trains passes here: `liandan train` alone, and each supervised or torchrun worker,
     which runs `python -m liandan.cli train` too."""
+    import liandan.doctor.preflight  # "doctor": the hardware preflight before the first step
     import liandan.plan.forecast_callback  # noqa: F401 - "forecast": the live loss forecast
 
 

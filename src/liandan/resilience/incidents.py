@@ -1,5 +1,5 @@
 """The incident timeline of a run, from its events.jsonl: failures, restarts, recoveries, checkpoint trouble,
-and what the loss-spike guard did (rollbacks, skipped updates, warnings)."""
+what the loss-spike guard did (rollbacks, skipped updates, warnings), and what the preflight doctor found."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from liandan.run import RunDir
 
 SHOWN = ("incident", "restart", "recovered", "gave_up", "resumed", "checkpoint_failed", "checkpoint_rejected",
          "train_stopped", "stale_saves_removed", "nonfinite_loss", "node_excluded", "node_refused", "preempted",
-         "supervisor_end", "guard", "rollback", "too_good")  # fmt: skip
+         "supervisor_end", "guard", "rollback", "too_good", "doctor")  # fmt: skip
 
 
 def read_events(run_dir: Path) -> list[dict]:
@@ -34,6 +34,8 @@ def timeline(run_dir: Path) -> list[str]:
     lines = []
     for e in events:
         if e["kind"] not in SHOWN or e["kind"] == "guard" and _told_elsewhere(e, told):
+            continue
+        if e["kind"] == "doctor" and e.get("ok") and not e.get("warnings"):  # a clean preflight is no incident
             continue
         if e["kind"] == "too_good":
             e = {**e, "detail": drops.get(e["step"], "")}
@@ -59,6 +61,12 @@ def _describe(e: dict) -> str:
     kind = e["kind"]
     if kind in ("guard", "rollback", "too_good"):
         return _describe_guard(e)
+    if kind == "doctor":
+        before = f"before step {e.get('step', 0) + 1}"
+        said = e["summary"].removeprefix("doctor: ")
+        if not e.get("ok"):
+            return f"DOCTOR STOPPED the run {before}: {said}"
+        return f"doctor warning {before}: {said}"
     if kind == "incident":
         seen = f" (seen by {e['reported_by']})" if e.get("reported_by") not in (None, e["host"]) else ""
         return (

@@ -4,6 +4,7 @@
     metrics.jsonl         one record per logged step (rank 0)
     events.jsonl          what happened: starts, resumes, saves, incidents, forecasts (trainer and supervisor)
     summary.json          the run's totals, written when it ends
+    doctor.json           the preflight doctor's report: every rank's checks and verdicts (the newest launch)
     training.png          loss, learning rate and throughput against step, drawn when it ends
     heartbeat/            rank-N.json: each rank's step and phase, for the supervisor's hang detection
     logs/                 each worker's output, per attempt
@@ -58,6 +59,10 @@ class RunDir:
     @property
     def summary(self) -> Path:
         return self.path / "summary.json"
+
+    @property
+    def doctor(self) -> Path:
+        return self.path / "doctor.json"
 
     @property
     def heartbeats(self) -> Path:
@@ -144,6 +149,13 @@ class RunDir:
 
     def write_summary(self, summary: dict) -> None:
         atomic_write_json(self.summary, summary)
+
+    def write_doctor(self, report: dict) -> None:
+        atomic_write_json(self.doctor, report)
+
+    def read_doctor(self) -> dict:
+        report = read_json(self.doctor, {})
+        return report if isinstance(report, dict) else {}
 
     def truncate_metrics(self, step: int) -> None:
         """Drop the records of steps after `step` (they are about to be trained again), in place: the run's

@@ -1,0 +1,49 @@
+"""The doctor as the preflight of `liandan train`: the "doctor" callback runs it on every rank once the
+process group, the run directory and the model are up, before the first step of each launch (a restart
+checks its machines again). It is a callback, not a call in the trainer, because the doctor sits above the
+trainer in the layers and needs what only a set-up trainer has: the process group, the run directory and its
+events log, and the model's exact parameter count for the sizes of checkpoints and snapshots.
+
+A failure stops the run before it trains: the report goes to `doctor.json`, a "doctor" event to the events
+log (`liandan incidents` shows it), and `DoctorFailed`, a `RunStopped`, ends every rank with exit code 2,
+which the supervisor does not retry (the same machines would fail the same way).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from liandan.config import Config
+from liandan.doctor.runner import DoctorFailed, run_doctor
+from liandan.train.callbacks import Callback, register_callback
+
+if TYPE_CHECKING:
+    from liandan.train.trainer import Trainer
+
+
+class DoctorPreflight(Callback):
+    order = 0  # before any other callback's on_train_start: nothing should happen on a machine that fails
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        report = run_doctor(trainer.cfg, trainer.dist, trainer.room.checkpoints, trainer.step,
+                            trainer.module.params.total)  # fmt: skip
+        if trainer.dist.is_main:
+            trainer.room.write_doctor(report)
+            findings = report["findings"]
+            trainer.files.log_event(
+                "doctor", step=trainer.step, ok=report["ok"], summary=report["summary"], seconds=report["seconds"],
+                failures=[f for f in findings if f["level"] == "fail"],
+                warnings=[f for f in findings if f["level"] == "warn"], report=str(trainer.room.doctor),
+            )  # fmt: skip
+            for f in findings:
+                who = f"rank {f['rank']} on host {f['host']}" if f["rank"] is not None else f"host {f['host']}"
+                trainer.say(f"{f['level'].upper()} {f['check']}: {who} {f['what']}")
+            trainer.say(report["summary"])
+        if not report["ok"]:
+            raise DoctorFailed(f"{report['summary']}; the run stopped before step {trainer.step + 1}"
+                               f" (report: {trainer.room.doctor}; skip with --doctor.preflight=false)")  # fmt: skip
+
+
+@register_callback("doctor")
+def doctor_callback(cfg: Config) -> Callback | None:
+    return DoctorPreflight() if cfg.doctor.preflight else None

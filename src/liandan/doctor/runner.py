@@ -1,0 +1,34 @@
+"""One run of the doctor on every rank of a process group: probe, gather, judge. Every rank gets the same
+report, so every rank can stop (or go on) on its own, and rank 0 writes and prints it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from liandan.config import Config
+from liandan.doctor import probe, verdict
+from liandan.run.errors import RunStopped
+from liandan.train.distributed import DistInfo
+
+
+class DoctorFailed(RunStopped):
+    """The doctor found a rank out of line: not a bug, and nothing a restart on the same machines fixes."""
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    """Where a run of this config saves checkpoints, before there is a run directory: `checkpoint.dir`, or
+    the directory the run directories go into (the same file system as `<run>/checkpoints`)."""
+    return Path(cfg.checkpoint.dir or cfg.run.output_dir)
+
+
+def run_doctor(cfg: Config, info: DistInfo, checkpoints: Path, step: int = 0, parameters: int | None = None) -> dict:
+    """Probe every rank, then judge: the report (see `verdict.judge`). Every rank of the group must call it.
+    `step`: the training step it runs at (for injected device faults); `parameters`: the model's count, for
+    the sizes of checkpoints and memory snapshots (None: planned from the config)."""
+    if parameters is None:
+        from liandan.doctor.environment import planned_parameters
+
+        parameters = planned_parameters(cfg)
+    settings = probe.Settings.of(cfg.doctor, info.device)
+    records, seconds = probe.probe(settings, info, step, checkpoints, cfg.checkpoint.memory_dir)
+    return verdict.judge(cfg, records, parameters, seconds, step)
