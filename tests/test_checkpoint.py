@@ -192,7 +192,9 @@ def test_really_full_disk_fails_the_run_in_one_line(config, small_disk):
     timeline = run_liandan("incidents", run_dir(config, "fulldisk"), check=True)
     shown = [line for line in timeline.stdout.splitlines() if "checkpoint failed" in line]
     assert len(shown) == 2 and "Traceback" not in timeline.stdout, timeline.stdout
-    assert len(timeline.stdout.splitlines()) <= 3, timeline.stdout  # a line per event, not a traceback
+    assert len(timeline.stdout.splitlines()) <= 4, timeline.stdout  # a line per event, not a traceback
+    # The preflight doctor saw it coming: a warning before step 1 that the disk cannot hold the checkpoints.
+    assert "doctor warning before step 1: " in timeline.stdout and f"{disk} has 0.00 GiB free" in timeline.stdout
 
 
 def test_failed_saves_in_a_row_stop_the_run(config, small_disk):

@@ -72,10 +72,8 @@ def device_name(device: torch.device) -> str:
 
 def _space(path: Path) -> tuple[int, int] | None:
     """(total, free) bytes of the file system holding `path` (or its nearest existing parent)."""
-    while not path.exists() and path != path.parent:
-        path = path.parent
     try:
-        stat = os.statvfs(path)
+        stat = os.statvfs(existing(path))
     except OSError:
         return None
     return stat.f_blocks * stat.f_frsize, stat.f_bavail * stat.f_frsize
@@ -128,13 +126,26 @@ def environment_warnings(cfg: Config, facts: dict, size: StateSize | None, devic
     return said
 
 
+def existing(path: Path) -> Path:
+    """`path`, or its nearest parent that exists: where a directory not made yet would be made."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def write_throughput(directory: Path, nbytes: int, rank: int) -> dict:
-    """Write and fsync a file of `nbytes` in `directory`, then remove it: bytes/s, or the error a checkpoint
-    save would meet there."""
-    path = directory / f".doctor-rank-{rank:05d}-{uuid.uuid4().hex[:8]}.tmp"
-    block = os.urandom(min(nbytes, 1 << 20)) if nbytes else b""
+    """Write and fsync a file of `nbytes` (at most a tenth of the free space: the check must not fill the disk
+    it checks) in `directory`, or the nearest parent that exists, then remove it: bytes/s, or the error a
+    checkpoint save would meet there."""
+    where = existing(directory)
+    space = _space(where)
+    if space is not None:
+        nbytes = min(nbytes, space[1] // 10)
+    path = where / f".doctor-rank-{rank:05d}-{uuid.uuid4().hex[:8]}.tmp"
+    block = os.urandom(min(nbytes, 1 << 20))
+    result: dict = {"path": str(where), "bytes": nbytes, "bytes_per_s": None, "error": None}
     try:
-        directory.mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -144,13 +155,13 @@ def write_throughput(directory: Path, nbytes: int, rank: int) -> dict:
             os.fsync(fd)
         finally:
             os.close(fd)
-        elapsed = time.perf_counter() - start
-        return {"path": str(directory), "bytes": nbytes, "bytes_per_s": nbytes / max(elapsed, 1e-9), "error": None}
+        if nbytes:
+            result["bytes_per_s"] = nbytes / max(time.perf_counter() - start, 1e-9)
     except OSError as err:
-        return {"path": str(directory), "bytes": nbytes, "bytes_per_s": None,
-                "error": f"{type(err).__name__}: {err.strerror or err}"}  # fmt: skip
+        result["error"] = f"{type(err).__name__}: {err.strerror or err}"
     finally:
         try:
             path.unlink(missing_ok=True)
         except OSError:
             pass
+    return result
