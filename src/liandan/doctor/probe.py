@@ -146,4 +146,7 @@ def probe(s: Settings, info: DistInfo, step: int, checkpoint_dir: Path, memory_d
     record = measure_rank(s, info, step, checkpoint_dir, memory_dir)
     record.update(measure_links(s, info, step))
     record["seconds"] = time.perf_counter() - started
-    return gather(record, info), time.perf_counter() - started
+    records = gather(record, info)
+    if info.device.type == "cuda":  # the copies and products held a few GiB the run is about to want
+        torch.cuda.empty_cache()
+    return records, time.perf_counter() - started
