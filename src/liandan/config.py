@@ -241,7 +241,7 @@ class DoctorSection:
                           " ranks", min=16, max=8192)  # fmt: skip
     matmul_size: int = _f(0, "side of the matrices whose product times matmul throughput; 0: 512 on CPUs, 4096 on"
                           " GPUs", min=0, max=16384)  # fmt: skip
-    copy_mib: float = _f(0.0, "MiB copied to time memory bandwidth; 0: 32 on CPUs, 1024 on GPUs", min=0.0)
+    copy_mib: float = _f(0.0, "MiB copied to time memory bandwidth; 0: 32 on CPUs, 512 on GPUs", min=0.0)
     measure_s: float = _f(0.1, "seconds each throughput is timed for (the best repetition counts)", min=0.01,
                           max=10.0)  # fmt: skip
     collective_kib: float = _f(64.0, "KiB each rank sends in the collective correctness tests", min=1.0)

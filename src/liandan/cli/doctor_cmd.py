@@ -42,6 +42,8 @@ def doctor_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_doctor(args: argparse.Namespace, overrides: list[str]) -> int:
+    # The modes: the checks (default) and --bisect. Another mode adds its option in doctor_options and its
+    # branch here, before the checks' own set-up.
     cfg = load_config(args.config, overrides)
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be at least 1")

@@ -83,7 +83,8 @@ def facts(device: torch.device, checkpoint_dir: Path, memory_dir: str) -> dict:
     """This rank's view of its machine."""
     nccl = None
     if device.type == "cuda" and hasattr(torch.cuda, "nccl"):
-        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        version = torch.cuda.nccl.version()  # a tuple; an int (2.18.1 as 21801) in older torch
+        nccl = ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
     shm = Path(memory_dir) if memory_dir else default_base()
     shm_space, disk_space = _space(shm), _space(checkpoint_dir)
     return {

@@ -44,7 +44,7 @@ class Settings:
         return cls(
             golden_size=d.golden_size,
             matmul_size=d.matmul_size or (4096 if gpu else 512),
-            copy_bytes=int((d.copy_mib or (1024 if gpu else 32)) * MIB),
+            copy_bytes=int((d.copy_mib or (512 if gpu else 32)) * MIB),
             measure_s=d.measure_s,
             collective_numel=max(1, int(d.collective_kib * 1024) // 4),
             bandwidth_bytes=int((d.bandwidth_mib or (256 if gpu else 4)) * MIB),

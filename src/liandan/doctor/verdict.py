@@ -237,7 +237,7 @@ def render(report: dict) -> list[str]:
     for r in report["ranks"]:
         cells = [str(r["rank"]), r["host"], r["device"]]
         cells += [{"fail": "FAIL", "warn": "WARN"}.get(v, v) for v in (r["verdicts"][c] for c in CHECKS)]
-        cells += [si(r["matmul"][t]["flops"], "FLOP/s") for t in dtypes]
+        cells += [_of_peak(r["matmul"][t]) for t in dtypes]
         cells += [si(r["memory_bandwidth"], "B/s"), si(r["disk"]["bytes_per_s"], "B/s")]
         rows.append(cells)
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
@@ -262,6 +262,12 @@ def render(report: dict) -> list[str]:
         lines.append(f"{f['level'].upper()} {f['check']}: {who} {f['what']}")
     lines.append(report["summary"])
     return lines
+
+
+def _of_peak(m: dict) -> str:
+    """Achieved FLOP/s, and the share of the data sheet's peak where there is one (GPUs)."""
+    said = si(m["flops"], "FLOP/s")
+    return f"{said} ({m['flops'] / m['peak_flops']:.0%} of peak)" if m.get("peak_flops") else said
 
 
 def _gib(value: float | None) -> str:
