@@ -100,12 +100,17 @@ def test_a_wrong_collective_contribution_names_its_sender(wrong_contribution):
 
 @pytest.fixture(scope="module")
 def bisected(tmp_path_factory):
-    return doctor(tmp_path_factory.mktemp("bisect"), "--nproc=4", "--bisect=0,1,2,3", faults="perturb@matmul:0:2")
+    """Four ranks, rank 2's products wrong; `run.name` names an existing run directory, which gets the report."""
+    tmp = tmp_path_factory.mktemp("bisect")
+    (tmp / "runs" / "suspect").mkdir(parents=True)
+    done, report, _ = doctor(tmp, "--nproc=4", "--bisect=0,1,2,3", "--run.name=suspect",
+                                   faults="perturb@matmul:0:2")  # fmt: skip
+    return done, report, tmp / "runs" / "suspect"
 
 
 @pytest.mark.slow
 def test_bisection_names_the_faulty_rank_of_four_in_two_rounds(bisected):
-    done, report, _ = bisected
+    done, report, run_dir = bisected
     assert done.returncode == 1, done.stderr
     rounds = [line for line in done.stdout.splitlines() if line.startswith("round ")]
     assert len(rounds) == 2, done.stdout
@@ -114,6 +119,12 @@ def test_bisection_names_the_faulty_rank_of_four_in_two_rounds(bisected):
     assert "rank(s) 2 on " + HOST + " FAIL" in rounds[1] and "rank(s) 3 on " + HOST + " pass" in rounds[1]
     assert f"liandan: doctor: bisection names rank 2 on host {HOST} after 2 round(s)" in done.stderr
     assert report["found"] == 2 and report["host"] == HOST and len(report["rounds"]) == 2
+    run = read_run(run_dir)
+    [event] = run.of_kind("doctor_bisect")
+    assert (event["found"], event["host"], event["rounds"], event["ok"]) == (2, HOST, 2, False)
+    assert json.loads((run_dir / "doctor-bisect.json").read_text())["found"] == 2
+    timeline = run_liandan("incidents", run_dir, check=True).stdout
+    assert f"DOCTOR BISECTION: bisection names rank 2 on host {HOST} after 2 round(s)" in timeline
 
 
 @pytest.mark.slow
@@ -332,7 +343,14 @@ def test_incidents_tell_the_doctor_in_one_line(tmp_path):
                                "summary": "doctor: all 2 rank(s) on 1 host(s) passed in 1.0s"})  # fmt: skip
     append_jsonl(room.events, {"time": 2.0, "kind": "doctor", "step": 40, "ok": False, "warnings": [],
                                "summary": "doctor: rank 3 on host n7 computes wrong matrix products (...)"})  # fmt: skip
-    [line] = timeline(tmp_path)
-    assert line.endswith(
+    append_jsonl(room.events, {"time": 3.0, "kind": "doctor", "standalone": True, "ok": True,
+                               "warnings": [{"rank": 1}], "summary": "doctor: all 2 rank(s) ..., with warnings: x"})  # fmt: skip
+    append_jsonl(room.events, {"time": 4.0, "kind": "doctor_bisect", "ok": False, "found": 3, "host": "n7",
+                               "rounds": 3, "summary": "doctor: bisection names rank 3 on host n7 after 3 round(s)"})  # fmt: skip
+    lines = timeline(tmp_path)
+    assert len(lines) == 3, lines  # the clean preflight is no incident
+    assert lines[0].endswith(
         "DOCTOR STOPPED the run before step 41: rank 3 on host n7 computes wrong matrix products (...)"
     )
+    assert lines[1].endswith("doctor warning (liandan doctor): all 2 rank(s) ..., with warnings: x")
+    assert lines[2].endswith("DOCTOR BISECTION: bisection names rank 3 on host n7 after 3 round(s)")

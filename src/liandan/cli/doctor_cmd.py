@@ -51,14 +51,14 @@ def cmd_doctor(args: argparse.Namespace, overrides: list[str]) -> int:
 
     suspects = parse_suspects(args.bisect) if args.bisect is not None else None
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
-        return _launch(args, overrides, suspects)
+        return _launch(args, cfg, overrides, suspects)
     report = _run_here(cfg, suspects)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0 if args.report_to or report["ok"] else 1
     if args.report_to:
         atomic_write_json(Path(args.report_to), report)
         return 0
-    return _tell(report, args.json)
+    return _tell(report, args.json, cfg)
 
 
 def _run_here(cfg, suspects: list[str] | None) -> dict:
@@ -78,7 +78,7 @@ def _run_here(cfg, suspects: list[str] | None) -> dict:
         shutdown_distributed()
 
 
-def _launch(args: argparse.Namespace, overrides: list[str], suspects: list[str] | None) -> int:
+def _launch(args: argparse.Namespace, cfg, overrides: list[str], suspects: list[str] | None) -> int:
     """`nproc` local workers under torchrun; rank 0 hands the report back through a file."""
     from liandan.cli.main import _error
     from liandan.train.distributed import launch_local
@@ -95,17 +95,21 @@ def _launch(args: argparse.Namespace, overrides: list[str], suspects: list[str] 
         if message:
             _error(message)
             return 2 if code == 2 else 1
-        return _tell(json.loads(path.read_text()), args.json)
+        return _tell(json.loads(path.read_text()), args.json, cfg)
 
 
-def _tell(report: dict, json_path: str | None) -> int:
-    """Print the table (or the bisection's rounds), write the JSON, and say the verdict: exit 1 when a rank
-    is out of line."""
+def _tell(report: dict, json_path: str | None, cfg) -> int:
+    """Print the table (or the bisection's rounds), write the JSON (and into the run directory `run.name`
+    names, if there is one), and say the verdict: exit 1 when a rank is out of line."""
     from liandan.doctor import render
     from liandan.doctor.bisect import render as render_bisection
+    from liandan.doctor.runner import record_in_run
 
     if json_path:
         atomic_write_json(Path(json_path), report)
+    recorded = record_in_run(cfg, report)
+    if recorded is not None:
+        print(f"report and event recorded in the run directory: {recorded}")
     lines = render_bisection(report) if report["mode"] == "bisect" else render(report)
     print("\n".join(lines[:-1]))
     if report["ok"]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from liandan.config import Config
-from liandan.doctor.runner import DoctorFailed, run_doctor
+from liandan.doctor.runner import DoctorFailed, event_fields, run_doctor
 from liandan.train.callbacks import Callback, register_callback
 
 if TYPE_CHECKING:
@@ -29,13 +29,10 @@ class DoctorPreflight(Callback):
                             trainer.module.params.total)  # fmt: skip
         if trainer.dist.is_main:
             trainer.room.write_doctor(report)
-            findings = report["findings"]
             trainer.files.log_event(
-                "doctor", step=trainer.step, ok=report["ok"], summary=report["summary"], seconds=report["seconds"],
-                failures=[f for f in findings if f["level"] == "fail"],
-                warnings=[f for f in findings if f["level"] == "warn"], report=str(trainer.room.doctor),
-            )  # fmt: skip
-            for f in findings:
+                "doctor", step=trainer.step, **event_fields(report), report=str(trainer.room.doctor)
+            )
+            for f in report["findings"]:
                 who = f"rank {f['rank']} on host {f['host']}" if f["rank"] is not None else f"host {f['host']}"
                 trainer.say(f"{f['level'].upper()} {f['check']}: {who} {f['what']}")
             trainer.say(report["summary"])

@@ -3,10 +3,12 @@ report, so every rank can stop (or go on) on its own, and rank 0 writes and prin
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from liandan.config import Config
 from liandan.doctor import probe, verdict
+from liandan.run import RunDir, append_jsonl, atomic_write_json
 from liandan.run.errors import RunStopped
 from liandan.train.distributed import DistInfo
 
@@ -32,3 +34,32 @@ def run_doctor(cfg: Config, info: DistInfo, checkpoints: Path, step: int = 0, pa
     settings = probe.Settings.of(cfg.doctor, info.device)
     records, seconds = probe.probe(settings, info, step, checkpoints, cfg.checkpoint.memory_dir)
     return verdict.judge(cfg, records, parameters, seconds, step)
+
+
+def event_fields(report: dict) -> dict:
+    """What a "doctor" (or "doctor_bisect") event records of a report; the report file has the rest."""
+    if report.get("mode") == "bisect":
+        return {"ok": report["ok"], "summary": report["summary"], "found": report["found"], "host": report["host"],
+                "rounds": len(report["rounds"])}  # fmt: skip
+    findings = report["findings"]
+    return {"ok": report["ok"], "summary": report["summary"], "seconds": report["seconds"],
+            "failures": [f for f in findings if f["level"] == "fail"],
+            "warnings": [f for f in findings if f["level"] == "warn"]}  # fmt: skip
+
+
+def record_in_run(cfg: Config, report: dict) -> Path | None:
+    """`liandan doctor` with a `run.name` whose run directory exists: its report goes there too (doctor.json,
+    or doctor-bisect.json) with an event in the run's events log, beside the run's own incidents. Returns the
+    report's path there (None: no such run directory)."""
+    if not cfg.run.name:
+        return None
+    room = RunDir.of(Path(cfg.run.output_dir) / cfg.run.name, cfg.checkpoint.dir)
+    if not room.exists():
+        return None
+    bisection = report.get("mode") == "bisect"
+    path = room.doctor_bisection if bisection else room.doctor
+    atomic_write_json(path, report)
+    kind = "doctor_bisect" if bisection else "doctor"
+    append_jsonl(room.events, {"time": time.time(), "kind": kind, "standalone": True, **event_fields(report),
+                               "report": str(path)})  # fmt: skip
+    return path

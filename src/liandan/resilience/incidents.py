@@ -11,7 +11,7 @@ from liandan.run import RunDir
 
 SHOWN = ("incident", "restart", "recovered", "gave_up", "resumed", "checkpoint_failed", "checkpoint_rejected",
          "train_stopped", "stale_saves_removed", "nonfinite_loss", "node_excluded", "node_refused", "preempted",
-         "supervisor_end", "guard", "rollback", "too_good", "doctor")  # fmt: skip
+         "supervisor_end", "guard", "rollback", "too_good", "doctor", "doctor_bisect")  # fmt: skip
 
 
 def read_events(run_dir: Path) -> list[dict]:
@@ -61,8 +61,10 @@ def _describe(e: dict) -> str:
     kind = e["kind"]
     if kind in ("guard", "rollback", "too_good"):
         return _describe_guard(e)
+    if kind == "doctor_bisect":
+        return f"{'doctor bisection' if e.get('ok') else 'DOCTOR BISECTION'}: {e['summary'].removeprefix('doctor: ')}"
     if kind == "doctor":
-        before = f"before step {e.get('step', 0) + 1}"
+        before = "(liandan doctor)" if e.get("standalone") else f"before step {e.get('step', 0) + 1}"
         said = e["summary"].removeprefix("doctor: ")
         if not e.get("ok"):
             return f"DOCTOR STOPPED the run {before}: {said}"

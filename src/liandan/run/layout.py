@@ -4,7 +4,9 @@
     metrics.jsonl         one record per logged step (rank 0)
     events.jsonl          what happened: starts, resumes, saves, incidents, forecasts (trainer and supervisor)
     summary.json          the run's totals, written when it ends
-    doctor.json           the preflight doctor's report: every rank's checks and verdicts (the newest launch)
+    doctor.json           the preflight doctor's report: every rank's checks and verdicts (the newest launch,
+                          or the newest `liandan doctor` with this run's name)
+    doctor-bisect.json    the newest `liandan doctor --bisect` with this run's name: its rounds and verdict
     training.png          loss, learning rate and throughput against step, drawn when it ends
     heartbeat/            rank-N.json: each rank's step and phase, for the supervisor's hang detection
     logs/                 each worker's output, per attempt
@@ -63,6 +65,10 @@ class RunDir:
     @property
     def doctor(self) -> Path:
         return self.path / "doctor.json"
+
+    @property
+    def doctor_bisection(self) -> Path:
+        return self.path / "doctor-bisect.json"
 
     @property
     def heartbeats(self) -> Path:
