@@ -40,7 +40,8 @@ def wrong_products(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def wrong_contribution(tmp_path_factory):
-    return doctor(tmp_path_factory.mktemp("corrupt"), "--nproc=2", faults="corrupt@allreduce:0:1")
+    """Three ranks, so that the pairs are tested too (after the all-gather that the fault, once, spoiled)."""
+    return doctor(tmp_path_factory.mktemp("corrupt"), "--nproc=3", faults="corrupt@allreduce:0:1")
 
 
 @pytest.mark.slow
@@ -93,9 +94,12 @@ def test_a_wrong_collective_contribution_names_its_sender(wrong_contribution):
     assert f"liandan: doctor: rank 1 on host {HOST} sends wrong data in collectives" in done.stderr
     [finding] = [f for f in report["findings"] if f["level"] == "fail"]
     assert (finding["rank"], finding["check"]) == (1, "collectives")
-    for r in report["ranks"]:  # both ranks saw rank 1's slot of the all-gather wrong, nothing else
+    assert "arrived wrong at 3 of 3 ranks" in finding["what"]
+    for r in report["ranks"]:  # every rank saw rank 1's slot of the all-gather wrong, nothing else
         assert [c["wrong_senders"] for c in r["collectives"]] == [[1], [], []]
         assert [c["ok"] for c in r["collectives"]] == [False, True, True]
+        assert r["verdicts"]["pairs"] != "fail" and sorted(p["ok"] for p in r["pairs"]) == [True, True]
+        assert all(p["bandwidth"] > 0 and r["rank"] in p["ranks"] for p in r["pairs"])
 
 
 @pytest.fixture(scope="module")
