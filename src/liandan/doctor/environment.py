@@ -119,11 +119,11 @@ def environment_warnings(cfg: Config, facts: dict, size: StateSize | None, devic
     if c.memory_every and shm is not None and shm < size.snapshot_bytes_per_host:
         said.append(f"{facts['shm_path']} holds {shm / GIB:.2f} GiB; memory snapshots of this host's ranks need"
                     f" {size.snapshot_bytes_per_host / GIB:.2f} GiB (checkpoint.memory_every)")  # fmt: skip
-    free = facts["disk_free_bytes"]
+    free, each = facts["disk_free_bytes"], size.checkpoint_bytes
     kept = (c.keep_last or 1) + 1  # the ones kept and the one being written
-    if c.every and free is not None and free < kept * size.checkpoint_bytes:
+    if c.every and free is not None and free < kept * each:
         said.append(f"{facts['checkpoint_dir']} has {free / GIB:.2f} GiB free; {kept} checkpoints of"
-                    f" {size.checkpoint_bytes / GIB:.2f} GiB each need {kept * size.checkpoint_bytes / GIB:.2f} GiB")  # fmt: skip
+                    f" {each / GIB:.2f} GiB each need {kept * each / GIB:.2f} GiB")  # fmt: skip
     return said
 
 

@@ -191,8 +191,9 @@ def _pairs(records: list[dict], ratio: float, level: str, findings: list[Finding
         others = [v for other, v in medians.items() if other != rank]
         median = statistics.median(others) if others else 0
         if median > 0 and value < ratio * median:
-            findings.append(Finding("pairs", level, f"is slow: pair all-reduce {si(value, 'B/s')}, {value / median:.2f}x"
-                                    f" the median of the other ranks ({si(median, 'B/s')})", rank, host[rank]))  # fmt: skip
+            what = (f"is slow: pair all-reduce {si(value, 'B/s')}, {value / median:.2f}x the median of the other"
+                    f" ranks ({si(median, 'B/s')})")  # fmt: skip
+            findings.append(Finding("pairs", level, what, rank, host[rank]))
 
 
 def _hosts(cfg: Config, records: list[dict], parameters: int | None, findings: list[Finding]) -> dict:
