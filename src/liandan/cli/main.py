@@ -127,6 +127,12 @@ def _parser() -> argparse.ArgumentParser:
 
     for module in (guard_cmd, data_cmd, checkpoints, plan_cmd, fit_cmd, forecast_cmd, sweep_cmd):
         module.add_commands(sub)
+
+    from liandan.cli import doctor_resume_cmd
+
+    p = sub.add_parser("doctor", help="check the training stack: --resume CONFIG (is a resumed run exact?)")
+    doctor_resume_cmd.add_resume_option(p)
+    p.set_defaults(command=doctor_resume_cmd.cmd_doctor)
     return parser
 
 
