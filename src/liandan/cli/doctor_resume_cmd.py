@@ -29,6 +29,12 @@ def add_resume_option(parser: argparse.ArgumentParser) -> None:
         "--resume-steps", type=int, default=DEFAULT_STEPS, help=f"steps of each run (default {DEFAULT_STEPS})"
     )
     group.add_argument("--resume-at", type=int, help="the step checkpointed and resumed from (default: half way)")
+    group.add_argument(
+        "--save-in",
+        default="each",
+        help="each: every layout saves a checkpoint that it and the next layout resume (3 runs a layout);"
+        " first: only the first layout saves one, which every layout resumes (one run a layout, and one)",
+    )
     group.add_argument("--resume-dir", help="keep the runs here (a new or empty directory; default: a temporary one)")
     try:  # the report file may be an option the rest of `doctor` shares
         group.add_argument("--json", metavar="PATH", help="also write the report as JSON")
@@ -47,7 +53,7 @@ def cmd_resume(args: argparse.Namespace, overrides: list[str]) -> int:
 
     layouts = parse_layouts(args.layouts) if args.layouts is not None else None
     workdir = Path(args.resume_dir) if args.resume_dir else None
-    oracle = ResumeOracle(args.resume, overrides, layouts, args.resume_steps, args.resume_at, workdir)
+    oracle = ResumeOracle(args.resume, overrides, layouts, args.resume_steps, args.resume_at, workdir, args.save_in)
     try:
         report = oracle.run()
     except OracleError as err:
