@@ -15,8 +15,8 @@ the same numbers, so any difference at all is state the checkpoint failed to car
 the schedule, random-number states, a callback's statistics). Another layout sums the same numbers in another
 order (a gradient all-reduce over two ranks, a matrix product split across them), which moves fp32 results by
 a few units in the last place (about 1e-7 relative) per step; RELATIVE_TOLERANCE (1e-5) leaves two orders of
-magnitude for that over a few steps, while a resume that loses state moves the loss much further (a loader that
-forgets its position: 5e-4 relative at the first resumed step of a tiny model that has barely begun to learn).
+magnitude for that over a few steps, while a resume that loses state moves them much further (a loader that
+forgets its position: losses up to 3e-3 relative, weights 1e-2, on a tiny model that has barely begun to learn).
 On a GPU even the same layout gets the tolerance: its kernels need not be deterministic.
 """
 
