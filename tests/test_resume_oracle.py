@@ -8,7 +8,7 @@ import pytest
 
 from helpers import MICRO_MODEL, run_liandan, tiny_config, write_corpus
 from liandan.cli.main import main
-from liandan.doctor.resume import RELATIVE_TOLERANCE, parse_layout
+from liandan.doctor.resume import RELATIVE_TOLERANCE, default_layouts, parse_layout
 from liandan.spec.layout import Layout
 
 
@@ -79,6 +79,13 @@ def test_parse_layout():
     assert parse_layout("ddp2").layout == Layout(2, 1, 1)
     assert parse_layout("fsdp2+tp2").layout == Layout(1, 2, 2) and parse_layout("fsdp2+tp2").nproc == 4
     assert parse_layout("ddp2xfsdp2").layout.kind == "hsdp"
+
+
+def test_default_layouts_leave_out_what_the_model_cannot_split(tmp_path):
+    cfg = tiny_config(tmp_path, tmp_path / "corpus.jsonl", *MICRO_MODEL)  # one key/value head
+    chosen, skipped = default_layouts(cfg, on_gpu=False)
+    assert [c.name for c in chosen] == ["1", "ddp2", "fsdp2"]
+    assert skipped == ["tp2: parallel.tp = 2 must divide model.n_heads = 2 and n_kv_heads = 1"]
 
 
 @pytest.mark.parametrize(

@@ -22,20 +22,30 @@ def add_resume_option(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--layouts",
+        metavar="L1,L2,...",
         help="comma-separated layouts to train and resume in: 1, ddpN, fsdpN, tpN, or combinations such as"
         " fsdp2+tp2 (default: 1 and every 2-process layout the config trains in)",
     )
     group.add_argument(
-        "--resume-steps", type=int, default=DEFAULT_STEPS, help=f"steps of each run (default {DEFAULT_STEPS})"
+        "--resume-steps",
+        type=int,
+        default=DEFAULT_STEPS,
+        metavar="S",
+        help=f"steps of each run (default {DEFAULT_STEPS})",
     )
-    group.add_argument("--resume-at", type=int, help="the step checkpointed and resumed from (default: half way)")
+    group.add_argument(
+        "--resume-at", type=int, metavar="K", help="the step checkpointed and resumed from (default: half way)"
+    )
     group.add_argument(
         "--save-in",
         default="each",
+        metavar="each|first",
         help="each: every layout saves a checkpoint that it and the next layout resume (3 runs a layout);"
         " first: only the first layout saves one, which every layout resumes (one run a layout, and one)",
     )
-    group.add_argument("--resume-dir", help="keep the runs here (a new or empty directory; default: a temporary one)")
+    group.add_argument(
+        "--resume-dir", metavar="DIR", help="keep the runs here (a new or empty directory; default: a temporary one)"
+    )
     try:  # the report file may be an option the rest of `doctor` shares
         group.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     except argparse.ArgumentError:

@@ -172,8 +172,8 @@ class Report:
     def table(self) -> list[str]:
         rows = [("saved in", "resumed in", "loss diff (step)", "weight diff (tensor)", "verdict")]
         for c in self.checks:
-            loss = "-" if c.loss_diff is None else f"{c.loss_diff:.2g} (step {c.loss_step})"
-            weight = "-" if c.weight_diff is None else f"{c.weight_diff:.2g} ({c.weight_tensor})"
+            loss = _where(c.loss_diff, f"step {c.loss_step}")
+            weight = _where(c.weight_diff, c.weight_tensor)
             verdict = ("exact" if c.exact else "ok") if c.passed else "FAIL"
             rows.append((c.saved_in, c.resumed_in, loss, weight, verdict))
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
@@ -371,6 +371,11 @@ def _difference(ours: float, theirs: float, scale: float) -> tuple[float, float]
         return (0.0, 0.0) if same else (math.inf, math.inf)
     diff = abs(ours - theirs)
     return diff, (diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf))
+
+
+def _where(diff: float | None, where: str | None) -> str:
+    """A difference for the table, with where it is largest (nowhere, when it is 0)."""
+    return "-" if diff is None else "0" if diff == 0 else f"{diff:.2g} ({where})"
 
 
 def _error_line(log: Path) -> str:
