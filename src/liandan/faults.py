@@ -13,6 +13,7 @@ Format: comma-separated `ACTION@POINT:STEP[:RANK]`, for example
     LIANDAN_FAULTS="flip@param:40:2"      rank 2 flips one bit of one parameter after the update of step 40
     LIANDAN_FAULTS="slow@forward:40:1"    rank 1 sleeps SLOW_S in every forward pass from step 40 on
     LIANDAN_FAULTS="corrupt@allreduce:40:1"  rank 1's contribution to the gradient all-reduce of step 40 is wrong
+    LIANDAN_FAULTS="forget@loader:0"      on every resume the loader ignores its saved position (a resume bug)
 
 Points: `data` (loading the batch of step STEP), `step` (after optimizer step STEP), `save` (a checkpoint's
 shards written, its manifest not yet), `saved` (a checkpoint complete; its path is passed along); in the data
@@ -25,6 +26,11 @@ back over that step does not meet them again, as with a real transient fault. So
 `corrupt@allreduce`. Device faults are persistent, as a bad device is: `perturb@matmul` and `slow@forward` hold
 on their rank from their step on, for the rest of the process (step 0: from before the first step, so the
 preflight doctor meets them too).
+
+`forget@loader` is a planted resume bug, for the resume oracle (`liandan doctor --resume`) to find: when the
+data loader is handed a saved state (a resume, or a rollback of the loss-spike guard), it keeps its fresh
+position instead, so the resumed run trains on the batches of the first steps again. STEP 0 forgets every
+saved state; another STEP only the state saved at that step. It fires on every load, as a bug would.
 
 Real faults are transient: the supervisor hands $LIANDAN_FAULTS to the first attempt of a supervised run only
 (`liandan.run.worker_env`). Faults in $LIANDAN_FAULTS_ALWAYS fire in every attempt, the way a deterministic bug
@@ -105,6 +111,15 @@ def _once(point: str, step: int) -> list[str]:
             _fired.add((action, point, step))
             actions.append(action)
     return actions
+
+
+def forgets(what: str, saved_step: int) -> bool:
+    """`forget@loader`: whether this rank should ignore the saved state of `what` (saved at `saved_step`)."""
+    if ENV not in os.environ and ENV_ALWAYS not in os.environ:
+        return False
+    rank = _rank()
+    return any(a == "forget" and w == what and s in (0, saved_step) and (r is None or r == rank)
+               for a, w, s, r in _active())  # fmt: skip
 
 
 def corrupt_gradients(step: int, parameters: Iterable[Any]) -> None:

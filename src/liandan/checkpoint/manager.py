@@ -59,6 +59,10 @@ from liandan.run import RunDir
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
+# Optimizer settings that choose how the update is computed, not what it is: each layout keeps its own.
+KERNEL_CHOICES = ("foreach", "fused")
+
+
 class SaveError(CheckpointError):
     """Checkpoints were not saved, so the run stops: training on, or reporting success, would risk work that
     could not be resumed. The message names the checkpoint and the error."""
@@ -311,7 +315,12 @@ class CheckpointManager:
                 model_sd, optim_sd = get_state_dict(model, optimizer)
                 state = {"model": model_sd, "optim": optim_sd}
                 load_state(state, path, process_group=self.group)
+                kernels = [{k: g[k] for k in KERNEL_CHOICES if k in g} for g in optimizer.param_groups]
                 set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+                # The saved groups carry the saving layout's kernel choice: a fused or multi-tensor update
+                # that this layout's mix of DTensors and plain tensors cannot take (tensor parallelism).
+                for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
+                    group.update(kernel)
             meta = _read_meta(path)
             rank_file = path / f"rank-{self.rank:05d}.pt"
             if meta.get("world_size") == self.world_size and rank_file.is_file():

@@ -16,6 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from liandan.cli import doctor_resume_cmd
 from liandan.config import ConfigError, load_config
 from liandan.run.files import atomic_write_json
 
@@ -39,11 +40,16 @@ def doctor_options(p: argparse.ArgumentParser) -> None:
                    " them until the faulty rank is found (log2(n) rounds of golden matrix products)")  # fmt: skip
     # A worker launched by `--nproc` leaves its report here for the launcher, which prints it.
     p.add_argument("--report-to", help=HIDDEN)
+    doctor_resume_cmd.add_resume_option(p)
 
 
 def cmd_doctor(args: argparse.Namespace, overrides: list[str]) -> int:
-    # The modes: the checks (default) and --bisect. Another mode adds its option in doctor_options and its
-    # branch here, before the checks' own set-up.
+    # The modes: the checks (default), --bisect and --resume. Another mode adds its option in doctor_options
+    # and its branch here, before the checks' own set-up.
+    if args.resume is not None:
+        if args.config is not None:
+            raise ConfigError(f"liandan doctor --resume CONFIG takes one config; '{args.config}' is one too many")
+        return doctor_resume_cmd.cmd_resume(args, overrides)
     cfg = load_config(args.config, overrides)
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be at least 1")

@@ -24,6 +24,7 @@ import torch
 
 from liandan.data.corpus import DataError
 from liandan.data.store import Shard, TokenStore
+from liandan.faults import forgets
 
 # Seed-sequence tags, so that the split, the epochs and the in-batch shuffle draw independent streams.
 _SPLIT, _EPOCH, _PLACE, _VALIDATION = 0x5EED, 0xE90C, 0xB1E7, 0xE7A1
@@ -240,6 +241,8 @@ class PackedLoader:
                 if key == "stores":
                     raise DataError(f"loader state was saved for other token stores ({state[key]}; these are {ours})")
                 raise DataError(f"loader state has {key}={state[key]}, this run has {ours}")
+        if forgets("loader", int(state["step"])):  # a planted resume bug: the fresh position stays
+            return
         self.schedule.restore(int(state["step"]), state["mixture"])
         self.step = int(state["step"])
         self.skipped = [(int(a), int(b)) for a, b in state.get("skipped", [])]
