@@ -97,15 +97,23 @@ def test_default_layouts_leave_out_what_the_model_cannot_split(tmp_path):
         (["--resume-steps=4", "--resume-at=4"], "--resume-at = 4 must be between 1 and --resume-steps - 1 = 3"),
         (["--resume-dir={config}"], "must be a new or empty directory"),
         (["--save-in=some"], "--save-in = 'some' must be one of each, first"),
-        ([], None),  # no check asked for
+        (["--resume", "{config}/tiny.toml", "other.toml"], "takes one config; 'other.toml' is one too many"),
     ],
-    ids=["missing-config", "bad-layout", "untrainable-layout", "resume-at-the-end", "used-dir", "save-in", "none"],
+    ids=[
+        "missing-config",
+        "bad-layout",
+        "untrainable-layout",
+        "resume-at-the-end",
+        "used-dir",
+        "save-in",
+        "two-configs",
+    ],
 )
 def test_bad_input_is_one_line(config, capsys, arguments, message):
-    if message is not None and not any(a.startswith("--resume=") or a == "--resume" for a in arguments):
+    if not any(a.startswith("--resume=") or a == "--resume" for a in arguments):
         arguments = ["--resume", str(config), *arguments]
     arguments = [a.replace("{config}", str(config.parent)) for a in arguments]
     assert main(["doctor", *arguments]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("liandan: error: ")
-    assert (message or "liandan doctor needs a check to run: --resume CONFIG") in line
+    assert message in line
