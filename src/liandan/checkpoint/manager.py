@@ -53,7 +53,7 @@ from liandan.checkpoint.verify import (
     write_manifest,
 )
 from liandan.faults import maybe_inject
-from liandan.run import RunDir
+from liandan.run import RunDir, dumps_json
 
 # DCP notes on every single-process save and load that it runs without a process group, which is intended.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -123,7 +123,7 @@ class CheckpointManager:
                 torch.save(rng_state(), tmp / f"rank-{self.rank:05d}.pt")
                 if self.rank == 0:
                     meta = {**meta, "step": step, "world_size": self.world_size, "saved_at": time.time()}
-                    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+                    (tmp / "meta.json").write_text(dumps_json(meta, indent=1))  # never a NaN: strict JSON
             except Exception as err:
                 error = err
         if not self._all_ok(error is None):

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from liandan.run import dumps_json
 from liandan.run.worker_env import WorkerEnv
 
 FORMAT = "liandan-memory-snapshot"
@@ -277,7 +278,7 @@ class MemorySnapshots:
         }  # fmt: skip
         tmp = header_path.with_name(header_path.name + ".tmp")
         with os.fdopen(_open_new(tmp), "w") as f:
-            f.write(json.dumps(header))
+            f.write(dumps_json(header))  # strict JSON: a NaN in a callback's state is written as null
         os.replace(tmp, header_path)  # a rename replaces what is at the path, it never follows a link
 
     def _buffer(self, slot: int, path: Path, nbytes: int) -> torch.Tensor:
