@@ -276,3 +276,21 @@ def test_a_worker_signalled_before_its_first_step_exits_at_once(tmp_path, corpus
     assert not (tmp_path / "runs" / "early" / "checkpoints").exists() or not any(
         (tmp_path / "runs" / "early" / "checkpoints").glob("step-*/manifest.json")
     )
+
+
+@pytest.mark.parametrize(
+    ("left_s", "finish_s", "fallback_s", "fallback_step", "choice", "fits"),
+    [
+        (5.0, 3.0, 1.0, 4, "finish", True),  # the step ends and is saved in time
+        (2.0, 3.0, 1.0, 4, "fall back", True),  # only the step before can be saved in time
+        (0.5, 3.0, 1.0, 4, "fall back", False),  # nothing fits: the cheaper plan
+        (0.5, 1.0, 3.0, 4, "finish", False),
+        (0.5, 3.0, float("inf"), -1, "finish", False),  # nothing to fall back on
+    ],
+)
+def test_a_preemption_plan_finishes_falls_back_or_says_nothing_fits(left_s, finish_s, fallback_s, fallback_step,
+                                                                     choice, fits):  # fmt: skip
+    from liandan.train.preemption import Plan
+
+    plan = Plan(signal.SIGTERM, left_s, finish_s, fallback_s, fallback_step)
+    assert (plan.choice, plan.fits) == (choice, fits)

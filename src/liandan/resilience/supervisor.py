@@ -235,7 +235,7 @@ class Supervisor(Preemption):
         worker = WorkerEnv.from_env(inherited).for_attempt(
             number, attempt_token=f"{self.id}-{number}", snapshot_owner=self.id, error_dir=self.errors,
             failure_file=self.logs / "failure.json", verified_checkpoint=verified if verified.is_file() else None,
-            snapshot_dir=self.snapshots,
+            snapshot_dir=self.snapshots, preempt_grace_s=self.r.preempt_grace_s,
         )  # fmt: skip
         env = {k: v for k, v in inherited.items() if k not in WORKER_NAMES}
         env.update(PYTHONUNBUFFERED="1", **worker.to_env())
