@@ -19,7 +19,8 @@ from their measurements: the median of their recent step times less what the cur
 the newest save's time. When finishing and saving does not fit in what is left of the grace period, they
 abandon the step there (its update not applied) and fall back on the end of the step before it, which is
 exact: the checkpoint of that step if one was saved (nothing else to do), else the newest memory snapshot
-(`checkpoint.memory_every`), read back from host memory and saved as the checkpoint. When nothing fits, a
+(`checkpoint.memory_every`; with 1 that is the step before), read back from host memory and saved as the
+checkpoint. When nothing fits, a
 line and a `preemption_plan` event say so, and the cheapest plan is tried all the same: the estimate may be
 pessimistic, and the supervisor ends the workers at the deadline anyway.
 """
@@ -228,14 +229,16 @@ class PreemptionCallback(Callback):
         return measured or 0.0
 
     def _fallback(self, trainer: Trainer, step: int) -> tuple[int, float]:
-        """(the step before `step` whose end this rank can save, the seconds that takes) or (-1, inf): its
-        checkpoint already saved or being saved costs nothing; its memory snapshot costs reading it back and
-        a save. A snapshot of an older step is no fallback: the steps since would be lost."""
-        if trainer.checkpoints.started_step == step:
+        """(the newest completed step whose end this rank can save, the seconds that takes) or (-1, inf): the
+        checkpoint of `step`, the last completed one, saved or being saved costs nothing; the newest memory
+        snapshot costs reading it back and a save. An older snapshot (`checkpoint.memory_every` > 1) loses
+        the steps since, but fewer than the newest checkpoint would; one no newer than that is no fallback."""
+        saved = trainer.checkpoints.started_step
+        if saved == step:
             return step, 0.0
         snapshots = trainer.snapshots
-        if snapshots is not None and snapshots.newest == step:
-            return step, (snapshots.save_seconds or 0.0) + self._save_s(trainer)
+        if snapshots is not None and snapshots.newest is not None and snapshots.newest > (saved or 0):
+            return snapshots.newest, (snapshots.save_seconds or 0.0) + self._save_s(trainer)
         return -1, math.inf
 
     def _record(self, trainer: Trainer, step: int, plan: Plan, finishing: str) -> None:

@@ -236,11 +236,11 @@ class Trainer:
         raise Preempted(signum, self.step, path)
 
     def stop_mid_step(self, signum: int, fallback_step: int) -> None:
-        """Preempted in the middle of the step after `fallback_step`, before its update, with no time to
-        finish it: every rank goes back to the end of `fallback_step`, saves it unless its checkpoint is saved
-        or being saved, and stops. The model and optimizer still hold that step's end, but the loader, the
-        random-number states and the callbacks' states have moved on: the memory snapshot of that step holds
-        them all, exactly as a checkpoint of it would have."""
+        """Preempted in the middle of a step, before its update, with no time to finish it: every rank goes
+        back to the end of `fallback_step` (the step before, or an older one of the newest memory snapshot),
+        saves it unless its checkpoint is saved or being saved, and stops. The model and optimizer still hold
+        the end of the step before, but the loader, the random-number states and the callbacks' states have
+        moved on: the memory snapshot holds them all, exactly as a checkpoint of its step would have."""
         self.module.optimizer.zero_grad(set_to_none=True)
         reshard(self.model)
         if self.checkpoints.started_step != fallback_step:
