@@ -2,6 +2,7 @@ import itertools
 import json
 import math
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -257,6 +258,29 @@ def test_a_worker_told_to_stop_saves_its_step_and_exits_128_plus_signal(tmp_path
     said = f"liandan: stopped by {signum.name} at step {step}; checkpoint {saved}; the next run resumes there"
     assert err.strip().splitlines()[-1] == said
     assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_a_preemption_with_no_time_left_says_so_and_tries_all_the_same(tmp_path, corpus):
+    """A grace period of 0 s: nothing fits, which one line and the `preemption_plan` event say; the worker
+    still saves its step (the estimate may be wrong) and exits 143."""
+    from helpers import wait_for_step
+
+    proc = _unsupervised(tmp_path, corpus, "no-time", "--resilience.preempt_grace_s=0")
+    run_dir = tmp_path / "runs" / "no-time"
+    wait_for_step(run_dir, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    [plan] = [e for e in events if e["kind"] == "preemption_plan"]
+    [preempted] = [e for e in events if e["kind"] == "preempted"]
+    assert not plan["fits"] and plan["plan"] == "finish" and plan["step"] == preempted["step"]
+    said = [line for line in out.splitlines() if line.startswith("preemption: SIGTERM: ")]
+    expected = (f"preemption: SIGTERM: saving step {plan['step']} ({plan['finish_s']:.1f}s) does not fit in the"
+                " 0.0s of grace left; trying to finish all the same")  # fmt: skip
+    assert said == [expected]
+    assert preempted["checkpoint"] and Path(preempted["checkpoint"], "manifest.json").is_file()
 
 
 @pytest.mark.slow

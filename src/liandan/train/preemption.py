@@ -252,7 +252,7 @@ class PreemptionCallback(Callback):
         elif choice == "fall back":
             trainer.say(f"preemption: {name}: {finishing} would take {plan.finish_s:.1f}s of the {left:.1f}s of"
                         f" grace left: abandoning it, saving step {plan.fallback_step}")  # fmt: skip
-        trainer._event("preemption_plan", signal=name, step=step, plan=choice, fits=plan.fits,
-                       grace_left_s=round(plan.left_s, 2), finish_s=round(plan.finish_s, 2),
-                       fallback_s=round(plan.fallback_s, 2) if plan.fallback_step >= 0 else None,
-                       fallback_step=plan.fallback_step if plan.fallback_step >= 0 else None)  # fmt: skip
+        trainer.files.log_event("preemption_plan", signal=name, step=step, plan=choice, fits=plan.fits,
+                                grace_left_s=round(plan.left_s, 2), finish_s=round(plan.finish_s, 2),
+                                fallback_s=round(plan.fallback_s, 2) if plan.fallback_step >= 0 else None,
+                                fallback_step=plan.fallback_step if plan.fallback_step >= 0 else None)  # fmt: skip
