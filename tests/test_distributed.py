@@ -64,24 +64,38 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_slurm_style_launch_without_torchrun(setup):
-    """Two processes started the way `srun` starts them: only SLURM_* variables, no torchrun."""
+@pytest.mark.parametrize("master", [None, "127.0.0.1"], ids=["nodelist", "master-addr"])
+def test_slurm_style_launch_without_torchrun(setup, master):
+    """Two processes started the way `srun` starts them: only SLURM_* variables (and MASTER_ADDR, where the
+    job script sets it), no torchrun. Nothing they open listens on every interface: rank 0's store is bound
+    to the node's address, here loopback, and so are gloo's sockets."""
+    import time
+
+    from helpers import listening_sockets, process_tree
+
     config, reference = setup
     port = str(_free_port())
     procs = []
     for rank in range(2):
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR") and not k.startswith(("GLOO_", "NCCL_"))}  # fmt: skip
         env.update(
             SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NTASKS_PER_NODE="2",
-            SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1",
+            SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", **({"MASTER_ADDR": master} if master else {}),
         )  # fmt: skip
-        cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--run.name=slurm"]
+        cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--run.name=slurm-{master or 'nodelist'}"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    seen: set[tuple[str, int]] = set()
+    while any(proc.poll() is None for proc in procs):
+        seen |= listening_sockets([pid for proc in procs for pid in process_tree(proc.pid)])
+        time.sleep(0.05)  # a sampling interval: the store and gloo's sockets live for the whole run
     for proc in procs:
         _, err = proc.communicate(timeout=300)
         assert proc.returncode == 0, err[-3000:]
-    assert _losses(config, "slurm") == pytest.approx(reference, rel=RTOL)
-    summary = read_run(config.parent / "runs" / "slurm").summary
+    assert ("127.0.0.1", int(port)) in seen  # rank 0's store, bound where MASTER_ADDR says
+    assert seen and {address for address, _ in seen} == {"127.0.0.1"}, seen  # no 0.0.0.0 or ::
+    assert _losses(config, f"slurm-{master or 'nodelist'}") == pytest.approx(reference, rel=RTOL)
+    summary = read_run(config.parent / "runs" / f"slurm-{master or 'nodelist'}").summary
     assert summary["world_size"] == 2 and summary["layout"].startswith("fsdp")
 
 

@@ -61,6 +61,23 @@ def test_round_trip_is_bit_exact_and_training_continues_identically(tmp_path):
             assert torch.equal(p, q)
 
 
+def test_a_nan_in_the_state_is_written_as_strict_json(tmp_path):
+    """A non-finite number in the state riding along (a callback's statistic, say) never reaches the header
+    as NaN, which strict JSON readers refuse: it is written as null, and the snapshot still loads."""
+
+    def refuse(constant):
+        raise ValueError(f"{constant} in a snapshot header")
+
+    model, optimizer = _model_and_optimizer()
+    _step(model, optimizer)
+    snaps = MemorySnapshots(tmp_path, rank=0, world_size=1, owner="sup-1", layout="single")
+    snaps.save(1, model, optimizer, {"guard": {"level": float("nan"), "spread": float("inf"), "n": 3}})
+    [header] = tmp_path.glob("rank-00000.slot-*.json")
+    assert json.loads(header.read_text(), parse_constant=refuse)["state"]["guard"] == {"level": None, "spread": None,
+                                                                                       "n": 3}  # fmt: skip
+    assert snaps.load(1, *_model_and_optimizer(seed=1))["guard"]["n"] == 3
+
+
 def test_two_slots_torn_writes_and_checksums(tmp_path):
     model, optimizer = _model_and_optimizer()
     snaps = MemorySnapshots(tmp_path, 0, 1, "sup-1", "single")

@@ -22,7 +22,7 @@ import torch
 from helpers import fill_disk, process_tree, read_run, run_liandan, tiny_config, wait_for_step, write_corpus
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.manager import load_model
-from liandan.checkpoint.verify import complete_checkpoints, verify
+from liandan.checkpoint.verify import complete_checkpoints, step_of, verify
 from liandan.config import load_config
 from liandan.resilience.processes import alive
 from liandan.resilience.relay import Relay
@@ -455,11 +455,92 @@ def test_a_second_signal_during_the_preemption_save_stops_at_once(setup):
     assert "a second signal stopped it at once" in out
 
 
+def _signal_when(config, name, faults, overrides, reached, grace_s):
+    """A real supervisor of two ranks with `faults`, sent SIGTERM once a rank's heartbeat satisfies `reached`;
+    it must exit 143 leaving no process and no snapshot behind. Returns (run dir, its stdout, the event)."""
+    run_dir = config.parent / "runs" / name
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
+    env["LIANDAN_FAULTS"] = faults
+    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", f"--run.name={name}",
+           *overrides, "--checkpoint.memory_every=1", f"--resilience.preempt_grace_s={grace_s}"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not any(reached(b) for b in read_heartbeats(run_dir / "heartbeat")):
+        assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+    tree = process_tree(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert not any(alive(pid) for pid in tree)  # the workers and standbys, killed or not
+    assert snapshots.snapshot_dirs(run_dir) == []
+    [event] = _events(config, name, "preempted")
+    assert event["workers_left_alive"] == []
+    return run_dir, out, event
+
+
+# Two micro-batches per rank; steps of stalled forward passes are no hang.
+STALLED = ["--train.steps=4", "--checkpoint.every=4", "--train.micro_batch=1", "--resilience.hang_floor_s=60"]
+
+
+def test_preemption_abandons_a_step_that_cannot_finish_in_time(setup):
+    """Steps of two forward passes of STALL_S each; SIGTERM in the first forward of step 2 with a grace period
+    shorter than the rest of the step: the ranks abandon it at the next phase boundary, save step 1 from its
+    memory snapshot in time, and the next launch ends with the weights of an uninterrupted run."""
+    from liandan.faults import STALL_S
+
+    config, _ = setup
+    reference = config.parent / "runs" / "stalled-reference"
+    done = _train(config, reference.name, extra=STALLED)
+    assert done.returncode == 0, done.stderr[-3000:]
+    grace = 2 * STALL_S  # after the first forward's sleep, less is left than the second one takes
+    run_dir, out, event = _signal_when(config, "stalled", "stall@forward:1", STALLED,
+                                       lambda b: (b["rank"], b["step"], b["phase"], b["micro"]) == (0, 1, "forward", 0),
+                                       grace)  # fmt: skip
+    assert event["saved"] and event["step"] == event["resume_step"] == 1, event
+    assert event["seconds"] < grace
+    [plan] = _events(config, "stalled", "preemption_plan")
+    assert plan["plan"] == "fall back" and plan["fits"] and plan["fallback_step"] == 1 and plan["step"] == 2
+    assert plan["finish_s"] > plan["grace_left_s"] >= plan["fallback_s"]
+    assert "abandoning it, saving step 1" in out
+    timeline = subprocess.run([sys.executable, "-m", "liandan.cli", "incidents", str(run_dir)],
+                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert "preemption plan by SIGTERM: abandon step 2, save step 1 (" in timeline
+    assert [step_of(c) for c in complete_checkpoints(run_dir / "checkpoints")] == [1]
+    resumed = _train(config, "stalled", extra=STALLED)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    [resume] = _events(config, "stalled", "resumed")
+    assert resume["step"] == 1 and resume["source"] == "checkpoint"
+    clean, _ = load_model(reference / "checkpoints" / "step-00000004")
+    again, _ = load_model(run_dir / "checkpoints" / "step-00000004")
+    for key, value in again.state_dict().items():
+        assert torch.equal(value, clean.state_dict()[key]), key
+
+
+def test_preemption_past_the_grace_period_kills_the_workers(setup):
+    """A rank hangs in the data of step 4 and cannot save: at the end of a short grace period the supervisor
+    kills every worker, says no checkpoint was saved, exits 143, and the next launch resumes from step 2's
+    checkpoint to the weights of an uninterrupted run."""
+    config, clean = setup
+    grace = 1.5
+    _run_dir, out, event = _signal_when(config, "grace-over", "hang@data:4:1", [],
+                                       lambda b: (b["rank"], b["step"], b["phase"]) == (1, 3, "data"), grace)  # fmt: skip
+    assert not event["saved"] and event["resume_step"] == 2 and event["step"] == 3, event
+    assert "grace period" in event["outcome"] and grace <= event["seconds"] < grace + 30
+    assert "the next launch resumes from step 2" in out
+    resumed = _train(config, "grace-over")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    [resume] = _events(config, "grace-over", "resumed")
+    assert resume["step"] == 2 and resume["source"] == "checkpoint"
+    for key, value in _weights(config, "grace-over").items():
+        assert torch.equal(value, clean[key]), key
+
+
 @pytest.mark.parametrize("faults, first", [("kill@step:3:1", 1), ("raise@step:3:0", 0)], ids=["kill", "raise"])
 def test_a_peers_traceback_costs_the_console_one_line(setup, faults, first):
     """The rank that failed first keeps its traceback on the console (when it printed one); the rank that
-    failed only because a peer went away gets one line there (when the supervisor did not end it before it
-    printed anything), its traceback kept in the attempt's log and in the incident."""
+    failed only because a peer went away gets exactly one line there, naming it (the supervisor lets it fail
+    on its own before ending the attempt), its traceback kept in the attempt's log and in the incident."""
     config, _ = setup
     name = f"console-{faults.split('@')[0]}"
     done = _train(config, name, faults=faults, extra=["--train.steps=4"])
@@ -469,14 +550,12 @@ def test_a_peers_traceback_costs_the_console_one_line(setup, faults, first):
     assert done.stderr.count("Traceback (most recent call last)") == own  # the first failure's only, in full
     if own:
         assert "RuntimeError: injected fault at step 3 on rank 0" in done.stderr
-    lines = [line for line in done.stderr.splitlines() if line.startswith(f"rank {survivor}: ")]
-    assert len(lines) == log.read_text().count("Traceback (most recent call last)") - own <= 1
+    [line] = [line for line in done.stderr.splitlines() if line.startswith(f"rank {survivor}: ")]
+    assert log.read_text().count("Traceback (most recent call last)") == own + 1  # the survivor's, in full there
     [incident] = _events(config, name, "incident")
-    kept = incident["evidence"]["tracebacks"].get(f"rank {survivor}", [])
-    assert len(kept) == len(lines)
-    for line, traceback in zip(lines, kept):
-        assert "a consequence of another process ending" in line and str(log) in line
-        assert traceback.startswith("Traceback") and traceback.strip().splitlines()[-1].strip() in line
+    [traceback] = incident["evidence"]["tracebacks"][f"rank {survivor}"]
+    assert "a consequence of another process ending" in line and str(log) in line
+    assert traceback.startswith("Traceback") and traceback.strip().splitlines()[-1].strip() in line
 
 
 def test_relay_holds_a_traceback_until_it_is_complete(tmp_path):

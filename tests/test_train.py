@@ -2,6 +2,7 @@ import itertools
 import json
 import math
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,6 +261,29 @@ def test_a_worker_told_to_stop_saves_its_step_and_exits_128_plus_signal(tmp_path
 
 
 @pytest.mark.slow
+def test_a_preemption_with_no_time_left_says_so_and_tries_all_the_same(tmp_path, corpus):
+    """A grace period of 0 s: nothing fits, which one line and the `preemption_plan` event say; the worker
+    still saves its step (the estimate may be wrong) and exits 143."""
+    from helpers import wait_for_step
+
+    proc = _unsupervised(tmp_path, corpus, "no-time", "--resilience.preempt_grace_s=0")
+    run_dir = tmp_path / "runs" / "no-time"
+    wait_for_step(run_dir, 2, proc)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    [plan] = [e for e in events if e["kind"] == "preemption_plan"]
+    [preempted] = [e for e in events if e["kind"] == "preempted"]
+    assert not plan["fits"] and plan["plan"] == "finish" and plan["step"] == preempted["step"]
+    said = [line for line in out.splitlines() if line.startswith("preemption: SIGTERM: ")]
+    expected = (f"preemption: SIGTERM: saving step {plan['step']} ({plan['finish_s']:.1f}s) does not fit in the"
+                " 0.0s of grace left; trying to finish all the same")  # fmt: skip
+    assert said == [expected]
+    assert preempted["checkpoint"] and Path(preempted["checkpoint"], "manifest.json").is_file()
+
+
+@pytest.mark.slow
 def test_a_worker_signalled_before_its_first_step_exits_at_once(tmp_path, corpus):
     """Nothing to save yet: the worker ends promptly with 143, no traceback, no checkpoint."""
     import time
@@ -276,3 +300,21 @@ def test_a_worker_signalled_before_its_first_step_exits_at_once(tmp_path, corpus
     assert not (tmp_path / "runs" / "early" / "checkpoints").exists() or not any(
         (tmp_path / "runs" / "early" / "checkpoints").glob("step-*/manifest.json")
     )
+
+
+@pytest.mark.parametrize(
+    ("left_s", "finish_s", "fallback_s", "fallback_step", "choice", "fits"),
+    [
+        (5.0, 3.0, 1.0, 4, "finish", True),  # the step ends and is saved in time
+        (2.0, 3.0, 1.0, 4, "fall back", True),  # only the step before can be saved in time
+        (0.5, 3.0, 1.0, 4, "fall back", False),  # nothing fits: the cheaper plan
+        (0.5, 1.0, 3.0, 4, "finish", False),
+        (0.5, 3.0, float("inf"), -1, "finish", False),  # nothing to fall back on
+    ],
+)
+def test_a_preemption_plan_finishes_falls_back_or_says_nothing_fits(left_s, finish_s, fallback_s, fallback_step,
+                                                                     choice, fits):  # fmt: skip
+    from liandan.train.preemption import Plan
+
+    plan = Plan(signal.SIGTERM, left_s, finish_s, fallback_s, fallback_step)
+    assert (plan.choice, plan.fits) == (choice, fits)

@@ -16,7 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "liandan"
 def test_worker_env_round_trips(tmp_path):
     env = WorkerEnv(supervised=True, attempt=3, attempt_token="sup-3", snapshot_owner="sup",
                     snapshot_dir=tmp_path / "shm", verified_checkpoint=tmp_path / "verified.json", failure_file=tmp_path / "failure.json",
-                    error_dir=tmp_path / "errors", node_name="node-a", cache_dir=tmp_path / "cache",
+                    preempt_grace_s=12.5, error_dir=tmp_path / "errors", node_name="node-a", cache_dir=tmp_path / "cache",
                     faults="kill@step:3", faults_always="hang@data:2:1")  # fmt: skip
     variables = env.to_env()
     assert set(variables) == set(worker_env.WORKER_NAMES)
@@ -41,6 +41,10 @@ def test_node_env_round_trips():
         ({"LIANDAN_ATTEMPT": "two"}, "$LIANDAN_ATTEMPT = 'two' must be a whole number of attempts, at least 0"),
         ({"LIANDAN_ATTEMPT": "-1"}, "$LIANDAN_ATTEMPT = '-1' must be a whole number of attempts, at least 0"),
         ({"LIANDAN_SUPERVISED": "yes"}, "$LIANDAN_SUPERVISED = 'yes' must be 1 (on) or 0 (off)"),
+        (
+            {"LIANDAN_PREEMPT_GRACE_S": "nan"},
+            "$LIANDAN_PREEMPT_GRACE_S = 'nan' must be a number of seconds, at least 0",
+        ),
     ],
 )
 def test_a_malformed_worker_variable_is_one_line(variables, message):

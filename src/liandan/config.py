@@ -156,8 +156,9 @@ class ResilienceSection:
     startup_timeout_s: float = _f(1800.0, "no progress before the first step for this long is a hang", min=1.0)
     preempt_grace_s: float = _f(
         25.0, "on SIGTERM or SIGINT, how long the workers may take to finish their step and save a checkpoint"
-        " before they are stopped; keep it below the scheduler's kill delay (Slurm KillWait, Kubernetes"
-        " terminationGracePeriodSeconds, 30 s by default)", min=0.0,
+        " before they are stopped (they are told: when that would not fit, they save the step before); keep it"
+        " below the scheduler's kill delay (Slurm KillWait, Kubernetes terminationGracePeriodSeconds, 30 s by"
+        " default)", min=0.0,
     )  # fmt: skip
     collective_timeout_s: float = _f(
         600.0, "a collective that waits this long for a peer fails (c10d/NCCL timeout): the backstop when the"

@@ -12,6 +12,7 @@ Format: comma-separated `ACTION@POINT:STEP[:RANK]`, for example
     LIANDAN_FAULTS="perturb@matmul:40:1"  rank 1's matrix products are wrong in rare elements from step 40 on
     LIANDAN_FAULTS="flip@param:40:2"      rank 2 flips one bit of one parameter after the update of step 40
     LIANDAN_FAULTS="slow@forward:40:1"    rank 1 sleeps SLOW_S in every forward pass from step 40 on
+    LIANDAN_FAULTS="stall@forward:1"      every rank sleeps STALL_S in every forward pass from step 1 on
     LIANDAN_FAULTS="corrupt@allreduce:40:1"  rank 1's contribution to the gradient all-reduce of step 40 is wrong
     LIANDAN_FAULTS="forget@loader:0"      on every resume the loader ignores its saved position (a resume bug)
 
@@ -25,7 +26,7 @@ Gradient and update faults fire once per process, the first time their step is t
 back over that step does not meet them again, as with a real transient fault. So do `flip@param` and
 `corrupt@allreduce`. Device faults are persistent, as a bad device is: `perturb@matmul` and `slow@forward` hold
 on their rank from their step on, for the rest of the process (step 0: from before the first step, so the
-preflight doctor meets them too).
+preflight doctor meets them too); so does `stall@forward`, long steps for drills of a preemption's grace period.
 
 `forget@loader` is a planted resume bug, for the resume oracle (`liandan doctor --resume`) to find: when the
 data loader is handed a saved state (a resume, or a rollback of the loss-spike guard), it keeps its fresh
@@ -53,6 +54,7 @@ ENV, ENV_ALWAYS = "LIANDAN_FAULTS", "LIANDAN_FAULTS_ALWAYS"
 BURST = 100.0  # the learning-rate factor of a `burst`
 SPIKE = 1e4  # the gradient factor of a `spike`
 SLOW_S = 0.05  # the sleep of a `slow` forward pass
+STALL_S = 2.5  # the sleep of a `stall`ed forward pass
 PERTURBATION = 0.5  # added to the rare elements a `perturb`ed matrix product gets wrong
 PERTURB_EVERY = 997  # one output element in this many is wrong (and at least one per product)
 _fired: set[tuple[str, str, int]] = set()
@@ -159,6 +161,8 @@ def slow_forward(step: int) -> None:
     """`slow@forward`: a straggler: this rank sleeps SLOW_S in each forward pass from its step on."""
     if _from_step("slow", "forward", step):
         time.sleep(SLOW_S)
+    if _from_step("stall", "forward", step):  # long steps, whose sleep a signal does not cut short
+        time.sleep(STALL_S)
 
 
 def perturb(output: Any) -> Any:

@@ -53,7 +53,7 @@ from liandan.checkpoint.verify import (
     write_manifest,
 )
 from liandan.faults import maybe_inject
-from liandan.run import RunDir
+from liandan.run import RunDir, dumps_json
 
 # DCP notes on every single-process save and load that it runs without a process group, which is intended.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -76,6 +76,9 @@ class SaveOutcome:
     seconds: float = 0.0
     blocking_seconds: float = 0.0
     error: str | None = None
+    # Start to complete: on rank 0 (which finalizes) until the checkpoint was whole, on the other ranks until
+    # their part was handed over. A preemption's estimate of a save takes the largest over the ranks.
+    write_seconds: float = 0.0
 
 
 class CheckpointManager:
@@ -101,6 +104,8 @@ class CheckpointManager:
         self.group = dist.new_group(backend="gloo") if self.distributed else None
         self._pending: tuple[int, Path, Any, threading.Thread | None, float, float] | None = None
         self._finalize_error: BaseException | None = None
+        self._finalized_at: float | None = None
+        self.started_step: int | None = None  # of the newest save under way or done that did not fail to start
         self._stager = None
         self.outcomes: list[SaveOutcome] = []
         self.failures_in_a_row = 0  # the same on every rank: ranks agree on each save's outcome
@@ -127,7 +132,7 @@ class CheckpointManager:
                 torch.save(rng_state(), tmp / f"rank-{self.rank:05d}.pt")
                 if self.rank == 0:
                     meta = {**meta, "step": step, "world_size": self.world_size, "saved_at": time.time()}
-                    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+                    (tmp / "meta.json").write_text(dumps_json(meta, indent=1))  # never a NaN: strict JSON
             except Exception as err:
                 error = err
         if not self._all_ok(error is None):
@@ -150,6 +155,7 @@ class CheckpointManager:
         except (Exception, dcp.CheckpointException) as err:
             return self._report_failure(step, tmp, err, started).seconds
         blocking = time.perf_counter() - started
+        self.started_step = step
         thread = None
         if self.rank == 0:
             thread = threading.Thread(target=self._finalize, args=(step, tmp, final, future), daemon=True)
@@ -181,6 +187,7 @@ class CheckpointManager:
                 shutil.rmtree(final)
             tmp.rename(final)
             fsync_path(self.root)
+            self._finalized_at = time.perf_counter()
             maybe_inject("saved", step, final)
         except BaseException as err:
             self._finalize_error = err
@@ -205,7 +212,10 @@ class CheckpointManager:
             error = RuntimeError("the save failed on another rank")
         if error is not None:
             return self._report_failure(step, tmp, error, started)
-        outcome = SaveOutcome(step, self.root / step_dir_name(step), True, time.perf_counter() - started, blocking)
+        done = time.perf_counter()
+        finalized, self._finalized_at = self._finalized_at, None
+        written = (finalized or done) - started if thread is not None or future is None else blocking
+        outcome = SaveOutcome(step, self.root / step_dir_name(step), True, done - started, blocking, None, written)
         self.outcomes.append(outcome)
         self.failures_in_a_row = 0
         if self.rank == 0:
@@ -227,6 +237,8 @@ class CheckpointManager:
         final = self.root / step_dir_name(step)
         outcome = SaveOutcome(step, final, False, time.perf_counter() - started, error=message)
         self.outcomes.append(outcome)
+        if self.started_step == step:
+            self.started_step = None
         self.failures_in_a_row += 1
         if self.rank == 0:
             self.on_event("checkpoint_failed", step=step, path=str(final), error=message,
@@ -253,6 +265,10 @@ class CheckpointManager:
         return f"{what} was not saved to {last.path}: {last.error}; " + (
             f"the newest saved checkpoint, where a resumed run continues, is {newest[-1]}" if newest
             else "there is no saved checkpoint to resume from")  # fmt: skip
+
+    def save_seconds(self) -> float | None:
+        """How long the newest successful save took to complete here (see `SaveOutcome.write_seconds`)."""
+        return next((o.write_seconds for o in reversed(self.outcomes) if o.ok), None)
 
     def remove_stale_saves(self) -> list[Path]:
         """Remove the `step-*.tmp` directories of saves that an earlier process left half-done (killed, or out

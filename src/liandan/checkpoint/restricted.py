@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pickle
 import re
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
@@ -63,7 +63,21 @@ def read_metadata(directory: Path, rank: int | None = None) -> Metadata:
         raise CheckpointError(f"{directory}: file {name} refused: {why}; nothing in it was run") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"{directory}: file {name} holds a {type(metadata).__name__}, not DCP metadata")
+    for info in (metadata.storage_data or {}).values():
+        where = getattr(info, "relative_path", None)
+        if not _inside(where):
+            raise CheckpointError(f"{directory}: file {name} refused: it places data in {where!r}, outside the"
+                                  " checkpoint's directory; nothing was read from there")  # fmt: skip
     return metadata
+
+
+def _inside(relative_path: object) -> bool:
+    """Whether a shard's name in `.metadata` stays within the checkpoint's directory: a plain relative path
+    with no `..` component (DCP joins it to the directory, and an absolute path would replace the directory)."""
+    if not isinstance(relative_path, str) or not relative_path or "\0" in relative_path:
+        return False
+    parts = PurePosixPath(relative_path)
+    return not parts.is_absolute() and ".." not in parts.parts and "\\" not in relative_path
 
 
 def load_state(state: dict[str, Any], path: Path, process_group=None, no_dist: bool = False) -> None:

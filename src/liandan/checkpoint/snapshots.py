@@ -35,6 +35,7 @@ import random
 import shutil
 import stat
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from liandan.run import dumps_json
 from liandan.run.worker_env import WorkerEnv
 
 FORMAT = "liandan-memory-snapshot"
@@ -247,6 +249,8 @@ class MemorySnapshots:
         self._buffers: dict[int, torch.Tensor] = {}  # slot -> shared-memory bytes, kept mapped between saves
         self._maps: dict[int, mmap.mmap] = {}
         self._next_slot = 0
+        self.newest: int | None = None  # the step of the newest snapshot this process wrote
+        self.save_seconds: float | None = None  # how long writing it took: about what reading it back takes
 
     def _paths(self, slot: int) -> tuple[Path, Path]:
         return _slot_paths(self.directory, self.rank, slot)
@@ -254,6 +258,7 @@ class MemorySnapshots:
     # -- saving -------------------------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
         """Copy this rank's state at `step` into the older slot. `state` (JSON) rides along in the header."""
+        started = time.perf_counter()
         slot = self._next_slot
         self._next_slot = (slot + 1) % SLOTS
         data_path, header_path = self._paths(slot)
@@ -277,8 +282,9 @@ class MemorySnapshots:
         }  # fmt: skip
         tmp = header_path.with_name(header_path.name + ".tmp")
         with os.fdopen(_open_new(tmp), "w") as f:
-            f.write(json.dumps(header))
+            f.write(dumps_json(header))  # strict JSON: a NaN in a callback's state is written as null
         os.replace(tmp, header_path)  # a rename replaces what is at the path, it never follows a link
+        self.newest, self.save_seconds = step, time.perf_counter() - started
 
     def _buffer(self, slot: int, path: Path, nbytes: int) -> torch.Tensor:
         buffer = self._buffers.get(slot)

@@ -11,7 +11,7 @@ from liandan.run import RunDir
 
 SHOWN = ("incident", "restart", "recovered", "gave_up", "resumed", "checkpoint_failed", "checkpoint_rejected",
          "train_stopped", "stale_saves_removed", "nonfinite_loss", "node_excluded", "node_refused", "preempted",
-         "supervisor_end", "guard", "rollback", "too_good", "doctor", "doctor_bisect")  # fmt: skip
+         "preemption_plan", "supervisor_end", "guard", "rollback", "too_good", "doctor", "doctor_bisect")  # fmt: skip
 
 
 def read_events(run_dir: Path) -> list[dict]:
@@ -91,6 +91,12 @@ def _describe(e: dict) -> str:
             return f"PREEMPTED by {e['signal']}{at}: {e['outcome']}; resumes from step {e['resume_step']}"
         saved = f"checkpoint {Path(e['checkpoint']).name} saved" if e.get("checkpoint") else "no checkpoint saved"
         return f"PREEMPTED by {e['signal']}{at}: {saved}"
+    if kind == "preemption_plan":
+        what = (f"abandon step {e['step']}, save step {e['fallback_step']}" if e["plan"] == "fall back"
+                else f"finish step {e['step']} and save it")  # fmt: skip
+        fits = "" if e["fits"] else " although nothing fits"
+        return (f"preemption plan by {e['signal']}: {what}{fits} (finishing {e['finish_s']:.1f}s, grace left"
+                f" {e['grace_left_s']:.1f}s)")  # fmt: skip
     if kind == "gave_up":
         return f"GAVE UP: {e['reason']}"
     if kind == "resumed" and e.get("source") == "memory":

@@ -1,7 +1,8 @@
 """Preemption of a supervised run: SIGTERM (Slurm, Kubernetes) or SIGINT (Ctrl-C) to the supervisor.
 
 The supervisor asks its workers to stop (SIGUSR2: each saves a checkpoint at the end of the step it is in,
-all ranks at the same step, and exits; see liandan.train.preemption), waits for them up to
+all ranks at the same step, or, when that would not fit in the grace period it handed them in
+$LIANDAN_PREEMPT_GRACE_S, of the step before, and exits; see liandan.train.preemption), waits for them up to
 `resilience.preempt_grace_s`, then ends whatever is left, its standbys included, gives back the memory
 snapshots, records a `preempted` event and exits with 128 + the signal's number. A second signal stops at
 once: the workers are killed; a checkpoint cut short is never complete, so nothing that a resume reads is

@@ -45,6 +45,7 @@ from liandan.train import stores
 from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
 
 POLL_S = 0.2
+PEER_EXIT_S = 2.0  # after a rank fails, how long its peers have to fail on their own before they are ended
 STACKS_WAIT_S = 2.0  # faulthandler writes from a signal handler: it is there in milliseconds, or never
 NCCL_TRACE_PREFIX = "nccl-trace-rank-"  # the flight recorder's dumps on a collective timeout (CUDA only)
 ATTRIBUTION_GRACE_S = 5.0  # how long a node waits for the other nodes' view of a failure
@@ -131,6 +132,7 @@ class Supervisor(Preemption):
                 self._watch(attempt)
                 if self.signals.first and not attempt.exits:
                     return self._preempt(attempt)
+                self._let_peers_fail(attempt)
                 self._end(attempt)
                 if attempt.exit_code == 0 and not attempt.hang:
                     self._finish(started, restarts, gave_up=None)
@@ -235,7 +237,7 @@ class Supervisor(Preemption):
         worker = WorkerEnv.from_env(inherited).for_attempt(
             number, attempt_token=f"{self.id}-{number}", snapshot_owner=self.id, error_dir=self.errors,
             failure_file=self.logs / "failure.json", verified_checkpoint=verified if verified.is_file() else None,
-            snapshot_dir=self.snapshots,
+            snapshot_dir=self.snapshots, preempt_grace_s=self.r.preempt_grace_s,
         )  # fmt: skip
         env = {k: v for k, v in inherited.items() if k not in WORKER_NAMES}
         env.update(PYTHONUNBUFFERED="1", **worker.to_env())
@@ -299,6 +301,18 @@ class Supervisor(Preemption):
                 break
         final = max((b["step"] for b in self._beats(attempt)), default=-1)
         self._note_recovery(final)  # the last steps may have run between two polls
+
+    def _let_peers_fail(self, attempt: Attempt) -> None:
+        """A rank failed: its peers fail in their next collective within moments, each printing that a peer went
+        away (one line on the console, the traceback in the log and the incident). Wait up to PEER_EXIT_S for
+        them to end so, rather than end them before they could say it."""
+        if attempt.exit_code in (0, None) or attempt.hang:
+            return
+        until = time.time() + PEER_EXIT_S
+        while not self.signals.first and (left := until - time.time()) > 0:
+            if all(proc.poll() is not None for _, proc in attempt.procs):
+                return
+            self.clock.wait(min(POLL_S, left))
 
     def _exited(self, attempt: Attempt) -> bool:
         """Whether the attempt is over: every rank done, or one failed (whose exit is then recorded)."""

@@ -43,6 +43,7 @@ SNAPSHOT_OWNER = "LIANDAN_SNAPSHOT_OWNER"  # the supervisor whose memory snapsho
 SNAPSHOT_DIR = "LIANDAN_SNAPSHOT_DIR"  # the private directory (mode 0700) the supervisor made for them
 VERIFIED_CHECKPOINT = "LIANDAN_VERIFIED_CHECKPOINT"  # the supervisor's checkpoint verdict (checkpoint/handoff.py)
 FAILURE_FILE = "LIANDAN_FAILURE_FILE"  # where the multi-node agent leaves the rank that failed first
+PREEMPT_GRACE_S = "LIANDAN_PREEMPT_GRACE_S"  # seconds the supervisor gives its workers once it asks them to stop
 # -- WorkerEnv: set by the supervisor and by launch_local (`--nproc`, the multi-node agent)
 ERROR_DIR = "LIANDAN_ERROR_DIR"  # where a worker leaves its user error, for its launcher to print once
 # -- WorkerEnv: from the user's environment, passed through
@@ -58,8 +59,8 @@ NODE_FAILURE_LIMIT = "LIANDAN_NODE_FAILURE_LIMIT"  # failures attributed to a no
 STANDBY = "LIANDAN_STANDBY"  # "0": start no standby workers ahead of a restart
 NODE_ADDR = "LIANDAN_NODE_ADDR"  # the address this node's stores listen on (default: its route to the endpoint)
 
-WORKER_NAMES = (SUPERVISED, ATTEMPT, ATTEMPT_TOKEN, SNAPSHOT_OWNER, SNAPSHOT_DIR, VERIFIED_CHECKPOINT, FAILURE_FILE, ERROR_DIR,
-                NODE_NAME, CACHE_DIR, FAULTS, FAULTS_ALWAYS)  # fmt: skip
+WORKER_NAMES = (SUPERVISED, ATTEMPT, ATTEMPT_TOKEN, SNAPSHOT_OWNER, SNAPSHOT_DIR, VERIFIED_CHECKPOINT, FAILURE_FILE,
+                PREEMPT_GRACE_S, ERROR_DIR, NODE_NAME, CACHE_DIR, FAULTS, FAULTS_ALWAYS)  # fmt: skip
 NODE_NAMES = (NNODES, RDZV_ENDPOINT, RDZV_ID, RDZV_LAST_CALL_S, NODE_FAILURE_LIMIT, STANDBY, NODE_ADDR)
 
 
@@ -83,6 +84,19 @@ def _whole(environ: Mapping[str, str], name: str, default: int, least: int, what
         value = least - 1
     if value < least:
         raise ConfigError(f"${name} = '{raw}' must be a whole number of {what}, at least {least}")
+    return value
+
+
+def _seconds(environ: Mapping[str, str], name: str) -> float | None:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # NaN too
+        raise ConfigError(f"${name} = '{raw}' must be a number of seconds, at least 0")
     return value
 
 
@@ -110,6 +124,7 @@ class WorkerEnv:
     snapshot_dir: Path | None = None
     verified_checkpoint: Path | None = None
     failure_file: Path | None = None
+    preempt_grace_s: float | None = None  # None: the worker's own resilience.preempt_grace_s
     error_dir: Path | None = None
     node_name: str | None = None
     cache_dir: Path | None = None
@@ -127,6 +142,7 @@ class WorkerEnv:
             snapshot_dir=_path(env, SNAPSHOT_DIR),
             verified_checkpoint=_path(env, VERIFIED_CHECKPOINT),
             failure_file=_path(env, FAILURE_FILE),
+            preempt_grace_s=_seconds(env, PREEMPT_GRACE_S),
             error_dir=_path(env, ERROR_DIR),
             node_name=_text(env, NODE_NAME),
             cache_dir=_path(env, CACHE_DIR),
@@ -143,6 +159,7 @@ class WorkerEnv:
             (SNAPSHOT_DIR, self.snapshot_dir),
             (VERIFIED_CHECKPOINT, self.verified_checkpoint),
             (FAILURE_FILE, self.failure_file),
+            (PREEMPT_GRACE_S, f"{self.preempt_grace_s:g}" if self.preempt_grace_s is not None else None),
             (ERROR_DIR, self.error_dir),
             (NODE_NAME, self.node_name),
             (CACHE_DIR, self.cache_dir),

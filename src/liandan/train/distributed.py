@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import errno
+import ipaddress
 import json
 import os
+import socket
 import subprocess
 import time
 import uuid
@@ -15,8 +18,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from liandan.run.worker_env import ERROR_DIR, WorkerEnv
-from liandan.train.stores import LOOPBACK, RENDEZVOUS_BACKEND, register_rendezvous, single_node_env
+from liandan.config import ConfigError
+from liandan.run.worker_env import ERROR_DIR, NODE_ADDR, NodeEnv, WorkerEnv
+from liandan.train.stores import LOOPBACK, RENDEZVOUS_BACKEND, bound_store, register_rendezvous, single_node_env
 
 
 @dataclass(frozen=True)
@@ -35,11 +39,11 @@ class DistInfo:
         return self.world_size > 1
 
 
-def _adopt_slurm_env(env: dict[str, str]) -> None:
+def _adopt_slurm_env(env: dict[str, str]) -> bool:
     """Under `srun` (one task per process) without torchrun, translate Slurm's variables into the ones
-    `init_process_group(init_method="env://")` reads."""
+    `init_process_group(init_method="env://")` reads. Returns whether it did."""
     if "RANK" in env or "SLURM_PROCID" not in env or int(env.get("SLURM_NTASKS", "1")) <= 1:
-        return
+        return False
     env["RANK"] = env["SLURM_PROCID"]
     env["WORLD_SIZE"] = env["SLURM_NTASKS"]
     env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
@@ -48,6 +52,38 @@ def _adopt_slurm_env(env: dict[str, str]) -> None:
         env["MASTER_ADDR"] = _first_slurm_host(env)
     # A port derived from the job id lets several jobs share a node without colliding.
     env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+    if _is_loopback(env["MASTER_ADDR"]):  # every task on this node: the process group's sockets on loopback too
+        for key, value in single_node_env().items():
+            env.setdefault(key, value)
+    return True
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def _slurm_store(env: dict[str, str], timeout: datetime.timedelta):
+    """The process group's store for tasks that srun started without torchrun. c10d's env:// store would
+    listen on every interface; rank 0 hosts it on this node's address only ($LIANDAN_NODE_ADDR, else
+    MASTER_ADDR's, which is rank 0's node), and the others connect to MASTER_ADDR."""
+    host, port, rank = env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["RANK"])
+    if rank != 0:
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    where = NodeEnv.from_env(env).node_addr or host
+    if _is_loopback(where) and int(env.get("SLURM_NNODES", "1")) > 1:
+        raise ConfigError(f"MASTER_ADDR = {host} is a loopback address on rank 0's node, which the other"
+                          f" {int(env['SLURM_NNODES']) - 1} node(s) of the job cannot reach: set MASTER_ADDR (or"
+                          f" {NODE_ADDR}) to its address on the cluster's network")  # fmt: skip
+    try:
+        return bound_store(where, port, timeout=timeout)
+    except OSError as err:
+        if err.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"MASTER_ADDR = {host} ({where}) is no address of rank 0's node {socket.gethostname()}:"
+                              f" set MASTER_ADDR (or {NODE_ADDR}) to an address of the node of Slurm task 0") from None  # fmt: skip
+        raise
 
 
 def _first_slurm_host(env: dict[str, str]) -> str:
@@ -67,7 +103,7 @@ def _first_slurm_host(env: dict[str, str]) -> str:
 def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: float | None = None) -> DistInfo:
     """Join the process group described by the environment; a lone process runs without one. `timeout_s`:
     how long a collective may wait for a peer before it fails (c10d's and NCCL's watchdog timeout)."""
-    _adopt_slurm_env(os.environ)  # type: ignore[arg-type]
+    from_slurm = _adopt_slurm_env(os.environ)  # type: ignore[arg-type]
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -86,7 +122,12 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
         if timeout_s:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend=backend, init_method="env://", **kwargs)
+        if from_slurm:
+            timeout = kwargs.get("timeout", dist.constants.default_pg_timeout)
+            store = _slurm_store(os.environ, timeout)  # type: ignore[arg-type]
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world, **kwargs)
+        else:  # torchrun's store: bound by the liandan-c10d rendezvous (liandan.train.stores)
+            dist.init_process_group(backend=backend, init_method="env://", **kwargs)
     return DistInfo(rank, world, local_rank, dev)
 
 

@@ -173,3 +173,11 @@ def gradient_sync(model: nn.Module, sync: bool):
     if not sync and hasattr(model, "no_sync"):  # DDP
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP2 unit back into its sharded state, as between steps: a step left in its middle (the
+    root unit stays unsharded from its forward to its backward) would otherwise show whole parameters."""
+    for module in model.modules():
+        if hasattr(module, "reshard") and hasattr(module, "set_requires_gradient_sync"):  # an FSDP2 unit
+            module.reshard()

@@ -1,6 +1,8 @@
 """Stopping for preemption: SIGTERM (what Slurm and Kubernetes send), SIGINT (Ctrl-C) or the supervisor's
-request (SIGUSR2) makes a worker save a checkpoint at the end of the step it is in and exit with
-128 + the signal's number, rather than die mid-write.
+request (SIGUSR2) makes a worker save a checkpoint and exit with 128 + the signal's number, rather than die
+mid-write. It has a grace period to do so: the supervisor's `resilience.preempt_grace_s`, handed over in
+$LIANDAN_PREEMPT_GRACE_S, counted from the moment the signal arrives (a worker without a supervisor takes
+its own config's).
 
 The ranks get the signal at different moments, in different parts of a step, so they agree on the step to
 stop at: after every step they all-reduce (MAX) the signal each has seen, on a small gloo group of their
@@ -9,18 +11,36 @@ Before the first step there is nothing to save and a signal ends the worker at o
 after the last step it is ignored, as the run is finishing anyway. A second SIGTERM or SIGINT means stop
 now: the worker dies of it at once (checkpoints are written to a temporary directory and renamed when
 complete, so a save cut short leaves nothing that a resume would read).
+
+Finishing the step in progress may not fit in the grace period (long steps, slow saves). So, when there is
+an earlier state to fall back on, the ranks also agree at every phase boundary of a step before its update
+(each forward and backward of a micro-batch, the optimizer) whether a signal has come, and plan the stop
+from their measurements: the median of their recent step times less what the current step has taken, plus
+the newest save's time. When finishing and saving does not fit in what is left of the grace period, they
+abandon the step there (its update not applied) and fall back on the end of the step before it, which is
+exact: the checkpoint of that step if one was saved (nothing else to do), else the newest memory snapshot
+(`checkpoint.memory_every`; with 1 that is the step before), read back from host memory and saved as the
+checkpoint. When nothing fits, a
+line and a `preemption_plan` event say so, and the cheapest plan is tried all the same: the estimate may be
+pessimistic, and the supervisor ends the workers at the deadline anyway.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
+import statistics
 import threading
+import time
+from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
+from liandan.run.worker_env import WorkerEnv
 from liandan.train.callbacks import Callback
 
 if TYPE_CHECKING:
@@ -28,6 +48,8 @@ if TYPE_CHECKING:
 
 REQUEST = signal.SIGUSR2  # the supervisor's request: it forwards the SIGTERM or SIGINT that it received
 EXTERNAL = (signal.SIGTERM, signal.SIGINT)
+EXIT_RESERVE = (0.1, 1.0)  # of the grace period, this share (at most this many seconds) is left for exiting
+MID_STEP = ("forward", "backward", "optimizer")  # the phase boundaries where a step may be abandoned
 
 
 class Preempted(BaseException):
@@ -51,6 +73,8 @@ class PreemptionGuard:
         self.external = 0  # SIGTERMs and SIGINTs seen: a second one stops at once
         self.phase = "startup"  # startup (a signal ends the worker now), loop (stop after a step), teardown
         self.group = None
+        self.grace_s = math.inf  # set by the callback from the supervisor's contract or the config
+        self.signalled_at: float | None = None  # wall-clock time of the first signal
         self._previous: dict[int, object] = {}
 
     def install(self) -> PreemptionGuard:
@@ -73,6 +97,7 @@ class PreemptionGuard:
                 return
         if self.signum is None:
             self.signum = signal.SIGTERM if signum == REQUEST else signum
+            self.signalled_at = time.time()
         if self.phase == "startup":
             raise Preempted(self.signum)
 
@@ -83,40 +108,151 @@ class PreemptionGuard:
             self.group = dist.new_group(backend="gloo")
         self.phase = "loop"  # a signal that came meanwhile stops the run after the first step
 
-    def agreed(self) -> int:
-        """The signal to stop for after this step (0: go on); the same on every rank. Collective."""
-        seen = torch.tensor([self.signum or 0], dtype=torch.int32)
+    def deadline(self) -> float:
+        """Wall-clock time by which this worker means to have saved (inf before any signal)."""
+        if self.signalled_at is None:
+            return math.inf
+        share, most = EXIT_RESERVE
+        return self.signalled_at + self.grace_s - min(most, share * self.grace_s)
+
+    def agree_on_plan(self, finish_s: float, fallback_s: float, fallback_step: int) -> Plan:
+        """What every rank knows once they have pooled what each has seen and measured: the first signal, the
+        earliest deadline, the latest clock, the largest estimates and the step all can fall back to (-1:
+        none). The same on every rank. Collective."""
+        mine = [self.signum or 0, -self.deadline(), time.time(), finish_s, fallback_s, -fallback_step]
+        pooled = torch.tensor([v if math.isfinite(v) else math.copysign(1e300, v) for v in mine], dtype=torch.float64)
         if self.group is not None:
-            dist.all_reduce(seen, op=dist.ReduceOp.MAX, group=self.group)
-        return int(seen.item())
+            dist.all_reduce(pooled, op=dist.ReduceOp.MAX, group=self.group)
+        signum, deadline, now, finish, fallback, step = pooled.tolist()
+        return Plan(int(signum), -deadline - now, finish, fallback, int(-step))
 
     def end_loop(self) -> None:
         self.phase = "teardown"
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A preemption's plan, from the pooled view of all ranks (`agree_on_plan`)."""
+
+    signum: int  # 0: no signal yet
+    left_s: float  # of the grace period
+    finish_s: float  # the rest of the step in progress and a save
+    fallback_s: float  # a save of the end of `fallback_step` (restored first from memory when not saved)
+    fallback_step: int  # -1: nothing to fall back on
+
+    @property
+    def choice(self) -> str:
+        """finish (the step and save it), fall back (abandon the step), or either one when nothing fits."""
+        if self.finish_s <= self.left_s or self.fallback_step < 0:
+            return "finish"
+        if self.fallback_s <= self.left_s or self.fallback_s < self.finish_s:
+            return "fall back"
+        return "finish"
+
+    @property
+    def fits(self) -> bool:
+        return min(self.finish_s, self.fallback_s if self.fallback_step >= 0 else math.inf) <= self.left_s
+
+
+class StepAbandoned(BaseException):
+    """Raised at a phase boundary on every rank alike: the step in progress is given up for a preemption.
+    No Exception, so that nothing on its way up swallows it."""
+
+    def __init__(self, signum: int, fallback_step: int):
+        super().__init__(f"step abandoned for {signal.Signals(signum).name}, back to step {fallback_step}")
+        self.signum, self.fallback_step = signum, fallback_step
+
+
 class PreemptionCallback(Callback):
     """The guard in the loop: after every step but the last the ranks agree whether to stop; on a signal,
-    the step is saved (unless its regular checkpoint just was) and the run ends with `Preempted`."""
+    the step is saved (unless its regular checkpoint just was) and the run ends with `Preempted`. Where there
+    is an earlier state to fall back on, they also agree at the phase boundaries before the update, and
+    abandon the step when finishing it would not fit in the grace period (see the module's doc)."""
 
     order = 95  # after the step's own checkpoint
 
     def __init__(self, guard: PreemptionGuard):
         self.guard = guard
+        self.step_seconds: deque[float] = deque(maxlen=5)
+        self.step_started = 0.0
+        self.planned = False  # this preemption's plan is made: no more agreeing in the middle of steps
 
     def on_train_start(self, trainer: Trainer) -> None:
+        grace = WorkerEnv.from_env().preempt_grace_s
+        self.guard.grace_s = trainer.cfg.resilience.preempt_grace_s if grace is None else grace
         self.guard.start_loop(trainer.dist.distributed)
 
+    def before_step(self, trainer: Trainer, step: int) -> None:
+        self.step_started = time.perf_counter()
+
+    def on_phase(self, trainer: Trainer, step: int, phase: str, micro: int) -> None:
+        if phase not in MID_STEP or self.planned or step >= trainer.cfg.train.steps:
+            return
+        if not trainer.snapshots and trainer.cfg.checkpoint.every != 1:
+            return  # never anything to fall back on: finishing the step is the only plan (the same on every rank)
+        fallback_step, fallback_s = self._fallback(trainer, step)
+        elapsed = time.perf_counter() - self.step_started
+        typical = statistics.median(self.step_seconds) if self.step_seconds else 0.0
+        plan = self.guard.agree_on_plan(max(0.0, typical - elapsed) + self._save_s(trainer), fallback_s, fallback_step)
+        if not plan.signum:
+            return
+        self.planned = True
+        self._record(trainer, step + 1, plan, f"finishing step {step + 1} and saving it")
+        if plan.choice == "fall back":
+            raise StepAbandoned(plan.signum, plan.fallback_step)
+
     def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        self.step_seconds.append(time.perf_counter() - self.step_started)
         if step >= trainer.cfg.train.steps or trainer.rolling_back:  # stop after the step that replaces it
             return
-        signum = self.guard.agreed()
-        if not signum:
-            return
         every = trainer.cfg.checkpoint.every
-        if not (every and step % every == 0):
+        saved = bool(every and step % every == 0)
+        plan = self.guard.agree_on_plan(0.0 if saved else self._save_s(trainer), math.inf, -1)
+        if not plan.signum:
+            return
+        if not self.planned:
+            self._record(trainer, step, plan, f"saving step {step}" if not saved else "stopping")
+        if not saved:
             trainer.phase("checkpoint")
             trainer.save_checkpoint()
-        trainer.stop_for_preemption(signum)
+        trainer.stop_for_preemption(plan.signum)
 
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
         self.guard.end_loop()
+
+    @staticmethod
+    def _save_s(trainer: Trainer) -> float:
+        """The newest save's time; before any, the newest snapshot's (a lower bound); else nothing known."""
+        measured = trainer.checkpoints.save_seconds()
+        if measured is None and trainer.snapshots is not None:
+            measured = trainer.snapshots.save_seconds
+        return measured or 0.0
+
+    def _fallback(self, trainer: Trainer, step: int) -> tuple[int, float]:
+        """(the newest completed step whose end this rank can save, the seconds that takes) or (-1, inf): the
+        checkpoint of `step`, the last completed one, saved or being saved costs nothing; the newest memory
+        snapshot costs reading it back and a save. An older snapshot (`checkpoint.memory_every` > 1) loses
+        the steps since, but fewer than the newest checkpoint would; one no newer than that is no fallback."""
+        saved = trainer.checkpoints.started_step
+        if saved == step:
+            return step, 0.0
+        snapshots = trainer.snapshots
+        if snapshots is not None and snapshots.newest is not None and snapshots.newest > (saved or 0):
+            return snapshots.newest, (snapshots.save_seconds or 0.0) + self._save_s(trainer)
+        return -1, math.inf
+
+    def _record(self, trainer: Trainer, step: int, plan: Plan, finishing: str) -> None:
+        """One line when the plan is no plain finish, and a `preemption_plan` event always. `step`: the step in
+        progress, or just done."""
+        name, choice, left = signal.Signals(plan.signum).name, plan.choice, max(0.0, plan.left_s)
+        if not plan.fits:
+            fallback = f"saving step {plan.fallback_step} ({plan.fallback_s:.1f}s)" if plan.fallback_step >= 0 else ""
+            trainer.say(f"preemption: {name}: {finishing} ({plan.finish_s:.1f}s)" + (f" or {fallback}" if fallback
+                        else "") + f" does not fit in the {left:.1f}s of grace left; trying to {choice} all the same")  # fmt: skip
+        elif choice == "fall back":
+            trainer.say(f"preemption: {name}: {finishing} would take {plan.finish_s:.1f}s of the {left:.1f}s of"
+                        f" grace left: abandoning it, saving step {plan.fallback_step}")  # fmt: skip
+        trainer.files.log_event("preemption_plan", signal=name, step=step, plan=choice, fits=plan.fits,
+                                grace_left_s=round(plan.left_s, 2), finish_s=round(plan.finish_s, 2),
+                                fallback_s=round(plan.fallback_s, 2) if plan.fallback_step >= 0 else None,
+                                fallback_step=plan.fallback_step if plan.fallback_step >= 0 else None)  # fmt: skip

@@ -39,8 +39,8 @@ from liandan.train.distributed import DistInfo, init_distributed, shutdown_distr
 from liandan.train.hardware import device_peak_flops, resolve_dtype
 from liandan.train.heartbeat import Heartbeat
 from liandan.train.module import TrainModule, _config_step
-from liandan.train.parallelize import build_mesh, dp_coordinates
-from liandan.train.preemption import Preempted
+from liandan.train.parallelize import build_mesh, dp_coordinates, reshard
+from liandan.train.preemption import Preempted, StepAbandoned
 
 
 @dataclass
@@ -123,12 +123,15 @@ class Trainer:
         try:
             while self.step < steps:
                 self.notify("before_step", self.step)
-                self.phase("data")
-                batches = self.loader.next_step(self.micro_batch)
-                maybe_inject("data", self.step + 1)
-                loss = self.module.forward_backward(batches, self.phase, self.step + 1)
-                corrupt_gradients(self.step + 1, self.model.parameters())
-                self.phase("optimizer")
+                try:
+                    self.phase("data")
+                    batches = self.loader.next_step(self.micro_batch)
+                    maybe_inject("data", self.step + 1)
+                    loss = self.module.forward_backward(batches, self.phase, self.step + 1)
+                    corrupt_gradients(self.step + 1, self.model.parameters())
+                    self.phase("optimizer")
+                except StepAbandoned as abandoned:  # preempted, with no time to finish the step
+                    self.stop_mid_step(abandoned.signum, abandoned.fallback_step)
                 grad_norm, lr = self.module.clip_gradients(), self.module.lr
                 update = self._agree_to_update(loss, grad_norm)
                 if update:
@@ -231,6 +234,22 @@ class Trainer:
             self._event("preempted", signal=signal.Signals(signum).name, step=self.step, checkpoint=path)
         self.logger.close()
         raise Preempted(signum, self.step, path)
+
+    def stop_mid_step(self, signum: int, fallback_step: int) -> None:
+        """Preempted in the middle of a step, before its update, with no time to finish it: every rank goes
+        back to the end of `fallback_step` (the step before, or an older one of the newest memory snapshot),
+        saves it unless its checkpoint is saved or being saved, and stops. The model and optimizer still hold
+        the end of the step before, but the loader, the random-number states and the callbacks' states have
+        moved on: the memory snapshot holds them all, exactly as a checkpoint of its step would have."""
+        self.module.optimizer.zero_grad(set_to_none=True)
+        reshard(self.model)
+        if self.checkpoints.started_step != fallback_step:
+            state = self.snapshots.load(fallback_step, self.model, self.module.optimizer)
+            self.rewind(fallback_step, state)
+            self.phase("checkpoint")
+            self.save_checkpoint()
+        self.step = fallback_step
+        self.stop_for_preemption(signum)
 
     def resume_state(self) -> dict[str, Any]:
         """What a resume needs besides the tensors: the schedule, the loader, the callbacks' states."""
