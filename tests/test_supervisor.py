@@ -27,6 +27,7 @@ from liandan.config import load_config
 from liandan.resilience.processes import alive
 from liandan.resilience.relay import Relay
 from liandan.resilience.supervisor import Supervisor
+from liandan.run import RunDir
 from liandan.train.heartbeat import Heartbeat, read_heartbeats
 
 pytestmark = pytest.mark.slow
@@ -207,21 +208,21 @@ def test_goodput_counts_every_launch_of_the_run(tmp_path):
 
 def test_heartbeats_survive_a_full_disk(small_disk, capsys):
     disk = small_disk("64k")
-    beat = Heartbeat(disk / "heartbeat", rank=0)
+    beat = Heartbeat(RunDir(disk), rank=0)
     beat.beat(1, "data")
     fill_disk(disk / "filler")
     for step in range(2, 6):
         beat.beat(step, "forward")  # best-effort: never an exception that would end the worker
-    [record] = read_heartbeats(disk / "heartbeat")
+    [record] = read_heartbeats(RunDir(disk))
     assert record["step"] == 5  # no room for a new file: the record was rewritten in place
-    late = Heartbeat(disk / "heartbeat", rank=1)
+    late = Heartbeat(RunDir(disk), rank=1)
     late.beat(1, "data")  # not even that: skipped
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if "heartbeat" in line]
     assert len(warnings) == 2 and all("No space left on device" in w for w in warnings), err  # once per rank
     (disk / "filler").unlink()
     late.beat(2, "data")
-    assert [b["step"] for b in read_heartbeats(disk / "heartbeat")] == [5, 2]
+    assert [b["step"] for b in read_heartbeats(RunDir(disk))] == [5, 2]
 
 
 def test_output_relay_survives_a_full_disk(small_disk, capsys):
@@ -329,11 +330,11 @@ def test_the_rank_furthest_behind_stopped_first():
 def test_heartbeat_reports_how_long_each_part_of_a_step_takes(tmp_path):
     from liandan.train.heartbeat import Heartbeat
 
-    beat = Heartbeat(tmp_path, rank=0)
+    beat = Heartbeat(RunDir(tmp_path), rank=0)
     beat.beat(0, "startup")
     beat.beat(0, "data")
     beat.beat(0, "forward")
-    [record] = read_heartbeats(tmp_path)
+    [record] = read_heartbeats(RunDir(tmp_path))
     assert record["phase"] == "forward" and set(record["longest"]) == {"data"}
     assert 0 <= record["longest"]["data"] < 1
 

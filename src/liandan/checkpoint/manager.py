@@ -41,7 +41,6 @@ from torch.distributed.checkpoint.state_dict import (
 from liandan.checkpoint.restricted import load_state, read_metadata, reason
 from liandan.checkpoint.verify import (
     MANIFEST,
-    STEP_DIR,
     CheckpointError,
     complete_checkpoints,
     fsync_path,
@@ -53,7 +52,15 @@ from liandan.checkpoint.verify import (
     write_manifest,
 )
 from liandan.faults import maybe_inject
-from liandan.run import RunDir
+from liandan.run import (
+    META,
+    RunDir,
+    parse_partial_step_dir,
+    partial_of,
+    partial_step_dirs,
+    rank_file,
+    step_dirs,
+)
 
 # DCP notes on every single-process save and load that it runs without a process group, which is intended.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -108,7 +115,7 @@ class CheckpointManager:
         started = time.perf_counter()
         self.wait()
         final = self.root / step_dir_name(step)
-        tmp = final.with_name(final.name + ".tmp")
+        tmp = partial_of(final)
         # Local preparation may fail on one rank only (a full disk, say); all ranks agree before DCP's
         # collectives start, so a failure never leaves a peer waiting in one of them.
         error: BaseException | None = None
@@ -120,10 +127,10 @@ class CheckpointManager:
             error = err
         if self._all_ok(error is None):  # also the barrier: the directory exists for every rank after it
             try:
-                torch.save(rng_state(), tmp / f"rank-{self.rank:05d}.pt")
+                torch.save(rng_state(), rank_file(tmp, self.rank, ".pt"))
                 if self.rank == 0:
                     meta = {**meta, "step": step, "world_size": self.world_size, "saved_at": time.time()}
-                    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+                    (tmp / META).write_text(json.dumps(meta, indent=1))
             except Exception as err:
                 error = err
         if not self._all_ok(error is None):
@@ -254,7 +261,7 @@ class CheckpointManager:
         """Remove the `step-*.tmp` directories of saves that an earlier process left half-done (killed, or out
         of space): no one finishes them, and they hold space the next save may need. Call once at start,
         before any save, on one rank."""
-        stale = sorted(self.root.glob("step-*.tmp")) if self.root.is_dir() else []
+        stale = partial_step_dirs(self.root)
         for path in stale:
             shutil.rmtree(path, ignore_errors=True)
         return stale
@@ -312,13 +319,13 @@ class CheckpointManager:
                 state = {"model": model_sd, "optim": optim_sd}
                 load_state(state, path, process_group=self.group)
                 set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-            meta = _read_meta(path)
-            rank_file = path / f"rank-{self.rank:05d}.pt"
-            if meta.get("world_size") == self.world_size and rank_file.is_file():
+            meta = read_meta(path)
+            rng_file = rank_file(path, self.rank, ".pt")
+            if meta.get("world_size") == self.world_size and rng_file.is_file():
                 try:
-                    set_rng_state(torch.load(rank_file, weights_only=True))
+                    set_rng_state(torch.load(rng_file, weights_only=True))
                 except Exception as err:
-                    raise CheckpointError(f"{path}: file {rank_file.name} cannot be loaded: {reason(err)}") from None
+                    raise CheckpointError(f"{path}: file {rng_file.name} cannot be loaded: {reason(err)}") from None
         except CheckpointError as err:
             error = str(err)
         except Exception as err:
@@ -367,7 +374,8 @@ class CheckpointManager:
         if self.keep_every:
             keep |= {p for p in complete if step_of(p) % self.keep_every == 0}
         deleted = [p for p in complete if p not in keep]
-        deleted += [p for p in self.root.glob("step-*.tmp") if p.name[:-4] < complete[-1].name]
+        newest = step_of(complete[-1])
+        deleted += [p for p in partial_step_dirs(self.root) if parse_partial_step_dir(p.name) < newest]
         for path in deleted:
             shutil.rmtree(path, ignore_errors=True)
         return deleted
@@ -396,7 +404,7 @@ def newest_verified(root: Path, checksums: bool = True, on_event=None, before: P
     for path in reversed(step_directories(root)):
         if before is not None and path.name >= Path(before).name:
             continue
-        if not (path / MANIFEST).is_file() and path.with_name(path.name + ".tmp").exists():
+        if not (path / MANIFEST).is_file() and partial_of(path).exists():
             continue  # a save of the same step is replacing it right now
         try:
             verify(path, checksums=checksums)
@@ -440,9 +448,9 @@ def describe_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint directory at {path}")
     info: dict[str, Any] = {"path": str(path), "bytes": total_bytes(path), "checksums": checksums}
-    if (path / "meta.json").is_file():
+    if (path / META).is_file():
         try:
-            meta = _read_meta(path)
+            meta = read_meta(path)
         except CheckpointError:  # verification below names what is wrong with it
             meta = {}
         for key in ("step", "tokens", "world_size", "layout", "liandan_version", "tokenizer", "saved_at"):
@@ -462,9 +470,9 @@ def load_model(path: Path, verify_checksums: bool = True):
 
     path = Path(path)
     verify(path, checksums=verify_checksums)
-    meta = _read_meta(path)
+    meta = read_meta(path)
     if "model_args" not in meta:
-        raise CheckpointError(f"{path / 'meta.json'} does not describe the model (model_args missing)")
+        raise CheckpointError(f"{path / META} does not describe the model (model_args missing)")
     spec = get_model_spec(meta.get("model_family", "llama"))  # checkpoints from before families are Llama's
     model = spec.build(spec.args_type(**meta["model_args"]))
     state = {"model": get_model_state_dict(model)}
@@ -473,35 +481,32 @@ def load_model(path: Path, verify_checksums: bool = True):
     return model, meta
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: Path) -> dict[str, Any]:
+    """A checkpoint's meta.json; CheckpointError, naming the checkpoint, when it is missing or not a JSON object."""
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = json.loads((Path(path) / META).read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: file meta.json is missing") from None
+        raise CheckpointError(f"{path}: file {META} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: file meta.json is not JSON: {err}") from None
+        raise CheckpointError(f"{path}: file {META} is not JSON: {err}") from None
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: file meta.json is not a JSON object")
+        raise CheckpointError(f"{path}: file {META} is not a JSON object")
     return meta
 
 
 def run_checkpoint_root(run_dir: Path) -> Path:
     """Where a run directory's checkpoints are: `checkpoint.dir` of the config the run saved, else
     `<run>/checkpoints`, just as training chose."""
-    from liandan.config import read_toml
-
-    config = RunDir(Path(run_dir)).config
-    directory = read_toml(config).get("checkpoint", {}).get("dir") if config.is_file() else None
-    return RunDir.of(run_dir, directory).checkpoints
+    return RunDir.from_saved_config(run_dir).checkpoints
 
 
 def resolve_checkpoint(path: Path) -> Path:
     """A step directory, or the newest complete one under a checkpoints directory or a run directory."""
     path = Path(path)
-    if (path / "manifest.json").is_file() or (path / "meta.json").is_file():
+    if (path / MANIFEST).is_file() or (path / META).is_file():
         return path
     for root in (path, run_checkpoint_root(path)):
-        steps = sorted(p for p in root.glob("step-*") if STEP_DIR.match(p.name)) if root.is_dir() else []
+        steps = step_dirs(root)
         if steps:
             return steps[-1]
     raise CheckpointError(f"no checkpoint at {path}")

@@ -373,7 +373,7 @@ class _Sweep:
         if not summary_path.is_file() or not curve.steps:
             raise self._failed(trial, f"no summary.json or no loss records in {run_dir}")
         try:
-            summary = json.loads(summary_path.read_text())
+            summary = room.load_summary()
         except (OSError, ValueError) as err:
             raise self._failed(trial, f"unreadable {summary_path}: {err}") from None
         final_train = measured_final_loss(curve.steps, curve.losses)
