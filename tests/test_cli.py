@@ -52,6 +52,8 @@ def test_help_lists_commands():
         (["--run.name=/tmp/absolute-run"], ["run.name = '/tmp/absolute-run' must be one directory name"]),
         (["--optim.lr=nan"], ["optim.lr = nan must be a finite number"]),
         (["--optim.lr=inf"], ["optim.lr = inf must be a finite number"]),
+        (['--train.callbacks=["no_such_callbacks"]'], ["train.callbacks: cannot import 'no_such_callbacks'"]),
+        (['--train.callbacks=["a/b.py"]'], ["train.callbacks: 'a/b.py' is not a module name"]),
     ],
 )
 def test_user_mistakes_give_one_line_and_nonzero_exit(config, args, words):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
+
+
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 class ConfigError(ValueError):
@@ -100,6 +104,9 @@ class TrainSection:
     log_every: int = _f(1, "steps between metric records", min=1)
     eval_every: int = _f(0, "steps between validation-loss checks; 0 disables", min=0)
     eval_batches: int = _f(4, "validation batches per check", min=1)
+    callbacks: list[str] = _f(
+        [], "modules of training callbacks (`register_callback`) to import, in every process that trains"
+    )
 
 
 @dataclass
@@ -408,6 +415,9 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(
             f"train.global_batch = {t.global_batch} must be a multiple of train.micro_batch = {t.micro_batch}"
         )
+    for module in t.callbacks:
+        if not _MODULE_NAME.match(module):
+            raise ConfigError(f"train.callbacks: {module!r} is not a module name (package.module)")
     if cfg.schedule.warmup_steps > t.steps:
         raise ConfigError(f"schedule.warmup_steps = {cfg.schedule.warmup_steps} exceeds train.steps = {t.steps}")
 

@@ -21,13 +21,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from liandan.train.callbacks import Callback
+from liandan.config import Config
+from liandan.train.callbacks import Callback, register_callback
 
 if TYPE_CHECKING:
     from liandan.train.trainer import Trainer, TrainResult
 
 REQUEST = signal.SIGUSR2  # the supervisor's request: it forwards the SIGTERM or SIGINT that it received
 EXTERNAL = (signal.SIGTERM, signal.SIGINT)
+_installed: PreemptionGuard | None = None  # the guard of this process, while one is installed
 
 
 class Preempted(BaseException):
@@ -54,15 +56,22 @@ class PreemptionGuard:
         self._previous: dict[int, object] = {}
 
     def install(self) -> PreemptionGuard:
+        """Catch the signals from now on (before the trainer is built: a signal during start-up ends the worker
+        at once); every trainer built while it is installed attaches its callback ("preemption")."""
+        global _installed
         if threading.current_thread() is threading.main_thread():
             for signum in (*EXTERNAL, REQUEST):
                 self._previous[signum] = signal.signal(signum, self._handle)
+        _installed = self
         return self
 
     def close(self) -> None:
+        global _installed
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+        if _installed is self:
+            _installed = None
 
     def _handle(self, signum: int, frame) -> None:
         if signum in EXTERNAL:
@@ -120,3 +129,10 @@ class PreemptionCallback(Callback):
 
     def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
         self.guard.end_loop()
+
+
+@register_callback("preemption", builtin=True)
+def preemption_callback(cfg: Config) -> PreemptionCallback | None:
+    """Attached by every trainer built while a guard is installed (`liandan train` installs one in each
+    process that trains); a trainer of a program that catches no signals has none."""
+    return PreemptionCallback(_installed) if _installed is not None else None
