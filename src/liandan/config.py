@@ -405,12 +405,7 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if p.dp_shard == 0:
         raise ConfigError("parallel.dp_shard = 0 is not allowed; use a positive size or -1")
-    if p.tp > 1:
-        if m.n_heads % p.tp or kv % p.tp:
-            raise ConfigError(f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads} and n_kv_heads = {kv}")
-        if m.tie_embeddings or m.qk_norm:
-            what = "tie_embeddings" if m.tie_embeddings else "qk_norm"
-            raise ConfigError(f"model.{what} = true is not supported with parallel.tp > 1 yet")
+    # Whether parallel.tp can split the model is the family's to say (liandan.model.spec.check_model_config).
     if t.micro_batch and t.global_batch % t.micro_batch:
         raise ConfigError(
             f"train.global_batch = {t.global_batch} must be a multiple of train.micro_batch = {t.micro_batch}"

@@ -151,9 +151,9 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     name = Path(args.config).stem
-    from liandan.model.spec import get as get_model_spec
+    from liandan.model.spec import check_model_config
 
-    get_model_spec(cfg.model.family)  # [model] family is checked against the registry before anything starts
+    check_model_config(cfg)  # the family and its tensor-parallel split, before anything starts
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
     # torchrun or srun started us; with $LIANDAN_NNODES, srun starts one supervisor per node instead
