@@ -123,7 +123,7 @@ class CheckpointManager:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - a failed save is reported on every rank, never raised
             error = err
         if self._all_ok(error is None):  # also the barrier: the directory exists for every rank after it
             try:
@@ -131,7 +131,7 @@ class CheckpointManager:
                 if self.rank == 0:
                     meta = {**meta, "step": step, "world_size": self.world_size, "saved_at": time.time()}
                     (tmp / META).write_text(json.dumps(meta, indent=1))
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - a failed save is reported on every rank, never raised
                 error = err
         if not self._all_ok(error is None):
             return self._report_failure(step, tmp, error or RuntimeError("another rank failed"), started).seconds
@@ -150,7 +150,7 @@ class CheckpointManager:
                 future = None
         # A failed save must not end the run: report it, keep training. DCP's CheckpointException (a failed write
         # on some rank) is a BaseException, not an Exception.
-        except (Exception, dcp.CheckpointException) as err:
+        except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - a failed save is reported, never raised
             return self._report_failure(step, tmp, err, started).seconds
         blocking = time.perf_counter() - started
         thread = None
@@ -185,7 +185,7 @@ class CheckpointManager:
             tmp.rename(final)
             fsync_path(self.root)
             maybe_inject("saved", step, final)
-        except BaseException as err:
+        except BaseException as err:  # noqa: BLE001 - handed to wait(), which reports it
             self._finalize_error = err
 
     def wait(self) -> SaveOutcome | None:
@@ -201,7 +201,7 @@ class CheckpointManager:
         elif future is not None:
             try:
                 future.result()
-            except BaseException as err:
+            except BaseException as err:  # noqa: BLE001 - reported as the save's failure
                 error = err
         # Only rank 0 finalizes: the others learn of a failure there (a full disk, say) here.
         if not self._all_ok(error is None) and error is None:
@@ -324,11 +324,11 @@ class CheckpointManager:
             if meta.get("world_size") == self.world_size and rng_file.is_file():
                 try:
                     set_rng_state(torch.load(rng_file, weights_only=True))
-                except Exception as err:
+                except Exception as err:  # noqa: BLE001 - any failure to load names the checkpoint
                     raise CheckpointError(f"{path}: file {rng_file.name} cannot be loaded: {reason(err)}") from None
         except CheckpointError as err:
             error = str(err)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - any failure to load names the checkpoint
             error = f"{path}: cannot be loaded: {reason(err)}"
         self._raise_agreed(error)
         return meta
