@@ -1,7 +1,6 @@
 """The registry of training callbacks: callbacks register by name from their own layer; the trainer never
 imports them, and `liandan train` registers liandan's own in every process that trains."""
 
-import json
 import subprocess
 import sys
 
@@ -171,7 +170,9 @@ def test_one_ranks_veto_skips_the_update_on_every_rank(tmp_path):
         p.join(timeout=60)
     assert results[0][0] and results[1][0]  # neither rank applied the update of step 4
     assert results[0][1] == results[1][1]
-    metrics = [json.loads(line) for line in (tmp_path / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
+    from helpers import read_metrics
+
+    metrics = read_metrics(tmp_path / "runs" / "run")
     assert [m["step"] for m in metrics if m.get("update_skipped")] == [4]
     assert all(p.exitcode == 0 for p in procs)
 
