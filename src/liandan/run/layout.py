@@ -18,6 +18,7 @@
     nodes/, excluded_nodes.json, excluded_nodes.txt   failure attribution across nodes
     logs/verified.json    the supervisor's verdict on the newest checkpoint, handed to the next attempt
     run.lock              held by the process that owns the run (run-<node>.lock: by each node's supervisor)
+    trial.log             a sweep trial's output, when the run is one
 
 Only this module spells those names; everyone else asks a `RunDir`.
 """
@@ -167,6 +168,11 @@ class RunDir:
     def node_lock(self, node: str) -> Path:
         """The lock each node's supervisor of a multi-node run holds."""
         return self.path / f"run-{node}.lock"
+
+    @property
+    def trial_log(self) -> Path:
+        """The output of a sweep's trial, whose run this is."""
+        return self.path / "trial.log"
 
     def plot(self, name: str = "training") -> Path:
         return self.path / f"{name}.png"
