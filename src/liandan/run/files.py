@@ -75,7 +75,8 @@ def replacing(path: Path | str, *, durable: bool = True, unique: bool = False) -
                 fsync_path(tmp)
             os.replace(tmp, path)  # a rename replaces what is at the path, it never follows a link
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the error that got here is the one to report
+                tmp.unlink(missing_ok=True)
             raise
         if durable:
             fsync_path(path.parent)
