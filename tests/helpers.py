@@ -149,20 +149,23 @@ def listeners_until_exit(proc, timeout: float = 400.0) -> set[tuple[str, int]]:
 
 
 def wait_for_step(run_dir: Path, step: int, proc, timeout: float = 300.0) -> None:
-    """Poll the run's metrics.jsonl until it has logged `step`; the process `proc` must not end first."""
+    """Poll the run's metrics until it has logged `step`; the process `proc` must not end first."""
     import time
 
+    metrics = RunDir.of(run_dir).follow_metrics()  # a line being written is left for the next poll
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        try:
-            lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
-            if lines and json.loads(lines[-1])["step"] >= step:
-                return
-        except (OSError, ValueError):  # not there yet, or a line being written
-            pass
+        records = metrics.read()
+        if records and records[-1].get("step", -1) >= step:
+            return
         time.sleep(0.02)
     raise AssertionError(f"step {step} not reached in {timeout}s")
+
+
+def liandan_command(*args) -> list[str]:
+    """The command line of `liandan ARGS...` run from this checkout's Python."""
+    return [sys.executable, "-m", "liandan.cli", *map(str, args)]
 
 
 def run_liandan(
@@ -171,9 +174,33 @@ def run_liandan(
     """`python -m liandan.cli ARGS...` in a subprocess, its output captured as text; `env` replaces the
     environment (None: this process's). With `check`, a non-zero exit raises CalledProcessError."""
     return subprocess.run(
-        [sys.executable, "-m", "liandan.cli", *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, env=env, check=check, cwd=cwd,
+        liandan_command(*args), capture_output=True, text=True, timeout=timeout, env=env, check=check, cwd=cwd,
     )  # fmt: skip
+
+
+def start_liandan(*args, env: dict[str, str] | None = None, cwd: Path | None = None, quiet: bool = False):
+    """`python -m liandan.cli ARGS...` started and left running (a subprocess.Popen), its output piped as
+    text, or discarded when `quiet` (then nothing can block on a full pipe); `env` replaces the environment."""
+    out = subprocess.DEVNULL if quiet else subprocess.PIPE
+    return subprocess.Popen(liandan_command(*args), env=env, cwd=cwd, stdout=out, stderr=out, text=True)
+
+
+def environment_without(*prefixes: str, **extra: str) -> dict[str, str]:
+    """This process's environment less the variables that start with one of `prefixes` (liandan's own, by
+    default: faults and a supervisor's settings must not leak into the run under test), plus `extra`."""
+    import os
+
+    prefixes = prefixes or ("LIANDAN_",)
+    return {**{k: v for k, v in os.environ.items() if not k.startswith(prefixes)}, **extra}
+
+
+def read_metrics(run_dir: Path | str) -> list[dict]:
+    """A finished run's metrics records, each line of which must be a whole record (a test of the writer
+    wants to hear of a malformed line, which the run's own readers skip)."""
+    metrics = RunDir.of(run_dir).follow_metrics()
+    records = metrics.read(final=True)
+    assert metrics.skipped == 0, f"{metrics.skipped} malformed line(s) in {metrics.path}"
+    return records
 
 
 @dataclass

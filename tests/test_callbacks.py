@@ -1,7 +1,6 @@
 """The registry of training callbacks: callbacks register by name from their own layer; the trainer never
 imports them, and `liandan train` registers liandan's own in every process that trains."""
 
-import json
 import subprocess
 import sys
 
@@ -36,7 +35,6 @@ def test_factories_decide_from_the_config_in_registration_order(empty_registry):
     assert [c.name for c in registry.build_callbacks(load_config(None, []))] == ["always"]
     on = load_config(None, ["--forecast.every=5"])
     assert [c.name for c in registry.build_callbacks(on)] == ["always", "forecast"]
-    assert [c.name for c in registry.default_callbacks(on)] == ["always", "forecast"]
 
 
 def test_a_name_registered_twice_is_refused(empty_registry):
@@ -173,6 +171,58 @@ def test_one_ranks_veto_skips_the_update_on_every_rank(tmp_path):
         p.join(timeout=60)
     assert results[0][0] and results[1][0]  # neither rank applied the update of step 4
     assert results[0][1] == results[1][1]
-    metrics = [json.loads(line) for line in (tmp_path / "runs" / "run" / "metrics.jsonl").read_text().splitlines()]
+    from helpers import read_metrics
+
+    metrics = read_metrics(tmp_path / "runs" / "run")
     assert [m["step"] for m in metrics if m.get("update_skipped")] == [4]
     assert all(p.exitcode == 0 for p in procs)
+
+
+# --------------------------------------------------------------------------------------------------------
+# a user's callback, named in the config: no edit of liandan, and it runs in the supervised worker
+
+USER_CALLBACKS = '''
+"""A user's callback module, outside liandan."""
+import os
+
+from liandan.run.worker_env import WorkerEnv
+from liandan.train.callbacks import Callback, register_callback
+
+
+class StepsSeen(Callback):
+    def __init__(self):
+        self.seen = 0
+
+    def after_step(self, trainer, step, metrics):
+        self.seen += 1
+
+    def state_dict(self):
+        return {"seen": self.seen, "supervised": WorkerEnv.from_env().supervised, "pid": os.getpid()}
+
+
+@register_callback("steps_seen")
+def steps_seen(cfg):
+    return StepsSeen()
+'''
+
+
+@pytest.mark.slow
+def test_a_callback_module_named_in_the_config_runs_in_the_supervised_worker(tmp_path):
+    import os
+
+    from helpers import run_liandan, tiny_config, write_corpus
+    from liandan.checkpoint.manager import read_meta
+    from liandan.run import RunDir
+
+    (tmp_path / "users_callbacks.py").write_text(USER_CALLBACKS)
+    config = tmp_path / "run.toml"
+    cfg = tiny_config(tmp_path / "runs", write_corpus(tmp_path), "--train.steps=4", "--checkpoint.every=4",
+                      '--train.callbacks=["users_callbacks"]')  # fmt: skip
+    config.write_text(cfg.to_toml())
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = run_liandan("train", config, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [checkpoint] = RunDir.from_saved_config(tmp_path / "runs" / "run").complete_checkpoints()
+    state = read_meta(checkpoint)["callbacks"]["steps_seen"]
+    assert state["seen"] == 4 and state["supervised"]  # every step, in the worker the supervisor started
+    assert state["pid"] != os.getpid()

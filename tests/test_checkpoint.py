@@ -207,6 +207,19 @@ def test_failed_saves_in_a_row_stop_the_run(config, small_disk):
     assert "3 checkpoint saves in a row failed" in error and str(disk / "step-00000003") in error, error
 
 
+def test_injected_failed_saves_in_a_row_stop_the_run(config):
+    """The same stop as on a really full disk, driven by injected faults so that it runs without a tmpfs."""
+    faults = "enospc@save:1,enospc@save:2,enospc@save:3"
+    overrides = ("--checkpoint.every=1", "--checkpoint.async_save=false")
+    done = train(config, "nosaves-injected", *overrides, faults=faults, expect=2)
+    assert [e["step"] for e in events(config, "nosaves-injected", "checkpoint_failed")] == [1, 2, 3]
+    assert len(losses(config, "nosaves-injected")) == 3  # stopped, rather than training on with nothing saved
+    [error] = [line for line in done.stderr.splitlines() if line.startswith("liandan: error:")]
+    newest_failed = run_dir(config, "nosaves-injected") / "checkpoints" / "step-00000003"
+    assert "3 checkpoint saves in a row failed" in error and str(newest_failed) in error, error
+    assert "No space left on device" in error and "there is no saved checkpoint to resume from" in error, error
+
+
 def test_a_saved_checkpoint_resets_the_count_of_failed_saves(config):
     faults = "enospc@save:1,enospc@save:2,enospc@save:4,enospc@save:5"
     overrides = ("--train.steps=6", "--checkpoint.every=1", "--checkpoint.async_save=false")

@@ -1,16 +1,21 @@
 """The command line as a user meets it: real subprocesses, exit codes and messages."""
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import SHARED_DATA, read_run, run_liandan, tiny_config, write_corpus
+from helpers import (
+    SHARED_DATA,
+    environment_without,
+    read_run,
+    run_liandan,
+    start_liandan,
+    tiny_config,
+    write_corpus,
+)
 
 
 def assert_one_line_error(done, *words, code=2):
@@ -52,6 +57,9 @@ def test_help_lists_commands():
         (["--run.name=/tmp/absolute-run"], ["run.name = '/tmp/absolute-run' must be one directory name"]),
         (["--optim.lr=nan"], ["optim.lr = nan must be a finite number"]),
         (["--optim.lr=inf"], ["optim.lr = inf must be a finite number"]),
+        (['--train.callbacks=["no_such_callbacks"]'], ["train.callbacks: cannot import 'no_such_callbacks'"]),
+        (['--train.callbacks=["a/b.py"]'], ["train.callbacks: 'a/b.py' is not a module name"]),
+        (["--parallel.tp=2", "--model.tie_embeddings=true"], ["model.tie_embeddings = true is not supported"]),
     ],
 )
 def test_user_mistakes_give_one_line_and_nonzero_exit(config, args, words):
@@ -99,13 +107,10 @@ def _wait_for(condition, process, what, timeout=300):
 @pytest.mark.slow
 def test_one_run_at_a_time_in_a_run_directory(config):
     run_dir = config.parent / "runs" / "locked"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
     # The first run checkpoints step 2 and then hangs there, holding the run directory.
-    first = subprocess.Popen(
-        [sys.executable, "-m", "liandan.cli", "train", config, "--run.name=locked", "--resilience.supervise=false",
-         "--checkpoint.every=1", "--checkpoint.async_save=false"],
-        env={**env, "LIANDAN_FAULTS": "hang@step:2"}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    first = start_liandan("train", config, "--run.name=locked", "--resilience.supervise=false",
+                          "--checkpoint.every=1", "--checkpoint.async_save=false",
+                          env=environment_without(LIANDAN_FAULTS="hang@step:2"), quiet=True)  # fmt: skip
     try:
         _wait_for(lambda: (run_dir / "checkpoints" / "step-00000002" / "manifest.json").is_file(), first, "step 2")
         metrics = (run_dir / "metrics.jsonl").read_text()

@@ -65,9 +65,20 @@ def test_bad_values_name_key_value_and_what_is_allowed(override, words):
     assert "\n" not in message
 
 
-def test_tp_rejects_tied_embeddings():
-    with pytest.raises(ConfigError, match="tie_embeddings"):
-        load_config(None, ["--parallel.tp=2", "--model.tie_embeddings=true"])
+def test_tensor_parallel_splits_are_left_to_the_model_family():
+    # config.py knows no family: whether tp can split tied embeddings is Llama's spec's to say (test_model_spec)
+    cfg = load_config(None, ["--parallel.tp=2", "--model.tie_embeddings=true"])
+    assert cfg.parallel.tp == 2 and cfg.model.tie_embeddings
+
+
+def test_callback_modules_must_be_module_names():
+    assert load_config(None, ['--train.callbacks=["mine.callbacks", "_x2"]']).train.callbacks == [
+        "mine.callbacks",
+        "_x2",
+    ]
+    for bad in ("mine/callbacks.py", "mine..callbacks", "2fast"):
+        with pytest.raises(ConfigError, match=f"train.callbacks: '{bad}' is not a module name"):
+            load_config(None, [f'--train.callbacks=["{bad}"]'])
 
 
 def test_missing_and_malformed_files(tmp_path):

@@ -7,12 +7,10 @@ differences seen (~1e-7) and far below what a wrong gradient or a wrong batch sp
 
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 
-from helpers import read_run, run_liandan, tiny_config, write_corpus
+from helpers import environment_without, read_run, run_liandan, start_liandan, tiny_config, write_corpus
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -83,8 +81,7 @@ def test_slurm_style_launch_without_torchrun(setup, master):
             SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NTASKS_PER_NODE="2",
             SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", **({"MASTER_ADDR": master} if master else {}),
         )  # fmt: skip
-        cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--run.name=slurm-{master or 'nodelist'}"]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(start_liandan("train", config, f"--run.name=slurm-{master or 'nodelist'}", env=env))
     seen: set[tuple[str, int]] = set()
     while any(proc.poll() is None for proc in procs):
         seen |= listening_sockets([pid for proc in procs for pid in process_tree(proc.pid)])
@@ -186,9 +183,8 @@ def test_torchrun_launch_listens_on_loopback_only(tmp_path):
 
     config = tmp_path / "tiny.toml"
     config.write_text(tiny_config(tmp_path / "runs", write_corpus(tmp_path), "--train.steps=2").to_toml())
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LIANDAN_", "GLOO_", "NCCL_"))}
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", "--resilience.supervise=false"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_liandan("train", config, "--nproc=2", "--resilience.supervise=false",
+                         env=environment_without("LIANDAN_", "GLOO_", "NCCL_"))  # fmt: skip
     seen = listeners_until_exit(proc)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]

@@ -1,8 +1,6 @@
 """`liandan export` / `liandan import` / `liandan ckpt info` on a real trained run."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -10,11 +8,6 @@ import torch
 from helpers import read_run, run_liandan, tiny_config, write_corpus
 from liandan.checkpoint.hf import load_consolidated
 from liandan.checkpoint.manager import load_model
-
-
-def liandan(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "liandan.cli", *map(str, args)], capture_output=True, text=True,
-                          timeout=300, env=env, check=False)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -103,32 +96,34 @@ def _one_line_error(done, *words):
 def test_export_and_ckpt_info_find_a_run_s_checkpoints_where_its_config_put_them(trained, tmp_path):
     config, _ = trained
     elsewhere = tmp_path / "elsewhere"
-    done = liandan("train", config, "--run.name=ckpt-elsewhere", f"--checkpoint.dir={elsewhere}", "--train.steps=2",
+    done = run_liandan("train", config, "--run.name=ckpt-elsewhere", f"--checkpoint.dir={elsewhere}", "--train.steps=2",
                    "--checkpoint.every=2", "--schedule.warmup_steps=1")  # fmt: skip
     assert done.returncode == 0, done.stderr
     run = config.parent / "runs" / "ckpt-elsewhere"
     assert not (run / "checkpoints").exists() and (elsewhere / "step-00000002" / "manifest.json").is_file()
-    exported = liandan("export", run, tmp_path / "hf", "--hf")
+    exported = run_liandan("export", run, tmp_path / "hf", "--hf")
     assert exported.returncode == 0, exported.stderr
     assert str(elsewhere / "step-00000002") in exported.stdout
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (run / "data" / "tokenizer.json").read_bytes()
-    info = liandan("ckpt", "info", run)
+    info = run_liandan("ckpt", "info", run)
     assert info.returncode == 0 and str(elsewhere / "step-00000002") in info.stdout, info.stdout + info.stderr
     assert info.stdout.rstrip().endswith(", verified"), info.stdout
 
 
 def test_import_refuses_an_existing_target_before_writing_and_never_leaves_staging(trained, tmp_path):
     _, run = trained
-    assert liandan("export", run, tmp_path / "hf", "--hf").returncode == 0
+    assert run_liandan("export", run, tmp_path / "hf", "--hf").returncode == 0
     parent = tmp_path / "ckpt"
     target = parent / "imported"
     target.mkdir(parents=True)
     (target / "notes.txt").write_text("mine")
-    _one_line_error(liandan("import", tmp_path / "hf", target, "--hf"), str(target), "already exists")
+    _one_line_error(run_liandan("import", tmp_path / "hf", target, "--hf"), str(target), "already exists")
     assert os.listdir(parent) == ["imported"] and os.listdir(target) == ["notes.txt"]
     # a failure while the checkpoint is written leaves no staging directory behind either
     env = {**os.environ, "LIANDAN_FAULTS": "enospc@save:0"}
-    _one_line_error(liandan("import", tmp_path / "hf", parent / "other", "--hf", env=env), "No space left on device")
+    _one_line_error(
+        run_liandan("import", tmp_path / "hf", parent / "other", "--hf", env=env), "No space left on device"
+    )
     assert os.listdir(parent) == ["imported"]
 
 
@@ -142,12 +137,12 @@ def test_export_hf_of_a_run_on_token_stores_includes_the_store_tokenizer(trained
     config, _ = trained
     store = tmp_path / "store"
     prepare_store(load_config(config).data, store, say=lambda message: None)
-    done = liandan("train", config, "--run.name=on-store", f'--data.stores=["{store}"]', "--train.steps=2",
+    done = run_liandan("train", config, "--run.name=on-store", f'--data.stores=["{store}"]', "--train.steps=2",
                    "--checkpoint.every=2", "--schedule.warmup_steps=1")  # fmt: skip
     assert done.returncode == 0, done.stderr
     run = config.parent / "runs" / "on-store"
     assert not (run / "data").exists()
-    exported = liandan("export", run, tmp_path / "hf", "--hf")
+    exported = run_liandan("export", run, tmp_path / "hf", "--hf")
     assert exported.returncode == 0 and "warning" not in exported.stdout, exported.stdout + exported.stderr
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (store / "tokenizer.json").read_bytes()
     text = "The for statement iterates."

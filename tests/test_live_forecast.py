@@ -14,7 +14,7 @@ from liandan.plan.forecast import schedule_fractions
 from liandan.plan.forecast_callback import ForecastCallback
 from liandan.plan.live_forecast import LiveForecaster
 from liandan.train import Trainer
-from liandan.train.callbacks import default_callbacks
+from liandan.train.callbacks import build_callbacks
 
 STEPS = 40
 SHAPE = [
@@ -102,13 +102,13 @@ def test_forecasting_writes_events_and_leaves_training_untouched(tmp_path, corpu
     torch.set_num_threads(1)
     try:
         plain_cfg = tiny_config(tmp_path, corpus, *SHAPE, "--run.name=plain")
-        assert default_callbacks(plain_cfg) == []
+        assert build_callbacks(plain_cfg) == []
         plain = Trainer(plain_cfg, say=lambda m: None).train()
 
         cfg = tiny_config(
             tmp_path, corpus, *SHAPE, "--run.name=forecast", "--forecast.every=10", "--forecast.reference_loss=0.01"
         )
-        callbacks = default_callbacks(cfg)
+        callbacks = build_callbacks(cfg)
         assert [type(c) for c in callbacks] == [ForecastCallback]
         said = []
         forecast = Trainer(cfg, callbacks=callbacks, say=said.append).train()

@@ -1,13 +1,10 @@
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from helpers import tiny_config, write_corpus
+from helpers import environment_without, run_liandan, tiny_config, write_corpus
 from liandan.data import (
     ByteTokenizer,
     DataError,
@@ -274,9 +271,7 @@ def test_an_out_of_range_token_id_ends_a_supervised_run_at_once(corpus, tmp_path
     config = tmp_path / "run.toml"
     cfg = tiny_config(tmp_path / "runs", write_corpus(tmp_path), f'--data.stores=["{store.path}"]', "--run.name=ids")
     config.write_text(cfg.to_toml())
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
-    done = subprocess.run([sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2"],
-                          capture_output=True, text=True, env=env, timeout=300, check=False)  # fmt: skip
+    done = run_liandan("train", config, "--nproc=2", env=environment_without(), timeout=300)
     assert done.returncode == 2, done.stderr  # a user error: the supervisor does not retry it
     assert "Traceback" not in done.stderr and "restart" not in done.stdout, done.stderr
     lines = done.stderr.strip().splitlines()

@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.snapshots import MemorySnapshots, newest_common_step
+from liandan.run import temporary
 
 
 def _model_and_optimizer(seed=0):
@@ -159,7 +160,8 @@ def test_a_planted_symlink_at_the_directory_path_is_never_written_through(tmp_pa
 def test_a_planted_symlink_at_a_slot_file_is_replaced_not_followed(tmp_path):
     directory, victim = snapshots.create_dir(tmp_path / "run", tmp_path), _victim(tmp_path)
     target = victim / "precious.txt"
-    for name in ("rank-00000.slot-0.bin", "rank-00000.slot-0.json", "rank-00000.slot-0.json.tmp"):
+    header_tmp = temporary(directory / "rank-00000.slot-0.json").name  # where the header is written first
+    for name in ("rank-00000.slot-0.bin", "rank-00000.slot-0.json", header_tmp):
         (directory / name).symlink_to(target)
     model, optimizer = _model_and_optimizer()
     snaps = MemorySnapshots(directory, 0, 1, "sup-1", "single")

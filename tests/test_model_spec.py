@@ -95,6 +95,25 @@ def test_llama_tp_refusals():
     assert "qk_norm" in LLAMA.tp_refusal(ModelArgs(qk_norm=True), 2)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["--model.tie_embeddings=true"], "model.tie_embeddings = true is not supported with parallel.tp > 1 yet"),
+        (["--model.qk_norm=true"], "model.qk_norm = true is not supported with parallel.tp > 1 yet"),
+        (
+            ["--parallel.tp=4", "--model.n_kv_heads=2"],
+            "parallel.tp = 4 must divide model.n_heads = 4 and n_kv_heads = 2",
+        ),
+    ],
+)
+def test_the_family_refuses_a_config_it_cannot_split_in_one_line(overrides, message):
+    cfg = load_config(None, ["--parallel.tp=2", "--model.n_heads=4", *overrides])  # config.py leaves it to the family
+    with pytest.raises(ConfigError) as info:
+        model_spec.check_model_config(cfg)
+    assert str(info.value) == message
+    assert model_spec.check_model_config(load_config(None, ["--parallel.tp=2", "--model.n_heads=4"])) is LLAMA
+
+
 # ---------------------------------------------------------------------------------------------------------
 # a toy family: token embedding, residual MLP blocks in a container named "stack", a head. No attention,
 # no tensor-parallel plan, no Hugging Face adapter.
@@ -184,6 +203,8 @@ def test_toy_family_counts_and_build(toy):
     assert flops_per_token(args, 64) == 6.0 * (320 * 32 + 2 * 2 * 32 * 64)
     assert model_spec.families() == ["llama", "toy"]
     assert "has no tensor-parallel plan" in toy.tp_refusal(args, 2)
+    with pytest.raises(ConfigError, match="model.family = 'toy' has no tensor-parallel plan"):
+        model_spec.check_model_config(load_config(None, ["--model.family=toy", "--parallel.tp=2"]))
 
 
 def test_planner_reads_the_toy_family(toy):

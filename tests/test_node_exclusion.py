@@ -7,15 +7,12 @@ torchrun's elastic c10d rendezvous on 127.0.0.1.
 
 import json
 import multiprocessing
-import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
 
-from helpers import read_run, run_liandan, tiny_config, write_corpus
+from helpers import environment_without, read_run, run_liandan, start_liandan, tiny_config, write_corpus
 from liandan.resilience.nodes import ExclusionList, attribute, write_report
 
 pytestmark = pytest.mark.slow
@@ -28,9 +25,8 @@ def _free_port() -> int:
 
 
 def _node_env(node: str, port: int, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
-    env.update(LIANDAN_NODE_NAME=node, LIANDAN_NNODES="1:2", LIANDAN_RDZV_ENDPOINT=f"127.0.0.1:{port}", **extra)
-    return env
+    endpoint = f"127.0.0.1:{port}"
+    return environment_without(LIANDAN_NODE_NAME=node, LIANDAN_NNODES="1:2", LIANDAN_RDZV_ENDPOINT=endpoint, **extra)
 
 
 @pytest.fixture(scope="module")
@@ -44,9 +40,8 @@ def config(tmp_path_factory):
     return path
 
 
-def _train(config, name, env, **kwargs):
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=1", f"--run.name={name}"]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs)
+def _train(config, name, env):
+    return start_liandan("train", config, "--nproc=1", f"--run.name={name}", env=env)
 
 
 def _events(run_dir, kind):

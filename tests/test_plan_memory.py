@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import tiny_config, write_corpus
+from helpers import start_liandan, tiny_config, write_corpus
 from liandan.cli.main import main
 from liandan.config import ConfigError, load_config
 from liandan.model import ModelArgs, count_params, flops_per_token
@@ -247,13 +247,7 @@ def test_vocabulary_from_the_tokenizer_setting():
 
 
 def liandan(*args):
-    return subprocess.Popen(
-        [sys.executable, "-m", "liandan.cli", *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+    return start_liandan(*args, cwd=ROOT)  # from the checkout, whose configs/ the commands name
 
 
 def test_cli_end_to_end():

@@ -1,10 +1,11 @@
-"""The run room: atomic writes that leave the old file on failure, strict JSON, readers that follow a file
-being written, and step-directory names."""
+"""The run room: atomic writes that leave the old file on failure (whole or streamed), strict JSON, readers
+that follow a file being written, the names of its files and step directories."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -12,12 +13,18 @@ import pytest
 from liandan.run import (
     JsonlTail,
     RunDir,
+    atomic_file,
     atomic_write,
     atomic_write_json,
     dumps_json,
+    parse_partial_step_dir,
     parse_step_dir,
+    partial_of,
+    partial_step_dir_name,
     read_jsonl,
+    replacing,
     step_dir_name,
+    temporary,
 )
 
 
@@ -29,6 +36,41 @@ def test_atomic_write_replaces_whole_or_not_at_all(tmp_path):
     with pytest.raises(IsADirectoryError, match="summary.json.tmp"):
         atomic_write(path, "{}")
     assert json.loads(path.read_text()) == {"tokens": 1}
+
+
+def test_a_streamed_file_appears_whole_when_its_block_ends_or_not_at_all(tmp_path):
+    path = tmp_path / "shard.bin"
+    path.write_bytes(b"old")
+    with atomic_file(path) as handle:
+        handle.write(b"new ")
+        assert path.read_bytes() == b"old"  # nothing of the new file shows before it is whole
+        handle.write(b"shard")
+    assert path.read_bytes() == b"new shard" and sorted(p.name for p in tmp_path.iterdir()) == ["shard.bin"]
+    with pytest.raises(RuntimeError, match="tokenizer failed"), atomic_file(path, "w") as handle:
+        handle.write("half")
+        raise RuntimeError("tokenizer failed")
+    assert path.read_bytes() == b"new shard" and sorted(p.name for p in tmp_path.iterdir()) == ["shard.bin"]
+
+
+def test_writers_that_take_a_file_name_write_the_temporary(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    with replacing(path) as tmp:
+        assert tmp == temporary(path) and tmp.parent == path.parent
+        tmp.write_text("{}")
+        assert not path.exists()
+    assert path.read_text() == "{}" and not tmp.exists()
+
+
+def test_private_and_unique_temporaries(tmp_path):
+    path = tmp_path / "header.json"
+    atomic_write(path, "{}", private=True)
+    assert path.stat().st_mode & 0o777 == 0o600
+    assert temporary(path, unique=True) != temporary(path) and str(os.getpid()) in temporary(path, unique=True).name
+    target = tmp_path / "precious.txt"
+    target.write_text("keep me")
+    temporary(path).symlink_to(target)  # planted at the temporary name: replaced, never written through
+    atomic_write(path, '{"step": 1}')
+    assert target.read_text() == "keep me" and json.loads(path.read_text()) == {"step": 1}
 
 
 def test_json_is_strict():
@@ -62,6 +104,40 @@ def test_layout_and_step_names(tmp_path):
     assert parse_step_dir("step-00000120.tmp") is None and parse_step_dir("latest") is None
     with pytest.raises(ValueError):
         step_dir_name(-1)
+    assert partial_step_dir_name(120) == "step-00000120.tmp" and parse_partial_step_dir("step-00000120.tmp") == 120
+    assert parse_partial_step_dir("step-00000120") is None and parse_partial_step_dir("step-120.tmp") is None
+    assert partial_of(run.checkpoints / "step-00000120") == run.checkpoints / "step-00000120.tmp"
+    assert run.heartbeat(3) == tmp_path / "r" / "heartbeat" / "rank-00003.json"
+    assert run.stack_dump(3) == tmp_path / "r" / "heartbeat" / "stacks" / "rank-00003.txt"
+    assert run.attempt_log(2, "node-a") == tmp_path / "r" / "logs" / "node-a" / "attempt-2.log"
+    assert run.failure_report().parent == run.worker_errors().parent == run.logs
+
+
+def test_checkpoints_are_where_the_saved_config_says(tmp_path):
+    from liandan.config import ConfigError
+
+    run = RunDir(tmp_path / "r")
+    assert RunDir.from_saved_config(run.path).checkpoints == run.path / "checkpoints"  # no config saved
+    run.path.mkdir()
+    run.write_config(f'[checkpoint]\ndir = "{tmp_path / "elsewhere"}"\n')
+    assert RunDir.from_saved_config(run.path).checkpoints == tmp_path / "elsewhere"
+    run.write_config("[checkpoint\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        RunDir.from_saved_config(run.path)
+
+
+def test_a_summary_that_must_be_there_says_what_is_wrong_with_it(tmp_path):
+    run = RunDir(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        run.load_summary()
+    for text, why in (('{"steps": 4', "not valid JSON"), ("[4]", "expected a JSON object")):
+        run.summary.write_text(text)
+        with pytest.raises(ValueError, match=why):
+            run.load_summary()
+        assert run.read_summary() == {}  # the tolerant reader gives nothing instead
+    run.summary.write_bytes(b"\xff")
+    with pytest.raises(ValueError, match="not UTF-8 text"):
+        run.load_summary()
 
 
 def test_whole_file_readers_skip_a_half_written_last_line(tmp_path):

@@ -19,7 +19,19 @@ import time
 import pytest
 import torch
 
-from helpers import fill_disk, process_tree, read_run, run_liandan, tiny_config, wait_for_step, write_corpus
+from helpers import (
+    environment_without,
+    fill_disk,
+    liandan_command,
+    process_tree,
+    read_metrics,
+    read_run,
+    run_liandan,
+    start_liandan,
+    tiny_config,
+    wait_for_step,
+    write_corpus,
+)
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.manager import load_model
 from liandan.checkpoint.verify import complete_checkpoints, step_of, verify
@@ -27,6 +39,7 @@ from liandan.config import load_config
 from liandan.resilience.processes import alive
 from liandan.resilience.relay import Relay
 from liandan.resilience.supervisor import Supervisor
+from liandan.run import RunDir
 from liandan.train.heartbeat import Heartbeat, read_heartbeats
 
 pytestmark = pytest.mark.slow
@@ -51,7 +64,7 @@ def setup(tmp_path_factory):
 
 
 def _train(config, name, faults=None, always=None, extra=()):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
+    env = environment_without()
     if faults:
         env["LIANDAN_FAULTS"] = faults
     if always:
@@ -207,21 +220,21 @@ def test_goodput_counts_every_launch_of_the_run(tmp_path):
 
 def test_heartbeats_survive_a_full_disk(small_disk, capsys):
     disk = small_disk("64k")
-    beat = Heartbeat(disk / "heartbeat", rank=0)
+    beat = Heartbeat(RunDir(disk), rank=0)
     beat.beat(1, "data")
     fill_disk(disk / "filler")
     for step in range(2, 6):
         beat.beat(step, "forward")  # best-effort: never an exception that would end the worker
-    [record] = read_heartbeats(disk / "heartbeat")
+    [record] = read_heartbeats(RunDir(disk))
     assert record["step"] == 5  # no room for a new file: the record was rewritten in place
-    late = Heartbeat(disk / "heartbeat", rank=1)
+    late = Heartbeat(RunDir(disk), rank=1)
     late.beat(1, "data")  # not even that: skipped
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if "heartbeat" in line]
     assert len(warnings) == 2 and all("No space left on device" in w for w in warnings), err  # once per rank
     (disk / "filler").unlink()
     late.beat(2, "data")
-    assert [b["step"] for b in read_heartbeats(disk / "heartbeat")] == [5, 2]
+    assert [b["step"] for b in read_heartbeats(RunDir(disk))] == [5, 2]
 
 
 def test_output_relay_survives_a_full_disk(small_disk, capsys):
@@ -266,7 +279,7 @@ def test_backoff_only_without_progress_and_seconds_lost_per_attempt(setup):
     cfg = load_config(config, [f"--run.name={name}", "--resilience.backoff_s=0.5", "--resilience.same_failure_limit=3"])
     run_dir = config.parent / "runs" / name
     run_dir.mkdir(parents=True)
-    worker = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", f"--run.name={name}"]
+    worker = liandan_command("train", config, "--nproc=2", f"--run.name={name}")
 
     def attempt_env(number):
         return {"LIANDAN_FAULTS_ALWAYS": schedule[number]} if number < len(schedule) else {}
@@ -329,11 +342,11 @@ def test_the_rank_furthest_behind_stopped_first():
 def test_heartbeat_reports_how_long_each_part_of_a_step_takes(tmp_path):
     from liandan.train.heartbeat import Heartbeat
 
-    beat = Heartbeat(tmp_path, rank=0)
+    beat = Heartbeat(RunDir(tmp_path), rank=0)
     beat.beat(0, "startup")
     beat.beat(0, "data")
     beat.beat(0, "forward")
-    [record] = read_heartbeats(tmp_path)
+    [record] = read_heartbeats(RunDir(tmp_path))
     assert record["phase"] == "forward" and set(record["longest"]) == {"data"}
     assert 0 <= record["longest"]["data"] < 1
 
@@ -371,10 +384,8 @@ def test_supervised_run_listens_on_loopback_only(setup):
     from helpers import listeners_until_exit
 
     config, _ = setup
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("LIANDAN_", "GLOO_", "NCCL_"))}
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", "--run.name=loopback",
-           "--train.steps=2"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_liandan("train", config, "--nproc=2", "--run.name=loopback", "--train.steps=2",
+                         env=environment_without("LIANDAN_", "GLOO_", "NCCL_"))  # fmt: skip
     seen = listeners_until_exit(proc)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]
@@ -388,10 +399,8 @@ def _preempted_run(config, name, signals):
     """A real `liandan train --nproc=2` supervisor, sent `signals` after step 3: (run dir, its stdout, the
     processes it had when signalled: itself, its workers and their standbys)."""
     run_dir = config.parent / "runs" / name
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", f"--run.name={name}",
-           *PREEMPT_STEPS, "--checkpoint.memory_every=1"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = start_liandan("train", config, "--nproc=2", f"--run.name={name}", *PREEMPT_STEPS,
+                         "--checkpoint.memory_every=1", env=environment_without())  # fmt: skip
     wait_for_step(run_dir, 3, proc)
     deadline = time.time() + 60
     while len(tree := process_tree(proc.pid)) < 5:  # the supervisor, 2 workers and the next attempt's 2 standbys
@@ -411,8 +420,7 @@ def _preempted_run(config, name, signals):
     assert event["signal"] == signals[0].name and event["workers_left_alive"] == []
     for checkpoint in complete_checkpoints(run_dir / "checkpoints"):
         verify(checkpoint, checksums=True)  # a save cut short is not among them
-    timeline = subprocess.run([sys.executable, "-m", "liandan.cli", "incidents", str(run_dir)],
-                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    timeline = run_liandan("incidents", run_dir, check=True).stdout
     [line] = [line for line in timeline.splitlines() if "PREEMPTED" in line]
     assert f"by {signals[0].name}" in line
     return run_dir, "".join(announced) + out, event
@@ -433,7 +441,7 @@ def test_preemption_saves_cleans_up_and_resumes_exactly(setup, signum):
     step = event["step"]
     assert event["saved"] and event["resume_step"] == step and 3 <= step < 40
     assert (run_dir / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
-    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [record["step"] for record in read_metrics(run_dir)]
     assert logged[-1] == step
     assert f"stopped by {signum.name} at step {step}: checkpoint saved" in out
     resumed = _train(config, name, extra=PREEMPT_STEPS)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import read_run, tiny_config, write_corpus
+from helpers import environment_without, read_metrics, read_run, start_liandan, tiny_config, write_corpus
 from liandan.config import ConfigError, ScheduleSection
 from liandan.data import DataError
 from liandan.model import ModelArgs, Transformer
@@ -119,8 +119,7 @@ def test_a_resumed_run_counts_the_tokens_of_every_kept_step(tmp_path, corpus):
     assert summary["first_step"] == 4 and summary["tokens_per_s"] == pytest.approx(4 * tokens_per_step / second.seconds)
     meta = json.loads((second.run_dir / "checkpoints" / "step-00000008" / "meta.json").read_text())
     assert meta["tokens"] == 8 * tokens_per_step
-    records = [json.loads(line) for line in (second.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 9))
+    assert [r["step"] for r in read_metrics(second.run_dir)] == list(range(1, 9))
 
 
 def test_gradient_accumulation_matches_full_batch(tmp_path, corpus):
@@ -221,16 +220,10 @@ def test_clip_grad_norm_matches_torch():
 
 
 def _unsupervised(tmp_path, corpus, name, *overrides):
-    import os
-    import subprocess
-    import sys
-
     config = tmp_path / "tiny.toml"
     config.write_text(tiny_config(tmp_path / "runs", corpus, "--train.steps=200", "--checkpoint.every=0",
                                   "--resilience.supervise=false", *overrides).to_toml())  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), f"--run.name={name}"]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_liandan("train", config, f"--run.name={name}", env=environment_without())
 
 
 @pytest.mark.slow
@@ -250,10 +243,9 @@ def test_a_worker_told_to_stop_saves_its_step_and_exits_128_plus_signal(tmp_path
     [saved] = complete_checkpoints(run_dir / "checkpoints")
     verify(saved, checksums=True)
     step = int(saved.name[5:])
-    logged = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [record["step"] for record in read_metrics(run_dir)]
     assert step >= 2 and logged[-1] == step
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
-    [preempted] = [e for e in events if e["kind"] == "preempted"]
+    [preempted] = read_run(run_dir).of_kind("preempted")
     assert preempted["signal"] == signum.name and preempted["step"] == step
     said = f"liandan: stopped by {signum.name} at step {step}; checkpoint {saved}; the next run resumes there"
     assert err.strip().splitlines()[-1] == said

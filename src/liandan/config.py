@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised only on Python 3.10
     import tomli as tomllib
+
+
+_MODULE_NAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 class ConfigError(ValueError):
@@ -100,6 +104,9 @@ class TrainSection:
     log_every: int = _f(1, "steps between metric records", min=1)
     eval_every: int = _f(0, "steps between validation-loss checks; 0 disables", min=0)
     eval_batches: int = _f(4, "validation batches per check", min=1)
+    callbacks: list[str] = _f(
+        [], "modules of training callbacks (`register_callback`) to import, in every process that trains"
+    )
 
 
 @dataclass
@@ -426,16 +433,14 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if p.dp_shard == 0:
         raise ConfigError("parallel.dp_shard = 0 is not allowed; use a positive size or -1")
-    if p.tp > 1:
-        if m.n_heads % p.tp or kv % p.tp:
-            raise ConfigError(f"parallel.tp = {p.tp} must divide model.n_heads = {m.n_heads} and n_kv_heads = {kv}")
-        if m.tie_embeddings or m.qk_norm:
-            what = "tie_embeddings" if m.tie_embeddings else "qk_norm"
-            raise ConfigError(f"model.{what} = true is not supported with parallel.tp > 1 yet")
+    # Whether parallel.tp can split the model is the family's to say (liandan.model.spec.check_model_config).
     if t.micro_batch and t.global_batch % t.micro_batch:
         raise ConfigError(
             f"train.global_batch = {t.global_batch} must be a multiple of train.micro_batch = {t.micro_batch}"
         )
+    for module in t.callbacks:
+        if not _MODULE_NAME.match(module):
+            raise ConfigError(f"train.callbacks: {module!r} is not a module name (package.module)")
     if cfg.schedule.warmup_steps > t.steps:
         raise ConfigError(f"schedule.warmup_steps = {cfg.schedule.warmup_steps} exceeds train.steps = {t.steps}")
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 
 from liandan.model.spec import HFAdapter, ModelSpec, spec_for, specs
 from liandan.model.spec import get as get_model_spec
-from liandan.run import atomic_write
+from liandan.run import atomic_write, replacing
 from liandan.spec import tokens
 
 ARGS_METADATA_KEY = "liandan_model_args"
@@ -147,9 +146,8 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
     """Written next to `path` and renamed into place, so an interrupted save never leaves a truncated file."""
     from safetensors.torch import save_file
 
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        save_file(tensors, str(tmp), metadata=metadata)
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -41,7 +41,6 @@ from torch.distributed.checkpoint.state_dict import (
 from liandan.checkpoint.restricted import load_state, read_metadata, reason
 from liandan.checkpoint.verify import (
     MANIFEST,
-    STEP_DIR,
     CheckpointError,
     complete_checkpoints,
     fsync_path,
@@ -53,7 +52,16 @@ from liandan.checkpoint.verify import (
     write_manifest,
 )
 from liandan.faults import maybe_inject
-from liandan.run import RunDir, dumps_json
+from liandan.run import (
+    META,
+    RunDir,
+    dumps_json,
+    parse_partial_step_dir,
+    partial_of,
+    partial_step_dirs,
+    rank_file,
+    step_dirs,
+)
 
 # DCP notes on every single-process save and load that it runs without a process group, which is intended.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -117,7 +125,7 @@ class CheckpointManager:
         started = time.perf_counter()
         self.wait()
         final = self.root / step_dir_name(step)
-        tmp = final.with_name(final.name + ".tmp")
+        tmp = partial_of(final)
         # Local preparation may fail on one rank only (a full disk, say); all ranks agree before DCP's
         # collectives start, so a failure never leaves a peer waiting in one of them.
         error: BaseException | None = None
@@ -125,15 +133,15 @@ class CheckpointManager:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
                 tmp.mkdir(parents=True)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - a failed save is reported on every rank, never raised
             error = err
         if self._all_ok(error is None):  # also the barrier: the directory exists for every rank after it
             try:
-                torch.save(rng_state(), tmp / f"rank-{self.rank:05d}.pt")
+                torch.save(rng_state(), rank_file(tmp, self.rank, ".pt"))
                 if self.rank == 0:
                     meta = {**meta, "step": step, "world_size": self.world_size, "saved_at": time.time()}
-                    (tmp / "meta.json").write_text(dumps_json(meta, indent=1))  # never a NaN: strict JSON
-            except Exception as err:
+                    (tmp / META).write_text(dumps_json(meta, indent=1))  # never a NaN: strict JSON
+            except Exception as err:  # noqa: BLE001 - a failed save is reported on every rank, never raised
                 error = err
         if not self._all_ok(error is None):
             return self._report_failure(step, tmp, error or RuntimeError("another rank failed"), started).seconds
@@ -152,7 +160,7 @@ class CheckpointManager:
                 future = None
         # A failed save must not end the run: report it, keep training. DCP's CheckpointException (a failed write
         # on some rank) is a BaseException, not an Exception.
-        except (Exception, dcp.CheckpointException) as err:
+        except (Exception, dcp.CheckpointException) as err:  # noqa: BLE001 - a failed save is reported, never raised
             return self._report_failure(step, tmp, err, started).seconds
         blocking = time.perf_counter() - started
         self.started_step = step
@@ -189,7 +197,7 @@ class CheckpointManager:
             fsync_path(self.root)
             self._finalized_at = time.perf_counter()
             maybe_inject("saved", step, final)
-        except BaseException as err:
+        except BaseException as err:  # noqa: BLE001 - handed to wait(), which reports it
             self._finalize_error = err
 
     def wait(self) -> SaveOutcome | None:
@@ -205,7 +213,7 @@ class CheckpointManager:
         elif future is not None:
             try:
                 future.result()
-            except BaseException as err:
+            except BaseException as err:  # noqa: BLE001 - reported as the save's failure
                 error = err
         # Only rank 0 finalizes: the others learn of a failure there (a full disk, say) here.
         if not self._all_ok(error is None) and error is None:
@@ -274,7 +282,7 @@ class CheckpointManager:
         """Remove the `step-*.tmp` directories of saves that an earlier process left half-done (killed, or out
         of space): no one finishes them, and they hold space the next save may need. Call once at start,
         before any save, on one rank."""
-        stale = sorted(self.root.glob("step-*.tmp")) if self.root.is_dir() else []
+        stale = partial_step_dirs(self.root)
         for path in stale:
             shutil.rmtree(path, ignore_errors=True)
         return stale
@@ -337,16 +345,16 @@ class CheckpointManager:
                 # that this layout's mix of DTensors and plain tensors cannot take (tensor parallelism).
                 for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
                     group.update(kernel)
-            meta = _read_meta(path)
-            rank_file = path / f"rank-{self.rank:05d}.pt"
-            if meta.get("world_size") == self.world_size and rank_file.is_file():
+            meta = read_meta(path)
+            rng_file = rank_file(path, self.rank, ".pt")
+            if meta.get("world_size") == self.world_size and rng_file.is_file():
                 try:
-                    set_rng_state(torch.load(rank_file, weights_only=True))
-                except Exception as err:
-                    raise CheckpointError(f"{path}: file {rank_file.name} cannot be loaded: {reason(err)}") from None
+                    set_rng_state(torch.load(rng_file, weights_only=True))
+                except Exception as err:  # noqa: BLE001 - any failure to load names the checkpoint
+                    raise CheckpointError(f"{path}: file {rng_file.name} cannot be loaded: {reason(err)}") from None
         except CheckpointError as err:
             error = str(err)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - any failure to load names the checkpoint
             error = f"{path}: cannot be loaded: {reason(err)}"
         self._raise_agreed(error)
         return meta
@@ -392,7 +400,8 @@ class CheckpointManager:
         if self.keep_every:
             keep |= {p for p in complete if step_of(p) % self.keep_every == 0}
         deleted = [p for p in complete if p not in keep]
-        deleted += [p for p in self.root.glob("step-*.tmp") if p.name[:-4] < complete[-1].name]
+        newest = step_of(complete[-1])
+        deleted += [p for p in partial_step_dirs(self.root) if parse_partial_step_dir(p.name) < newest]
         for path in deleted:
             shutil.rmtree(path, ignore_errors=True)
         return deleted
@@ -421,7 +430,7 @@ def newest_verified(root: Path, checksums: bool = True, on_event=None, before: P
     for path in reversed(step_directories(root)):
         if before is not None and path.name >= Path(before).name:
             continue
-        if not (path / MANIFEST).is_file() and path.with_name(path.name + ".tmp").exists():
+        if not (path / MANIFEST).is_file() and partial_of(path).exists():
             continue  # a save of the same step is replacing it right now
         try:
             verify(path, checksums=checksums)
@@ -465,9 +474,9 @@ def describe_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint directory at {path}")
     info: dict[str, Any] = {"path": str(path), "bytes": total_bytes(path), "checksums": checksums}
-    if (path / "meta.json").is_file():
+    if (path / META).is_file():
         try:
-            meta = _read_meta(path)
+            meta = read_meta(path)
         except CheckpointError:  # verification below names what is wrong with it
             meta = {}
         for key in ("step", "tokens", "world_size", "layout", "liandan_version", "tokenizer", "saved_at"):
@@ -487,9 +496,9 @@ def load_model(path: Path, verify_checksums: bool = True):
 
     path = Path(path)
     verify(path, checksums=verify_checksums)
-    meta = _read_meta(path)
+    meta = read_meta(path)
     if "model_args" not in meta:
-        raise CheckpointError(f"{path / 'meta.json'} does not describe the model (model_args missing)")
+        raise CheckpointError(f"{path / META} does not describe the model (model_args missing)")
     spec = get_model_spec(meta.get("model_family", "llama"))  # checkpoints from before families are Llama's
     model = spec.build(spec.args_type(**meta["model_args"]))
     state = {"model": get_model_state_dict(model)}
@@ -498,35 +507,32 @@ def load_model(path: Path, verify_checksums: bool = True):
     return model, meta
 
 
-def _read_meta(path: Path) -> dict[str, Any]:
+def read_meta(path: Path) -> dict[str, Any]:
+    """A checkpoint's meta.json; CheckpointError, naming the checkpoint, when it is missing or not a JSON object."""
     try:
-        meta = json.loads((path / "meta.json").read_text())
+        meta = json.loads((Path(path) / META).read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"{path}: file meta.json is missing") from None
+        raise CheckpointError(f"{path}: file {META} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: file meta.json is not JSON: {err}") from None
+        raise CheckpointError(f"{path}: file {META} is not JSON: {err}") from None
     if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: file meta.json is not a JSON object")
+        raise CheckpointError(f"{path}: file {META} is not a JSON object")
     return meta
 
 
 def run_checkpoint_root(run_dir: Path) -> Path:
     """Where a run directory's checkpoints are: `checkpoint.dir` of the config the run saved, else
     `<run>/checkpoints`, just as training chose."""
-    from liandan.config import read_toml
-
-    config = RunDir(Path(run_dir)).config
-    directory = read_toml(config).get("checkpoint", {}).get("dir") if config.is_file() else None
-    return RunDir.of(run_dir, directory).checkpoints
+    return RunDir.from_saved_config(run_dir).checkpoints
 
 
 def resolve_checkpoint(path: Path) -> Path:
     """A step directory, or the newest complete one under a checkpoints directory or a run directory."""
     path = Path(path)
-    if (path / "manifest.json").is_file() or (path / "meta.json").is_file():
+    if (path / MANIFEST).is_file() or (path / META).is_file():
         return path
     for root in (path, run_checkpoint_root(path)):
-        steps = sorted(p for p in root.glob("step-*") if STEP_DIR.match(p.name)) if root.is_dir() else []
+        steps = step_dirs(root)
         if steps:
             return steps[-1]
     raise CheckpointError(f"no checkpoint at {path}")

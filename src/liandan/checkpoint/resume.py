@@ -34,3 +34,11 @@ def choose_resume(
     if path is not None and durable is not None:
         return ResumePoint("checkpoint", durable, path)
     return ResumePoint("none", 0)
+
+
+def can_resume(complete: list[Path], memory_step: int | None) -> bool:
+    """Whether a run has somewhere to continue from, judged before anything is verified or loaded (a run
+    directory is claimed before its checkpoints are read): `choose_resume`, with the newest of the `complete`
+    checkpoints standing in for the newest that verifies."""
+    newest = complete[-1] if complete else None
+    return choose_resume(memory_step, step_of(newest) if newest else None, lambda: newest).source != "none"

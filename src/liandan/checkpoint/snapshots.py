@@ -45,6 +45,7 @@ import torch.distributed as dist
 import xxhash
 
 from liandan.run import dumps_json
+from liandan.run.files import atomic_write
 from liandan.run.worker_env import WorkerEnv
 
 FORMAT = "liandan-memory-snapshot"
@@ -280,10 +281,8 @@ class MemorySnapshots:
             "optimizer_groups": optimizer_hyperparameters(optimizer), "rng": python_rng(), "state": state,
             "checksum": _checksum(buffer[:offset]),
         }  # fmt: skip
-        tmp = header_path.with_name(header_path.name + ".tmp")
-        with os.fdopen(_open_new(tmp), "w") as f:
-            f.write(dumps_json(header))  # strict JSON: a NaN in a callback's state is written as null
-        os.replace(tmp, header_path)  # a rename replaces what is at the path, it never follows a link
+        # Host memory, gone with the machine anyway: not flushed to disk. Private: the state is this user's.
+        atomic_write(header_path, dumps_json(header), durable=False, private=True)
         self.newest, self.save_seconds = step, time.perf_counter() - started
 
     def _buffer(self, slot: int, path: Path, nbytes: int) -> torch.Tensor:
@@ -395,3 +394,18 @@ def newest_common_step(directory: Path, world_size: int, owner: str) -> int | No
     held = [set(_held(directory, rank, owner, world_size, None)) for rank in range(world_size)]
     common = held[0].intersection(*held[1:])
     return max(common) if common else None
+
+
+def newest_held_step(directory: Path | None) -> int | None:
+    """The newest step of any rank's snapshot header in `directory`, whichever owner and world wrote it: whether
+    host memory holds anything to resume from, before the ranks agree on a step (None: nothing)."""
+    steps = []
+    for path in sorted(Path(directory).glob("rank-*.json")) if directory else []:
+        try:
+            with _open_existing(path) as f:
+                step = json.loads(f.read()).get("step")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(step, int):
+            steps.append(step)
+    return max(steps, default=None)

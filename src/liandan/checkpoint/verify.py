@@ -15,9 +15,15 @@ from pathlib import Path
 import xxhash
 
 from liandan.run.files import atomic_write, fsync_path
-from liandan.run.steps import STEP_DIR, parse_step_dir, step_dir_name  # noqa: F401 - re-exported for checkpoint callers
+from liandan.run.steps import (  # noqa: F401 - re-exported for checkpoint callers
+    MANIFEST,
+    STEP_DIR,
+    complete_step_dirs,
+    parse_step_dir,
+    step_dir_name,
+    step_dirs,
+)
 
-MANIFEST = "manifest.json"
 FORMAT = "liandan-checkpoint"
 VERSION = 1
 _CHUNK = 8 << 20
@@ -34,20 +40,12 @@ def step_of(directory: Path) -> int | None:
 
 def step_directories(root: Path) -> list[Path]:
     """Every step directory under `root`, complete or not, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted((p for p in root.iterdir() if STEP_DIR.match(p.name) and p.is_dir()), key=lambda p: p.name)
+    return step_dirs(root)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
     """The step directories under `root` that have a manifest, oldest first (not yet verified)."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    return sorted(
-        (p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / MANIFEST).is_file()), key=lambda p: p.name
-    )
+    return complete_step_dirs(root)
 
 
 def file_digest(path: Path) -> str:

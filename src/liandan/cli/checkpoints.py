@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from liandan.checkpoint.verify import CheckpointError
-from liandan.run import RunDir, parse_step_dir, step_dir_name
+from liandan.run import MANIFEST, META, RunDir, partial_step_dirs, step_dir_name, step_dirs
 
 
 def add_commands(sub) -> None:
@@ -46,14 +46,14 @@ def cmd_ckpt_info(args: argparse.Namespace, overrides: list[str]) -> int:
     path = Path(args.path)
     if not path.exists():
         raise CheckpointError(f"no such path: {path}")
-    candidates = [path] if (path / "meta.json").is_file() or (path / "manifest.json").is_file() else []
+    candidates = [path] if (path / META).is_file() or (path / MANIFEST).is_file() else []
     if not candidates:
         room = RunDir(path)
         root = run_checkpoint_root(path) if room.config.is_file() else path
         root = room.checkpoints if not root.is_dir() and room.checkpoints.is_dir() else root
         if not root.is_dir():
             raise CheckpointError(f"no checkpoints under {path}: {root} does not exist")
-        candidates = sorted(p for p in root.iterdir() if parse_step_dir(p.name) is not None or p.name.endswith(".tmp"))
+        candidates = sorted(step_dirs(root) + partial_step_dirs(root))
     if not candidates:
         raise CheckpointError(f"no checkpoints under {path}")
     for candidate in candidates:
@@ -164,10 +164,12 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
         manager = CheckpointManager(staging, async_save=False)
         manager.save(0, model, None, meta)
         saved = manager.root / step_dir_name(0)
-        if not (saved / "manifest.json").is_file():
+        if not (saved / MANIFEST).is_file():
             raise CheckpointError(f"could not write the checkpoint under {staging}: {manager.outcomes[-1].error}")
         if out.exists():
             raise CheckpointError(f"{out} already exists; import into a new directory")
+        # A directory renamed whole into place, not a file written: the checkpoint inside was already written
+        # and fsync'd by the manager's own save, so the file writer has nothing to add here.
         saved.rename(out)
     finally:  # whatever happened, the staging directory goes
         shutil.rmtree(staging, ignore_errors=True)

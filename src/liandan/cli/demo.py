@@ -222,7 +222,7 @@ def show_checkpoints(run: Path) -> None:
     from liandan.checkpoint.manager import describe_checkpoint
 
     print("checkpoints:")
-    for path in sorted(RunDir(run).checkpoints.glob("step-*")):
+    for path in RunDir(run).checkpoint_steps():
         info = describe_checkpoint(path)
         status = "verified" if info["verified"] else f"NOT VERIFIED ({info['error']})"
         print(f"  {path.name}: step {info['step']}, {info['bytes'] / 2**20:.1f} MiB, {status}")

@@ -13,7 +13,7 @@ from liandan.checkpoint.verify import CheckpointError, complete_checkpoints
 from liandan.config import load_config
 from liandan.data.loader import DocumentRef, PackedLoader
 from liandan.data.prepare import open_prepared, open_stores
-from liandan.run import RunDir, read_json
+from liandan.run import META, RunDir, read_json
 
 
 def add_commands(sub) -> None:
@@ -70,7 +70,7 @@ def skipped_batches(run: Path) -> tuple[PackedLoader, Path | None, list[SkippedR
     ranges: list[SkippedRange] = []
     saved_up_to = 0  # data steps before this are the checkpoint's to speak for
     if checkpoint is not None:
-        state = read_json(checkpoint / "meta.json", {}).get("loader")
+        state = read_json(checkpoint / META, {}).get("loader")
         if not isinstance(state, dict):
             raise CheckpointError(f"{checkpoint}: meta.json has no loader state")
         loader.load_state_dict(state)

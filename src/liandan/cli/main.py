@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from liandan import __version__
@@ -150,27 +151,28 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     name = Path(args.config).stem
-    from liandan.model.spec import get as get_model_spec
+    from liandan.model.spec import check_model_config
 
-    get_model_spec(cfg.model.family)  # [model] family is checked against the registry before anything starts
+    check_model_config(cfg)  # the family and its tensor-parallel split, before anything starts
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
     # torchrun or srun started us; with $LIANDAN_NNODES, srun starts one supervisor per node instead
     external = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and NodeEnv.from_env().nnodes is None)
     supervised = WorkerEnv.from_env().supervised  # a worker of the supervisor
+    register_callbacks(cfg.train.callbacks)  # here too: a module that cannot be imported fails before any worker
     if cfg.resilience.supervise and not external and not supervised:
         return _supervise(args.config, cfg, name, args.nproc, overrides)
     if args.nproc > 1 and not external:
         return _launch(args.config, cfg, name, args.nproc, overrides)
     from liandan.train import Trainer
     from liandan.train.callbacks import build_callbacks
-    from liandan.train.preemption import Preempted, PreemptionCallback, PreemptionGuard
+    from liandan.train.preemption import Preempted, PreemptionGuard
 
-    register_callbacks()
-
-    guard = PreemptionGuard().install()  # SIGTERM, SIGINT: save at the end of the step, then exit 128 + signal
+    # SIGTERM, SIGINT: save at the end of the step, then exit 128 + signal (the trainer attaches the guard's
+    # callback, "preemption", while it is installed)
+    guard = PreemptionGuard().install()
     try:
-        trainer = Trainer(cfg, config_name=name, callbacks=[*build_callbacks(cfg), PreemptionCallback(guard)])
+        trainer = Trainer(cfg, config_name=name, callbacks=build_callbacks(cfg))
         try:
             result = trainer.train()
         except Exception as err:
@@ -191,12 +193,16 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def register_callbacks() -> None:
-    """Register liandan's own training callbacks, each in its module's layer (`liandan.train.callbacks`).
-    Every process that trains passes here: `liandan train` alone, and each supervised or torchrun worker,
-    which runs `python -m liandan.cli train` too."""
+def register_callbacks(modules: Sequence[str] = ()) -> None:
+    """Register liandan's own training callbacks, each in its module's layer (`liandan.train.callbacks`), and
+    those of the `modules` a run's config names (`[train] callbacks`). Every process that trains passes here:
+    `liandan train` alone, and each supervised or torchrun worker, which runs `python -m liandan.cli train`
+    with the same config."""
     import liandan.doctor.preflight  # "doctor": the hardware preflight before the first step
     import liandan.plan.forecast_callback  # noqa: F401 - "forecast": the live loss forecast
+    from liandan.train.callbacks import import_callback_modules
+
+    import_callback_modules(modules)
 
 
 def _crash_now() -> None:

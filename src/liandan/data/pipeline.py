@@ -17,10 +17,10 @@ The output directory is laid out as:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import json
-import os
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,7 +33,7 @@ from liandan.data.executor import make_executor
 from liandan.data.pipeline_config import PipelineConfig, expand_paths
 from liandan.data.steps import Step, StepStats, build_step
 from liandan.faults import maybe_inject
-from liandan.run import atomic_write
+from liandan.run import atomic_file, atomic_write, replacing
 
 # Settings that change where the work runs, never what it writes: a resumed run may change them.
 _RUNTIME_KEYS = ("executor", "workers", "ray_address", "inspect", "baseline")
@@ -71,8 +71,9 @@ class _JsonlZstWriter:
     def __init__(self, path: Path):
         import zstandard
 
-        self.path, self._tmp = path, path.with_name(path.name + ".tmp")
-        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed with the stream, by close()
+        self.path = path
+        self._files = contextlib.ExitStack()  # renames the file into place when close() closes it
+        self._file = self._files.enter_context(atomic_file(path, "wb", durable=False))
         self._stream = zstandard.ZstdCompressor(level=3).stream_writer(self._file)
         self.count = 0
 
@@ -82,7 +83,7 @@ class _JsonlZstWriter:
 
     def close(self) -> None:
         self._stream.close()  # also closes the file
-        os.replace(self._tmp, self.path)
+        self._files.close()
 
 
 def read_jsonl_zst(path: Path) -> Iterator[dict[str, Any]]:
@@ -260,9 +261,8 @@ def tokenizer_stage(cfg: PipelineConfig, tasks: list[Task], out: Path, kept: int
 
     say(f"training a {cfg.tokenizer.vocab_size}-token BPE on every {stride} of {kept:,} documents")
     tokenizer = train_bpe(sample(), cfg.tokenizer.vocab_size, cfg.tokenizer.special_tokens)
-    tmp = path.with_name("tokenizer.json.tmp")
-    tokenizer.save(tmp)
-    os.replace(tmp, path)
+    with replacing(path, durable=False) as tmp:
+        tokenizer.save(tmp)
     return tokenizer
 
 

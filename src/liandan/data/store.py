@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import os
 import struct
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +44,7 @@ import xxhash
 
 from liandan.data.corpus import DataError, Document
 from liandan.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from liandan.run import atomic_write
+from liandan.run import atomic_file, atomic_write
 
 FORMAT = "liandan-token-store"
 VERSION = 1
@@ -162,46 +161,40 @@ def write_shard(docs: Iterable[Document], tokenizer: Tokenizer, path: Path, batc
     dtype = token_dtype(tokenizer.vocab_size)
     eos = tokenizer.eos_id
     lengths: list[int] = []
-    bin_tmp, docs_tmp = path.with_name(path.name + ".tmp"), provenance_path(path).with_name(path.name + ".docs.tmp")
-    try:
-        iterator = iter(docs)
-        batches = iter(lambda: list(itertools.islice(iterator, batch_docs)), [])
-        with (
-            open(bin_tmp, "wb") as tokens_out,
-            open(docs_tmp, "w", encoding="utf-8") as docs_out,
-            ThreadPoolExecutor(1, thread_name_prefix="tokenize") as encoder,
-        ):
-            tokens_out.write(bytes(HEADER_SIZE))
-            # The tokenizer encodes the next batch (outside the GIL) while this thread reads documents and stores
-            # the batch before; that hides most of the storing.
+    iterator = iter(docs)
+    batches = iter(lambda: list(itertools.islice(iterator, batch_docs)), [])
+    # Both files appear only once both are whole, the shard first; a failed shard leaves nothing behind. Not
+    # flushed to disk: a crashed stage is redone.
+    with (
+        atomic_file(provenance_path(path), "w", durable=False) as docs_out,
+        atomic_file(path, "wb", durable=False) as tokens_out,
+        ThreadPoolExecutor(1, thread_name_prefix="tokenize") as encoder,
+    ):
+        tokens_out.write(bytes(HEADER_SIZE))
+        # The tokenizer encodes the next batch (outside the GIL) while this thread reads documents and stores
+        # the batch before; that hides most of the storing.
+        batch = next(batches, None)
+        pending = encoder.submit(tokenizer.encode_batch, [d.text for d in batch]) if batch else None
+        while pending is not None:
+            encoded, done = pending.result(), batch
             batch = next(batches, None)
             pending = encoder.submit(tokenizer.encode_batch, [d.text for d in batch]) if batch else None
-            while pending is not None:
-                encoded, done = pending.result(), batch
-                batch = next(batches, None)
-                pending = encoder.submit(tokenizer.encode_batch, [d.text for d in batch]) if batch else None
-                for ids in encoded:
-                    ids.append(eos)
-                sizes = [len(ids) for ids in encoded]
-                # One conversion per batch: per-document arrays would cost a numpy call per document.
-                np.fromiter(itertools.chain.from_iterable(encoded), dtype, sum(sizes)).tofile(tokens_out)
-                lengths += sizes
-                docs_out.write("".join(_provenance_line(d) for d in done))
-            n_tokens = sum(lengths)
-            header = ShardHeader(VERSION, dtype, tokenizer.vocab_size, eos, len(lengths), n_tokens,
-                                 _index_offset(n_tokens, dtype), tokenizer.fingerprint())  # fmt: skip
-            tokens_out.write(bytes(header.index_offset - tokens_out.tell()))
-            starts = np.zeros(len(lengths) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=starts[1:])
-            starts.tofile(tokens_out)
-            tokens_out.seek(0)
-            tokens_out.write(header.pack())
-    except BaseException:
-        bin_tmp.unlink(missing_ok=True)  # a failed shard leaves nothing behind
-        docs_tmp.unlink(missing_ok=True)
-        raise
-    os.replace(bin_tmp, path)
-    os.replace(docs_tmp, provenance_path(path))
+            for ids in encoded:
+                ids.append(eos)
+            sizes = [len(ids) for ids in encoded]
+            # One conversion per batch: per-document arrays would cost a numpy call per document.
+            np.fromiter(itertools.chain.from_iterable(encoded), dtype, sum(sizes)).tofile(tokens_out)
+            lengths += sizes
+            docs_out.write("".join(_provenance_line(d) for d in done))
+        n_tokens = sum(lengths)
+        header = ShardHeader(VERSION, dtype, tokenizer.vocab_size, eos, len(lengths), n_tokens,
+                             _index_offset(n_tokens, dtype), tokenizer.fingerprint())  # fmt: skip
+        tokens_out.write(bytes(header.index_offset - tokens_out.tell()))
+        starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        starts.tofile(tokens_out)
+        tokens_out.seek(0)
+        tokens_out.write(header.pack())
     files = {p.name: {"bytes": p.stat().st_size, "xxh3_64": file_checksum(p)} for p in (path, provenance_path(path))}
     return ShardInfo(path, len(lengths), n_tokens, header.tokenizer, tokenizer.vocab_size, eos, files)
 

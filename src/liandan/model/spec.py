@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from liandan.config import ConfigError, ModelSection
+from liandan.config import Config, ConfigError, ModelSection
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,18 @@ def padded_vocab(vocab_size: int, tokenizer_vocab: int) -> int:
 def model_args(section: ModelSection, tokenizer_vocab: int) -> Any:
     """The args a `[model]` section describes, in its family's args type: the one place they are derived."""
     return get(section.family).args_from_config(section, padded_vocab(section.vocab_size, tokenizer_vocab))
+
+
+def check_model_config(cfg: Config) -> ModelSpec:
+    """The checks of a run's config that its model family decides, before anything starts: the family is
+    registered, and its spec can split the model over `parallel.tp` ranks. A one-line ConfigError otherwise;
+    `config.py` checks only what holds for every family. Returns the spec."""
+    spec = get(cfg.model.family)
+    # The vocabulary may wait for the tokenizer (model.vocab_size = 0): no family splits heads by it.
+    refusal = spec.tp_refusal(model_args(cfg.model, 0), cfg.parallel.tp)
+    if refusal:
+        raise ConfigError(refusal)
+    return spec
 
 
 def build(args: Any) -> Any:

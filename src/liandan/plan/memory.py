@@ -541,6 +541,9 @@ def plan_config(
             f" of whole micro-batches of train.micro_batch = {t.micro_batch}"
         )
     args = plan_model_args(cfg)
+    refusal = get_model_spec(cfg.model.family).tp_refusal(args, layout.tp)
+    if refusal:
+        raise ConfigError(refusal)
     dtype, attention = plan_dtype(cfg), plan_attention(cfg)
     memory = memory_per_device(
         args, layout, micro_batch=b, seq_len=t.seq_len, activation_checkpoint=t.activation_checkpoint,

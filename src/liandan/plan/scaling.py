@@ -288,15 +288,11 @@ def read_runs(run_dirs: Sequence[Path], *, params: str = "non_embedding", loss: 
     for run in run_dirs:
         file = RunDir(Path(run)).summary
         try:
-            summaries.append(json.loads(file.read_text(encoding="utf-8")))
+            summaries.append(RunDir(Path(run)).load_summary())
         except FileNotFoundError:
             raise ConfigError(f"{run}: no summary.json (an unfinished run?)") from None
-        except UnicodeDecodeError:
-            raise ConfigError(f"{file}: not UTF-8 text") from None
-        except json.JSONDecodeError as err:
-            raise ConfigError(f"{file}: not valid JSON ({err.msg}, line {err.lineno})") from None
-        if not isinstance(summaries[-1], dict):
-            raise ConfigError(f"{file}: expected a JSON object")
+        except ValueError as err:
+            raise ConfigError(f"{file}: {err}") from None
     if loss == "auto":
         loss = "val" if summaries and all(s.get("val_loss") is not None for s in summaries) else "smoothed"
     if loss not in LOSS_KEYS:

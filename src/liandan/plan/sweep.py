@@ -353,7 +353,7 @@ class _Sweep:
         curve = PartialCurve([], [], schedule_fractions(cfg.schedule, cfg.train.steps))
         self.curves[trial.number] = curve
         started = time.perf_counter()
-        with (run_dir / "trial.log").open("w") as log:
+        with room.trial_log.open("w") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             try:
                 verdict = self._follow(trial, process, _MetricsTail(room.metrics), curve, cfg.train.steps)
@@ -368,12 +368,12 @@ class _Sweep:
             trial.set_user_attr("note", verdict)
             raise optuna.TrialPruned(verdict)
         if process.returncode != 0:
-            raise self._failed(trial, f"exit code {process.returncode}: {_last_error(run_dir / 'trial.log')}")
+            raise self._failed(trial, f"exit code {process.returncode}: {_last_error(room.trial_log)}")
         summary_path = room.summary
         if not summary_path.is_file() or not curve.steps:
             raise self._failed(trial, f"no summary.json or no loss records in {run_dir}")
         try:
-            summary = json.loads(summary_path.read_text())
+            summary = room.load_summary()
         except (OSError, ValueError) as err:
             raise self._failed(trial, f"unreadable {summary_path}: {err}") from None
         final_train = measured_final_loss(curve.steps, curve.losses)

@@ -39,7 +39,7 @@ from liandan.resilience import incidents, nodes
 from liandan.resilience.preempt import Preemption, SignalLatch
 from liandan.resilience.processes import DeathClock, StandbyPool, alive, end_processes, module_command
 from liandan.resilience.relay import Relay
-from liandan.run import RunDir, append_jsonl, atomic_write_json, lock_run_dir, read_json, temporary
+from liandan.run import RunDir, append_jsonl, atomic_write_json, lock_run_dir, rank_files, read_json, temporary
 from liandan.run.worker_env import WORKER_NAMES, NodeEnv, WorkerEnv, node_name
 from liandan.train import stores
 from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
@@ -47,7 +47,6 @@ from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
 POLL_S = 0.2
 PEER_EXIT_S = 2.0  # after a rank fails, how long its peers have to fail on their own before they are ended
 STACKS_WAIT_S = 2.0  # faulthandler writes from a signal handler: it is there in milliseconds, or never
-NCCL_TRACE_PREFIX = "nccl-trace-rank-"  # the flight recorder's dumps on a collective timeout (CUDA only)
 ATTRIBUTION_GRACE_S = 5.0  # how long a node waits for the other nodes' view of a failure
 SLOW_PHASES = ("checkpoint", "eval")
 EXCLUDED_EXIT = 3  # this node is excluded from the run: it does not join (the other nodes carry on)
@@ -82,12 +81,13 @@ class Supervisor(Preemption):
         self.worker_cmd, self.run_dir, self.say = worker_cmd, Path(run_dir), say
         self.attempt_env = attempt_env or (lambda number: {})
         self.room = RunDir.of(self.run_dir, cfg.checkpoint.dir)
-        self.heartbeat_dir = self.room.heartbeats
         self.node = node_name()
         self.rendezvous = nodes.rendezvous_from_env(default_id=self.run_dir.name)
-        self.logs = self.room.node_logs(self.node if self.rendezvous else None)
-        self.verdict = self.room.verdict(self.node if self.rendezvous else None)
-        self.errors = self.logs / "errors"  # where workers leave a user error's message
+        self.log_node = self.node if self.rendezvous else None  # each node's logs apart on several nodes
+        self.logs = self.room.node_logs(self.log_node)
+        self.verdict = self.room.verdict(self.log_node)
+        self.errors = self.room.worker_errors(self.log_node)  # where workers leave a user error's message
+        self.failure_report = self.room.failure_report(self.log_node)
         self.exclusions = nodes.ExclusionList(self.run_dir, nodes.failure_limit()) if self.rendezvous else None
         self.id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.module = module_command(worker_cmd)
@@ -144,7 +144,7 @@ class Supervisor(Preemption):
                     attempt.user_error = printed[-1][len(ERROR_PREFIX) :]
                 if attempt.user_error is not None:  # a bad config, a missing file: restarting cannot help
                     if not self.rendezvous and not printed:  # else torchrun's agent or the worker printed it
-                        log = self.logs / f"attempt-{attempt.number}.log"
+                        log = self.room.attempt_log(attempt.number, self.log_node)
                         message = attempt.user_error or f"a worker ended with a user error; its output is in {log}"
                         print(ERROR_PREFIX + message, file=sys.stderr)
                     return 2
@@ -215,7 +215,7 @@ class Supervisor(Preemption):
                             "TORCHELASTIC_USE_AGENT_STORE": str(self.store is not None)}  # fmt: skip
                 proc = standby[rank].go(*self.module, rank_env) if standby else None
                 attempt.procs.append((rank, proc or self._popen(self.worker_cmd, rank_env)))
-        self.relay = Relay(self.logs / f"attempt-{number}.log", lambda label: self._peer_ended(attempt, label))
+        self.relay = Relay(self.room.attempt_log(number, self.log_node), lambda label: self._peer_ended(attempt, label))
         attempt.last_lines = self.relay.last_lines
         for rank, proc in attempt.procs:
             self.clock.watch(proc.pid)
@@ -236,7 +236,7 @@ class Supervisor(Preemption):
         verified = self.verdict
         worker = WorkerEnv.from_env(inherited).for_attempt(
             number, attempt_token=f"{self.id}-{number}", snapshot_owner=self.id, error_dir=self.errors,
-            failure_file=self.logs / "failure.json", verified_checkpoint=verified if verified.is_file() else None,
+            failure_file=self.failure_report, verified_checkpoint=verified if verified.is_file() else None,
             snapshot_dir=self.snapshots, preempt_grace_s=self.r.preempt_grace_s,
         )  # fmt: skip
         env = {k: v for k, v in inherited.items() if k not in WORKER_NAMES}
@@ -249,7 +249,9 @@ class Supervisor(Preemption):
             env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")  # a dead peer fails the collective, not hangs
             env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # the NCCL flight recorder, for hang forensics
             env.setdefault("TORCH_FR_DUMP_ON_TIMEOUT", "1")
-            env.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(self.logs / NCCL_TRACE_PREFIX))  # kept with the run
+            env.setdefault(
+                "TORCH_FR_DUMP_TEMP_FILE", str(self.room.nccl_trace_prefix(self.log_node))
+            )  # kept with the run
         return env
 
     @staticmethod
@@ -324,11 +326,11 @@ class Supervisor(Preemption):
         if failed:
             attempt.failed_at, attempt.failed_rank, attempt.exit_code = failed[0]
             if self.rendezvous:  # the agent names the rank that failed first
-                report = read_json(self.logs / "failure.json", {})
+                report = read_json(self.failure_report, {})
                 attempt.failed_rank = report.get("rank")
                 local = [self.clock.deaths[p] for p in self.clock.deaths if p != attempt.procs[0][1].pid]
                 attempt.failed_at = min(local, default=attempt.failed_at)
-            reports = sorted(self.errors.glob("rank-*.txt"))
+            reports = rank_files(self.errors, ".txt")
             if reports or attempt.exit_code == 2:  # a user error, whichever rank was seen to end first
                 attempt.exit_code = 2
                 attempt.user_error = _read(reports[0]).strip() if reports else ""
@@ -340,10 +342,10 @@ class Supervisor(Preemption):
 
     def _beats(self, attempt: Attempt) -> list[dict]:
         """This attempt's heartbeats (older files of other nodes' earlier attempts left out)."""
-        return [b for b in read_heartbeats(self.heartbeat_dir) if b["time"] >= attempt.started]
+        return [b for b in read_heartbeats(self.room) if b["time"] >= attempt.started]
 
     def _clear_heartbeats(self) -> None:
-        for stale in self.heartbeat_dir.glob("rank-*.json"):
+        for stale in self.room.heartbeat_files():
             beat = read_json(stale, {})
             if not self.rendezvous or beat.get("host") in (None, self.node):  # other nodes clear their own
                 stale.unlink(missing_ok=True)
@@ -376,8 +378,7 @@ class Supervisor(Preemption):
     # -- failures -----------------------------------------------------------------------------------------
     def _handle_hang(self, attempt: Attempt, beats: list[dict]) -> None:
         local = [b for b in beats if not self.rendezvous or b["host"] == self.node]
-        stacks_dir = self.heartbeat_dir / "stacks"
-        paths = {b["rank"]: stacks_dir / f"rank-{b['rank']:05d}.txt" for b in beats}
+        paths = {b["rank"]: self.room.stack_dump(b["rank"]) for b in beats}
         before = {rank: _size(path) for rank, path in paths.items()}
         for beat in local:
             try:
@@ -420,7 +421,7 @@ class Supervisor(Preemption):
             rank, host = stuck.get("rank"), stuck["host"]
             evidence = {"stalled_seconds": round(attempt.stalled, 1), "timeout_seconds": round(attempt.timeout, 1),
                         "ranks": beats, "stacks": attempt.stacks,
-                        "nccl_traces": sorted(str(p) for p in self.logs.glob(NCCL_TRACE_PREFIX + "*"))}  # fmt: skip
+                        "nccl_traces": [str(p) for p in self.room.nccl_traces(self.log_node)]}  # fmt: skip
             summary = (
                 f"hang: no progress for {attempt.stalled:.0f}s, rank {rank} stuck in {stuck['phase']} at step {step}"
             )
@@ -429,7 +430,7 @@ class Supervisor(Preemption):
             code = attempt.exit_code
             cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
             if self.rendezvous:
-                report = read_json(self.logs / "failure.json", {})
+                report = read_json(self.failure_report, {})
                 if report.get("exitcode") is not None:
                     code = report["exitcode"]
                     cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
@@ -444,7 +445,7 @@ class Supervisor(Preemption):
             summary = f"crash: rank {rank} ended with {cause} at step {step}"
             kind, since = "crash", failed_at
         if self.rendezvous:
-            output = _read(self.logs / f"attempt-{attempt.number}.log", 1 << 20)
+            output = _read(self.room.attempt_log(attempt.number, self.log_node), 1 << 20)
             secondary = kind == "crash" and nodes.lost_a_peer(output)
             nodes.write_report(
                 self.run_dir, self.node, {"since": since, "origin": host, "cause": cause, "secondary": secondary}
@@ -463,7 +464,7 @@ class Supervisor(Preemption):
             incident.update(reported_by=self.node, attribution=attribution)
         incident["time"] = self._event("incident", **incident)
         self.pending_recovery = {"failed_at": time.time(), "step": resume_step}
-        (self.logs / "failure.json").unlink(missing_ok=True)
+        self.failure_report.unlink(missing_ok=True)
         return incident
 
     def _resume_step(self) -> int:

@@ -4,19 +4,35 @@ names of its step directories. Every other module reads and writes a run through
 from liandan.run.errors import RunStopped
 from liandan.run.files import (
     append_jsonl,
+    atomic_file,
     atomic_write,
     atomic_write_json,
     dumps_json,
     fsync_path,
     naming,
+    replacing,
     temporary,
 )
 from liandan.run.jsonl import JsonlTail, keep_jsonl, parse_line, read_json, read_jsonl
-from liandan.run.layout import RunDir
+from liandan.run.layout import RunDir, rank_file, rank_files
 from liandan.run.lock import RunDirInUse, RunLock, holds_progress, lock_run_dir
-from liandan.run.steps import STEP_DIR, parse_step_dir, step_dir_name
+from liandan.run.steps import (
+    MANIFEST,
+    META,
+    STEP_DIR,
+    complete_step_dirs,
+    parse_partial_step_dir,
+    parse_step_dir,
+    partial_of,
+    partial_step_dir_name,
+    partial_step_dirs,
+    step_dir_name,
+    step_dirs,
+)
 
 __all__ = [
+    "MANIFEST",
+    "META",
     "STEP_DIR",
     "JsonlTail",
     "RunDir",
@@ -24,8 +40,10 @@ __all__ = [
     "RunLock",
     "RunStopped",
     "append_jsonl",
+    "atomic_file",
     "atomic_write",
     "atomic_write_json",
+    "complete_step_dirs",
     "dumps_json",
     "fsync_path",
     "holds_progress",
@@ -33,9 +51,17 @@ __all__ = [
     "lock_run_dir",
     "naming",
     "parse_line",
+    "parse_partial_step_dir",
     "parse_step_dir",
+    "partial_of",
+    "partial_step_dir_name",
+    "partial_step_dirs",
+    "rank_file",
+    "rank_files",
     "read_json",
     "read_jsonl",
+    "replacing",
     "step_dir_name",
+    "step_dirs",
     "temporary",
 ]

@@ -10,7 +10,7 @@ import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 TMP_SUFFIX = ".tmp"
 
@@ -51,32 +51,57 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: str | bytes, *, durable: bool = True) -> None:
-    """Replace `path` with `data` all at once. On any error (a full disk, say) the old file stays as it was,
-    the temporary is removed, and the error propagates with the path in it."""
+def temporary(path: Path, unique: bool = False) -> Path:
+    """The temporary name a whole file is written under (hidden, next to it): a writer killed midway leaves it
+    behind, and whoever owns the directory may remove it. `unique`: one name per process, for a file that
+    several processes may replace at once (each then renames a whole file of its own)."""
     path = Path(path)
-    tmp = temporary(path)
-    payload = data.encode("utf-8") if isinstance(data, str) else data
+    return path.with_name(f".{path.name}{f'.{os.getpid()}' if unique else ''}{TMP_SUFFIX}")
+
+
+@contextlib.contextmanager
+def replacing(path: Path | str, *, durable: bool = True, unique: bool = False) -> Iterator[Path]:
+    """Yields the temporary path a writer fills (for writers that take a file name: a tokenizer's or
+    safetensors' save); when the block ends it is flushed to disk and renamed over `path`. On any error the
+    old file stays as it was, the temporary is removed, and the error propagates with the path in it. The one
+    implementation of every whole-file write of liandan."""
+    path = Path(path)
+    tmp = temporary(path, unique)
     with naming(path):
         try:
-            with open(tmp, "wb") as handle:
-                handle.write(payload)
-                handle.flush()
-                if durable:
-                    os.fsync(handle.fileno())
-            os.replace(tmp, path)
+            tmp.unlink(missing_ok=True)  # left by a writer killed midway; never written through (a link, say)
+            yield tmp
+            if durable:
+                fsync_path(tmp)
+            os.replace(tmp, path)  # a rename replaces what is at the path, it never follows a link
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # the error that got here is the one to report
+                tmp.unlink(missing_ok=True)
             raise
         if durable:
             fsync_path(path.parent)
 
 
-def temporary(path: Path) -> Path:
-    """The temporary name `atomic_write` writes `path` under (hidden, next to it): a writer killed midway
-    leaves it behind, and whoever owns the directory may remove it."""
-    path = Path(path)
-    return path.with_name(f".{path.name}{TMP_SUFFIX}")
+@contextlib.contextmanager
+def atomic_file(
+    path: Path | str, mode: str = "wb", *, durable: bool = True, private: bool = False, unique: bool = False
+) -> Iterator[IO[Any]]:
+    """An open file whose contents replace `path` all at once when the block ends (see `replacing`): for
+    writers that stream. `private`: readable by this user only."""
+    if mode not in ("w", "wb"):
+        raise ValueError(f"mode {mode!r}: a replacing file is written from its start ('w' or 'wb')")
+    with replacing(path, durable=durable, unique=unique) as tmp:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600 if private else 0o666)
+        with open(fd, mode, encoding=None if "b" in mode else "utf-8") as handle:
+            yield handle
+
+
+def atomic_write(path: Path, data: str | bytes, *, durable: bool = True, private: bool = False) -> None:
+    """Replace `path` with `data` all at once. On any error (a full disk, say) the old file stays as it was,
+    the temporary is removed, and the error propagates with the path in it."""
+    with atomic_file(path, durable=durable, private=private) as handle:
+        handle.write(data.encode("utf-8") if isinstance(data, str) else data)
 
 
 def atomic_write_json(path: Path, obj: Any, *, durable: bool = True) -> None:

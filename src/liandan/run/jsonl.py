@@ -19,6 +19,21 @@ def read_json(path: Path, default: Any = None) -> Any:
         return default
 
 
+def load_json_object(path: Path) -> dict[str, Any]:
+    """A whole JSON file that must hold an object, for a reader that reports what is wrong with it:
+    FileNotFoundError when it is missing, ValueError saying why in a few words when it is not UTF-8 text, not
+    JSON or not an object."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON ({err.msg}, line {err.lineno})") from None
+    if not isinstance(value, dict):
+        raise ValueError("expected a JSON object")  # noqa: TRY004 - one error for every way the contents are wrong
+    return value
+
+
 def parse_line(line: str) -> dict[str, Any] | None:
     """One JSON-lines record, or None for a blank line, one that a crash or a full disk left half-written,
     or anything else that is not a JSON object."""

@@ -8,15 +8,20 @@
                           or the newest `liandan doctor` with this run's name)
     doctor-bisect.json    the newest `liandan doctor --bisect` with this run's name: its rounds and verdict
     training.png          loss, learning rate and throughput against step, drawn when it ends
-    heartbeat/            rank-N.json: each rank's step and phase, for the supervisor's hang detection
-    logs/                 each worker's output, per attempt
-    checkpoints/          step-NNNNNNNN/ per save (or `checkpoint.dir`)
-    data/                 the token store made from `[data] paths` (none with `[data] stores`)
+    heartbeat/            rank-NNNNN.json: each rank's step and phase, for the supervisor's hang detection;
+                          stacks/rank-NNNNN.txt: each rank's Python stacks, dumped when it hangs
+    logs/                 attempt-N.log: each attempt's worker output; failure.json: which worker failed first
+                          (torchrun's report); errors/rank-NNNNN.txt: a worker's user error, for its launcher;
+                          nccl-trace-rank-N: NCCL's flight recorder dumps after a collective timeout
+    checkpoints/          step-NNNNNNNN/ per save, step-NNNNNNNN.tmp/ while it is written (or `checkpoint.dir`)
+    data/                 the token store made from `[data] paths` (none with `[data] stores`), manifest.json
+                          written last
     guard/                the loss-spike guard's reports (spike-step-NNNNNNNN.json) and layer statistics
                           (layers.jsonl)
     nodes/, excluded_nodes.json, excluded_nodes.txt   failure attribution across nodes
     logs/verified.json    the supervisor's verdict on the newest checkpoint, handed to the next attempt
     run.lock              held by the process that owns the run (run-<node>.lock: by each node's supervisor)
+    trial.log             a sweep trial's output, when the run is one
 
 Only this module spells those names; everyone else asks a `RunDir`.
 """
@@ -27,7 +32,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from liandan.run.files import atomic_write, atomic_write_json
-from liandan.run.jsonl import JsonlTail, keep_jsonl, read_json, read_jsonl
+from liandan.run.jsonl import JsonlTail, keep_jsonl, load_json_object, read_json, read_jsonl
+from liandan.run.steps import complete_step_dirs, partial_step_dirs, step_dirs
+
+
+def rank_file(directory: Path, rank: int, suffix: str) -> Path:
+    """A rank's file in a directory of one file per rank (heartbeats, stack dumps, user errors)."""
+    return Path(directory) / f"rank-{rank:05d}{suffix}"
+
+
+def rank_files(directory: Path, suffix: str) -> list[Path]:
+    """Every rank's file of a directory of one file per rank, by rank."""
+    return sorted(Path(directory).glob(f"rank-*{suffix}"))
 
 
 @dataclass(frozen=True)
@@ -74,6 +90,19 @@ class RunDir:
     def heartbeats(self) -> Path:
         return self.path / "heartbeat"
 
+    def heartbeat(self, rank: int) -> Path:
+        return rank_file(self.heartbeats, rank, ".json")
+
+    def heartbeat_files(self) -> list[Path]:
+        return rank_files(self.heartbeats, ".json")
+
+    @property
+    def stacks(self) -> Path:
+        return self.heartbeats / "stacks"
+
+    def stack_dump(self, rank: int) -> Path:
+        return rank_file(self.stacks, rank, ".txt")
+
     @property
     def logs(self) -> Path:
         return self.path / "logs"
@@ -85,6 +114,11 @@ class RunDir:
     @property
     def data(self) -> Path:
         return self.path / "data"
+
+    @property
+    def data_manifest(self) -> Path:
+        """Written last by the store made from `[data] paths`: its presence means the store is complete."""
+        return self.data / "manifest.json"
 
     @property
     def guard(self) -> Path:
@@ -114,6 +148,26 @@ class RunDir:
         run."""
         return self.logs / node if node else self.logs
 
+    def attempt_log(self, number: int, node: str | None = None) -> Path:
+        return self.node_logs(node) / f"attempt-{number}.log"
+
+    def failure_report(self, node: str | None = None) -> Path:
+        """torchrun's report of the worker that failed first, left for the supervisor's incident record."""
+        return self.node_logs(node) / "failure.json"
+
+    def worker_errors(self, node: str | None = None) -> Path:
+        """Where supervised workers leave a user error's message (`rank_file(..., ".txt")`) for the supervisor."""
+        return self.node_logs(node) / "errors"
+
+    def nccl_trace_prefix(self, node: str | None = None) -> Path:
+        """Where NCCL's flight recorder dumps each rank's trace on a collective timeout (CUDA only): this
+        prefix and the rank."""
+        return self.node_logs(node) / "nccl-trace-rank-"
+
+    def nccl_traces(self, node: str | None = None) -> list[Path]:
+        prefix = self.nccl_trace_prefix(node)
+        return sorted(prefix.parent.glob(prefix.name + "*"))
+
     def verdict(self, node: str | None = None) -> Path:
         """The supervisor's checkpoint verdict for its next attempt, among its logs."""
         return self.node_logs(node) / "verified.json"
@@ -126,12 +180,39 @@ class RunDir:
         """The lock each node's supervisor of a multi-node run holds."""
         return self.path / f"run-{node}.lock"
 
+    @property
+    def trial_log(self) -> Path:
+        """The output of a sweep's trial, whose run this is."""
+        return self.path / "trial.log"
+
     def plot(self, name: str = "training") -> Path:
         return self.path / f"{name}.png"
 
     # -- reading -----------------------------------------------------------------------------------------
+    @classmethod
+    def from_saved_config(cls, path: Path | str) -> RunDir:
+        """A run directory with its checkpoints where the config it saved says (`checkpoint.dir`), else in
+        `<run>/checkpoints`, just as training chose. A saved config that cannot be read raises ConfigError."""
+        from liandan.config import read_toml
+
+        config = cls(Path(path)).config
+        directory = read_toml(config).get("checkpoint", {}).get("dir") if config.is_file() else None
+        return cls.of(path, directory)
+
     def exists(self) -> bool:
         return self.path.is_dir()
+
+    def checkpoint_steps(self) -> list[Path]:
+        """Every step directory under the checkpoints, complete or not, oldest first."""
+        return step_dirs(self.checkpoints)
+
+    def complete_checkpoints(self) -> list[Path]:
+        """The step directories under the checkpoints that have their manifest, oldest first (not verified)."""
+        return complete_step_dirs(self.checkpoints)
+
+    def partial_saves(self) -> list[Path]:
+        """The step directories under the checkpoints that are still being written or were left half-done."""
+        return partial_step_dirs(self.checkpoints)
 
     def read_metrics(self) -> list[dict]:
         return read_jsonl(self.metrics)
@@ -142,6 +223,11 @@ class RunDir:
     def read_summary(self) -> dict:
         summary = read_json(self.summary, {})
         return summary if isinstance(summary, dict) else {}
+
+    def load_summary(self) -> dict:
+        """The summary, for a reader that must have it: FileNotFoundError when the run has none (unfinished),
+        ValueError saying what is wrong with it otherwise."""
+        return load_json_object(self.summary)
 
     def follow_metrics(self) -> JsonlTail:
         return JsonlTail(self.metrics)

@@ -13,18 +13,19 @@ in `plan`), and registers a factory under a name:
 
 The factory gets the run's config and returns the callback, or None when the config leaves it off.
 `build_callbacks(cfg)` calls every registered factory. The registering module must have been imported: the
-trainer attaches liandan's built-in callbacks itself (`liandan.train.builtin_callbacks`, registered with
-`builtin=True`); `liandan train` (and so every supervised or torchrun worker, which start through the same
-command) imports the modules of the others and attaches what `build_callbacks` gives; see
-`liandan.cli.main`.
+trainer attaches liandan's built-in callbacks itself (`liandan.train.builtin_callbacks` and the preemption
+guard, registered with `builtin=True`); `liandan train` (and so every supervised or torchrun worker, which
+start through the same command) imports the modules of the others, liandan's own and those the config names
+in `[train] callbacks`, and attaches what `build_callbacks` gives; see `liandan.cli.main`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from liandan.config import Config
+from liandan.config import Config, ConfigError
 
 if TYPE_CHECKING:
     from liandan.train.trainer import Trainer, TrainResult
@@ -141,6 +142,11 @@ def in_order(callbacks: list[Callback]) -> list[Callback]:
     return sorted(callbacks, key=lambda c: c.order)
 
 
-def default_callbacks(cfg: Config) -> list[Callback]:
-    """The callbacks a run's config asks for (`build_callbacks`), as `liandan train` attaches them."""
-    return build_callbacks(cfg)
+def import_callback_modules(modules: Sequence[str]) -> None:
+    """Import the modules that `train.callbacks` names, so that their `register_callback` factories run. One
+    that cannot be imported is a ConfigError naming it; an error inside one that imports keeps its traceback."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            raise ConfigError(f"train.callbacks: cannot import {module!r}: {err}") from None

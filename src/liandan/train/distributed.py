@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from liandan.config import ConfigError
+from liandan.run import atomic_write, rank_file, rank_files
 from liandan.run.worker_env import ERROR_DIR, NODE_ADDR, NodeEnv, WorkerEnv
 from liandan.train.stores import LOOPBACK, RENDEZVOUS_BACKEND, bound_store, register_rendezvous, single_node_env
 
@@ -173,8 +174,8 @@ def launch_local(
             rank, info = failure.get_first_failure()
             failure_file = WorkerEnv.from_env().failure_file
             if failure_file is not None:  # for the supervisor's incident record
-                failure_file.write_text(json.dumps({"rank": rank, "exitcode": info.exitcode, "time": time.time()}))
-            reports = sorted(Path(errors).glob("rank-*.txt"))
+                atomic_write(failure_file, json.dumps({"rank": rank, "exitcode": info.exitcode, "time": time.time()}))
+            reports = rank_files(Path(errors), ".txt")
             message = reports[0].read_text().strip() if reports else ""
             if message:  # a user error: exit 2 whichever rank torchrun saw end first
                 return 2, message
@@ -189,7 +190,7 @@ def report_worker_error(message: str) -> bool:
     errors = WorkerEnv.from_env().error_dir
     if errors is None:
         return False
-    path = Path(errors, f"rank-{int(os.environ.get('RANK', '0')):05d}.txt")
+    path = rank_file(errors, int(os.environ.get("RANK", "0")), ".txt")
     try:
         path.write_text(message + "\n")
     except OSError:

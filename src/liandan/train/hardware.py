@@ -8,12 +8,12 @@ import os
 import platform
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from liandan.run.files import atomic_file
 from liandan.run.worker_env import WorkerEnv
 from liandan.spec.peaks import gpu_peak_flops
 
@@ -107,19 +107,13 @@ def _read_peak_cache(path: Path) -> dict:
 def _write_peak_cache(path: Path, entries: dict) -> None:
     """Replace the cache file atomically, so a rank starting concurrently never reads half a file; failures are
     ignored, since a cache must never stop training (read-only home, full disk)."""
-    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as handle:
+        # unique: ranks starting together each replace the file with a whole one of their own
+        with atomic_file(path, "w", durable=False, unique=True) as handle:
             json.dump(entries, handle, indent=1, sort_keys=True)
-        os.replace(tmp, path)
     except (OSError, ValueError, TypeError):
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        pass
 
 
 def _fresh_flops(entry: object, now: float) -> float | None:

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from liandan.run import atomic_write, dumps_json, read_json, temporary
+from liandan.run import RunDir, atomic_write, dumps_json, read_json, temporary
 from liandan.run.worker_env import node_name
 
 PHASES = ("startup", "data", "forward", "backward", "optimizer", "collective", "step_end", "checkpoint", "eval",
@@ -29,11 +29,11 @@ _PROGRESS = ("startup", "collective", "step_end", "eval", "checkpoint", "rollbac
 
 
 class Heartbeat:
-    def __init__(self, directory: Path, rank: int):
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def __init__(self, room: RunDir, rank: int):
+        self.room = room
+        room.heartbeats.mkdir(parents=True, exist_ok=True)
         self.rank = rank
-        self.path = self.directory / f"rank-{rank:05d}.json"
+        self.path = room.heartbeat(rank)
         self._tmp = temporary(self.path)
         with contextlib.suppress(OSError):
             self._tmp.unlink(missing_ok=True)  # half-written by an earlier process of this rank
@@ -80,10 +80,10 @@ class Heartbeat:
                   file=sys.stderr, flush=True)  # fmt: skip
 
     def enable_stack_dumps(self) -> Path:
-        """On SIGUSR1, write every thread's Python stack to stacks/rank-R.txt (for the hang watchdog)."""
-        stacks = self.directory / "stacks"
-        stacks.mkdir(exist_ok=True)
-        path = stacks / f"rank-{self.rank:05d}.txt"
+        """On SIGUSR1, write every thread's Python stack to the run's stack dump of this rank (for the hang
+        watchdog)."""
+        path = self.room.stack_dump(self.rank)
+        path.parent.mkdir(exist_ok=True)
         self._stacks = open(path, "w")  # noqa: SIM115 - open for the signal handler until close()
         faulthandler.register(signal.SIGUSR1, file=self._stacks, all_threads=True, chain=False)
         return path
@@ -95,9 +95,9 @@ class Heartbeat:
             self._stacks = None
 
 
-def read_heartbeats(directory: Path) -> list[dict]:
+def read_heartbeats(room: RunDir) -> list[dict]:
     out = []
-    for path in sorted(Path(directory).glob("rank-*.json")):
+    for path in room.heartbeat_files():
         beat = read_json(path)  # None: being replaced right now
         if isinstance(beat, dict):
             out.append(beat)

@@ -40,8 +40,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from liandan.config import Config
 from liandan.run.worker_env import WorkerEnv
-from liandan.train.callbacks import Callback
+from liandan.train.callbacks import Callback, register_callback
 
 if TYPE_CHECKING:
     from liandan.train.trainer import Trainer, TrainResult
@@ -50,6 +51,7 @@ REQUEST = signal.SIGUSR2  # the supervisor's request: it forwards the SIGTERM or
 EXTERNAL = (signal.SIGTERM, signal.SIGINT)
 EXIT_RESERVE = (0.1, 1.0)  # of the grace period, this share (at most this many seconds) is left for exiting
 MID_STEP = ("forward", "backward", "optimizer")  # the phase boundaries where a step may be abandoned
+_installed: PreemptionGuard | None = None  # the guard of this process, while one is installed
 
 
 class Preempted(BaseException):
@@ -78,15 +80,22 @@ class PreemptionGuard:
         self._previous: dict[int, object] = {}
 
     def install(self) -> PreemptionGuard:
+        """Catch the signals from now on (before the trainer is built: a signal during start-up ends the worker
+        at once); every trainer built while it is installed attaches its callback ("preemption")."""
+        global _installed
         if threading.current_thread() is threading.main_thread():
             for signum in (*EXTERNAL, REQUEST):
                 self._previous[signum] = signal.signal(signum, self._handle)
+        _installed = self
         return self
 
     def close(self) -> None:
+        global _installed
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
         self._previous = {}
+        if _installed is self:
+            _installed = None
 
     def _handle(self, signum: int, frame) -> None:
         if signum in EXTERNAL:
@@ -256,3 +265,10 @@ class PreemptionCallback(Callback):
                                 grace_left_s=round(plan.left_s, 2), finish_s=round(plan.finish_s, 2),
                                 fallback_s=round(plan.fallback_s, 2) if plan.fallback_step >= 0 else None,
                                 fallback_step=plan.fallback_step if plan.fallback_step >= 0 else None)  # fmt: skip
+
+
+@register_callback("preemption", builtin=True)
+def preemption_callback(cfg: Config) -> PreemptionCallback | None:
+    """Attached by every trainer built while a guard is installed (`liandan train` installs one in each
+    process that trains); a trainer of a program that catches no signals has none."""
+    return PreemptionCallback(_installed) if _installed is not None else None

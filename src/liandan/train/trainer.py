@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import shutil
 import signal
 import time
@@ -23,14 +22,14 @@ import liandan.train.guard.callback  # noqa: F401 - and the loss-spike guard
 from liandan import __version__
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.handoff import newest_checkpoint
-from liandan.checkpoint.manager import CheckpointManager, SaveError
-from liandan.checkpoint.resume import choose_resume
+from liandan.checkpoint.manager import CheckpointManager, SaveError, read_meta
+from liandan.checkpoint.resume import can_resume, choose_resume
 from liandan.checkpoint.verify import step_of
 from liandan.config import Config, ConfigError
 from liandan.data.loader import PackedLoader
 from liandan.data.prepare import open_prepared, open_stores, prepare_store
 from liandan.faults import corrupt_gradients, flip_parameter_bit, learning_rate_burst, maybe_inject
-from liandan.run import RunDir, RunLock, holds_progress, lock_run_dir, naming
+from liandan.run import META, RunDir, RunLock, holds_progress, lock_run_dir, naming
 from liandan.run.worker_env import WorkerEnv
 from liandan.spec.layout import resolve_layout
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
@@ -96,7 +95,7 @@ class Trainer:
         self.result.run_dir = self.run_dir
         self.say(f"run directory: {self.run_dir}")
         self.files = JsonlLogger(self.room) if self.dist.is_main else NullLogger()
-        self.heartbeat = Heartbeat(self.room.heartbeats, self.dist.rank)
+        self.heartbeat = Heartbeat(self.room, self.dist.rank)
         self.heartbeat.enable_stack_dumps()
         self.heartbeat.beat(0, "startup")
         self._open_data(resuming)
@@ -309,7 +308,7 @@ class Trainer:
             data_dir = self.room.data
 
             def prepare() -> None:
-                if not (resuming and (data_dir / "manifest.json").is_file()):
+                if not (resuming and self.room.data_manifest.is_file()):
                     prepare_store(cfg.data, data_dir, self.say)
 
             self._on_main_then_share(prepare)
@@ -381,9 +380,9 @@ class Trainer:
             self.room.truncate_metrics(0)
 
     def _init_from(self, source: Path) -> None:
-        if not (source / "meta.json").is_file():
-            raise ConfigError(f"checkpoint.init_from = {source}: no checkpoint there (meta.json missing)")
-        their_meta = json.loads((source / "meta.json").read_text())
+        if not (source / META).is_file():
+            raise ConfigError(f"checkpoint.init_from = {source}: no checkpoint there ({META} missing)")
+        their_meta = read_meta(source)
         theirs, ours = their_meta.get("model_args", {}), dataclasses.asdict(self.model_args)
         differ = [f"model.{k} = {ours[k]} (checkpoint: {theirs.get(k)})" for k in self.module.spec.shape_fields
                   if theirs.get(k) != ours[k]]  # fmt: skip
@@ -491,14 +490,16 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
         run_dir = Path(cfg.run.output_dir) / cfg.run_name(config_name)
     room = RunDir.of(run_dir, cfg.checkpoint.dir)
     run_dir = room.path
-    lock = None if WorkerEnv.from_env().supervised else lock_run_dir(room)  # before anything is touched
-    resumable = cfg.checkpoint.resume == "auto" and any(room.checkpoints.glob("step-*/manifest.json"))
-    if cfg.checkpoint.resume == "auto" and cfg.checkpoint.memory_every and WorkerEnv.from_env().snapshot_owner:
+    env = WorkerEnv.from_env()
+    lock = None if env.supervised else lock_run_dir(room)  # before anything is touched
+    resumable = False
+    if cfg.checkpoint.resume == "auto":
         # The supervisor empties the snapshot directory when it starts: what is there is this run's.
-        handed = snapshots.handed_dir()
-        resumable = resumable or bool(handed and any(handed.glob("rank-*.json")))
+        held = cfg.checkpoint.memory_every and env.snapshot_owner
+        in_memory = snapshots.newest_held_step(snapshots.handed_dir()) if held else None
+        resumable = can_resume(room.complete_checkpoints(), in_memory)
     # A supervised restart with nothing to resume from starts the run over.
-    overwrite = cfg.run.overwrite or WorkerEnv.from_env().attempt > 0
+    overwrite = cfg.run.overwrite or env.attempt > 0
     if holds_progress(room) and not resumable and not overwrite:
         raise ConfigError(
             f"run directory {run_dir} already holds a run with no checkpoint to resume from;"
