@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from liandan.run.errors import DEVICE_FAULT_EXIT
 from liandan.run.worker_env import ERROR_DIR, WorkerEnv
 from liandan.train.stores import LOOPBACK, RENDEZVOUS_BACKEND, register_rendezvous, single_node_env
 
@@ -135,8 +136,8 @@ def launch_local(
                 failure_file.write_text(json.dumps({"rank": rank, "exitcode": info.exitcode, "time": time.time()}))
             reports = sorted(Path(errors).glob("rank-*.txt"))
             message = reports[0].read_text().strip() if reports else ""
-            if message:  # a user error: exit 2 whichever rank torchrun saw end first
-                return 2, message
+            if message:  # a user error: exit 2 whichever rank torchrun saw end first (4: a faulty device)
+                return (DEVICE_FAULT_EXIT if info.exitcode == DEVICE_FAULT_EXIT else 2), message
             return 1, f"worker rank {rank} failed with exit code {info.exitcode}; its output is above"
         finally:
             os.environ.pop(ERROR_DIR, None)
