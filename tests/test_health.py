@@ -120,6 +120,18 @@ def test_a_flipped_parameter_bit_is_named_by_the_majority_and_undone(config, cle
 
 
 @pytest.mark.slow
+def test_hsdp_compares_fingerprints_within_each_group_of_replicas(config):
+    """Four ranks as 2 replicas x 2 shards: ranks 1 and 3 hold the same shard; a bit flipped on rank 3 is seen
+    in their group alone, every rank agrees on it, and the run rolls back and finishes."""
+    args = ["--nproc=4", "--parallel.dp_replicate=2", *CHECKED, "--train.steps=25", "--checkpoint.every=0"]
+    done, records = train(config, "hsdp", *args, fault="flip@param:12:3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    [sdc] = records.of_kind("sdc")
+    assert sdc["step"] == 15 and sdc["checks"] == ["fingerprint"] and sdc["to"] == 10
+    assert "ranks 1, 3 disagree; no majority" in sdc["detail"] and records.summary["steps"] == 25
+
+
+@pytest.mark.slow
 def test_a_device_that_computes_wrong_stops_the_run_and_is_recorded_as_a_suspect(config):
     args = [*DDP2, *CHECKED, "--resilience.supervise=true"]
     done, records = train(config, "perturbed", *args, fault="perturb@matmul:12:1")

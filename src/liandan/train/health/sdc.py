@@ -28,7 +28,6 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
 from liandan.config import Config, HealthSection
 from liandan.run import RunStopped
@@ -63,8 +62,7 @@ class SdcCallback(Callback):
         self.cfg = cfg
         self.ring_every = ring_every  # 0: the guard is off
         self.hosts: list[str] = []
-        self.replicas: Any = None  # the process group of this rank's replicas; None when there are none
-        self.replica_ranks: list[int] = []
+        self.replica_groups: list[list[int]] = []  # global ranks that hold the same weights; none: no replicas
         self.guard: GuardCallback | None = None
         self.last_verified = 0  # the newest step whose weights passed the fingerprint check
         self.last_clean_replay = 0  # before the newest replay that agreed: a persistent fault began after it
@@ -76,8 +74,10 @@ class SdcCallback(Callback):
         self.hosts = hosts(trainer)
         layout = trainer.layout
         if trainer.mesh is not None and layout.dp_replicate > 1:
-            self.replicas = trainer.mesh["dp_replicate"].get_group()
-            self.replica_ranks = dist.get_process_group_ranks(self.replicas)
+            ranks = trainer.mesh.mesh  # (dp_replicate, dp_shard, tp): a group is one (dp_shard, tp) position
+            self.replica_groups = [
+                ranks[:, s, t].tolist() for s in range(ranks.shape[1]) for t in range(ranks.shape[2])
+            ]
         else:
             trainer.say(f"sdc: layout {layout} keeps no replicas of the weights: their fingerprints are not compared")
         if trainer.dp_size < 2 and self.cfg.replay_every:
@@ -106,7 +106,7 @@ class SdcCallback(Callback):
     def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
         if trainer.rolling_back or not self._check_step(step):
             return
-        if self.replicas is None:
+        if not self.replica_groups:
             self.last_verified = step
             return
         found = self._fingerprints(trainer, step)
@@ -157,21 +157,32 @@ class SdcCallback(Callback):
         return bool(self.cfg.replay_every) and n % self.cfg.replay_every == 0
 
     def _fingerprints(self, trainer: Trainer, step: int) -> dict[str, Any] | None:
-        rows = gather_rows(fingerprint(trainer.model), self.replicas)
-        keys = [tuple(r.tolist()) for r in rows]
-        if len(set(keys)) == 1:
+        """Every rank's fingerprints in one collective over all ranks (so that every rank reaches the same
+        verdict), compared within each group of replicas."""
+        rows = [tuple(r.tolist()) for r in gather_rows(fingerprint(trainer.model))]
+        odd, disagree, tensors = [], [], set()
+        for group in self.replica_groups:
+            keys = [rows[r] for r in group]
+            if len(set(keys)) == 1:
+                continue
+            common, count = Counter(keys).most_common(1)[0]
+            if count * 2 <= len(keys):
+                disagree += group
+                continue
+            for rank, key in zip(group, keys, strict=True):
+                if key != common:
+                    odd.append(rank)
+                    tensors |= {j for j, (a, b) in enumerate(zip(key, common, strict=True)) if a != b}
+        if not odd and not disagree:
             return None
-        common, count = Counter(keys).most_common(1)[0]
-        ranks = self.replica_ranks
-        if count * 2 > len(keys):
-            odd = [ranks[i] for i, k in enumerate(keys) if k != common]
-            tensors = sorted({j for i, k in enumerate(keys) if k != common for j, (a, b) in enumerate(zip(k, common))
-                              if a != b})  # fmt: skip
-            detail = (f"weight fingerprints after step {step}: rank(s) {', '.join(map(str, odd))} differ from the"
-                      f" other replicas in parameter tensor(s) {', '.join(map(str, tensors[:5]))}")  # fmt: skip
-            return {"check": "fingerprint", "suspects": odd, "detail": detail}
-        detail = f"weight fingerprints after step {step}: ranks {', '.join(map(str, ranks))} disagree; no majority"
-        return {"check": "fingerprint", "suspects": [], "detail": detail, "disagree": list(ranks)}
+        said = []
+        if odd:
+            said.append(f"rank(s) {', '.join(map(str, odd))} differ from their other replicas in parameter tensor(s)"
+                        f" {', '.join(map(str, sorted(tensors)[:5]))}")  # fmt: skip
+        if disagree:
+            said.append(f"ranks {', '.join(map(str, disagree))} disagree; no majority")
+        return {"check": "fingerprint", "suspects": odd, "disagree": disagree,
+                "detail": f"weight fingerprints after step {step}: " + "; ".join(said)}  # fmt: skip
 
     def _cross_check(self, trainer: Trainer, n: int, grad_norm: float) -> list[dict[str, Any]]:
         """The gradient norm and, under DDP, the all-reduce's sums, of every rank: one collective."""
