@@ -83,6 +83,7 @@ class SdcCallback(Callback):
         if trainer.dp_size < 2 and self.cfg.replay_every:
             trainer.say("sdc: one data-parallel rank: no neighbour to replay its steps on")
         self.guard = next((c for c in trainer.callbacks if isinstance(c, GuardCallback)), None)
+        # A resumed state was verified when it was saved; what came before it is not in memory anyway.
         self.last_verified = self.last_clean_replay = trainer.step
 
     def before_step(self, trainer: Trainer, step: int) -> None:
@@ -148,6 +149,15 @@ class SdcCallback(Callback):
                              " in memory to roll back to (is the loss-spike guard off?); the run stopped")  # fmt: skip
         self.last_verified = held.step
         self.last_clean_replay = min(self.last_clean_replay, held.step)
+
+    def state_dict(self) -> dict[str, Any]:
+        # Kept with every state the guard holds and every checkpoint: a rewind to a state brings back what
+        # was verified when it was kept.
+        return {"last_verified": self.last_verified, "last_clean_replay": self.last_clean_replay}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.last_verified = int(state["last_verified"])
+        self.last_clean_replay = int(state["last_clean_replay"])
 
     # -- the checks ---------------------------------------------------------------------------------------------
     def _check_step(self, n: int) -> bool:
