@@ -146,6 +146,8 @@ def test_a_device_that_computes_wrong_stops_the_run_and_is_recorded_as_a_suspect
     excluded = json.loads((records.path / "excluded_nodes.json").read_text())
     [(host, entry)] = excluded["nodes"].items()
     assert host == sdc["hosts"][0] and not entry["excluded"] and entry["suspect"][0]["rank"] == 1
+    assert any(line.endswith("run stopped") for line in timeline(records.path))
+    assert any(f"DEVICE FAULT: node {host} recorded as a suspect" in line for line in timeline(records.path))
 
 
 @pytest.mark.slow
