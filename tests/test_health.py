@@ -176,3 +176,23 @@ def test_health_settings_are_checked():
         load_config(None, ["--health.check_every=0"])
     with pytest.raises(ConfigError, match="health.straggler_ratio = 0.5 is too small"):
         load_config(None, ["--health.straggler_ratio=0.5"])
+
+
+def test_a_reported_straggler_is_excluded_on_request(tmp_path):
+    """What the supervisor does on a restart with `health.exclude_stragglers`: the straggler events of its
+    node's ranks since the attempt began exclude the node, in the run's own list."""
+    from liandan.resilience import suspects
+    from liandan.resilience.nodes import ExclusionList
+    from liandan.run import RunDir, append_jsonl
+
+    room = RunDir(tmp_path)
+    event = {"kind": "straggler", "step": 150, "rank": 3, "host": "node-b", "phase": "compute", "ratio": 2.4}
+    append_jsonl(room.events, {"time": 10.0, **event})
+    append_jsonl(room.events, {"time": 30.0, **event, "host": "node-a"})
+    assert suspects.stragglers_on(room, "node-b", since=20.0) == []  # an earlier attempt's
+    assert [e["rank"] for e in suspects.stragglers_on(room, "node-b", since=5.0)] == [3]
+    exclusions = ExclusionList(tmp_path)
+    reason = suspects.mark_straggler(exclusions, "node-b", suspects.stragglers_on(room, "node-b", since=5.0)[-1])
+    assert "rank 3 was a straggler in compute (2.4x" in reason
+    assert exclusions.excluded()["node-b"]["reason"] == reason and "node-a" not in exclusions.excluded()
+    assert room.excluded_hostlist.read_text().strip() == "node-b"

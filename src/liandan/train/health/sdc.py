@@ -78,9 +78,9 @@ class SdcCallback(Callback):
             self.replica_groups = [
                 ranks[:, s, t].tolist() for s in range(ranks.shape[1]) for t in range(ranks.shape[2])
             ]
-        else:
+        elif trainer.dist.distributed:
             trainer.say(f"sdc: layout {layout} keeps no replicas of the weights: their fingerprints are not compared")
-        if trainer.dp_size < 2 and self.cfg.replay_every:
+        if trainer.dist.distributed and trainer.dp_size < 2 and self.cfg.replay_every:
             trainer.say("sdc: one data-parallel rank: no neighbour to replay its steps on")
         self.guard = next((c for c in trainer.callbacks if isinstance(c, GuardCallback)), None)
         # A resumed state was verified when it was saved; what came before it is not in memory anyway.
