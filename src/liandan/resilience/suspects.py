@@ -18,7 +18,13 @@ def device_fault(room: RunDir, since: float) -> dict:
         return {}
     fault = faults[-1]
     ranks, hosts = fault.get("ranks") or [None], fault.get("hosts") or [None]
-    return {"step": fault.get("step"), "rank": ranks[0], "host": hosts[0], "detail": fault.get("detail", "")}
+    return {
+        "step": fault.get("step"),
+        "rank": ranks[0],
+        "host": hosts[0],
+        "detail": fault.get("detail", ""),
+        "reason": fault.get("reason") or "failed its golden matrix product",
+    }
 
 
 def stragglers_on(room: RunDir, node: str, since: float) -> list[dict]:
@@ -31,7 +37,7 @@ def mark_device(exclusions: ExclusionList, fault: dict, node: str, exclude: bool
     """Mark the node of a device that failed its golden test (`device_fault`'s record; `node` where it names
     none); returns (that node, the reason recorded)."""
     host, rank, step = fault.get("host") or node, fault.get("rank"), fault.get("step")
-    reason = f"the device of rank {rank} computes wrong: it failed its golden matrix product at step {step}"
+    reason = f"the device of rank {rank} computes wrong: it {fault.get('reason')} at step {step}"
     exclusions.mark(host, {"rank": rank, "host": host, "step": step, "reason": reason,
                            "detail": fault.get("detail", "")}, exclude=exclude)  # fmt: skip
     return host, reason

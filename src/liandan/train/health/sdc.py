@@ -130,7 +130,7 @@ class SdcCallback(Callback):
         event = {"step": plan["step"], "ranks": named, "hosts": [self.hosts[r] for r in named],
                  "checks": sorted({f["check"] for f in plan["findings"]}), "detail": what,
                  "verified": plan["limit"], "to": held.step if held else None, "persistent": plan["persistent"],
-                 "golden": plan["golden"], "ambiguous": plan.get("ambiguous")}  # fmt: skip
+                 "golden": plan["golden"], "ambiguous": plan.get("ambiguous"), "reason": plan["reason"]}  # fmt: skip
         self.incidents.append(event)
         if trainer.dist.is_main:
             trainer.files.log_event("sdc", **event)
@@ -139,11 +139,14 @@ class SdcCallback(Callback):
         if plan["persistent"]:
             rank = named[0]
             raise DeviceFault(
-                f"silent data corruption: rank {rank} on host {self.hosts[rank]} failed its golden matrix product"
-                f" at step {plan['step']} ({what}); {back}; the run stopped: training on that device would"
-                " corrupt it again",
+                f"silent data corruption: rank {rank} on host {self.hosts[rank]} {plan['reason']} at step"
+                f" {plan['step']} ({what}); {back}; the run stopped: training on that device would corrupt it"
+                " again",
                 rank, self.hosts[rank],
             )  # fmt: skip
+        if plan["recurs"]:
+            raise RunStopped(f"silent data corruption recurred at step {plan['step']} ({who}: {what}) and no rank"
+                             f" can be named; {back}; the run stopped")  # fmt: skip
         if held is None:
             raise RunStopped(f"silent data corruption at step {plan['step']} ({who}: {what}) and no verified state"
                              " in memory to roll back to (is the loss-spike guard off?); the run stopped")  # fmt: skip
@@ -276,14 +279,19 @@ class SdcCallback(Callback):
         """Name the rank (the golden test first: it tells a device that computes wrong), and plan the rollback
         to a verified state at or before `limit`, carried out at the end of the step."""
         wrong, results = golden_suspects(trainer, n, self.cfg.golden_size)
-        persistent = bool(wrong)
-        if persistent:
-            named = wrong
-            limit = min(limit, self.last_clean_replay)  # the device may have been wrong since then
+        checks = {f["check"] for f in findings}
+        recurs = any(checks & set(i["checks"]) for i in self.incidents)  # a transient fault does not come back
+        if wrong:
+            named, reason = wrong, "failed its golden matrix product"
         else:
             suspects = [set(f["suspects"]) for f in findings if f["suspects"]]
             named = sorted(set.intersection(*suspects)) if suspects else []
-        plan = {"step": n, "findings": findings, "ranks": named, "persistent": persistent,
+            reason = "was named again by the same check after a rollback" if recurs and named else None
+        persistent = bool(wrong) or (recurs and bool(named))
+        if persistent:
+            limit = min(limit, self.last_clean_replay)  # the device may have been wrong since then
+        plan = {"step": n, "findings": findings, "ranks": named, "persistent": persistent, "reason": reason,
+                "recurs": recurs,
                 "limit": min(limit, self.last_verified),
                 "golden": [{"rank": r, "ok": g["ok"], "max_error": g["max_error"]} for r, g in enumerate(results)]}  # fmt: skip
         if not named:
