@@ -10,12 +10,16 @@ the loss-spike guard on, as by default. A callback that runs last swaps the heal
 processes lands on both halves alike. Turns are a multiple of every default interval (weight fingerprints and
 cross-checks every 25 steps, replays every 75, straggler windows of 50: 150 steps), so each "on" turn holds
 its full share of checks. The first pair of turns is warm-up and not counted. Printed by rank 0: ms per step
-with the checks off and on, the on/off ratio of the totals and the median of the per-turn ratios.
+with the checks off and on, the on/off ratio of the totals and the median of the per-turn ratios, and the
+checks' own work: the time rank 0 spends inside the health callbacks' hooks and in the audited all-reduce hook
+on its recording steps (waits for the other rank in their collectives included), per step of the "on" turns,
+which load from other processes disturbs far less than the difference of two step times.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import statistics
@@ -59,6 +63,33 @@ def worker(args: argparse.Namespace) -> None:
                 audit.start(record=False)  # the sdc callback turns recording on at its check steps only
             self.started = time.perf_counter()
 
+    own = {"seconds": 0.0}  # inside the health callbacks' hooks and the audited all-reduce hook
+
+    def timed(method):
+        def run(*a, **k):
+            began = time.perf_counter()
+            try:
+                return method(*a, **k)
+            finally:
+                own["seconds"] += time.perf_counter() - began
+
+        return run
+
+    for callback_type in (SdcCallback, StragglerCallback):
+        for hook in ("before_step", "on_phase", "before_optimizer_step", "after_step", "on_step_end"):
+            if hook in vars(callback_type):
+                setattr(callback_type, hook, timed(vars(callback_type)[hook]))
+    parallelize = importlib.import_module("liandan.train.parallelize")
+
+    plain_hook = parallelize.audited_allreduce
+
+    def audited(audit, bucket):  # timed only while recording: otherwise it is DDP's own averaging
+        if not audit.recording:
+            return plain_hook(audit, bucket)
+        return timed(plain_hook)(audit, bucket)
+
+    parallelize.audited_allreduce = audited
+
     cfg = load_config(str(TINY), [f"--train.steps={args.steps}", f'--data.stores=["{args.store}"]',
                                   f"--parallel.dp_replicate={os.environ['WORLD_SIZE']}", "--train.eval_every=0",
                                   "--checkpoint.every=0", "--resilience.supervise=false",
@@ -79,7 +110,8 @@ def worker(args: argparse.Namespace) -> None:
                   "off_ms_per_step": 1000 * sum(off) / (counted * args.turn),
                   "on_ms_per_step": 1000 * sum(on) / (counted * args.turn),
                   "ratio": sum(on) / sum(off), "median_turn_ratio": statistics.median(per_turn),
-                  "turn_ratios": per_turn}  # fmt: skip
+                  "turn_ratios": per_turn, "own_ms_per_step": 1000 * own["seconds"] / (len(turns.seconds[True])
+                                                                                       * args.turn)}  # fmt: skip
         print(json.dumps(result), flush=True)
 
 
@@ -115,7 +147,9 @@ def main() -> None:
     print(f"{result['nproc']} DDP ranks, tiny config: checks off {result['off_ms_per_step']:.1f} ms/step, on"
           f" {result['on_ms_per_step']:.1f} ms/step over {result['turns_counted']} turns of {args.turn} steps each;"
           f" on/off {result['ratio']:.4f} (per-turn median {result['median_turn_ratio']:.4f}, range"
-          f" {min(result['turn_ratios']):.3f}..{max(result['turn_ratios']):.3f})")  # fmt: skip
+          f" {min(result['turn_ratios']):.3f}..{max(result['turn_ratios']):.3f}); the checks' own work (rank 0,"
+          f" inside their hooks, collectives' waits included) {result['own_ms_per_step']:.2f} ms/step ="
+          f" {100 * result['own_ms_per_step'] / result['off_ms_per_step']:.2f}% of a step")  # fmt: skip
     print(f"load average (1, 5, 15 min): before {result['load_before']}, after {result['load_after']}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
