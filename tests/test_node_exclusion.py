@@ -40,8 +40,8 @@ def config(tmp_path_factory):
     return path
 
 
-def _train(config, name, env):
-    return start_liandan("train", config, "--nproc=1", f"--run.name={name}", env=env)
+def _train(config, name, env, extra=()):
+    return start_liandan("train", config, "--nproc=1", f"--run.name={name}", *extra, env=env)
 
 
 def _events(run_dir, kind):
@@ -162,3 +162,25 @@ def test_each_node_listens_on_its_address_towards_the_endpoint(monkeypatch):
     monkeypatch.setenv("LIANDAN_NODE_ADDR", "127.0.1.1")  # a host name that resolves to loopback on its node
     with pytest.raises(ConfigError, match="other nodes cannot reach"):
         Rendezvous(1, 2, "node01:29400", "run").torchrun_args()
+
+
+def test_a_node_whose_device_computes_wrong_is_excluded_at_once(config):
+    """node-b's worker computes wrong matrix products from step 3: the replay of step 4 disagrees, its golden
+    test fails, every worker stops with the device fault, node-b is excluded at the first incident and leaves,
+    and node-a finishes the run alone."""
+    port, run_dir = _free_port(), config.parent / "runs" / "device"
+    checks = ["--health.replay_every=2", "--health.check_every=2", "--guard.ring_every=2"]
+    a = _train(config, "device", _node_env("node-a", port, LIANDAN_RDZV_LAST_CALL_S="3"), extra=checks)
+    b = _train(config, "device", _node_env("node-b", port, LIANDAN_RDZV_LAST_CALL_S="3",
+                                           LIANDAN_FAULTS="perturb@matmul:3"), extra=checks)  # fmt: skip
+    _, err_b = b.communicate(timeout=240)
+    _, err_a = a.communicate(timeout=240)
+    assert b.returncode == 3, err_b[-3000:]
+    assert "node node-b is excluded" in err_b and "failed its golden matrix product at step 4" in err_b
+    assert a.returncode == 0, err_a[-3000:]
+    [sdc] = _events(run_dir, "sdc")
+    assert sdc["step"] == 4 and sdc["hosts"] == ["node-b"] and sdc["persistent"]
+    listed = json.loads((run_dir / "excluded_nodes.json").read_text())["nodes"]
+    assert listed["node-b"]["excluded"] and listed["node-b"]["failures"] == [] and "node-a" not in listed
+    assert listed["node-b"]["suspect"][0]["rank"] == sdc["ranks"][0]
+    assert _events(run_dir, "train_start")[-1]["world_size"] == 1

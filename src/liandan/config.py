@@ -265,6 +265,34 @@ class DoctorSection:
 
 
 @dataclass
+class HealthSection:
+    """Silent-data-corruption and straggler detection during training (docs/training.md, "Finding the bad
+    GPU"). Check steps are multiples of `check_every`, and of `guard.ring_every` when the guard is on, so that
+    every in-memory state the guard keeps to roll back to has been verified first."""
+
+    sdc: bool = _f(True, "compare replicas' weight fingerprints, cross-check gradient norms and all-reduce sums, "
+                   "and replay a step on a neighbouring rank at intervals")  # fmt: skip
+    check_every: int = _f(25, "steps between weight-fingerprint, gradient-norm and all-reduce checks", min=1)
+    replay_every: int = _f(
+        75, "steps between replays: each data-parallel rank recomputes its neighbour's loss; 0 disables", min=0
+    )
+    replay_tolerance: float = _f(
+        0.0, "relative difference of a replayed loss that is a mismatch; 0 takes the dtype's (fp32 1e-5, bf16 2e-2)",
+        min=0.0,
+    )  # fmt: skip
+    golden_size: int = _f(256, "size of the golden matrix product run on every rank after a mismatch", min=16)
+    stragglers: bool = _f(True, "compare per-rank phase times (data, compute, communication) across ranks")
+    straggler_every: int = _f(50, "steps in one window of phase times, gathered at its end", min=1)
+    straggler_ratio: float = _f(1.5, "a rank whose data or compute time is this many times the median...", min=1.0)
+    straggler_min_s: float = _f(0.005, "...and at least this many seconds per step above it is over the threshold",
+                                min=0.0)  # fmt: skip
+    straggler_windows: int = _f(3, "consecutive windows over the threshold that make a straggler", min=1)
+    exclude_stragglers: bool = _f(
+        False, "on several nodes, exclude a reported straggler's node when the run next restarts"
+    )
+
+
+@dataclass
 class Config:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -278,6 +306,7 @@ class Config:
     forecast: ForecastSection = field(default_factory=ForecastSection)
     guard: GuardSection = field(default_factory=GuardSection)
     doctor: DoctorSection = field(default_factory=DoctorSection)
+    health: HealthSection = field(default_factory=HealthSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -12,7 +12,7 @@ from liandan import __version__
 from liandan.checkpoint.verify import CheckpointError
 from liandan.config import ConfigError, describe, load_config
 from liandan.data.corpus import DataError
-from liandan.run.errors import RunStopped
+from liandan.run.errors import DEVICE_FAULT_EXIT, RunStopped
 from liandan.run.worker_env import NodeEnv, WorkerEnv
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, RunStopped)
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         _error(describe_error(err))
         _leave_process_group()  # a worker that exits inside a live gloo group aborts noisily
-        return 2
+        return getattr(err, "exit_code", 2)
     except ModuleNotFoundError as err:
         extra = next((e for e, modules in EXTRAS.items() if (err.name or "").split(".")[0] in modules), None)
         if extra is None:
@@ -260,7 +260,7 @@ def _launch(config: str, cfg, name: str, nproc: int, overrides: list[str]) -> in
     code, message = launch_local(nproc, "liandan.cli", ["train", config, *overrides])
     if message:
         _error(message)
-    return 0 if code == 0 else (2 if code == 2 else 1)
+    return 0 if code == 0 else (code if code in (2, DEVICE_FAULT_EXIT) else 1)
 
 
 def _report(result) -> None:

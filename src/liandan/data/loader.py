@@ -258,12 +258,13 @@ class PackedLoader:
             self.skipped.append((first, self.step))
         return first, self.step
 
-    def batch_at(self, step: int, micro_batch: int) -> list[Batch]:
-        """This rank's share of the global batch of data step `step` (a replay; the position is unchanged)."""
+    def batch_at(self, step: int, micro_batch: int, dp_rank: int | None = None) -> list[Batch]:
+        """This rank's share of the global batch of data step `step` (a replay; the position is unchanged), or
+        data-parallel rank `dp_rank`'s share."""
         saved = self.step
         self.step = step
         try:
-            return self.next_step(micro_batch)
+            return self.next_step(micro_batch, dp_rank)
         finally:
             self.step = saved
 
@@ -294,11 +295,13 @@ class PackedLoader:
             stores, positions = stores[place], positions[place]
         return stores, positions
 
-    def next_step(self, micro_batch: int) -> list[Batch]:
-        """This rank's share of the next step, as micro-batches of `micro_batch` sequences."""
+    def next_step(self, micro_batch: int, dp_rank: int | None = None) -> list[Batch]:
+        """This rank's share of the next step (or data-parallel rank `dp_rank`'s), as micro-batches of
+        `micro_batch` sequences."""
         per_rank = self.global_batch // self.dp_size
         stores, windows = self.windows_for_step(self.step)
-        mine = slice(self.dp_rank * per_rank, (self.dp_rank + 1) * per_rank)
+        rank = self.dp_rank if dp_rank is None else dp_rank
+        mine = slice(rank * per_rank, (rank + 1) * per_rank)
         stores, windows = stores[mine], windows[mine]
         self.step += 1
         return [

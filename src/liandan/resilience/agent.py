@@ -7,6 +7,8 @@ first in $LIANDAN_FAILURE_FILE, and prints a worker's user error once."""
 
 import sys
 
+from liandan.run.errors import DEVICE_FAULT_EXIT
+
 
 def main(argv: list[str]) -> int:
     split = argv.index("--")
@@ -19,7 +21,7 @@ def main(argv: list[str]) -> int:
     code, message = launch_local(nproc, command[2], command[3:], rendezvous=options[1:])
     if message:
         print(f"liandan: error: {message}", file=sys.stderr)
-    return 0 if code == 0 else (2 if code == 2 else 1)
+    return 0 if code == 0 else (code if code in (2, DEVICE_FAULT_EXIT) else 1)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The incident timeline of a run, from its events.jsonl: failures, restarts, recoveries, checkpoint trouble,
-what the loss-spike guard did (rollbacks, skipped updates, warnings), and what the preflight doctor found."""
+what the loss-spike guard did (rollbacks, skipped updates, warnings), what the preflight doctor found, silent
+data corruption found and the stragglers named by the training health checks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from liandan.run import RunDir
 
 SHOWN = ("incident", "restart", "recovered", "gave_up", "resumed", "checkpoint_failed", "checkpoint_rejected",
          "train_stopped", "stale_saves_removed", "nonfinite_loss", "node_excluded", "node_refused", "preempted",
-         "preemption_plan", "supervisor_end", "guard", "rollback", "too_good", "doctor", "doctor_bisect")  # fmt: skip
+         "preemption_plan", "supervisor_end", "guard", "rollback", "too_good", "doctor", "doctor_bisect", "sdc",
+         "straggler", "device_fault")  # fmt: skip
 
 
 def read_events(run_dir: Path) -> list[dict]:
@@ -69,6 +71,8 @@ def _describe(e: dict) -> str:
         if not e.get("ok"):
             return f"DOCTOR STOPPED the run {before}: {said}"
         return f"doctor warning {before}: {said}"
+    if kind in ("sdc", "straggler", "device_fault"):
+        return _describe_health(e)
     if kind == "incident":
         seen = f" (seen by {e['reported_by']})" if e.get("reported_by") not in (None, e["host"]) else ""
         return (
@@ -79,6 +83,8 @@ def _describe(e: dict) -> str:
         return f"restart {e['attempt']}" + (
             f" after {e['after_seconds']:.1f}s backoff" if e["after_seconds"] else " at once"
         )
+    if kind == "node_excluded" and e.get("reason"):
+        return f"NODE EXCLUDED: {e['node']}: {e['reason']}"
     if kind == "node_excluded":
         return f"NODE EXCLUDED: {e['node']} after {e['failures']} failures attributed to it"
     if kind == "node_refused":
@@ -141,6 +147,22 @@ def _describe_guard(e: dict) -> str:
     what = {"skip": "update skipped", "warn": "guard warning", "stop": "GUARD STOPPED the run",
             "rollback": "rollback begun"}.get(e["action"], e["action"])  # fmt: skip
     return f"{what} at step {e['step']}: {e['detail']}"
+
+
+def _describe_health(e: dict) -> str:
+    kind = e["kind"]
+    if kind == "straggler":
+        return (f"STRAGGLER rank {e['rank']} on {e['host']} at step {e['step']}: {e['phase']} takes"
+                f" {1000 * e['seconds']:.1f} ms per step, the others' median {1000 * e['median_seconds']:.1f} ms,"
+                f" in {e['windows']} windows of {e['window_steps']} steps in a row")  # fmt: skip
+    if kind == "device_fault":
+        marked = "excluded" if e.get("excluded") else "recorded as a suspect"
+        return f"DEVICE FAULT: node {e['node']} {marked}: {e.get('reason', '')}"
+    named = ", ".join(f"rank {r} on {h}" for r, h in zip(e["ranks"], e["hosts"], strict=True))
+    named = named or e.get("ambiguous") or "no rank named"
+    back = f"rolled back to step {e['to']}" if e.get("to") is not None else "nothing in memory to roll back to"
+    stopped = "; the device failed its golden test: run stopped" if e.get("persistent") else ""
+    return f"SILENT DATA CORRUPTION at step {e['step']}: {named} ({', '.join(e['checks'])}): {e['detail']}; {back}{stopped}"
 
 
 def _verdict(e: dict) -> str:

@@ -118,6 +118,19 @@ class ExclusionList:
             self._write(data)
             return len(entry["failures"]), entry["excluded"]
 
+    def mark(self, node: str, record: dict, exclude: bool) -> None:
+        """Record hardware found wanting on `node` (a device that computes wrong, a straggler; `record`'s
+        "reason" says which): with `exclude`, the node is excluded at once; else it stays a suspect, listed
+        under "suspect", for a person to act on (one node: there is nowhere else to run)."""
+        with self._locked():
+            data = self.read()
+            data["limit"] = self.limit
+            entry = data["nodes"].setdefault(node, {"failures": [], "excluded": False})
+            entry.setdefault("suspect", []).append({"time": time.time(), **record})
+            if exclude and not entry["excluded"]:
+                entry.update(excluded=True, excluded_at=time.time(), reason=record["reason"])
+            self._write(data)
+
     def include_again(self, node: str) -> None:
         """Forget a node's failures (after it was repaired)."""
         with self._locked():

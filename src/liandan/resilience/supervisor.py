@@ -35,11 +35,12 @@ from liandan.checkpoint import handoff, snapshots
 from liandan.checkpoint.resume import choose_resume
 from liandan.checkpoint.verify import complete_checkpoints, step_of
 from liandan.config import Config
-from liandan.resilience import incidents, nodes
+from liandan.resilience import incidents, nodes, suspects
 from liandan.resilience.preempt import Preemption, SignalLatch
 from liandan.resilience.processes import DeathClock, StandbyPool, alive, end_processes, module_command
 from liandan.resilience.relay import Relay
 from liandan.run import RunDir, append_jsonl, atomic_write_json, lock_run_dir, rank_files, read_json, temporary
+from liandan.run.errors import DEVICE_FAULT_EXIT
 from liandan.run.worker_env import WORKER_NAMES, NodeEnv, WorkerEnv, node_name
 from liandan.train import stores
 from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
@@ -63,6 +64,7 @@ class Attempt:
     failed_rank: int | None = None
     failed_at: float | None = None
     user_error: str | None = None
+    device_fault: bool = False  # the workers stopped on a device that computes wrong (`DeviceFault`)
     hang: bool = False
     stalled: float = 0.0
     timeout: float = 0.0
@@ -142,6 +144,14 @@ class Supervisor(Preemption):
                 printed = [line for line in attempt.last_lines if line.startswith(ERROR_PREFIX) and not self.rendezvous]
                 if attempt.user_error is None and printed and not attempt.hang:
                     attempt.user_error = printed[-1][len(ERROR_PREFIX) :]
+                if attempt.device_fault:
+                    fault = suspects.device_fault(self.room, attempt.started)
+                    if not (self.rendezvous and fault.get("host") not in (None, self.node)):
+                        return self._stop_for_device(fault, started, restarts)
+                    # another node's device: that node leaves, this one starts again without it
+                    restarts += 1
+                    self._event("restart", attempt=restarts, after_seconds=0.0, step=fault.get("step"))
+                    continue
                 if attempt.user_error is not None:  # a bad config, a missing file: restarting cannot help
                     if not self.rendezvous and not printed:  # else torchrun's agent or the worker printed it
                         log = self.room.attempt_log(attempt.number, self.log_node)
@@ -156,6 +166,9 @@ class Supervisor(Preemption):
                                                                      ("time", "cause", "step", "summary")})  # fmt: skip
                     if excluded:
                         return self._leave(count, incident)
+                straggling = suspects.stragglers_on(self.room, self.node, attempt.started)
+                if self.exclusions and straggling and self.cfg.health.exclude_stragglers:
+                    return self._exclude_straggler(straggling[-1])
                 # Progress since the last failure (a newer checkpoint) starts a fresh streak: restart at once.
                 streak = streak + 1 if last_resume is not None and incident["resume_step"] <= last_resume else 1
                 last_resume = incident["resume_step"]
@@ -331,8 +344,9 @@ class Supervisor(Preemption):
                 local = [self.clock.deaths[p] for p in self.clock.deaths if p != attempt.procs[0][1].pid]
                 attempt.failed_at = min(local, default=attempt.failed_at)
             reports = rank_files(self.errors, ".txt")
-            if reports or attempt.exit_code == 2:  # a user error, whichever rank was seen to end first
-                attempt.exit_code = 2
+            if reports or attempt.exit_code in (2, DEVICE_FAULT_EXIT):  # whichever rank was seen to end first
+                attempt.device_fault = any(code == DEVICE_FAULT_EXIT for _, code in attempt.exits.values())
+                attempt.exit_code = DEVICE_FAULT_EXIT if attempt.device_fault else 2
                 attempt.user_error = _read(reports[0]).strip() if reports else ""
             return True
         if len(attempt.exits) == len(attempt.procs):
@@ -512,6 +526,30 @@ class Supervisor(Preemption):
         self._event("node_refused", node=self.node, reason=entry.get("reason"))
         print(f"liandan: node {self.node} is excluded from run {self.run_dir} ({entry.get('reason')}); it does not "
               f"join, the other nodes carry on. To let it join again, remove it from {path}.", file=sys.stderr)  # fmt: skip
+        return EXCLUDED_EXIT
+
+    def _stop_for_device(self, fault: dict, started: float, restarts: int) -> int:
+        """A rank's device failed its golden test: mark its node and end the run (restarting on that device
+        would corrupt the run again). Several nodes: the node is excluded and leaves; the others carry on."""
+        exclusions = self.exclusions or nodes.ExclusionList(self.run_dir, nodes.failure_limit())
+        host, reason = suspects.mark_device(exclusions, fault, self.node, exclude=bool(self.rendezvous))
+        self._event("device_fault", node=host, rank=fault.get("rank"), step=fault.get("step"),
+                    excluded=bool(self.rendezvous), reason=reason)  # fmt: skip
+        if self.rendezvous:
+            print(f"liandan: node {host} is excluded from run {self.run_dir}: {reason}; the other nodes carry on"
+                  f" without it (list: {exclusions.path})", file=sys.stderr)  # fmt: skip
+            return EXCLUDED_EXIT
+        self._finish(started, restarts, gave_up=reason)
+        print(f"{ERROR_PREFIX}{reason} on {host}; recorded as a suspect in {exclusions.path}; the run stopped"
+              " instead of training on that device again: replace it or move the run, then start it again to"
+              " resume", file=sys.stderr)  # fmt: skip
+        return DEVICE_FAULT_EXIT
+
+    def _exclude_straggler(self, straggler: dict) -> int:
+        reason = suspects.mark_straggler(self.exclusions, self.node, straggler)
+        self._event("node_excluded", node=self.node, failures=0, step=straggler["step"], reason=reason)
+        print(f"liandan: node {self.node} is excluded from run {self.run_dir}: {reason} (health.exclude_stragglers);"
+              f" the other nodes carry on without it (list: {self.exclusions.path})", file=sys.stderr)  # fmt: skip
         return EXCLUDED_EXIT
 
     def _leave(self, count: int, incident: dict) -> int:

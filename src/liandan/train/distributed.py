@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from liandan.config import ConfigError
 from liandan.run import atomic_write, rank_file, rank_files
+from liandan.run.errors import DEVICE_FAULT_EXIT
 from liandan.run.worker_env import ERROR_DIR, NODE_ADDR, NodeEnv, WorkerEnv
 from liandan.train.stores import LOOPBACK, RENDEZVOUS_BACKEND, bound_store, register_rendezvous, single_node_env
 
@@ -177,8 +178,8 @@ def launch_local(
                 atomic_write(failure_file, json.dumps({"rank": rank, "exitcode": info.exitcode, "time": time.time()}))
             reports = rank_files(Path(errors), ".txt")
             message = reports[0].read_text().strip() if reports else ""
-            if message:  # a user error: exit 2 whichever rank torchrun saw end first
-                return 2, message
+            if message:  # a user error: exit 2 whichever rank torchrun saw end first (4: a faulty device)
+                return (DEVICE_FAULT_EXIT if info.exitcode == DEVICE_FAULT_EXIT else 2), message
             return 1, f"worker rank {rank} failed with exit code {info.exitcode}; its output is above"
         finally:
             os.environ.pop(ERROR_DIR, None)

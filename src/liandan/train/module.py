@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from liandan.config import Config, ConfigError
 from liandan.data.loader import Batch
@@ -16,6 +17,7 @@ from liandan.faults import faulty_matmuls, slow_forward
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
 from liandan.spec.layout import Layout, uses_fsdp
+from liandan.train.health.allreduce import AllReduceAudit
 from liandan.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from liandan.train.parallelize import gradient_sync, parallelize
 
@@ -55,6 +57,8 @@ class TrainModule:
         model.to(device)
         fsdp = uses_fsdp(layout)
         t = cfg.train
+        # DDP's all-reduce always goes through the audited hook: a `corrupt@allreduce` fault strikes there.
+        self.allreduce_audit = AllReduceAudit() if not fsdp and layout.dp_replicate > 1 else None
         self.model = parallelize(
             model,
             mesh,
@@ -63,6 +67,7 @@ class TrainModule:
             compile=t.compile,
             fsdp_param_dtype=dtype if fsdp and dtype != torch.float32 else None,
             spec=self.spec,
+            allreduce_audit=self.allreduce_audit,
         )
         # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
         self.autocast = dtype != torch.float32 and not fsdp
@@ -80,6 +85,8 @@ class TrainModule:
         """Forward and backward over the micro-batches of step `step` (counted from 1); returns the step's mean
         loss (detached). Gradients are synchronised on the last micro-batch only."""
         total = torch.zeros((), device=self.device)
+        if self.allreduce_audit is not None:
+            self.allreduce_audit.step = step
         for i, batch in enumerate(batches):
             batch = batch.to(self.device)
             with gradient_sync(self.model, sync=i == len(batches) - 1), faulty_matmuls(step):
@@ -90,6 +97,25 @@ class TrainModule:
                 phase("backward", micro=i)
                 loss.backward()
             total += loss.detach()
+        return total
+
+    @torch.no_grad()
+    def replay_loss(self, batches: list[Batch], step: int) -> torch.Tensor:
+        """The mean loss `forward_backward` would give on `batches` at step `step`, by forward passes alone and
+        in the same arithmetic (a replay, for comparison with what another rank computed); gradients and
+        weights are left as they are."""
+        total = torch.zeros((), device=self.device)
+        with faulty_matmuls(step):
+            for batch in batches:
+                batch = batch.to(self.device)
+                with self.autocasting():
+                    loss = self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)) / len(batches)
+                total += loss.detach()
+        # FSDP2 keeps the last block gathered after a forward for the backward that would follow: without
+        # one, the update would go to the shards while that stale gathered copy serves the next forward.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         return total
 
     def clip_gradients(self) -> float:

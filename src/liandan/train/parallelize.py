@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from liandan.model.spec import ModelSpec, spec_for
 from liandan.spec.layout import Layout, uses_fsdp
+from liandan.train.health.allreduce import AllReduceAudit, audited_allreduce
 
 DIMS = ("dp_replicate", "dp_shard", "tp")
 
@@ -130,11 +131,20 @@ def apply_fsdp(
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
 
-def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, audit: AllReduceAudit | None = None) -> nn.Module:
+    """DDP over the replicas; with `audit`, its gradient all-reduce goes through the audited hook (the
+    silent-data-corruption check's records, and where a `corrupt@allreduce` fault strikes)."""
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [torch.cuda.current_device()] if dp_mesh.device_type == "cuda" else None
-    return DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids)
+    # The model's buffers (rotary tables) are computed alike on every rank: broadcasting them before every
+    # forward would only make each rank wait for the slowest one there.
+    ddp = DistributedDataParallel(model, process_group=dp_mesh.get_group(), device_ids=device_ids,
+                                  broadcast_buffers=False)  # fmt: skip
+    if audit is not None:
+        audit.group = dp_mesh.get_group()
+        ddp.register_comm_hook(audit, audited_allreduce)
+    return ddp
 
 
 def parallelize(
@@ -146,9 +156,11 @@ def parallelize(
     compile: bool = False,
     fsdp_param_dtype: torch.dtype | None = None,
     spec: ModelSpec | None = None,
+    allreduce_audit: AllReduceAudit | None = None,
 ) -> nn.Module:
     """Apply TP, recomputation, compile and data parallelism; returns the module to call (DDP wraps).
-    `spec` is the model's family (default: found from `model.args`)."""
+    `spec` is the model's family (default: found from `model.args`); `allreduce_audit`, under DDP, the state
+    of the audited gradient all-reduce."""
     spec = spec or spec_for(model.args)
     if layout.tp > 1:
         apply_tp(model, mesh["tp"], spec)
@@ -161,7 +173,7 @@ def parallelize(
         dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
         apply_fsdp(model, mesh[dims], fsdp_param_dtype, spec)
     elif layout.dp_replicate > 1:
-        return apply_ddp(model, mesh["dp_replicate"])
+        return apply_ddp(model, mesh["dp_replicate"], allreduce_audit)
     return model
 
 

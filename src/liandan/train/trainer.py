@@ -17,8 +17,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# liandan's own callbacks register themselves: the loss-spike guard, silent-data-corruption and stragglers
 import liandan.train.builtin_callbacks
-import liandan.train.guard.callback  # noqa: F401 - and the loss-spike guard
+import liandan.train.guard.callback
+import liandan.train.health.sdc
+import liandan.train.health.stragglers  # noqa: F401
 from liandan import __version__
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.handoff import newest_checkpoint

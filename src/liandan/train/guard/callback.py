@@ -314,6 +314,22 @@ class GuardCallback(Callback):
                          + "; ".join(what for _, _, what in findings) + where)  # fmt: skip
 
     # -- states and the learning rate ---------------------------------------------------------------------------
+    def roll_back_to_verified(self, trainer: Trainer, at_or_before: int) -> HeldState | None:
+        """Put back the newest in-memory state kept at or before step `at_or_before`, without skipping data or
+        changing the learning rate (for a fault of the hardware, not of the data: the same batches are trained
+        again), and forget the states after it. Returns that state, or None when none is held. Any rollback
+        of the guard's own planned for this step is dropped: this one goes back at least as far."""
+        target = self.ring.newest_at_or_before(at_or_before)
+        if target is None:
+            return None
+        self.pending = None
+        bookkeeping = self._bookkeeping()
+        self._restore(trainer, target)
+        self._load_bookkeeping(bookkeeping)
+        trainer.module.lr_scale = self._current_scale(target.step)
+        self.ring.drop_after(target.step)
+        return target
+
     def _keep(self, trainer: Trainer) -> None:
         self.ring.keep(trainer.step, trainer.model, trainer.optimizer, trainer.resume_state())
 
