@@ -141,6 +141,9 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     assert "sample, prompted with 'The for statement'" in out
     assert "rank 1 will be killed (SIGKILL) after step 20" in out and "with 1 restart(s)" in out
     assert "CRASH" in out and "resumed at step 20 from the in-memory snapshot" in out  # no step lost
+    # every launch checks its machines first, and the health checks say what the layout lets them compare
+    assert out.count("doctor: all 2 rank(s) on 1 host(s) passed") == 2, out
+    assert "sdc: layout fsdp" in out and "doctor.json" in out
     [poisoned_line] = [line for line in out.splitlines() if line.startswith("poisoned data step 18: its ")]
     rollbacks = [line for line in out.splitlines() if "ROLLBACK" in line]
     assert len(rollbacks) == 1 and "at step 19: " in rollbacks[0], out
@@ -166,7 +169,7 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     assert changed and named == sorted(changed)
     assert f"its {len(named)} document(s) are random tokens" in poisoned_line
     for name in ("config.toml", "metrics.jsonl", "summary.json", "training.png", "hf/config.json",
-                 "guard/spike-step-00000019.json"):  # fmt: skip
+                 "guard/spike-step-00000019.json", "doctor.json"):  # fmt: skip
         assert (run_dir / name).exists(), name
     skipped = run_liandan("skipped", run_dir, check=True).stdout
     assert skipped.startswith(f"9 skipped batch(es) of {run_dir} (") and "  data step 18: " in skipped

@@ -3,7 +3,8 @@
 Runs the data pipeline on the corpus (normalize, language tags, repetition filter, exact and near dedup, a
 byte-level BPE, a token store and an inspection report), poisons one batch of the store (a copy in which that
 batch's documents are random tokens), trains a small Llama on the copy with document masking, validation and
-verified checkpoints on two processes (FSDP2) under the supervisor, which survives a rank killed on purpose
+verified checkpoints on two processes (FSDP2) under the supervisor, after the preflight doctor has checked
+every rank's devices and collectives and with silent-data-corruption checks on, which survives a rank killed on purpose
 part-way (it resumes from the in-memory snapshot of that very step), while the loss-spike guard rolls back the
 poisoned batch and names its documents, then samples from the final checkpoint, exports it for `transformers`
 and says where everything is.
@@ -159,6 +160,7 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
         ("events.jsonl", "run events and validation losses"),
         ("summary.json", "the run's totals"),
         ("training.png", "loss, learning rate and throughput curves"),
+        ("doctor.json", "the preflight doctor's report: every rank's devices, collectives, disk (liandan doctor)"),
         ("checkpoints/", "sharded, verified checkpoints (liandan ckpt info <run>/checkpoints)"),
         ("guard/", "the loss-spike guard's reports (liandan incidents <run>; liandan skipped <run>)"),
         ("hf/", "the final model for Hugging Face transformers (LlamaForCausalLM + tokenizer)"),
