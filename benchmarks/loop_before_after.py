@@ -46,11 +46,11 @@ def corpus(directory: Path) -> Path:
     return path
 
 
-def loop_seconds(tree: Path, run_dir: Path, data: Path, steps: int) -> float:
+def loop_seconds(tree: Path, run_dir: Path, data: Path, steps: int, extra: list[str] = ()) -> float:
     env = dict(os.environ, PYTHONPATH=str(tree / "src"), OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     config = tree / "configs" / "tiny.toml"
     command = [sys.executable, "-m", "liandan.cli", "train", str(config), *RUN, f"--train.steps={steps}",
-               f"--run.output_dir={run_dir.parent}", f"--run.name={run_dir.name}", f'--data.paths=["{data}"]']  # fmt: skip
+               f"--run.output_dir={run_dir.parent}", f"--run.name={run_dir.name}", f'--data.paths=["{data}"]', *extra]  # fmt: skip
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"{tree}: exit {done.returncode}\n{done.stderr[-2000:]}")
@@ -63,6 +63,9 @@ def main() -> None:
     parser.add_argument("--after", type=Path, required=True, help="the source tree after the change")
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--after-setting", action="append", default=[], metavar="--SECTION.KEY=VALUE",
+                        help="a setting for the after tree's runs only, repeatable (e.g. to leave out callbacks the before tree"
+                        " lacks, and time the loop alone)")  # fmt: skip
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -71,7 +74,8 @@ def main() -> None:
         for i in range(args.pairs + 1):  # the first pair warms the caches and is not counted
             pair = {}
             for name, tree in (("before", args.before), ("after", args.after)):
-                pair[name] = loop_seconds(tree.resolve(), root / f"{name}-{i}", data, args.steps)
+                extra = args.after_setting if name == "after" else []
+                pair[name] = loop_seconds(tree.resolve(), root / f"{name}-{i}", data, args.steps, extra)
             if i:
                 ratios.append(pair["after"] / pair["before"])
                 for name, value in pair.items():
