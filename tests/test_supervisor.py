@@ -467,13 +467,11 @@ def _signal_when(config, name, faults, overrides, reached, grace_s):
     """A real supervisor of two ranks with `faults`, sent SIGTERM once a rank's heartbeat satisfies `reached`;
     it must exit 143 leaving no process and no snapshot behind. Returns (run dir, its stdout, the event)."""
     run_dir = config.parent / "runs" / name
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LIANDAN_")}
-    env["LIANDAN_FAULTS"] = faults
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), "--nproc=2", f"--run.name={name}",
-           *overrides, "--checkpoint.memory_every=1", f"--resilience.preempt_grace_s={grace_s}"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = environment_without(LIANDAN_FAULTS=faults)
+    proc = start_liandan("train", config, "--nproc=2", f"--run.name={name}", *overrides,
+                         "--checkpoint.memory_every=1", f"--resilience.preempt_grace_s={grace_s}", env=env)  # fmt: skip
     deadline = time.time() + 300
-    while not any(reached(b) for b in read_heartbeats(run_dir / "heartbeat")):
+    while not any(reached(b) for b in read_heartbeats(RunDir(run_dir))):
         assert time.time() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.02)
     tree = process_tree(proc.pid)
