@@ -30,6 +30,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from liandan.config import ConfigError
 from liandan.faults import ENV as FAULTS
@@ -74,30 +75,27 @@ def _path(environ: Mapping[str, str], name: str) -> Path | None:
     return Path(value) if value else None
 
 
-def _whole(environ: Mapping[str, str], name: str, default: int, least: int, what: str) -> int:
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        value = least - 1
-    if value < least:
-        raise ConfigError(f"${name} = '{raw}' must be a whole number of {what}, at least {least}")
-    return value
-
-
-def _seconds(environ: Mapping[str, str], name: str) -> float | None:
+def _number(environ: Mapping[str, str], name: str, parse: type, least: float, what: str) -> Any:
+    """The variable `name` as a `parse` (int or float) of at least `least`, or None when unset."""
     raw = environ.get(name, "").strip()
     if not raw:
         return None
     try:
-        value = float(raw)
+        value = parse(raw)
     except ValueError:
-        value = -1.0
-    if not value >= 0:  # NaN too
-        raise ConfigError(f"${name} = '{raw}' must be a number of seconds, at least 0")
+        value = None
+    if value is None or not value >= least:  # NaN too
+        raise ConfigError(f"${name} = '{raw}' must be a {what}, at least {least}")
     return value
+
+
+def _whole(environ: Mapping[str, str], name: str, default: int, least: int, what: str) -> int:
+    value = _number(environ, name, int, least, f"whole number of {what}")
+    return default if value is None else value
+
+
+def _seconds(environ: Mapping[str, str], name: str) -> float | None:
+    return _number(environ, name, float, 0, "number of seconds")
 
 
 def _switch(environ: Mapping[str, str], name: str, default: bool) -> bool:
