@@ -149,6 +149,14 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def planned_at(point: str) -> bool:
+    """Whether any fault is configured at `point` (for this process's rank or every rank)."""
+    if ENV not in os.environ and ENV_ALWAYS not in os.environ:
+        return False
+    rank = _rank()
+    return any(w == point and (r is None or r == rank) for _, w, _, r in _active())
+
+
 def _from_step(action: str, point: str, step: int) -> bool:
     """Whether a persistent device fault `action@point` holds on this rank at `step`."""
     if ENV not in os.environ and ENV_ALWAYS not in os.environ:

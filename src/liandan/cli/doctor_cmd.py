@@ -77,7 +77,7 @@ def _run_here(cfg, suspects: list[str] | None) -> dict:
     info = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.resilience.collective_timeout_s)
     try:
         if suspects is not None:  # its rounds are printed from the report, by rank 0 or the launcher
-            report = bisect(Settings.of(cfg.doctor, info.device), info, suspects, say=lambda message: None)
+            report = bisect(Settings.of(cfg.doctor, info.device), info, suspects)
             return {"mode": "bisect", **report}
         return {"mode": "check", **run_doctor(cfg, info, checkpoint_dir(cfg))}
     finally:

@@ -53,11 +53,12 @@ def _hosts(info: DistInfo) -> list[str]:
     return hosts
 
 
-def bisect(s: Settings, info: DistInfo, items: list[str], step: int = 0, say=print) -> dict:
+def bisect(s: Settings, info: DistInfo, items: list[str], step: int = 0) -> dict:
     """Bisect the suspects `items` (ranks or hosts); every rank of the process group must call it. The report
-    holds each round's halves and verdicts and the rank found (None when the fault did not show)."""
+    holds each round's halves and verdicts and the rank found (None when the fault did not show); `render`
+    tells the rounds."""
     hosts = _hosts(info)
-    suspects = resolve_suspects(items, hosts)
+    suspects = initial = resolve_suspects(items, hosts)
     rounds: list[dict] = []
     note = ""
     dtype = torch.float32  # a rare wrong element shows against float64 in fp32; bf16's rounding would hide it
@@ -84,11 +85,9 @@ def bisect(s: Settings, info: DistInfo, items: list[str], step: int = 0, say=pri
         values = verdicts.cpu().tolist()
         return [(values[2 * i] > 0, values[2 * i + 1]) for i in range(len(halves))]
 
-    say(f"bisecting {describe(suspects)}")
     if len(suspects) == 1:  # nothing to split: the one suspect alone
         ((failed, error),) = test([suspects])
         rounds.append({"round": 1, "halves": [{"ranks": suspects, "failed": failed, "max_error": error}]})
-        say(f"round 1: {describe(suspects)} {'FAIL' if failed else 'pass'} (max error {error:.1e})")
         if not failed:
             suspects, note = [], "it passes alone"
     while len(suspects) > 1:
@@ -97,14 +96,10 @@ def bisect(s: Settings, info: DistInfo, items: list[str], step: int = 0, say=pri
         outcome = test(halves)
         rounds.append({"round": len(rounds) + 1, "halves": [{"ranks": h, "failed": f, "max_error": e}
                                                             for h, (f, e) in zip(halves, outcome)]})  # fmt: skip
-        said = "; ".join(f"{describe(h)} {'FAIL' if f else 'pass'} (max error {e:.1e})"
-                         for h, (f, e) in zip(halves, outcome))  # fmt: skip
         failing = [h for h, (f, _) in zip(halves, outcome) if f]
         if not failing:  # either there is no fault, or it needs both halves: the two together tell
             ((together, error),) = test([suspects])
             rounds[-1]["together"] = {"ranks": suspects, "failed": together, "max_error": error}
-            say(f"round {len(rounds)}: {said}: neither half fails alone; together they "
-                + ("FAIL" if together else f"pass (max error {error:.1e})"))  # fmt: skip
             if together:
                 note = f"neither half of {describe(suspects)} fails alone, together they do: the fault needs both"
             else:
@@ -113,14 +108,13 @@ def bisect(s: Settings, info: DistInfo, items: list[str], step: int = 0, say=pri
         if len(failing) == 2:
             note = "both halves failed in a round: more than one rank is faulty; the first half was followed"
         suspects = failing[0]
-        say(f"round {len(rounds)}: {said} -> suspects {describe(suspects)}")
     found = suspects[0] if len(suspects) == 1 else None
     if found is not None:
         summary = f"doctor: bisection names rank {found} on host {hosts[found]} after {len(rounds)} round(s)"
     elif suspects:
         summary = f"doctor: bisection stopped after {len(rounds)} round(s): {note}"
     else:
-        summary = f"doctor: bisection found no fault in {describe(resolve_suspects(items, hosts))} ({note})"
+        summary = f"doctor: bisection found no fault in {describe(initial)} ({note})"
     if note and found is not None:
         summary += f" ({note})"
     return {"ok": found is None and not suspects, "summary": summary, "found": found,

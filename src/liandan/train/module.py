@@ -9,17 +9,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.distributed.fsdp import FSDPModule
 
 from liandan.config import Config, ConfigError
 from liandan.data.loader import Batch
-from liandan.faults import faulty_matmuls, slow_forward
+from liandan.faults import faulty_matmuls, planned_at, slow_forward
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
 from liandan.spec.layout import Layout, uses_fsdp
 from liandan.train.health.allreduce import AllReduceAudit
 from liandan.train.optim import build_optimizer, build_scheduler, clip_grad_norm
-from liandan.train.parallelize import gradient_sync, parallelize
+from liandan.train.parallelize import gradient_sync, parallelize, reshard
 
 PhaseHook = Callable[..., None]  # (phase, micro=0): where a step has got to, for heartbeats
 
@@ -57,8 +56,10 @@ class TrainModule:
         model.to(device)
         fsdp = uses_fsdp(layout)
         t = cfg.train
-        # DDP's all-reduce always goes through the audited hook: a `corrupt@allreduce` fault strikes there.
-        self.allreduce_audit = AllReduceAudit() if not fsdp and layout.dp_replicate > 1 else None
+        # DDP's all-reduce goes through the audited hook where the sdc check reads it or a `corrupt@allreduce`
+        # fault strikes there; elsewhere DDP keeps its own, with no Python on the path of every bucket.
+        audited = cfg.health.sdc or planned_at("allreduce")
+        self.allreduce_audit = AllReduceAudit() if audited and not fsdp and layout.dp_replicate > 1 else None
         self.model = parallelize(
             model,
             mesh,
@@ -92,12 +93,16 @@ class TrainModule:
             with gradient_sync(self.model, sync=i == len(batches) - 1), faulty_matmuls(step):
                 phase("forward", micro=i)
                 slow_forward(step)
-                with self.autocasting():
-                    loss = self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)) / len(batches)
+                loss = self._micro_loss(batch, len(batches))
                 phase("backward", micro=i)
                 loss.backward()
             total += loss.detach()
         return total
+
+    def _micro_loss(self, batch: Batch, count: int) -> torch.Tensor:
+        """One micro-batch's share of the step's mean loss: the one arithmetic of a step and of its replay."""
+        with self.autocasting():
+            return self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)) / count
 
     @torch.no_grad()
     def replay_loss(self, batches: list[Batch], step: int) -> torch.Tensor:
@@ -107,15 +112,10 @@ class TrainModule:
         total = torch.zeros((), device=self.device)
         with faulty_matmuls(step):
             for batch in batches:
-                batch = batch.to(self.device)
-                with self.autocasting():
-                    loss = self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)) / len(batches)
-                total += loss.detach()
+                total += self._micro_loss(batch.to(self.device), len(batches)).detach()
         # FSDP2 keeps the last block gathered after a forward for the backward that would follow: without
         # one, the update would go to the shards while that stale gathered copy serves the next forward.
-        for module in self.model.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        reshard(self.model)
         return total
 
     def clip_gradients(self) -> float:

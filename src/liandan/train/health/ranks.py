@@ -15,12 +15,18 @@ if TYPE_CHECKING:
 
 
 def hosts(trainer: Trainer) -> list[str]:
-    """The host of each rank, by global rank (one collective, at the start)."""
-    if not trainer.dist.distributed:
-        return [trainer.heartbeat.host]
-    out: list[Any] = [None] * trainer.dist.world_size
-    dist.all_gather_object(out, trainer.heartbeat.host)
-    return [str(h) for h in out]
+    """The host of each rank, by global rank: one collective, the first time a health check asks in this
+    trainer (they all share its answer)."""
+    known = getattr(trainer, "_rank_hosts", None)
+    if known is None:
+        if trainer.dist.distributed:
+            gathered: list[Any] = [None] * trainer.dist.world_size
+            dist.all_gather_object(gathered, trainer.heartbeat.host)
+            known = [str(h) for h in gathered]
+        else:
+            known = [trainer.heartbeat.host]
+        trainer._rank_hosts = known
+    return known
 
 
 def gather_rows(row: torch.Tensor, group: Any = None) -> list[torch.Tensor]:

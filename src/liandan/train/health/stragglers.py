@@ -46,7 +46,6 @@ class StragglerCallback(Callback):
         self.steps = 0
         self.current: tuple[str, float] | None = None
         self.streaks: dict[tuple[int, str], int] = {}
-        self.reported: list[dict] = []
 
     def on_train_start(self, trainer: Trainer) -> None:
         self.hosts = hosts(trainer)
@@ -95,7 +94,6 @@ class StragglerCallback(Callback):
                  "ratio": round(mine / median, 2) if median > 0 else None, "windows": self.cfg.straggler_windows,
                  "window_steps": self.cfg.straggler_every,
                  "phases": {NAMES[p]: round(v, 6) for p, v in zip(TIMED, row, strict=True)}}  # fmt: skip
-        self.reported.append(event)
         if trainer.dist.is_main:
             trainer.files.log_event("straggler", **event)
         times = f"{1000 * mine:.1f} ms per step against the others' median {1000 * median:.1f} ms"
