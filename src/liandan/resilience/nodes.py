@@ -41,7 +41,7 @@ class Rendezvous:
     last_call_s: float | None = None
 
     def torchrun_args(self) -> list[str]:
-        from liandan.train.stores import RENDEZVOUS_BACKEND, parse_endpoint, route_address
+        from liandan.train.stores import RENDEZVOUS_BACKEND, is_loopback, parse_endpoint, route_address
 
         # torchrun's c10d rendezvous, with its stores bound to the address the other nodes reach this one at
         host, port = parse_endpoint(self.endpoint)
@@ -52,7 +52,7 @@ class Rendezvous:
         except (OSError, ValueError) as err:
             raise ConfigError(f"$LIANDAN_RDZV_ENDPOINT = '{self.endpoint}' / ${NODE_ADDR} = '{local}': "
                               f"no address of this node to listen on ({err})") from None  # fmt: skip
-        if loopback and not _is_loopback(host):
+        if loopback and not is_loopback(host):
             raise ConfigError(f"$LIANDAN_RDZV_ENDPOINT = '{self.endpoint}': {host} resolves to the loopback address "
                               f"{local} here, which other nodes cannot reach; fix its entry in /etc/hosts or set "
                               f"${NODE_ADDR} to this node's address on the cluster network")  # fmt: skip
@@ -62,15 +62,6 @@ class Rendezvous:
         if self.last_call_s is not None:
             args.append(f"--rdzv-conf=last_call_timeout={self.last_call_s:g}")
         return args
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def rendezvous_from_env(default_id: str) -> Rendezvous | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
-import ipaddress
 import json
 import os
 import socket
@@ -22,7 +21,14 @@ from liandan.config import ConfigError
 from liandan.run import atomic_write, rank_file, rank_files
 from liandan.run.errors import DEVICE_FAULT_EXIT
 from liandan.run.worker_env import ERROR_DIR, NODE_ADDR, NodeEnv, WorkerEnv
-from liandan.train.stores import LOOPBACK, RENDEZVOUS_BACKEND, bound_store, register_rendezvous, single_node_env
+from liandan.train.stores import (
+    LOOPBACK,
+    RENDEZVOUS_BACKEND,
+    bound_store,
+    is_loopback,
+    register_rendezvous,
+    single_node_env,
+)
 
 
 @dataclass(frozen=True)
@@ -54,17 +60,11 @@ def _adopt_slurm_env(env: dict[str, str]) -> bool:
         env["MASTER_ADDR"] = _first_slurm_host(env)
     # A port derived from the job id lets several jobs share a node without colliding.
     env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-    if _is_loopback(env["MASTER_ADDR"]):  # every task on this node: the process group's sockets on loopback too
+    # every task on this node: the process group's sockets on loopback too
+    if is_loopback(env["MASTER_ADDR"], resolve=True):
         for key, value in single_node_env().items():
             env.setdefault(key, value)
     return True
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-    except (OSError, ValueError):
-        return False
 
 
 def _slurm_store(env: dict[str, str], timeout: datetime.timedelta):
@@ -75,7 +75,7 @@ def _slurm_store(env: dict[str, str], timeout: datetime.timedelta):
     if rank != 0:
         return dist.TCPStore(host, port, is_master=False, timeout=timeout)
     where = NodeEnv.from_env(env).node_addr or host
-    if _is_loopback(where) and int(env.get("SLURM_NNODES", "1")) > 1:
+    if is_loopback(where, resolve=True) and int(env.get("SLURM_NNODES", "1")) > 1:
         raise ConfigError(f"MASTER_ADDR = {host} is a loopback address on rank 0's node, which the other"
                           f" {int(env['SLURM_NNODES']) - 1} node(s) of the job cannot reach: set MASTER_ADDR (or"
                           f" {NODE_ADDR}) to its address on the cluster's network")  # fmt: skip

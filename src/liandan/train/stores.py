@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
+import ipaddress
 import socket
 import sys
 from pathlib import Path
@@ -39,6 +40,16 @@ def single_node_env() -> dict[str, str]:
     on the loopback interface; a value the user set already wins."""
     interface = loopback_interface()
     return {"GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface}
+
+
+def is_loopback(host: str, resolve: bool = False) -> bool:
+    """Whether `host` is a loopback address ("localhost" counts); with `resolve`, a name is looked up first."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host) if resolve else host).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
