@@ -366,17 +366,17 @@ def _slot_paths(directory: Path, rank: int, slot: int) -> tuple[Path, Path]:
     return directory / f"{stem}.bin", directory / f"{stem}.json"
 
 
-def _read_header(path: Path, owner: str, world_size: int, layout: str | None) -> dict | None:
-    """A header if it belongs to this owner and world (and layout, unless None), else None."""
+def _read_header(path: Path, owner: str | None, world_size: int | None, layout: str | None) -> dict | None:
+    """A header if it belongs to this owner, world and layout (each unless None), else None."""
     try:
         with _open_existing(path) as f:
             header = json.loads(f.read())
     except (OSError, json.JSONDecodeError, UnicodeDecodeError):
         return None
-    expected = {"format": FORMAT, "version": VERSION, "owner": owner, "world_size": world_size}
-    if layout is not None:
-        expected["layout"] = layout
-    return header if all(header.get(k) == v for k, v in expected.items()) else None
+    if not isinstance(header, dict):
+        return None
+    expected = {"format": FORMAT, "version": VERSION, "owner": owner, "world_size": world_size, "layout": layout}
+    return header if all(header.get(k) == v for k, v in expected.items() if v is not None) else None
 
 
 def _held(directory: Path, rank: int, owner: str, world_size: int, layout: str | None) -> dict[int, int]:
@@ -399,13 +399,7 @@ def newest_common_step(directory: Path, world_size: int, owner: str) -> int | No
 def newest_held_step(directory: Path | None) -> int | None:
     """The newest step of any rank's snapshot header in `directory`, whichever owner and world wrote it: whether
     host memory holds anything to resume from, before the ranks agree on a step (None: nothing)."""
-    steps = []
-    for path in sorted(Path(directory).glob("rank-*.json")) if directory else []:
-        try:
-            with _open_existing(path) as f:
-                step = json.loads(f.read()).get("step")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(step, int):
-            steps.append(step)
-    return max(steps, default=None)
+    headers = (
+        _read_header(path, None, None, None) for path in (Path(directory).glob("rank-*.json") if directory else ())
+    )
+    return max((h["step"] for h in headers if h is not None and isinstance(h.get("step"), int)), default=None)

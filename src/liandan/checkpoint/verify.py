@@ -38,14 +38,10 @@ def step_of(directory: Path) -> int | None:
     return parse_step_dir(Path(directory).name)
 
 
-def step_directories(root: Path) -> list[Path]:
-    """Every step directory under `root`, complete or not, oldest first."""
-    return step_dirs(root)
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """The step directories under `root` that have a manifest, oldest first (not yet verified)."""
-    return complete_step_dirs(root)
+# Every step directory under a root, complete or not, and those with a manifest (not yet verified), oldest
+# first: the run room's listings, under the names the checkpoint modules use.
+step_directories = step_dirs
+complete_checkpoints = complete_step_dirs
 
 
 def file_digest(path: Path) -> str:

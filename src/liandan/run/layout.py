@@ -245,10 +245,6 @@ class RunDir:
     def write_doctor(self, report: dict) -> None:
         atomic_write_json(self.doctor, report)
 
-    def read_doctor(self) -> dict:
-        report = read_json(self.doctor, {})
-        return report if isinstance(report, dict) else {}
-
     def truncate_metrics(self, step: int) -> None:
         """Drop the records of steps after `step` (they are about to be trained again), in place: the run's
         logger keeps metrics.jsonl open for appending."""
