@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from liandan.config import Config
 from liandan.doctor.runner import DoctorFailed, event_fields, run_doctor
+from liandan.doctor.verdict import finding_line
 from liandan.train.callbacks import Callback, register_callback
 
 if TYPE_CHECKING:
@@ -33,8 +34,7 @@ class DoctorPreflight(Callback):
                 "doctor", step=trainer.step, **event_fields(report), report=str(trainer.room.doctor)
             )
             for f in report["findings"]:
-                who = f"rank {f['rank']} on host {f['host']}" if f["rank"] is not None else f"host {f['host']}"
-                trainer.say(f"{f['level'].upper()} {f['check']}: {who} {f['what']}")
+                trainer.say(finding_line(f))
             trainer.say(report["summary"])
         if not report["ok"]:
             raise DoctorFailed(f"{report['summary']}; the run stopped before step {trainer.step + 1}"

@@ -28,7 +28,16 @@ class Finding:
     host: str
 
     def who(self) -> str:
-        return f"rank {self.rank} on host {self.host}" if self.rank is not None else f"host {self.host}"
+        return _who(self.rank, self.host)
+
+
+def _who(rank: int | None, host: str) -> str:
+    return f"rank {rank} on host {host}" if rank is not None else f"host {host}"
+
+
+def finding_line(f: dict) -> str:
+    """One finding of a report, as the table and the preflight print it."""
+    return f"{f['level'].upper()} {f['check']}: {_who(f['rank'], f['host'])} {f['what']}"
 
 
 def judge(cfg: Config, records: list[dict], parameters: int | None, seconds: float, step: int = 0) -> dict:
@@ -258,9 +267,7 @@ def render(report: dict) -> list[str]:
     if report["bandwidth"]:
         lines.append("collectives, all ranks: " + ", ".join(f"{name} {si(v, 'B/s')}" for name, v
                                                             in report["bandwidth"].items()))  # fmt: skip
-    for f in report["findings"]:
-        who = f"rank {f['rank']} on host {f['host']}" if f["rank"] is not None else f"host {f['host']}"
-        lines.append(f"{f['level'].upper()} {f['check']}: {who} {f['what']}")
+    lines += [finding_line(f) for f in report["findings"]]
     lines.append(report["summary"])
     return lines
 

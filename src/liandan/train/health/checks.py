@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from liandan.faults import faulty_matmuls
+from liandan.train.health.golden import seeded_problem
 
 Tamper = Callable[[torch.Tensor], object]  # applied to each send buffer before it goes out (fault drills)
 
@@ -162,21 +163,17 @@ def group_golden(ranks: list[int], group: dist.ProcessGroup | None, device: torc
     """Every rank of `ranks` computes its block of rows of one seeded product and the group assembles it: a
     wrong block (a faulty device) or a wrong transfer (a faulty link) both show against float64 on every
     member. Every rank of the group must call it."""
-    generator = torch.Generator().manual_seed(seed)
-    a = torch.randn(size, size, generator=generator, dtype=torch.float64)
-    b = torch.randn(size, size, generator=generator, dtype=torch.float64)
-    reference = a @ b
+    a, b, reference = seeded_problem(size, seed)
     rows = -(-size // len(ranks))
     mine = ranks.index(dist.get_rank()) if len(ranks) > 1 else 0
     block = torch.zeros(rows, size, dtype=dtype, device=device)
     part = a[mine * rows : (mine + 1) * rows]
     with faulty_matmuls(step):
         block[: part.shape[0]] = torch.mm(part.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
-    blocks = [torch.empty_like(block) for _ in ranks]
+    blocks = [block]
     if len(ranks) > 1:
+        blocks = [torch.empty_like(block) for _ in ranks]
         dist.all_gather(blocks, block, group=group)
-    else:
-        blocks = [block]
     result = torch.cat(blocks)[:size].to("cpu", torch.float64)
     error = float((result - reference).abs().max()) / float(reference.abs().max())
     return GroupGolden(ranks, error, tolerance)

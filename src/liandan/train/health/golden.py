@@ -41,10 +41,7 @@ def golden_matmul(device: torch.device, dtype: torch.dtype = torch.float32, size
                   step: int = 0) -> GoldenResult:  # fmt: skip
     """One seeded `size`-square product on `device` in `dtype`, judged against float64. `step` is the
     training step the test runs at (for injected device faults)."""
-    generator = torch.Generator().manual_seed(seed)
-    a = torch.randn(size, size, generator=generator, dtype=torch.float64)
-    b = torch.randn(size, size, generator=generator, dtype=torch.float64)
-    reference = a @ b
+    a, b, reference = seeded_problem(size, seed)
     with faulty_matmuls(step):
         result = torch.mm(a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
     result = result.to("cpu")
@@ -54,6 +51,14 @@ def golden_matmul(device: torch.device, dtype: torch.dtype = torch.float32, size
     digest = hashlib.sha256(result.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
     return GoldenResult(str(dtype).removeprefix("torch."), float(error.max()), tolerance, digest,
                         int((error > tolerance).sum()))  # fmt: skip
+
+
+def seeded_problem(size: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two seeded `size`-square float64 matrices and their product: a golden test's question and answer."""
+    generator = torch.Generator().manual_seed(seed)
+    a = torch.randn(size, size, generator=generator, dtype=torch.float64)
+    b = torch.randn(size, size, generator=generator, dtype=torch.float64)
+    return a, b, a @ b
 
 
 def odd_ones_out(digests: list[str]) -> list[int]:
