@@ -17,8 +17,8 @@ from liandan.config import DoctorSection
 from liandan.doctor import environment
 from liandan.faults import corrupt_contribution
 from liandan.run.worker_env import node_name
-from liandan.spec.peaks import gpu_peak_flops
 from liandan.train.distributed import DistInfo
+from liandan.train.hardware import datasheet_peak_flops
 from liandan.train.health import checks, golden
 
 MIB = 1 << 20
@@ -62,14 +62,6 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The data sheet's dense peak for a GPU (TF32 for float32: half the bf16 rate); None for a CPU."""
-    if device.type != "cuda":
-        return None
-    peak = gpu_peak_flops(torch.cuda.get_device_name(device))
-    return None if peak is None else peak / (2 if dtype == torch.float32 else 1)
-
-
 def measure_rank(s: Settings, info: DistInfo, step: int, checkpoint_dir: Path, memory_dir: str) -> dict:
     """This rank's devices on their own: golden products, matmul throughput, memory bandwidth, disk, facts."""
     device = info.device
@@ -80,7 +72,7 @@ def measure_rank(s: Settings, info: DistInfo, step: int, checkpoint_dir: Path, m
     record["matmul"] = {}
     for dtype in dtypes(device):
         flops = checks.matmul_throughput(device, dtype, s.matmul_size, s.measure_s)
-        record["matmul"][_name(dtype)] = {"flops": flops, "peak_flops": peak_flops(device, dtype)}
+        record["matmul"][_name(dtype)] = {"flops": flops, "peak_flops": datasheet_peak_flops(device, dtype)}
     record["memory_bandwidth"] = checks.memory_bandwidth(device, s.copy_bytes, s.measure_s)
     record["disk"] = environment.write_throughput(checkpoint_dir, s.write_bytes, info.rank)
     record["facts"] = environment.facts(device, checkpoint_dir, memory_dir)

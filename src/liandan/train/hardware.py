@@ -148,14 +148,22 @@ def cpu_peak_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -
     return flops, False
 
 
+def datasheet_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The data sheet's dense peak of a GPU in `dtype`; None for a CPU or a GPU the tables do not know."""
+    if device.type != "cuda":
+        return None
+    peak = gpu_peak_flops(torch.cuda.get_device_name(device))
+    if peak is not None and dtype == torch.float32:
+        peak /= 2  # TF32 tensor cores run at half the bf16 rate
+    return peak
+
+
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
     """(FLOP/s, where the number came from) for one process's device."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = gpu_peak_flops(name)
+        peak = datasheet_peak_flops(device, dtype)
         if peak is not None:
-            if dtype == torch.float32:
-                peak /= 2  # TF32 tensor cores run at half the bf16 rate
             return peak, f"{name} data sheet"
         return measure_matmul_flops(dtype, size=4096), f"{name} measured matmul"
     flops, cached = cpu_peak_flops(dtype)
