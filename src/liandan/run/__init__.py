@@ -14,8 +14,8 @@ from liandan.run.files import (
     temporary,
 )
 from liandan.run.jsonl import JsonlTail, keep_jsonl, parse_line, read_json, read_jsonl
-from liandan.run.layout import RunDir, rank_file, rank_files
-from liandan.run.lock import RunDirInUse, RunLock, holds_progress, lock_run_dir
+from liandan.run.layout import RunDir, project_store, rank_file, rank_files
+from liandan.run.lock import RunDirInUse, RunLock, holder_running, holds_progress, lock_run_dir
 from liandan.run.steps import (
     MANIFEST,
     META,
@@ -46,6 +46,7 @@ __all__ = [
     "complete_step_dirs",
     "dumps_json",
     "fsync_path",
+    "holder_running",
     "holds_progress",
     "keep_jsonl",
     "lock_run_dir",
@@ -56,6 +57,7 @@ __all__ = [
     "partial_of",
     "partial_step_dir_name",
     "partial_step_dirs",
+    "project_store",
     "rank_file",
     "rank_files",
     "read_json",

@@ -23,6 +23,9 @@
     run.lock              held by the process that owns the run (run-<node>.lock: by each node's supervisor)
     trial.log             a sweep trial's output, when the run is one
 
+Beside the run directories, their parent (the project directory, `run.output_dir`) holds liandan.db: the run
+store, an index of every run's files (`project_store`).
+
 Only this module spells those names; everyone else asks a `RunDir`.
 """
 
@@ -34,6 +37,11 @@ from pathlib import Path
 from liandan.run.files import atomic_write, atomic_write_json
 from liandan.run.jsonl import JsonlTail, keep_jsonl, load_json_object, read_json, read_jsonl
 from liandan.run.steps import complete_step_dirs, partial_step_dirs, step_dirs
+
+
+def project_store(project: Path) -> Path:
+    """The run store of a project directory (the parent of its run directories)."""
+    return Path(project) / "liandan.db"
 
 
 def rank_file(directory: Path, rank: int, suffix: str) -> Path:
@@ -187,6 +195,15 @@ class RunDir:
 
     def plot(self, name: str = "training") -> Path:
         return self.path / f"{name}.png"
+
+    @property
+    def project(self) -> Path:
+        """The project directory: the parent of the run directory, where the run store lives."""
+        return self.path.resolve().parent
+
+    @property
+    def name(self) -> str:
+        return self.path.resolve().name
 
     # -- reading -----------------------------------------------------------------------------------------
     @classmethod

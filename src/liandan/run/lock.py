@@ -99,3 +99,24 @@ def holds_progress(run_dir: Path | RunDir) -> bool:
     empty metrics.jsonl, which must not stand in the way of the corrected rerun."""
     metrics = (run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))).metrics
     return metrics.is_file() and metrics.stat().st_size > 0
+
+
+def holder_running(run_dir: Path | RunDir) -> bool | None:
+    """Whether the process that last took the run's lock is still alive: True or False when it ran on this
+    host, None when it ran on another host (or never said who it is). It only reads the lock file: testing
+    the lock by taking it, even for a moment, could refuse a run that starts at that moment."""
+    room = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
+    try:
+        who = json.loads(room.lock.read_text(encoding="utf-8"))
+        pid, host = int(who["pid"]), str(who["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    return True
