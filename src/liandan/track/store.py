@@ -132,7 +132,9 @@ class RunStore:
                 raise StoreError(f"cannot open the run store {self.path}: {err}") from None
             except sqlite3.DatabaseError:
                 pass
-            aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            aside = next(a for n in range(1, 10**6) if not (a := self.path.with_name(
+                f"{self.path.name}.corrupt-{stamp}" + (f"-{n}" if n > 1 else ""))).exists())  # fmt: skip
             for suffix in ("", "-wal", "-shm"):
                 src = Path(f"{self.path}{suffix}")
                 if src.exists():
