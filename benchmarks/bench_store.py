@@ -25,11 +25,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from liandan.config import load_config  # noqa: E402
-from liandan.run import RunDir, dumps_json  # noqa: E402
-from liandan.track.store import RunStore  # noqa: E402
+from liandan.config import load_config
+from liandan.run import RunDir, dumps_json
+from liandan.track.store import RunStore
 
 LIMIT_S = 0.100
 KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "peak_mem_gib", "step_time_s", "z_loss", "val_gap")

@@ -361,3 +361,35 @@ def test_liandan_runs_refuses_bad_input_in_one_line(tmp_path, capsys, args, word
         assert word in err[0]
     assert main(["runs", str(project / "one")]) == 2
     assert "is a run directory; its project directory is" in capsys.readouterr().err
+
+
+def test_a_resumed_run_replaces_the_steps_it_trains_again_in_the_store(tmp_path):
+    """Steps logged after the last checkpoint are trained again on resume (the trainer drops them from
+    metrics.jsonl): the store, written by the trainer alone, ends up with the file's values, not the old ones."""
+    from liandan.train import Trainer
+
+    def train(steps):
+        cfg = tiny_config(tmp_path / "runs", write_corpus(tmp_path), *MICRO_MODEL, "--run.name=resumed",
+                          f"--train.steps={steps}", "--checkpoint.every=2", "--checkpoint.async_save=false",
+                          "--doctor.preflight=false")  # fmt: skip
+        trainer = Trainer(cfg, say=lambda m: None)
+        try:
+            return trainer.train()
+        finally:
+            trainer.close()
+
+    room = RunDir(train(4).run_dir)
+    with room.metrics.open("a") as handle:  # what a crash after step 6 of a longer invocation would have left
+        for step in (5, 6):
+            handle.write(json.dumps({"step": step, "time": 0.0, "loss": 99.0}) + "\n")
+    with RunStore(room.project) as store:
+        store.ingest(room)
+        assert store_curve(store, "resumed", "loss")[6] == 99.0
+    train(8)
+    with RunStore(room.project) as store:
+        for key in ("loss", "lr", "time", "step_time_s"):
+            assert store_curve(store, "resumed", key) == file_curve(room, key), key
+        assert sorted(store_curve(store, "resumed", "loss")) == list(range(1, 9))
+        run = store.run("resumed")
+        assert run["status"] == "finished" and run["step"] == 8 and run["tokens"] == 8 * 8 * 32
+        assert [e["step"] for e in store.checkpoints("resumed")] == [2, 4, 6, 8]
