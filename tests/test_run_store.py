@@ -14,7 +14,7 @@ import pytest
 from helpers import MICRO_MODEL, environment_without, run_liandan, start_liandan, tiny_config, write_corpus
 from liandan.cli.main import main
 from liandan.config import load_config
-from liandan.run import RunDir, lock_run_dir
+from liandan.run import RunDir, holder_running, lock_run_dir
 from liandan.track import JsonlLogger
 from liandan.track.store import RunStore, StoreError
 
@@ -213,6 +213,24 @@ def test_a_rewritten_metrics_file_is_read_again(tmp_path):
         assert store.metric_keys("r") == []
 
 
+def test_odd_and_older_records_are_taken_as_the_run_readers_take_them(tmp_path):
+    project = tmp_path / "runs"
+    room = write_run(project, "r", steps=2)
+    with room.metrics.open("a") as handle:  # files written before non-finite numbers were null, and odd keys
+        handle.write('{"step": 3, "loss": "nan", "lr": NaN, "grad_norm": Infinity, "note": "x", "ok": true}\n')
+        handle.write('{"step": "4", "loss": 1.0}\n[1, 2]\nnot json\n{"step": 5, "loss": 0.5}\n')
+    with room.events.open("a") as handle:
+        handle.write('{"time": 1.0, "kind": "eval", "step": 3, "loss": NaN}\n{"kind": 7}\n')
+    with RunStore(project) as store:
+        store.ingest(room)
+        assert store_curve(store, "r", "loss") == {1: 10.0, 2: 5.0, 3: None, 5: 0.5}
+        assert store_curve(store, "r", "lr")[3] is None and store_curve(store, "r", "grad_norm")[3] is None
+        assert "note" not in store.metric_keys("r") and "ok" not in store.metric_keys("r")
+        [evaluation] = store.evaluations("r")
+        assert evaluation["loss"] is None  # kept as valid JSON: null
+        assert [e["kind"] for e in store.events("r")] == ["train_start", "train_end", "eval"]
+
+
 def test_a_corrupt_database_is_set_aside_and_rebuilt(tmp_path):
     project = tmp_path / "runs"
     room = write_run(project, "r", steps=12)
@@ -274,6 +292,16 @@ def test_status_running_finished_interrupted_and_resumed(tmp_path):
                 assert store.run("r")["status"] == status
     finally:
         holder.kill()
+
+
+def test_a_lock_whose_pid_went_to_a_newer_process_has_no_holder(tmp_path):
+    room = RunDir(tmp_path / "r")
+    lock_run_dir(room).release()  # this process's lock...
+    assert holder_running(room) is True
+    taken = json.loads(room.lock.read_text())
+    taken["started"] = "2001-01-01 00:00:00 +0000"  # ...had it been taken before this process started
+    room.lock.write_text(json.dumps(taken))
+    assert holder_running(room) is False
 
 
 def test_curves_by_tokens_and_flops_and_thinned_with_their_spikes(tmp_path):

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from liandan.config import ConfigError
-from liandan.run import RunDir, holder_running, project_store
+from liandan.run import RunDir, dumps_json, holder_running, project_store
 from liandan.track.store_files import (
     SKIP,
     is_int,
@@ -265,7 +265,7 @@ class RunStore:
         db.executemany("INSERT OR REPLACE INTO metrics VALUES (?, ?, ?, ?)", rows)
         events = [
             (name, seq, real(r.get("time")), r["kind"], r.get("step") if is_int(r.get("step")) else None,
-             json.dumps(r, allow_nan=False, default=str))
+             dumps_json(r))
             for r, seq in read_new(db, name, room.events, "events") if isinstance(r.get("kind"), str)
         ]  # fmt: skip
         db.executemany("INSERT OR REPLACE INTO events VALUES (?, ?, ?, ?, ?, ?)", events)
@@ -284,7 +284,7 @@ class RunStore:
         db.execute(
             "UPDATE runs SET path = ?, config = ?, summary = ?, status = ?, started = ?, updated = ?, last_step = ?,"
             " tokens_per_step = ?, flops_per_token = ? WHERE name = ?",
-            (str(room.path.resolve()), config, json.dumps(summary) if summary is not None else None,
+            (str(room.path.resolve()), config, dumps_json(summary) if summary is not None else None,
              self._status(db, room, name, summary), start, newest_change(room), last, per_step, flops,
              name),
         )  # fmt: skip

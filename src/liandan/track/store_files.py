@@ -58,10 +58,13 @@ def read_new(db: sqlite3.Connection, name: str, path: Path, table: str) -> list[
 SKIP = object()
 
 
+NON_FINITE = ("nan", "inf", "-inf", "NaN", "Infinity", "-Infinity")  # as files written before null said it
+
+
 def number(value: Any) -> Any:
     """A metric value as SQLite keeps it: numbers as they are (non-finite ones, written as null, as NULL);
     anything else is not a metric."""
-    if value is None:
+    if value is None or value in NON_FINITE:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return SKIP

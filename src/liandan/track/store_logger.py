@@ -43,7 +43,7 @@ class StoreLogger:
                 self._store = RunStore.of_run(self.room)
             self._store.ingest(self.room)
             self._last = time.monotonic()
-        except (StoreError, sqlite3.Error, OSError) as err:
+        except (StoreError, sqlite3.Error, OSError, ValueError) as err:  # ValueError: a file it cannot take
             self._failed = True
             self.warn(f"warning: the run store is not updated from now on (the run's files are): {err}")
 
@@ -68,6 +68,6 @@ def ingest_quietly(run_dir: Path | RunDir) -> str | None:
     try:
         with RunStore.of_run(run_dir) as store:
             store.ingest(run_dir)
-    except (StoreError, sqlite3.Error, OSError) as err:
+    except (StoreError, sqlite3.Error, OSError, ValueError) as err:
         return f"run store not updated: {err}"
     return None
