@@ -421,3 +421,19 @@ def test_a_resumed_run_replaces_the_steps_it_trains_again_in_the_store(tmp_path)
         run = store.run("resumed")
         assert run["status"] == "finished" and run["step"] == 8 and run["tokens"] == 8 * 8 * 32
         assert [e["step"] for e in store.checkpoints("resumed")] == [2, 4, 6, 8]
+
+
+def test_one_store_shared_by_threads_that_ingest_and_query_at_once(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    project = tmp_path / "runs"
+    rooms = [write_run(project, f"r{i}", steps=200) for i in range(4)]
+
+    def work(i):
+        for _ in range(10):
+            store.sync() if i % 2 else store.ingest(rooms[i])
+            assert store_curve(store, rooms[i].name, "loss") == file_curve(rooms[i], "loss")
+            store.runs()
+
+    with RunStore(project) as store, ThreadPoolExecutor(4) as pool:
+        list(pool.map(work, range(4)))

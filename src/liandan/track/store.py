@@ -17,11 +17,11 @@ files; a database that is not one any more is put aside and rebuilt.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import math
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -29,6 +29,18 @@ from typing import Any
 
 from liandan.config import ConfigError
 from liandan.run import RunDir, dumps_json, holder_running, project_store
+from liandan.track.store_db import (
+    SCHEMA_VERSION,
+    TABLES,
+    locked,
+    marks,
+    nothing,
+    one_at_a_time,
+    readable,
+    schema_version,
+    statements,
+    transaction,
+)
 from liandan.track.store_files import (
     SKIP,
     is_int,
@@ -41,7 +53,6 @@ from liandan.track.store_files import (
     tokens_per_step,
 )
 
-SCHEMA_VERSION = 1
 _STALE_S = 600.0  # a run of another host whose files have not changed for this long is no longer running
 
 # Events that interrupted or changed the course of a run, marked on its curves.
@@ -55,36 +66,6 @@ LIFECYCLE_KINDS = ("train_start", "train_end", "train_stopped", "gave_up", "pree
                    "supervisor_end", "restart", "incident")  # fmt: skip
 _ENDED = {"train_end": "finished", "gave_up": "gave up", "preempted": "preempted", "train_stopped": "stopped"}
 X_AXES = ("step", "tokens", "flops", "time")
-_TABLES = ("runs", "metrics", "events", "files")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS runs (
-    name TEXT PRIMARY KEY,
-    path TEXT NOT NULL,
-    config TEXT,
-    summary TEXT,
-    status TEXT NOT NULL DEFAULT 'unknown',
-    started REAL,
-    updated REAL,
-    last_step INTEGER,
-    tokens_per_step INTEGER,
-    flops_per_token REAL
-);
-CREATE TABLE IF NOT EXISTS metrics (
-    run TEXT NOT NULL, key TEXT NOT NULL, step INTEGER NOT NULL, value REAL,
-    PRIMARY KEY (run, key, step)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS events (
-    run TEXT NOT NULL, seq INTEGER NOT NULL, time REAL, kind TEXT NOT NULL, step INTEGER, body TEXT NOT NULL,
-    PRIMARY KEY (run, seq)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS events_by_kind ON events (run, kind);
-CREATE TABLE IF NOT EXISTS files (
-    run TEXT NOT NULL, file TEXT NOT NULL, offset INTEGER NOT NULL, tail TEXT NOT NULL,
-    PRIMARY KEY (run, file)
-) WITHOUT ROWID;
-"""
 
 
 class StoreError(RuntimeError):
@@ -104,6 +85,7 @@ class RunStore:
         self.project = Path(project)
         self.path = project_store(self.project)
         self.timeout_s = timeout_s
+        self._lock = threading.RLock()
         self._db = self._open()
 
     @classmethod
@@ -124,7 +106,7 @@ class RunStore:
         """Set a database that is not one any more aside and build a new one from the files (they are the
         source of truth). Several processes may find it broken at once: the first one sets it aside while it
         holds the project directory's lock, the others then find the new one."""
-        with _locked(self.project):
+        with locked(self.project):
             try:
                 if not broken:
                     return self._connect()
@@ -152,7 +134,7 @@ class RunStore:
                 raise StoreError(f"the run store {self.path} cannot use write-ahead logging on this file system")
             # In WAL mode NORMAL loses nothing committed when a process dies, only on a power cut.
             db.execute("PRAGMA synchronous = NORMAL")
-            if _schema_version(db) != SCHEMA_VERSION:
+            if schema_version(db) != SCHEMA_VERSION:
                 self._make_schema(db)
         except BaseException:
             db.close()
@@ -160,22 +142,23 @@ class RunStore:
         return db
 
     def _make_schema(self, db: sqlite3.Connection) -> None:
-        with _transaction(db, immediate=True):  # another process may be making it at the same moment
-            found = _schema_version(db)
+        with transaction(db, immediate=True):  # another process may be making it at the same moment
+            found = schema_version(db)
             if found == SCHEMA_VERSION:
                 return
             if found is not None and found > SCHEMA_VERSION:
                 raise StoreError(f"the run store {self.path} was made by a newer liandan (schema {found}, this one"
                                  f" reads {SCHEMA_VERSION}); upgrade, or remove the file to rebuild it")  # fmt: skip
-            for table in _TABLES if found is not None else ():  # an older index: made again from the files
+            for table in TABLES if found is not None else ():  # an older index: made again from the files
                 db.execute(f"DROP TABLE IF EXISTS {table}")
-            for statement in _statements():
+            for statement in statements():
                 db.execute(statement)
             db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
             if found is not None:
                 for path in self.run_dirs():
                     self._ingest(db, RunDir(path), path.name)
 
+    @one_at_a_time
     def close(self) -> None:
         self._db.close()
 
@@ -186,6 +169,7 @@ class RunStore:
         self.close()
 
     # -- writing ---------------------------------------------------------------------------------------------
+    @one_at_a_time
     def ingest(self, run_dir: Path | str | RunDir) -> int:
         """Bring one run up to date with its files; returns how many new records were read."""
         room = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
@@ -194,6 +178,7 @@ class RunStore:
         with self._writing():
             return self._ingest(self._db, room, room.name)
 
+    @one_at_a_time
     def sync(self) -> list[str]:
         """Ingest every run directory of the project and forget the runs whose directories are gone; returns
         the names of those that are there."""
@@ -207,6 +192,7 @@ class RunStore:
                     self._forget(self._db, name)
         return sorted(present)
 
+    @one_at_a_time
     def rebuild(self) -> list[str]:
         """Forget everything and index every run directory of the project again from its files (a database
         that is not one any more is set aside first)."""
@@ -214,7 +200,7 @@ class RunStore:
             with self._writing():
                 return self._rebuild_all(self._db)
         except StoreError:
-            if self.path.is_file() and _readable(self.path):
+            if self.path.is_file() and readable(self.path):
                 raise
         self._db.close()
         self._db = self._start_anew(broken=True)
@@ -231,7 +217,7 @@ class RunStore:
     @contextlib.contextmanager
     def _writing(self) -> Iterator[None]:
         try:
-            with _transaction(self._db, immediate=True):
+            with transaction(self._db, immediate=True):
                 yield
         except sqlite3.DatabaseError as err:
             hint = "" if isinstance(err, sqlite3.OperationalError) else "; `liandan runs --rebuild` makes it anew"
@@ -239,8 +225,8 @@ class RunStore:
 
     def _rebuild_all(self, db: sqlite3.Connection) -> list[str]:
         names = []
-        with _nothing() if db.in_transaction else _transaction(db, immediate=True):
-            for table in _TABLES:
+        with nothing() if db.in_transaction else transaction(db, immediate=True):
+            for table in TABLES:
                 db.execute(f"DELETE FROM {table}")
             for path in self.run_dirs():
                 self._ingest(db, RunDir(path), path.name)
@@ -291,7 +277,7 @@ class RunStore:
 
     @staticmethod
     def _newest(db: sqlite3.Connection, name: str, kinds: tuple[str, ...]) -> dict:
-        row = db.execute(f"SELECT body FROM events WHERE run = ? AND kind IN ({_marks(kinds)}) ORDER BY seq DESC"
+        row = db.execute(f"SELECT body FROM events WHERE run = ? AND kind IN ({marks(kinds)}) ORDER BY seq DESC"
                          " LIMIT 1", (name, *kinds)).fetchone()  # fmt: skip
         return json.loads(row[0]) if row else {}
 
@@ -312,12 +298,14 @@ class RunStore:
         return "running" if _alive(room.path, newest_change(room)) else "interrupted"
 
     # -- reading ---------------------------------------------------------------------------------------------
+    @one_at_a_time
     def runs(self) -> list[dict[str, Any]]:
         """Every run the store knows, newest first: name, path, status, steps, tokens, goodput, the final or
         latest loss and the latest forecast."""
         rows = self._db.execute("SELECT name FROM runs ORDER BY COALESCE(started, 0) DESC, name").fetchall()
         return [self.run(name) for (name,) in rows]
 
+    @one_at_a_time
     def run(self, name: str) -> dict[str, Any]:
         """One run's row; KeyError when the store has no run of that name."""
         row = self._db.execute(
@@ -342,9 +330,11 @@ class RunStore:
             "forecast": forecast[0] if forecast else None, "summary": summary, "config": config or "",
         }  # fmt: skip
 
+    @one_at_a_time
     def metric_keys(self, name: str) -> list[str]:
         return [k for (k,) in self._db.execute("SELECT DISTINCT key FROM metrics WHERE run = ? ORDER BY key", (name,))]
 
+    @one_at_a_time
     def curve(
         self,
         name: str,
@@ -397,6 +387,7 @@ class RunStore:
         scale = per_step * (flops if x == "flops" else 1)
         return [s * scale for s in steps]
 
+    @one_at_a_time
     def events(self, name: str, kinds: Iterable[str] | None = None, newest: int | None = None) -> list[dict]:
         """A run's events (oldest first; with `newest`, only that many of the newest), each the record of
         events.jsonl with its `seq` (its place in the file, a stable id)."""
@@ -404,7 +395,7 @@ class RunStore:
         sql = "SELECT seq, body FROM events WHERE run = ?"
         args: tuple = (name,)
         if kinds is not None:
-            sql += f" AND kind IN ({_marks(kinds)})"
+            sql += f" AND kind IN ({marks(kinds)})"
             args += kinds
         if newest is not None:
             rows = self._db.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, int(newest))).fetchall()[::-1]
@@ -412,6 +403,7 @@ class RunStore:
             rows = self._db.execute(sql + " ORDER BY seq", args).fetchall()
         return [{**json.loads(body), "seq": seq} for seq, body in rows]
 
+    @one_at_a_time
     def event(self, name: str, seq: int) -> dict | None:
         row = self._db.execute("SELECT body FROM events WHERE run = ? AND seq = ?", (name, int(seq))).fetchone()
         return {**json.loads(row[0]), "seq": int(seq)} if row else None
@@ -421,6 +413,7 @@ class RunStore:
         silent data corruption, stragglers, preemptions, doctor findings (a clean preflight is none)."""
         return [e for e in self.events(name, INCIDENT_KINDS) if is_incident(e)]
 
+    @one_at_a_time
     def checkpoints(self, name: str) -> list[dict]:
         """Saved, failed and rejected checkpoints, each with `present`: whether its directory is still there."""
         found = self.events(name, CHECKPOINT_KINDS)
@@ -453,63 +446,11 @@ def is_incident(event: dict) -> bool:
     return kind in INCIDENT_KINDS
 
 
-def _schema_version(db: sqlite3.Connection) -> int | None:
-    if db.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'meta'").fetchone() is None:
-        return None
-    row = db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
-    return int(row[0]) if row else None
-
-
-def _readable(path: Path) -> bool:
-    """Whether the file is an SQLite database whose pages hold together."""
-    try:
-        with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
-            return db.execute("PRAGMA quick_check").fetchone()[0] == "ok"
-    except sqlite3.DatabaseError:
-        return False
-
-
 def _alive(path: Path, changed: float) -> bool:
     """Whether the run's process is still at work: its lock's holder lives (on this host), or, for a run of
     another host, its files changed lately."""
     alive = holder_running(path)
     return alive if alive is not None else time.time() - changed < _STALE_S
-
-
-def _marks(items: tuple) -> str:
-    return ", ".join("?" * len(items))
-
-
-def _statements() -> list[str]:
-    return [s.strip() for s in _SCHEMA.split(";") if s.strip()]
-
-
-@contextlib.contextmanager
-def _transaction(db: sqlite3.Connection, immediate: bool = False) -> Iterator[None]:
-    db.execute("BEGIN IMMEDIATE" if immediate else "BEGIN")
-    try:
-        yield
-    except BaseException:
-        if db.in_transaction:
-            db.execute("ROLLBACK")
-        raise
-    db.execute("COMMIT")
-
-
-@contextlib.contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
-@contextlib.contextmanager
-def _locked(directory: Path) -> Iterator[None]:
-    """An exclusive lock on the project directory itself (no file of its own to leave behind)."""
-    fd = os.open(directory, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
 
 
 from liandan.track.store_logger import StoreLogger, ingest_quietly
