@@ -123,7 +123,7 @@ def test_rebuild_from_the_files_equals_the_incremental_store(pair, tmp_path):
 
 
 @pytest.mark.slow
-def test_liandan_runs_lists_and_compares_real_runs(pair):
+def test_liandan_runs_lists_and_compares_real_runs(pair, capsys):
     done = run_liandan("runs", pair)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
@@ -132,16 +132,16 @@ def test_liandan_runs_lists_and_compares_real_runs(pair):
         assert column in header
     rows = {line.split()[0]: line for line in lines if line.split() and line.split()[0] in ("alpha", "beta")}
     assert set(rows) == {"alpha", "beta"} and all("finished" in r and "40" in r for r in rows.values())
-    compared = run_liandan("runs", pair, "--compare", "alpha", "beta", "--json")
-    assert compared.returncode == 0, compared.stderr
-    report = json.loads(compared.stdout)
+    assert main(["runs", str(pair), "--compare", "alpha", "beta", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["metrics"]["alpha"]["final_loss"] == RunDir(pair / "alpha").read_summary()["final_loss"]
     assert report["metrics"]["beta"]["tokens_per_s"] > 0 and 0 < report["metrics"]["beta"]["mfu"]
     differ = report["config_differs"]
     assert differ["optim.lr"] == [0.0003, 0.001] and differ["resilience.supervise"] == [True, False]
     assert "run.name" in differ and "train.steps" not in differ
-    shown = run_liandan("runs", pair, "--compare", "alpha", "beta")
-    assert "best_val_loss" in shown.stdout and "optim.lr" in shown.stdout and "resilience.supervise" in shown.stdout
+    assert main(["runs", str(pair), "--compare", "alpha", "beta"]) == 0
+    shown = capsys.readouterr().out
+    assert "best_val_loss" in shown and "optim.lr" in shown and "resilience.supervise" in shown
 
 
 # -- a writer killed in the middle of its transaction ------------------------------------------------------
