@@ -437,3 +437,27 @@ def test_one_store_shared_by_threads_that_ingest_and_query_at_once(tmp_path):
 
     with RunStore(project) as store, ThreadPoolExecutor(4) as pool:
         list(pool.map(work, range(4)))
+
+
+def test_incidents_checkpoints_evaluations_and_forecasts(tmp_path):
+    project = tmp_path / "runs"
+    room = write_run(project, "r", steps=10, end=False)
+    for kind, fields in [("doctor", {"ok": True, "warnings": []}), ("doctor", {"ok": True, "warnings": ["slow"]}),
+                         ("eval", {"step": 5, "loss": 3.0}), ("checkpoint_saved", {"step": 5, "path": "gone/step-5"}),
+                         ("guard", {"step": 6, "action": "rollback"}), ("rollback", {"step": 6}),
+                         ("incident", {"step": 8}), ("restart", {"step": 8}),
+                         ("forecast", {"step": 10, "final_loss": 2.5, "low": 2.4, "high": 2.6}),
+                         ("train_end", {"step": 10})]:  # fmt: skip
+        log_event(room, kind, **fields)
+    (room.checkpoints / "step-00000010").mkdir(parents=True)
+    log_event(room, "checkpoint_saved", step=10, path=str(room.checkpoints / "step-00000010"))
+    with RunStore(project) as store:
+        store.sync()
+        assert [e["kind"] for e in store.incidents("r")] == ["doctor", "rollback", "incident", "restart"]
+        assert store.run("r")["incidents"] == 3  # the restart goes with its incident
+        assert [(c["step"], c["present"]) for c in store.checkpoints("r")] == [(5, False), (10, True)]
+        assert [e["loss"] for e in store.evaluations("r")] == [3.0]
+        assert store.run("r")["forecast"]["final_loss"] == 2.5 == store.forecasts("r")[-1]["final_loss"]
+        seq = store.incidents("r")[2]["seq"]
+        assert store.event("r", seq)["kind"] == "incident" and store.event("r", 10**9) is None
+        assert [e["kind"] for e in store.events("r", newest=2)] == ["train_end", "checkpoint_saved"]

@@ -320,7 +320,8 @@ class RunStore:
         loss = self._db.execute("SELECT value FROM metrics WHERE run = ? AND key = 'loss' AND value IS NOT NULL"
                                 " ORDER BY step DESC LIMIT 1", (name,)).fetchone()  # fmt: skip
         forecast = self.events(name, ("forecast",), newest=1)
-        incidents = len(self.incidents(name))
+        # A failure and the restart after it are one incident; restarts have their own count.
+        incidents = sum(1 for e in self.incidents(name) if e["kind"] != "restart")
         return {
             "name": name, "path": path, "status": status, "started": started, "updated": updated,
             "step": last, "tokens": (last or 0) * per_step if per_step else summary.get("tokens"),
