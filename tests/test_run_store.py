@@ -332,6 +332,7 @@ def test_hostile_names_never_reach_outside_the_project(tmp_path):
     odd = "x'; DROP TABLE runs; -- ü ✓"
     write_run(project, odd, steps=3)
     (project / "escape").symlink_to(outside)
+    (project / "alias").symlink_to(project / "plain")  # one run under two names: listed once, by its own
     with RunStore(project) as store:
         assert set(store.sync()) == {"plain", odd}
         for run in store.runs():

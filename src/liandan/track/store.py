@@ -156,7 +156,7 @@ class RunStore:
             db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
             if found is not None:
                 for path in self.run_dirs():
-                    self._ingest(db, RunDir(path), path.name)
+                    self._ingest(db, RunDir(path), RunDir(path).name)
 
     @one_at_a_time
     def close(self) -> None:
@@ -185,7 +185,7 @@ class RunStore:
         paths = self.run_dirs()
         with self._writing():
             for path in paths:
-                self._ingest(self._db, RunDir(path), path.name)
+                self._ingest(self._db, RunDir(path), RunDir(path).name)
             present = {RunDir(p).name for p in paths}
             for (name,) in self._db.execute("SELECT name FROM runs").fetchall():
                 if name not in present:
@@ -229,9 +229,9 @@ class RunStore:
             for table in TABLES:
                 db.execute(f"DELETE FROM {table}")
             for path in self.run_dirs():
-                self._ingest(db, RunDir(path), path.name)
-                names.append(path.name)
-        return names
+                self._ingest(db, RunDir(path), RunDir(path).name)
+                names.append(RunDir(path).name)
+        return sorted(set(names))
 
     @staticmethod
     def _forget(db: sqlite3.Connection, name: str) -> None:
