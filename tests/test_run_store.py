@@ -132,6 +132,11 @@ def test_liandan_runs_lists_and_compares_real_runs(pair, capsys):
         assert column in header
     rows = {line.split()[0]: line for line in lines if line.split() and line.split()[0] in ("alpha", "beta")}
     assert set(rows) == {"alpha", "beta"} and all("finished" in r and "40" in r for r in rows.values())
+    with RunStore(pair) as store:
+        latest = {name: store.forecasts(name)[-1] for name in rows}
+    for name, row in rows.items():  # the latest forecast: central value, interval, the step it was made at
+        forecast = latest[name]
+        assert f"{forecast['final_loss']:.3f} [{forecast['low']:.3f}-{forecast['high']:.3f}] @{forecast['step']}" in row
     assert main(["runs", str(pair), "--compare", "alpha", "beta", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["metrics"]["alpha"]["final_loss"] == RunDir(pair / "alpha").read_summary()["final_loss"]
