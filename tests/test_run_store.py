@@ -467,3 +467,22 @@ def test_incidents_checkpoints_evaluations_and_forecasts(tmp_path):
         seq = store.incidents("r")[2]["seq"]
         assert store.event("r", seq)["kind"] == "incident" and store.event("r", 10**9) is None
         assert [e["kind"] for e in store.events("r", newest=2)] == ["train_end", "checkpoint_saved"]
+
+
+def test_a_store_that_cannot_be_written_costs_the_run_one_warning(tmp_path):
+    from liandan.train import Trainer
+
+    project = tmp_path / "runs"
+    (project / "liandan.db").mkdir(parents=True)  # where the database would go: not a file SQLite can open
+    said = []
+    cfg = tiny_config(project, write_corpus(tmp_path), *MICRO_MODEL, "--train.steps=3", "--doctor.preflight=false",
+                      "--track.store_every_s=0")  # fmt: skip
+    trainer = Trainer(cfg, say=said.append)
+    try:
+        result = trainer.train()
+    finally:
+        trainer.close()
+    assert result.summary["steps"] == 3 and len(RunDir(result.run_dir).read_metrics()) == 3
+    warnings = [m for m in said if "run store" in m]
+    assert len(warnings) == 1, said  # once for the whole run
+    assert warnings[0].startswith("warning: the run store is not updated from now on") and "liandan.db" in warnings[0]

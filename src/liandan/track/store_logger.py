@@ -56,6 +56,8 @@ class StoreLogger:
             self.flush()
 
     def close(self) -> None:
+        """Ingest what is new and let the store go; a later close (after a file written once the other
+        loggers closed, as the summary is) opens it again for one more ingest."""
         self.flush()
         if self._store is not None:
             self._store.close()

@@ -36,7 +36,7 @@ from liandan.run import META, RunDir, RunLock, holds_progress, lock_run_dir, nam
 from liandan.run.worker_env import WorkerEnv
 from liandan.spec.layout import resolve_layout
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
-from liandan.track.store import StoreLogger, ingest_quietly
+from liandan.track.store import StoreLogger
 from liandan.train.callbacks import Callback, builtin_callbacks, in_order
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
 from liandan.train.hardware import device_peak_flops, resolve_dtype
@@ -98,6 +98,7 @@ class Trainer:
         self.room = RunDir.of(self.run_dir, cfg.checkpoint.dir)
         self.result.run_dir = self.run_dir
         self.say(f"run directory: {self.run_dir}")
+        self.store_logger: StoreLogger | None = None
         self.files = self._file_loggers()
         self.heartbeat = Heartbeat(self.room, self.dist.rank)
         self.heartbeat.enable_stack_dumps()
@@ -464,7 +465,8 @@ class Trainer:
         files = JsonlLogger(self.room)
         if not self.cfg.track.store:
             return files
-        return FanOut(files, StoreLogger(self.room, every_s=self.cfg.track.store_every_s, warn=self.say))
+        self.store_logger = StoreLogger(self.room, every_s=self.cfg.track.store_every_s, warn=self.say)
+        return FanOut(files, self.store_logger)
 
     def _make_logger(self) -> MetricsLogger:
         if not self.dist.is_main:
@@ -502,10 +504,8 @@ class Trainer:
         self.room.write_summary(result.summary)
         with naming(self.room.plot()):
             plot_run(self.run_dir)
-        if self.cfg.track.store:  # the summary came after the loggers closed
-            note = ingest_quietly(self.room)
-            if note:
-                self.say(f"warning: {note}")
+        if self.store_logger is not None:  # the summary came after the loggers closed
+            self.store_logger.close()
 
 
 def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[Path, bool, RunLock | None]:
