@@ -149,7 +149,7 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     assert len(rollbacks) == 1 and "at step 19: " in rollbacks[0], out
     assert "back to step 10, skipped data steps 10..18" in rollbacks[0]
     assert "bad data: data step(s) 18 (" in rollbacks[0]
-    run_dir, data_dir = sorted(tmp_path.iterdir())  # demo-<time> and demo-<time>-data
+    run_dir, data_dir = sorted(p for p in tmp_path.iterdir() if p.is_dir())  # demo-<time>, demo-<time>-data
     # The guard names exactly the documents made noise, found here by comparing the store trained on with the
     # pipeline's.
     from liandan.data import TokenStore

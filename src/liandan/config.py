@@ -293,6 +293,16 @@ class HealthSection:
 
 
 @dataclass
+class TrackSection:
+    """Where a run's metrics and events go besides its own files (docs/tracking.md)."""
+
+    # the run store
+    store: bool = _f(True, "index the run in its project's run store (<run.output_dir>/liandan.db) while it trains")
+    store_every_s: float = _f(2.0, "seconds between the store's updates while training (at once after an incident)",
+                              min=0.0)  # fmt: skip
+
+
+@dataclass
 class Config:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -307,6 +317,7 @@ class Config:
     guard: GuardSection = field(default_factory=GuardSection)
     doctor: DoctorSection = field(default_factory=DoctorSection)
     health: HealthSection = field(default_factory=HealthSection)
+    track: TrackSection = field(default_factory=TrackSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

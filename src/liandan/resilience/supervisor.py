@@ -42,6 +42,7 @@ from liandan.resilience.relay import Relay
 from liandan.run import RunDir, append_jsonl, atomic_write_json, lock_run_dir, rank_files, read_json, temporary
 from liandan.run.errors import DEVICE_FAULT_EXIT
 from liandan.run.worker_env import WORKER_NAMES, NodeEnv, WorkerEnv, node_name
+from liandan.track.store import ingest_quietly
 from liandan.train import stores
 from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
 
@@ -99,6 +100,7 @@ class Supervisor(Preemption):
         self.phase_seconds: dict[str, list[float]] = {p: [] for p in SLOW_PHASES}
         self.pending_recovery: dict | None = None
         self.snapshots: Path | None = None  # this supervisor's memory snapshot directory, made by run()
+        self.store_warned = False
 
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -567,6 +569,11 @@ class Supervisor(Preemption):
             append_jsonl(path, {"time": now, "kind": kind, **fields})
         except OSError as err:
             self._warn(f"cannot record the {kind} event in {path}: {type(err).__name__}: {err.strerror or err}")
+        if self.cfg.track.store:  # the project's index of runs shows the incident, the restart, the end at once
+            note = ingest_quietly(self.room)
+            if note and not self.store_warned:  # one warning: the store stays as broken for every event
+                self.store_warned = True
+                self._warn(note)
         return now
 
     @staticmethod

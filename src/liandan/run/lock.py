@@ -17,12 +17,14 @@ import os
 import socket
 import time
 import weakref
+from datetime import datetime
 from pathlib import Path
 
 from liandan.config import ConfigError
 from liandan.run.layout import RunDir
 
 LOCK_FILE = RunDir(Path()).lock.name
+LOCKED_AT = "%Y-%m-%d %H:%M:%S %z"  # when the holder took the lock, as it writes it
 _READ_HOLDER_TRIES = 20  # the holder writes who it is just after it locks: a moment for that to land
 
 
@@ -75,7 +77,7 @@ def lock_run_dir(run_dir: Path | RunDir, name: str | None = None) -> RunLock:
     except BaseException:
         os.close(fd)
         raise
-    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime(LOCKED_AT)}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
     lock = RunLock(path, fd)
@@ -118,5 +120,20 @@ def holder_running(run_dir: Path | RunDir) -> bool | None:
     except ProcessLookupError:
         return False
     except PermissionError:  # alive, owned by another user
-        return True
-    return True
+        pass
+    return not _started_after(pid, who.get("started"))
+
+
+def _started_after(pid: int, locked: object) -> bool:
+    """Whether process `pid` started after the lock was taken (`locked`, as the holder wrote it): then the
+    holder has ended and its pid went to another process. False when either time cannot be read (not Linux)."""
+    try:
+        when = datetime.strptime(str(locked), LOCKED_AT).timestamp()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime: clock ticks after boot
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))  # fmt: skip
+    except (OSError, ValueError, IndexError, StopIteration):
+        return False
+    # Both times are whole seconds: a process a moment older than its lock is still its holder.
+    return boot + ticks / os.sysconf("SC_CLK_TCK") > when + 2

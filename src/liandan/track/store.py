@@ -16,23 +16,43 @@ files; a database that is not one any more is put aside and rebuilt.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import xxhash
+from liandan.config import ConfigError
+from liandan.run import RunDir, dumps_json, holder_running, project_store
+from liandan.track.store_db import (
+    SCHEMA_VERSION,
+    TABLES,
+    locked,
+    marks,
+    nothing,
+    one_at_a_time,
+    readable,
+    schema_version,
+    statements,
+    transaction,
+)
+from liandan.track.store_files import (
+    SKIP,
+    is_int,
+    newest_change,
+    number,
+    positive,
+    read_new,
+    read_text,
+    real,
+    tokens_per_step,
+)
 
-from liandan.config import ConfigError, read_toml
-from liandan.run import RunDir, holder_running, parse_line, project_store
-
-SCHEMA_VERSION = 1
-_TAIL = 256  # bytes before the offset whose hash tells a grown file from a rewritten one
 _STALE_S = 600.0  # a run of another host whose files have not changed for this long is no longer running
 
 # Events that interrupted or changed the course of a run, marked on its curves.
@@ -41,36 +61,11 @@ INCIDENT_KINDS = ("incident", "restart", "gave_up", "preempted", "rollback", "to
                   "train_stopped", "guard", "doctor")  # fmt: skip
 EVAL_KINDS = ("eval", "eval_task", "eval_heldout")
 CHECKPOINT_KINDS = ("checkpoint_saved", "checkpoint_failed", "checkpoint_rejected")
+# The events that start or end a stretch of training: the newest of them tells how the run stands.
+LIFECYCLE_KINDS = ("train_start", "train_end", "train_stopped", "gave_up", "preempted", "supervisor_start",
+                   "supervisor_end", "restart", "incident")  # fmt: skip
+_ENDED = {"train_end": "finished", "gave_up": "gave up", "preempted": "preempted", "train_stopped": "stopped"}
 X_AXES = ("step", "tokens", "flops", "time")
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS runs (
-    name TEXT PRIMARY KEY,
-    path TEXT NOT NULL,
-    config TEXT,
-    summary TEXT,
-    status TEXT NOT NULL DEFAULT 'unknown',
-    started REAL,
-    updated REAL,
-    last_step INTEGER,
-    tokens_per_step INTEGER,
-    flops_per_token REAL
-);
-CREATE TABLE IF NOT EXISTS metrics (
-    run TEXT NOT NULL, key TEXT NOT NULL, step INTEGER NOT NULL, value REAL,
-    PRIMARY KEY (run, key, step)
-) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS events (
-    run TEXT NOT NULL, seq INTEGER NOT NULL, time REAL, kind TEXT NOT NULL, step INTEGER, body TEXT NOT NULL,
-    PRIMARY KEY (run, seq)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS events_by_kind ON events (run, kind);
-CREATE TABLE IF NOT EXISTS files (
-    run TEXT NOT NULL, file TEXT NOT NULL, offset INTEGER NOT NULL, tail TEXT NOT NULL,
-    PRIMARY KEY (run, file)
-) WITHOUT ROWID;
-"""
 
 
 class StoreError(RuntimeError):
@@ -90,6 +85,7 @@ class RunStore:
         self.project = Path(project)
         self.path = project_store(self.project)
         self.timeout_s = timeout_s
+        self._lock = threading.RLock()
         self._db = self._open()
 
     @classmethod
@@ -101,18 +97,33 @@ class RunStore:
     def _open(self) -> sqlite3.Connection:
         try:
             return self._connect()
-        except sqlite3.DatabaseError as err:
-            if isinstance(err, sqlite3.OperationalError):
+        except sqlite3.OperationalError as err:
+            raise StoreError(f"cannot open the run store {self.path}: {err}") from None
+        except sqlite3.DatabaseError:
+            return self._start_anew()
+
+    def _start_anew(self, broken: bool = False) -> sqlite3.Connection:
+        """Set a database that is not one any more aside and build a new one from the files (they are the
+        source of truth). Several processes may find it broken at once: the first one sets it aside while it
+        holds the project directory's lock, the others then find the new one."""
+        with locked(self.project):
+            try:
+                if not broken:
+                    return self._connect()
+            except sqlite3.OperationalError as err:
                 raise StoreError(f"cannot open the run store {self.path}: {err}") from None
-        # Not a database (any more): the files are the source of truth, so set it aside and start anew.
-        aside = self.path.with_name(f"{self.path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
-        for suffix in ("", "-wal", "-shm"):
-            src = Path(f"{self.path}{suffix}")
-            if src.exists():
-                os.replace(src, f"{aside}{suffix}")
-        db = self._connect()
-        self._rebuild_all(db)
-        return db
+            except sqlite3.DatabaseError:
+                pass
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            aside = next(a for n in range(1, 10**6) if not (a := self.path.with_name(
+                f"{self.path.name}.corrupt-{stamp}" + (f"-{n}" if n > 1 else ""))).exists())  # fmt: skip
+            for suffix in ("", "-wal", "-shm"):
+                src = Path(f"{self.path}{suffix}")
+                if src.exists():
+                    os.replace(src, f"{aside}{suffix}")
+            db = self._connect()
+            self._rebuild_all(db)
+            return db
 
     def _connect(self) -> sqlite3.Connection:
         self.project.mkdir(parents=True, exist_ok=True)
@@ -123,19 +134,31 @@ class RunStore:
                 raise StoreError(f"the run store {self.path} cannot use write-ahead logging on this file system")
             # In WAL mode NORMAL loses nothing committed when a process dies, only on a power cut.
             db.execute("PRAGMA synchronous = NORMAL")
-            with _transaction(db):
-                for statement in _statements():
-                    db.execute(statement)
-                db.execute("INSERT OR IGNORE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            found = int(db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0])
-            if found != SCHEMA_VERSION:
-                raise StoreError(f"the run store {self.path} has schema {found}, this liandan reads"
-                                 f" {SCHEMA_VERSION}: run `liandan runs --rebuild {self.project}`")  # fmt: skip
+            if schema_version(db) != SCHEMA_VERSION:
+                self._make_schema(db)
         except BaseException:
             db.close()
             raise
         return db
 
+    def _make_schema(self, db: sqlite3.Connection) -> None:
+        with transaction(db, immediate=True):  # another process may be making it at the same moment
+            found = schema_version(db)
+            if found == SCHEMA_VERSION:
+                return
+            if found is not None and found > SCHEMA_VERSION:
+                raise StoreError(f"the run store {self.path} was made by a newer liandan (schema {found}, this one"
+                                 f" reads {SCHEMA_VERSION}); upgrade, or remove the file to rebuild it")  # fmt: skip
+            for table in TABLES if found is not None else ():  # an older index: made again from the files
+                db.execute(f"DROP TABLE IF EXISTS {table}")
+            for statement in statements():
+                db.execute(statement)
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            if found is not None:
+                for path in self.run_dirs():
+                    self._ingest(db, RunDir(path), RunDir(path).name)
+
+    @one_at_a_time
     def close(self) -> None:
         self._db.close()
 
@@ -146,142 +169,143 @@ class RunStore:
         self.close()
 
     # -- writing ---------------------------------------------------------------------------------------------
+    @one_at_a_time
     def ingest(self, run_dir: Path | str | RunDir) -> int:
         """Bring one run up to date with its files; returns how many new records were read."""
         room = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
-        name = room.name
-        try:
-            with _transaction(self._db, immediate=True):
-                return self._ingest(self._db, room, name)
-        except sqlite3.OperationalError as err:
-            raise StoreError(f"run store {self.path}: {err}") from None
+        if room.project != self.project.resolve():
+            raise StoreError(f"{room.path} is not a run directory of {self.project}")
+        with self._writing():
+            return self._ingest(self._db, room, room.name)
 
+    @one_at_a_time
     def sync(self) -> list[str]:
-        """Ingest every run directory of the project; returns their names."""
-        names = []
-        for path in self.run_dirs():
-            self.ingest(path)
-            names.append(path.name)
-        return names
+        """Ingest every run directory of the project and forget the runs whose directories are gone; returns
+        the names of those that are there."""
+        paths = self.run_dirs()
+        with self._writing():
+            for path in paths:
+                self._ingest(self._db, RunDir(path), RunDir(path).name)
+            present = {RunDir(p).name for p in paths}
+            for (name,) in self._db.execute("SELECT name FROM runs").fetchall():
+                if name not in present:
+                    self._forget(self._db, name)
+        return sorted(present)
 
+    @one_at_a_time
     def rebuild(self) -> list[str]:
-        """Forget everything and index every run directory of the project again from its files."""
+        """Forget everything and index every run directory of the project again from its files (a database
+        that is not one any more is set aside first)."""
         try:
-            return self._rebuild_all(self._db)
-        except sqlite3.OperationalError as err:
-            raise StoreError(f"run store {self.path}: {err}") from None
+            with self._writing():
+                return self._rebuild_all(self._db)
+        except StoreError:
+            if self.path.is_file() and readable(self.path):
+                raise
+        self._db.close()
+        self._db = self._start_anew(broken=True)
+        return [RunDir(p).name for p in self.run_dirs()]
 
     def run_dirs(self) -> list[Path]:
+        """The run directories of the project: its subdirectories with a run's files. A link that leads out
+        of the project is none of its runs."""
         if not self.project.is_dir():
             return []
-        return sorted(p for p in self.project.iterdir() if is_run_dir(p))
+        root = self.project.resolve()
+        return sorted(p for p in self.project.iterdir() if p.resolve().parent == root and is_run_dir(p))
+
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        try:
+            with transaction(self._db, immediate=True):
+                yield
+        except sqlite3.DatabaseError as err:
+            hint = "" if isinstance(err, sqlite3.OperationalError) else "; `liandan runs --rebuild` makes it anew"
+            raise StoreError(f"run store {self.path}: {err}{hint}") from None
 
     def _rebuild_all(self, db: sqlite3.Connection) -> list[str]:
         names = []
-        with _transaction(db, immediate=True):
-            for table in ("runs", "metrics", "events", "files"):
+        with nothing() if db.in_transaction else transaction(db, immediate=True):
+            for table in TABLES:
                 db.execute(f"DELETE FROM {table}")
             for path in self.run_dirs():
-                self._ingest(db, RunDir(path), path.name)
-                names.append(path.name)
-        return names
+                self._ingest(db, RunDir(path), RunDir(path).name)
+                names.append(RunDir(path).name)
+        return sorted(set(names))
+
+    @staticmethod
+    def _forget(db: sqlite3.Connection, name: str) -> None:
+        for table, column in (("runs", "name"), ("metrics", "run"), ("events", "run"), ("files", "run")):
+            db.execute(f"DELETE FROM {table} WHERE {column} = ?", (name,))
 
     def _ingest(self, db: sqlite3.Connection, room: RunDir, name: str) -> int:
         if db.execute("SELECT 1 FROM runs WHERE name = ?", (name,)).fetchone() is None:
             db.execute("INSERT INTO runs (name, path) VALUES (?, ?)", (name, str(room.path.resolve())))
-        new = 0
-        for record, _ in self._new_records(db, name, room.metrics, forget="metrics"):
+        metrics = read_new(db, name, room.metrics, "metrics")
+        rows = []
+        for record, _ in metrics:
             step = record.get("step")
-            if not isinstance(step, int):
-                continue
-            rows = [(name, key, step, _number(value)) for key, value in record.items() if key != "step"]
-            db.executemany("INSERT OR REPLACE INTO metrics VALUES (?, ?, ?, ?)", [r for r in rows if r[3] is not _SKIP])
-            new += 1
-        for record, seq in self._new_records(db, name, room.events, forget="events"):
-            kind = record.get("kind")
-            if not isinstance(kind, str):
-                continue
-            step = record.get("step") if isinstance(record.get("step"), int) else None
-            when = record.get("time") if isinstance(record.get("time"), (int, float)) else None
-            db.execute("INSERT OR REPLACE INTO events VALUES (?, ?, ?, ?, ?, ?)",
-                       (name, seq, when, kind, step, json.dumps(record, allow_nan=False, default=str)))  # fmt: skip
-            new += 1
+            if isinstance(step, int) and not isinstance(step, bool):
+                rows += [(name, k, step, v) for k, value in record.items() if k != "step" and (v := number(value))
+                         is not SKIP]  # fmt: skip
+        db.executemany("INSERT OR REPLACE INTO metrics VALUES (?, ?, ?, ?)", rows)
+        events = [
+            (name, seq, real(r.get("time")), r["kind"], r.get("step") if is_int(r.get("step")) else None,
+             dumps_json(r))
+            for r, seq in read_new(db, name, room.events, "events") if isinstance(r.get("kind"), str)
+        ]  # fmt: skip
+        db.executemany("INSERT OR REPLACE INTO events VALUES (?, ?, ?, ?, ?, ?)", events)
         self._update_run(db, room, name)
-        return new
-
-    def _new_records(self, db: sqlite3.Connection, name: str, path: Path, forget: str) -> Iterator[tuple[dict, int]]:
-        """The complete lines of `path` written since the last ingest, with the byte offset of each; the
-        offset row moves past them in the same transaction."""
-        row = db.execute("SELECT offset, tail FROM files WHERE run = ? AND file = ?", (name, path.name)).fetchone()
-        offset, tail = (row[0], row[1]) if row else (0, "")
-        try:
-            with path.open("rb") as handle:
-                if offset and _tail_hash(handle, offset) != tail:
-                    # Rewritten under us (a resume dropped the steps it trains again): read it all again.
-                    db.execute(f"DELETE FROM {forget} WHERE run = ?", (name,))
-                    offset = 0
-                handle.seek(offset)
-                data = handle.read()
-        except FileNotFoundError:
-            if offset:
-                db.execute(f"DELETE FROM {forget} WHERE run = ?", (name,))
-                db.execute("DELETE FROM files WHERE run = ? AND file = ?", (name, path.name))
-            return
-        end = data.rfind(b"\n") + 1
-        if end == 0:
-            return
-        position = offset
-        for line in data[:end].split(b"\n")[:-1]:
-            record = parse_line(line.decode("utf-8", errors="replace"))
-            if record is not None:
-                yield record, position
-            position += len(line) + 1
-        with path.open("rb") as handle:
-            new_tail = _tail_hash(handle, offset + end)
-        db.execute("INSERT OR REPLACE INTO files VALUES (?, ?, ?, ?)", (name, path.name, offset + end, new_tail))
+        return len(metrics) + len(events)
 
     def _update_run(self, db: sqlite3.Connection, room: RunDir, name: str) -> None:
-        config = _read_text(room.config)
+        config = read_text(room.config)
         summary = room.read_summary() if room.summary.is_file() else None
-        tokens_per_step = _tokens_per_step(room.config) if config else None
         start = db.execute("SELECT MIN(time) FROM events WHERE run = ?", (name,)).fetchone()[0]
         last = db.execute("SELECT MAX(step) FROM metrics WHERE run = ? AND key = 'time'", (name,)).fetchone()[0]
-        flops = (summary or {}).get("flops_per_token")
-        if flops is None:
-            found = db.execute("SELECT body FROM events WHERE run = ? AND kind = 'train_start' AND body LIKE"
-                               " '%flops_per_token%' ORDER BY seq DESC LIMIT 1", (name,)).fetchone()  # fmt: skip
-            flops = json.loads(found[0]).get("flops_per_token") if found else None
+        # The newest start says what this run trains with; older runs' starts did not say: their config does.
+        said = self._newest(db, name, ("train_start",))
+        per_step = positive(said.get("tokens_per_step")) or (tokens_per_step(room.config) if config else None)
+        flops = positive(said.get("flops_per_token")) or positive((summary or {}).get("flops_per_token"))
         db.execute(
             "UPDATE runs SET path = ?, config = ?, summary = ?, status = ?, started = ?, updated = ?, last_step = ?,"
             " tokens_per_step = ?, flops_per_token = ? WHERE name = ?",
-            (str(room.path.resolve()), config, json.dumps(summary) if summary is not None else None,
-             self._status(db, room, name, summary), start, _newest_change(room), last, tokens_per_step, flops,
+            (str(room.path.resolve()), config, dumps_json(summary) if summary is not None else None,
+             self._status(db, room, name, summary), start, newest_change(room), last, per_step, flops,
              name),
         )  # fmt: skip
 
+    @staticmethod
+    def _newest(db: sqlite3.Connection, name: str, kinds: tuple[str, ...]) -> dict:
+        row = db.execute(f"SELECT body FROM events WHERE run = ? AND kind IN ({marks(kinds)}) ORDER BY seq DESC"
+                         " LIMIT 1", (name, *kinds)).fetchone()  # fmt: skip
+        return json.loads(row[0]) if row else {}
+
     def _status(self, db: sqlite3.Connection, room: RunDir, name: str, summary: dict | None) -> str:
-        ended = {k for (k,) in db.execute("SELECT DISTINCT kind FROM events WHERE run = ? AND kind IN"
-                                           " ('gave_up', 'preempted', 'train_stopped')", (name,))}  # fmt: skip
-        alive = holder_running(room)
-        if alive is None:  # another host's run: judge by how recently its files changed
-            alive = summary is None and time.time() - _newest_change(room) < _STALE_S
-        if alive:
-            return "running"
-        if summary is not None and not summary.get("gave_up"):
-            return "stopped" if "train_stopped" in ended else "finished"
-        if "gave_up" in ended or (summary or {}).get("gave_up"):
-            return "gave up"
-        if "preempted" in ended:
-            return "preempted"
-        return "stopped" if "train_stopped" in ended else "interrupted"
+        """running, finished, stopped (the run stopped itself: its checkpoints were not being saved), gave up
+        (the supervisor did), preempted, or interrupted (its process ended without a word: killed, crashed)."""
+        newest = self._newest(db, name, LIFECYCLE_KINDS)
+        kind = newest.get("kind")
+        if kind == "supervisor_end":  # the supervisor's summary of how its workers' last stretch ended
+            if newest.get("gave_up"):
+                return "gave up"
+            before = self._newest(db, name, tuple(k for k in LIFECYCLE_KINDS if k != "supervisor_end"))
+            return _ENDED.get(before.get("kind"), "finished")
+        if kind in _ENDED:
+            return _ENDED[kind]
+        if kind is None and summary is not None:  # a run from before events were kept
+            return "finished"
+        return "running" if _alive(room.path, newest_change(room)) else "interrupted"
 
     # -- reading ---------------------------------------------------------------------------------------------
+    @one_at_a_time
     def runs(self) -> list[dict[str, Any]]:
         """Every run the store knows, newest first: name, path, status, steps, tokens, goodput, the final or
         latest loss and the latest forecast."""
         rows = self._db.execute("SELECT name FROM runs ORDER BY COALESCE(started, 0) DESC, name").fetchall()
         return [self.run(name) for (name,) in rows]
 
+    @one_at_a_time
     def run(self, name: str) -> dict[str, Any]:
         """One run's row; KeyError when the store has no run of that name."""
         row = self._db.execute(
@@ -290,11 +314,14 @@ class RunStore:
         if row is None:
             raise KeyError(name)
         name, path, config, summary, status, started, updated, last, per_step, flops = row
+        if status == "running" and not _alive(Path(path), updated or 0.0):  # it ended since it was last read
+            status = "interrupted"
         summary = json.loads(summary) if summary else {}
         loss = self._db.execute("SELECT value FROM metrics WHERE run = ? AND key = 'loss' AND value IS NOT NULL"
                                 " ORDER BY step DESC LIMIT 1", (name,)).fetchone()  # fmt: skip
         forecast = self.events(name, ("forecast",), newest=1)
-        incidents = len(self.incidents(name))
+        # A failure and the restart after it are one incident; restarts have their own count.
+        incidents = sum(1 for e in self.incidents(name) if e["kind"] != "restart")
         return {
             "name": name, "path": path, "status": status, "started": started, "updated": updated,
             "step": last, "tokens": (last or 0) * per_step if per_step else summary.get("tokens"),
@@ -304,9 +331,11 @@ class RunStore:
             "forecast": forecast[0] if forecast else None, "summary": summary, "config": config or "",
         }  # fmt: skip
 
+    @one_at_a_time
     def metric_keys(self, name: str) -> list[str]:
         return [k for (k,) in self._db.execute("SELECT DISTINCT key FROM metrics WHERE run = ? ORDER BY key", (name,))]
 
+    @one_at_a_time
     def curve(
         self,
         name: str,
@@ -321,8 +350,10 @@ class RunStore:
         `y` and their extremes in `low` and `high`, so a spike survives the thinning."""
         if x not in X_AXES:
             raise ValueError(f"x must be one of {', '.join(X_AXES)}, not {x!r}")
-        lo = -(2**62) if start is None else int(start)
-        hi = 2**62 if end is None else int(end)
+        if max_points is not None and int(max_points) < 1:
+            raise ValueError(f"max_points must be at least 1, not {max_points}")
+        lo = -(2**62) if start is None else max(-(2**62), int(start))
+        hi = 2**62 if end is None else min(2**62, int(end))
         args = (name, key, lo, hi)
         where = "run = ? AND key = ? AND step BETWEEN ? AND ?"
         count, first, last = self._db.execute(
@@ -330,7 +361,7 @@ class RunStore:
             args,
         ).fetchone()
         if max_points and count > max_points:
-            width = max(1, math.ceil((last - first + 1) / max_points))
+            width = max(1, math.ceil((last - first + 1) / int(max_points)))
             rows = self._db.execute(
                 f"SELECT MIN(step), AVG(value), MIN(value), MAX(value) FROM metrics WHERE {where}"
                 f" GROUP BY (step - ?) / ? ORDER BY 1", (*args, first, width)).fetchall()  # fmt: skip
@@ -357,6 +388,7 @@ class RunStore:
         scale = per_step * (flops if x == "flops" else 1)
         return [s * scale for s in steps]
 
+    @one_at_a_time
     def events(self, name: str, kinds: Iterable[str] | None = None, newest: int | None = None) -> list[dict]:
         """A run's events (oldest first; with `newest`, only that many of the newest), each the record of
         events.jsonl with its `seq` (its place in the file, a stable id)."""
@@ -364,7 +396,7 @@ class RunStore:
         sql = "SELECT seq, body FROM events WHERE run = ?"
         args: tuple = (name,)
         if kinds is not None:
-            sql += f" AND kind IN ({_marks(kinds)})"
+            sql += f" AND kind IN ({marks(kinds)})"
             args += kinds
         if newest is not None:
             rows = self._db.execute(sql + " ORDER BY seq DESC LIMIT ?", (*args, int(newest))).fetchall()[::-1]
@@ -372,6 +404,7 @@ class RunStore:
             rows = self._db.execute(sql + " ORDER BY seq", args).fetchall()
         return [{**json.loads(body), "seq": seq} for seq, body in rows]
 
+    @one_at_a_time
     def event(self, name: str, seq: int) -> dict | None:
         row = self._db.execute("SELECT body FROM events WHERE run = ? AND seq = ?", (name, int(seq))).fetchone()
         return {**json.loads(row[0]), "seq": int(seq)} if row else None
@@ -381,11 +414,15 @@ class RunStore:
         silent data corruption, stragglers, preemptions, doctor findings (a clean preflight is none)."""
         return [e for e in self.events(name, INCIDENT_KINDS) if is_incident(e)]
 
+    @one_at_a_time
     def checkpoints(self, name: str) -> list[dict]:
         """Saved, failed and rejected checkpoints, each with `present`: whether its directory is still there."""
         found = self.events(name, CHECKPOINT_KINDS)
         path = self._db.execute("SELECT path FROM runs WHERE name = ?", (name,)).fetchone()
-        where = RunDir.from_saved_config(path[0]).checkpoints if path else None
+        try:
+            where = RunDir.from_saved_config(path[0]).checkpoints if path else None
+        except ConfigError:  # a config that cannot be read: the default place
+            where = RunDir(Path(path[0])).checkpoints
         for e in found:
             # Paths are as the run saw them, often relative to where it was started.
             saved = Path(e.get("path") or "")
@@ -410,113 +447,13 @@ def is_incident(event: dict) -> bool:
     return kind in INCIDENT_KINDS
 
 
-_SKIP = object()
+def _alive(path: Path, changed: float) -> bool:
+    """Whether the run's process is still at work: its lock's holder lives (on this host), or, for a run of
+    another host, its files changed lately."""
+    alive = holder_running(path)
+    return alive if alive is not None else time.time() - changed < _STALE_S
 
 
-def _number(value: Any) -> Any:
-    """A metric value as SQLite keeps it: numbers as they are (non-finite ones, written as null, as NULL);
-    anything else is not a metric."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return _SKIP
-    return value if math.isfinite(value) else None
+from liandan.track.store_logger import StoreLogger, ingest_quietly
 
-
-def _tail_hash(handle, offset: int) -> str:
-    begin = max(0, offset - _TAIL)
-    handle.seek(begin)
-    return xxhash.xxh64_hexdigest(handle.read(offset - begin))
-
-
-def _tokens_per_step(config: Path) -> int | None:
-    try:
-        train = read_toml(config).get("train", {})
-        return int(train["global_batch"]) * int(train["seq_len"])
-    except (ConfigError, KeyError, TypeError, ValueError, AttributeError):
-        return None
-
-
-def _read_text(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError):
-        return None
-
-
-def _newest_change(room: RunDir) -> float:
-    times = [p.stat().st_mtime for p in (room.metrics, room.events, room.summary) if p.is_file()]
-    return max(times, default=0.0)
-
-
-def _marks(items: tuple) -> str:
-    return ", ".join("?" * len(items))
-
-
-def _statements() -> list[str]:
-    return [s.strip() for s in _SCHEMA.split(";") if s.strip()]
-
-
-@contextmanager
-def _transaction(db: sqlite3.Connection, immediate: bool = False) -> Iterator[None]:
-    db.execute("BEGIN IMMEDIATE" if immediate else "BEGIN")
-    try:
-        yield
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
-    db.execute("COMMIT")
-
-
-class StoreLogger:
-    """Keeps the project's run store up to date while a run trains (rank 0): after the JSON-lines logger has
-    written a step or an event, the store ingests what is new, at most every `every_s` seconds and at the end.
-    The store is an index: when it cannot be written (a locked or full disk), one warning says so and training
-    goes on, the files unaffected."""
-
-    def __init__(self, run_dir: Path | RunDir, every_s: float = 2.0):
-        self.room = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
-        self.every_s = every_s
-        self._last = 0.0
-        self._store: RunStore | None = None
-        self._failed = False
-        self._update()
-
-    def _update(self) -> None:
-        if self._failed:
-            return
-        try:
-            if self._store is None:
-                self._store = RunStore.of_run(self.room)
-            self._store.ingest(self.room)
-            self._last = time.monotonic()
-        except (StoreError, sqlite3.Error, OSError) as err:
-            self._failed = True
-            import warnings
-
-            warnings.warn(f"run store not updated from now on (the run's files are): {err}", stacklevel=3)
-
-    def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        if time.monotonic() - self._last >= self.every_s:
-            self._update()
-
-    def log_event(self, kind: str, **fields: Any) -> None:
-        if kind in INCIDENT_KINDS or time.monotonic() - self._last >= self.every_s:
-            self._update()
-
-    def close(self) -> None:
-        self._update()
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-
-
-def ingest_quietly(run_dir: Path | RunDir) -> str | None:
-    """Ingest one run into its project's store for a writer that must not fail on the store's account (the
-    supervisor after an incident); returns the error in one line, or None."""
-    try:
-        with RunStore.of_run(run_dir) as store:
-            store.ingest(run_dir)
-    except (StoreError, sqlite3.Error, OSError) as err:
-        return f"run store not updated: {err}"
-    return None
+__all__ = ["RunStore", "StoreError", "StoreLogger", "ingest_quietly", "is_incident", "is_run_dir"]

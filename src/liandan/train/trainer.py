@@ -36,6 +36,7 @@ from liandan.run import META, RunDir, RunLock, holds_progress, lock_run_dir, nam
 from liandan.run.worker_env import WorkerEnv
 from liandan.spec.layout import resolve_layout
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
+from liandan.track.store import StoreLogger
 from liandan.train.callbacks import Callback, builtin_callbacks, in_order
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
 from liandan.train.hardware import device_peak_flops, resolve_dtype
@@ -97,7 +98,8 @@ class Trainer:
         self.room = RunDir.of(self.run_dir, cfg.checkpoint.dir)
         self.result.run_dir = self.run_dir
         self.say(f"run directory: {self.run_dir}")
-        self.files = JsonlLogger(self.room) if self.dist.is_main else NullLogger()
+        self.store_logger: StoreLogger | None = None
+        self.files = self._file_loggers()
         self.heartbeat = Heartbeat(self.room, self.dist.rank)
         self.heartbeat.enable_stack_dumps()
         self.heartbeat.beat(0, "startup")
@@ -119,7 +121,15 @@ class Trainer:
     def train(self) -> TrainResult:
         steps, result = self.cfg.train.steps, self.result
         self.notify("on_train_start")
-        self.logger.log_event("train_start", step=self.step, layout=str(self.layout), world_size=self.dist.world_size)
+        # What x by tokens or FLOPs needs, said where every reader of the run finds it.
+        self.logger.log_event(
+            "train_start",
+            step=self.step,
+            layout=str(self.layout),
+            world_size=self.dist.world_size,
+            tokens_per_step=self.tokens_per_step,
+            flops_per_token=self.module.flops_per_token,
+        )
         started, first_step = time.perf_counter(), self.step
         self.model.train()
         try:
@@ -447,6 +457,17 @@ class Trainer:
             raise value
         return value
 
+    def _file_loggers(self) -> MetricsLogger:
+        """Rank 0's records: the run's JSON-lines files and, after them, the project's run store, which
+        indexes those files (it reads what the first one has just written)."""
+        if not self.dist.is_main:
+            return NullLogger()
+        files = JsonlLogger(self.room)
+        if not self.cfg.track.store:
+            return files
+        self.store_logger = StoreLogger(self.room, every_s=self.cfg.track.store_every_s, warn=self.say)
+        return FanOut(files, self.store_logger)
+
     def _make_logger(self) -> MetricsLogger:
         if not self.dist.is_main:
             return NullLogger()
@@ -483,6 +504,8 @@ class Trainer:
         self.room.write_summary(result.summary)
         with naming(self.room.plot()):
             plot_run(self.run_dir)
+        if self.store_logger is not None:  # the summary came after the loggers closed
+            self.store_logger.close()
 
 
 def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[Path, bool, RunLock | None]:
