@@ -149,7 +149,7 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     assert len(rollbacks) == 1 and "at step 19: " in rollbacks[0], out
     assert "back to step 10, skipped data steps 10..18" in rollbacks[0]
     assert "bad data: data step(s) 18 (" in rollbacks[0]
-    run_dir, data_dir = sorted(tmp_path.iterdir())  # demo-<time> and demo-<time>-data
+    run_dir, data_dir = sorted(p for p in tmp_path.iterdir() if p.is_dir())  # demo-<time>, demo-<time>-data
     # The guard names exactly the documents made noise, found here by comparing the store trained on with the
     # pipeline's.
     from liandan.data import TokenStore
@@ -182,6 +182,9 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     config = tomllib.loads((run_dir / "config.toml").read_text())
     assert config["data"]["stores"] == [str(store)]
     assert f"run directory: {run_dir}" in out
+    # it ends with the commands that show the run: the dashboard on its project, the report it wrote
+    assert f"liandan dash {tmp_path}" in out and f"liandan report {run_dir}" in out
+    assert "ROLLBACK at step 19" in (run_dir / "report.html").read_text()
 
 
 def test_demo_takes_a_directory_of_data_files(tmp_path):
