@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import liandan.plan.forecast_callback  # noqa: F401 - registers "forecast", as `liandan train` does
 from helpers import environment_without, run_liandan, tiny_config, write_corpus
 from liandan import faults
 from liandan.cli.main import main
@@ -23,6 +24,7 @@ from liandan.track.marks import incident_marks
 from liandan.track.plot import MARKS_KEY, draw_run, plot_run
 from liandan.track.report import write_report
 from liandan.train import Trainer
+from liandan.train.callbacks import build_callbacks
 
 STEPS = 30
 # A byte-level model that learns in a few steps; the guard judges from step 8 and keeps a state every 5.
@@ -39,7 +41,8 @@ def train(out: Path, corpus: Path, *overrides: str, fault: str = "", name: str =
     if fault:
         os.environ[faults.ENV] = fault
     try:
-        trainer = Trainer(tiny_config(out, corpus, f"--run.name={name}", *overrides), say=lambda m: None)
+        cfg = tiny_config(out, corpus, f"--run.name={name}", *overrides)
+        trainer = Trainer(cfg, say=lambda m: None, callbacks=build_callbacks(cfg))  # the live forecast's, say
         try:
             return trainer.train().run_dir
         finally:
@@ -172,8 +175,10 @@ def test_without_plotly_the_report_shows_the_pngs_inline(faulty, tmp_path, monke
     assert not page.scripts
 
 
-def test_two_runs_are_compared_on_one_chart_by_tokens(faulty, corpus, tmp_path):
-    other = train(tmp_path, corpus, "--train.steps=12", "--train.global_batch=8", name="small")
+def test_two_runs_are_compared_on_one_chart_by_tokens_with_forecasts_shown(faulty, corpus, tmp_path):
+    other = train(tmp_path, corpus, "--train.steps=20", "--train.global_batch=8", "--forecast.every=5", name="small")
+    forecasts = [e for e in RunDir(other).read_events() if e["kind"] == "forecast"]
+    assert forecasts
     out = tmp_path / "both.html"
     written = write_report([(faulty, timeline(faulty)), (other, timeline(other))], out)
     assert out.with_name("both-compare.png") in written
@@ -184,6 +189,13 @@ def test_two_runs_are_compared_on_one_chart_by_tokens(faulty, corpus, tmp_path):
     # 16 x 64 tokens a step against 8 x 64
     assert compare["data"][0]["x"][0] == 16 * 64 and compare["data"][1]["x"][0] == 8 * 64
     assert "run1-loss" in figures and "Runs compared" in out.read_text()
+    # the newest forecast of the final loss on the loss chart, every forecast in a table
+    [shown] = [t for t in figures["run1-loss"]["data"] if t["name"].startswith("forecast at step")]
+    newest = forecasts[-1]
+    assert shown["x"] == [20] and shown["y"] == [newest["final_loss"]]
+    assert shown["error_y"]["array"][0] == pytest.approx(newest["high"] - newest["final_loss"])
+    text = " ".join(" ".join(parse(out).text).split())
+    assert "Forecasts of the final loss" in text and f"[{newest['low']:.4g}, {newest['high']:.4g}]" in text
 
 
 def test_a_bad_run_path_is_one_line(tmp_path, capsys):
