@@ -203,6 +203,14 @@ def test_a_bad_run_path_is_one_line(tmp_path, capsys):
         assert main(["report", str(path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"liandan: error: {path}: {said}") and err.count("\n") == 1, err
+    run = tmp_path / "run"
+    run.mkdir()
+    RunDir(run).events.write_text("")
+    assert main(["report", str(run), "-o", str(tmp_path / "report.txt")]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"liandan: error: {tmp_path / 'report.txt'}: the report is an HTML file; name it with .html\n"
+    )
 
 
 def test_an_event_without_a_step_is_marked_at_the_step_logged_before_it():

@@ -91,20 +91,21 @@ def write_report(runs: Sequence[tuple[Path, list[str]]], out: Path) -> list[Path
         raise ConfigError(f"{out.parent}: no such directory for the report")
     data = [gather(path, lines) for path, (_, lines) in zip(paths, runs, strict=True)]
     written = [out]
-    pngs: dict[str, bytes] = {}
     for run in data:
         if run.png is not None:
             png = out.with_name(f"{out.stem}-{_file_safe(run.name)}.png")
+            if png in written:  # runs of one name from two projects
+                png = png.with_name(f"{png.stem}-{len(written)}.png")
             atomic_write(png, run.png)
             written.append(png)
     compare = _comparison(data)
+    compare_png = None
     if compare is not None:
         curves, xlabel = compare
-        pngs["compare"] = png_bytes(draw_comparison(curves, xlabel, "training loss"))
-        png = out.with_name(f"{out.stem}-compare.png")
-        atomic_write(png, pngs["compare"])
-        written.append(png)
-    atomic_write(out, render(data, compare, pngs.get("compare")))
+        compare_png = png_bytes(draw_comparison(curves, xlabel, "training loss"))
+        written.append(out.with_name(f"{out.stem}-compare.png"))
+        atomic_write(written[-1], compare_png)
+    atomic_write(out, render(data, compare, compare_png))
     return written
 
 
@@ -114,8 +115,11 @@ def gather(path: Path, timeline: list[str]) -> RunData:
         name = room.name
         row = store.run(name)
         curves = {key: store.curve(name, key, max_points=MAX_POINTS) for key, _, _ in CHARTS}
-        times = store.curve(name, "time")
-        marks = incident_marks(store.incidents(name), zip(times["y"], times["step"], strict=True))
+        incidents = store.incidents(name)
+        times = {"y": [], "step": []}
+        if any(not isinstance(e.get("step"), int) for e in incidents):  # placed by time, at a logged step
+            times = store.curve(name, "time")
+        marks = incident_marks(incidents, zip(times["y"], times["step"], strict=True))
         try:
             by_tokens = store.curve(name, "loss", x="tokens", max_points=MAX_POINTS)
         except ValueError:  # a run whose config does not say its batch
@@ -217,7 +221,7 @@ def _comparison_section(data, compare, figures: dict, interactive: bool, png: by
     if compare is not None and interactive:
         curves, xlabel = compare
         palette = ["#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2"]
-        traces = [_line({"x": x, "y": y}, name, palette[i % len(palette)])
+        traces = [_line({"x": x, "y": y}, _e(name), palette[i % len(palette)])
                   for i, (name, (x, y)) in enumerate(curves.items())]  # fmt: skip
         figures["compare"] = _figure("training loss", "loss", xlabel, traces, [], height=420, log_y=True)
         parts.append('<div class="chart wide" id="compare"></div>')
@@ -230,17 +234,18 @@ def _comparison_section(data, compare, figures: dict, interactive: bool, png: by
 def _comparison(data: Sequence[RunData]) -> tuple[dict[str, tuple[list, list]], str] | None:
     """The runs' losses on one x axis: tokens when every run says its batch (runs of different batches
     compare fairly), else steps."""
-    if len(data) < 2:
+    logged = [r for r in data if r.curves["loss"]["step"]]
+    if len(data) < 2 or not logged:
         return None
-    if all(r.loss_by_tokens and r.loss_by_tokens["x"] for r in data):
-        return {r.name: (r.loss_by_tokens["x"], r.loss_by_tokens["y"]) for r in data}, "tokens"
-    return {r.name: (r.curves["loss"]["step"], r.curves["loss"]["y"]) for r in data}, "step"
+    if all(r.loss_by_tokens and r.loss_by_tokens["x"] for r in logged):
+        return {r.name: (r.loss_by_tokens["x"], r.loss_by_tokens["y"]) for r in logged}, "tokens"
+    return {r.name: (r.curves["loss"]["step"], r.curves["loss"]["y"]) for r in logged}, "step"
 
 
 def _summary_table(run: RunData) -> str:
     row, summary = run.row, run.row.get("summary") or {}
     planned = _planned_steps(row.get("config") or "")
-    steps = _n(row.get("step")) + (f" of {planned:,}" if planned else "")
+    steps = _n(row.get("step")) + (f" of {planned:,}" if planned and row.get("step") is not None else "")
     items = [
         ("status", row.get("status")),
         ("steps", steps),
@@ -355,6 +360,7 @@ def _figure(title: str, y_title: str, x_title: str, traces: list[dict], marks: S
         "yaxis": {"title": {"text": y_title}, "type": "log" if log_y else "linear"},
         "yaxis2": {"overlaying": "y", "range": [0, 1], "visible": False, "fixedrange": True},
         "shapes": shapes,
+        "showlegend": True,
         "legend": {
             "orientation": "h",
             "x": 1,
@@ -381,7 +387,7 @@ def _mark_traces(marks: Sequence[Mark]) -> list[dict]:
             continue
         x, y, size, text = [], [], [], []
         for m in chosen:
-            label = f"step {m.step}: {m.label}"
+            label = _e(f"step {m.step}: {m.label}")  # plotly reads tags in text: a traceback's <module> too
             x += [m.step, m.step, None]
             y += [0, 1, None]
             size += [0, 9, 0]
