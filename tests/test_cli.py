@@ -182,6 +182,9 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     config = tomllib.loads((run_dir / "config.toml").read_text())
     assert config["data"]["stores"] == [str(store)]
     assert f"run directory: {run_dir}" in out
+    # it ends with the commands that show the run: the dashboard on its project, the report it wrote
+    assert f"liandan dash {tmp_path}" in out and f"liandan report {run_dir}" in out
+    assert "ROLLBACK at step 19" in (run_dir / "report.html").read_text()
 
 
 def test_demo_takes_a_directory_of_data_files(tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from liandan.checkpoint.manager import load_model
+from liandan.cli.report_cmd import make_report
 from liandan.config import load_config
 from liandan.data.store import TokenStore
 from liandan.resilience.incidents import timeline
@@ -141,6 +142,7 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     print(f"\nsample, prompted with {prompt!r}:\n  {sample(model, tokenizer, prompt)!r}\n")
     show_checkpoints(run)
     export_for_transformers(model, run, store / "tokenizer.json")
+    report = make_report([run])[0]
     data_dir = Path(data_summary["output"])
     print(f"data directory: {data_dir}")
     for name, what in [
@@ -159,7 +161,8 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
         ("metrics.jsonl", "loss, grad norm, lr, tokens/s, MFU, memory, step time per step"),
         ("events.jsonl", "run events and validation losses"),
         ("summary.json", "the run's totals"),
-        ("training.png", "loss, learning rate and throughput curves"),
+        ("training.png", "loss, learning rate and throughput curves, incidents marked"),
+        ("report.html", "the run in one self-contained page to share (liandan report <run>)"),
         ("doctor.json", "the preflight doctor's report: every rank's devices, collectives, disk (liandan doctor)"),
         ("checkpoints/", "sharded, verified checkpoints (liandan ckpt info <run>/checkpoints)"),
         ("guard/", "the loss-spike guard's reports (liandan incidents <run>; liandan skipped <run>)"),
@@ -167,6 +170,8 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     ]:
         if (run / name).exists():
             print(f"  {name:22s} {what}")
+    print(f"\nsee it in the dashboard:  liandan dash {output_dir}")
+    print(f"share it as one page:     liandan report {run}   (written: {report})")
     return 0
 
 

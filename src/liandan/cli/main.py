@@ -132,11 +132,23 @@ def _parser() -> argparse.ArgumentParser:
         forecast_cmd,
         guard_cmd,
         plan_cmd,
+        report_cmd,
         runs_cmd,
         sweep_cmd,
     )
 
-    for module in (doctor_cmd, guard_cmd, data_cmd, checkpoints, plan_cmd, fit_cmd, forecast_cmd, sweep_cmd, runs_cmd):
+    for module in (
+        doctor_cmd,
+        guard_cmd,
+        report_cmd,
+        data_cmd,
+        checkpoints,
+        plan_cmd,
+        fit_cmd,
+        forecast_cmd,
+        sweep_cmd,
+        runs_cmd,
+    ):
         module.add_commands(sub)
     return parser
 

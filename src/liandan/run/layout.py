@@ -7,7 +7,8 @@
     doctor.json           the preflight doctor's report: every rank's checks and verdicts (the newest launch,
                           or the newest `liandan doctor` with this run's name)
     doctor-bisect.json    the newest `liandan doctor --bisect` with this run's name: its rounds and verdict
-    training.png          loss, learning rate and throughput against step, drawn when it ends
+    training.png          loss, learning rate and throughput against step, incidents marked, drawn when it ends
+    report.html           `liandan report` of this run alone (report-<run>.png beside it), when asked for
     heartbeat/            rank-NNNNN.json: each rank's step and phase, for the supervisor's hang detection;
                           stacks/rank-NNNNN.txt: each rank's Python stacks, dumped when it hangs
     logs/                 attempt-N.log: each attempt's worker output; failure.json: which worker failed first
@@ -195,6 +196,11 @@ class RunDir:
 
     def plot(self, name: str = "training") -> Path:
         return self.path / f"{name}.png"
+
+    @property
+    def report(self) -> Path:
+        """Where `liandan report` of this run alone goes by default."""
+        return self.path / "report.html"
 
     @property
     def project(self) -> Path:
