@@ -22,6 +22,10 @@
     logs/verified.json    the supervisor's verdict on the newest checkpoint, handed to the next attempt
     run.lock              held by the process that owns the run (run-<node>.lock: by each node's supervisor)
     trial.log             a sweep trial's output, when the run is one
+    trackers.json         the exporters' state: the W&B and MLflow run ids this run resumes, and how far
+                          into events.jsonl the trackers have been given the events
+    tensorboard/          TensorBoard event files (`[track] exporters`): the metrics, and events/ the events
+    wandb/                Weights & Biases run files (offline mode: for `wandb sync`)
 
 Only this module spells those names; everyone else asks a `RunDir`.
 """
@@ -184,6 +188,18 @@ class RunDir:
     def trial_log(self) -> Path:
         """The output of a sweep's trial, whose run this is."""
         return self.path / "trial.log"
+
+    @property
+    def trackers(self) -> Path:
+        return self.path / "trackers.json"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / "wandb"
 
     def plot(self, name: str = "training") -> Path:
         return self.path / f"{name}.png"
