@@ -2,6 +2,7 @@
 with a rank killed part-way, read back with each library's own reader; and the config errors, a missing
 library and a tracker that fails while training."""
 
+import json
 import os
 import struct
 import sys
@@ -101,10 +102,13 @@ def _wandb_records(run_dir):
     return records
 
 
+def _wandb_rows(records) -> list[dict]:
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in records
+            if r.WhichOneof("record_type") == "history"]  # fmt: skip
+
+
 @pytest.mark.slow
 def test_wandb_offline_files_hold_the_metrics_the_incidents_and_the_config(tracked_run):
-    import json
-
     run = tracked_run
     records = _wandb_records(run.path)
     state = read_json(RunDir(run.path).trackers)["wandb"]
@@ -112,8 +116,7 @@ def test_wandb_offline_files_hold_the_metrics_the_incidents_and_the_config(track
     assert {s.run_id for s in starts} == {state["id"]}  # every process resumed the one W&B run
     config = {item.key: json.loads(item.value_json) for item in starts[0].config.update}
     assert config["train"]["steps"] == 8 and config["track"]["wandb_mode"] == "offline"
-    rows = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in records
-            if r.WhichOneof("record_type") == "history"]  # fmt: skip
+    rows = _wandb_rows(records)
     last = {}
     for row in rows:
         if "loss" in row:
@@ -191,6 +194,7 @@ def test_a_failing_tracker_warns_once_and_the_others_go_on(tmp_path, monkeypatch
     for step in (3, 4):
         files.log_event("guard", step=step, action="skip", detectors=["grad"], detail="gradient norm 1e4")
         exporters.log_event("guard", step=step, action="skip")
+        files.log_metrics(step, {"loss": 3.0 - step})
         exporters.log_metrics(step, {"loss": 3.0 - step})
     exporters.close()
     files.close()
@@ -202,3 +206,34 @@ def test_a_failing_tracker_warns_once_and_the_others_go_on(tmp_path, monkeypatch
     events = EventAccumulator(str(room.tensorboard / "events")).Reload()
     assert [e.step for e in events.Scalars("incidents/guard_skip")] == [3, 4]
     assert os.path.getsize(room.events) == read_json(room.trackers)["events_offset"]
+    # the next process (a restart at step 4) gives W&B what it missed, from the run's files
+    exporters = open_exporters(room, cfg, first_step=4, say=said.append)
+    exporters.close()
+    assert len(said) == 1 and [t.name for t in exporters.trackers] == ["wandb", "tensorboard"]
+    rows = _wandb_rows(_wandb_records(room.path))
+    assert sorted({row["step"] for row in rows if "loss" in row}) == [1, 2, 3, 4]
+    assert [row["step"] for row in rows if "incidents/guard_skip" in row] == [3, 4]
+
+
+def test_tensorboard_keeps_what_a_rollback_trained_again(tmp_path):
+    """Steps 3 and 4 are trained again after a rollback: TensorBoard's reader shows the new values only, as
+    metrics.jsonl does, and the rollback's own marker survives."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from liandan.track.exporters import open_exporters
+
+    room = RunDir(tmp_path / "run")
+    room.path.mkdir()
+    files = JsonlLogger(room)
+    exporters = open_exporters(room, load_config(None, ["--track.exporters=tensorboard"]), first_step=0)
+    for step, loss in [(1, 5.0), (2, 4.0), (3, 9.0), (4, 8.0)]:
+        exporters.log_metrics(step, {"loss": loss})
+    files.log_event("rollback", step=4, to=2, detail="spike")
+    for step, loss in [(3, 3.5), (4, 3.0), (5, 2.5)]:
+        exporters.log_metrics(step, {"loss": loss})
+    exporters.close()
+    files.close()
+    metrics = EventAccumulator(str(room.tensorboard)).Reload()
+    assert [(e.step, e.value) for e in metrics.Scalars("loss")] == [(1, 5.0), (2, 4.0), (3, 3.5), (4, 3.0), (5, 2.5)]
+    events = EventAccumulator(str(room.tensorboard / "events")).Reload()
+    assert [e.step for e in events.Scalars("incidents/rollback")] == [4]

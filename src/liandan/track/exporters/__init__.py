@@ -61,7 +61,11 @@ class Exporters:
         self.event_step = 0  # the newest step an event named: the step of one that names none, in the supervisor
         self.outcome: str | None = None
         self.closed = False
+        self.delivered_step: int | None = None
+        self.delivered_offset = self.events.offset
         self._replay()
+        # what every tracker still open has been given: where one that fails from now on missed things
+        self.delivered_step, self.delivered_offset = self.last_step or 0, self.events.offset
 
     # -- MetricsLogger --------------------------------------------------------------------------------------
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
@@ -71,6 +75,7 @@ class Exporters:
         self._hand_on_events()
         values = numbers(metrics)
         self._each("metrics", step, values, time.time())
+        self.delivered_step = step
 
     def log_event(self, kind: str, **fields: Any) -> None:
         self._hand_on_events()  # the run's logger has just written it to events.jsonl
@@ -82,8 +87,8 @@ class Exporters:
         self._hand_on_events(final=True)
         self._each("close", self.outcome)
         for tracker in self.trackers:  # closed cleanly: what it was given is written
-            if tracker.buffered:
-                own = self.state.setdefault(tracker.name, {})
+            own = self.state.setdefault(tracker.name, {})
+            if tracker.buffered or "kept_step" in own:
                 own.update(kept_step=self.last_step or 0, kept_offset=self.events.offset)
         self._save_state()
 
@@ -93,9 +98,12 @@ class Exporters:
         process is killed. So nothing it was given counts until it closes cleanly: each process first gives it
         again what the run's files kept since its last clean close (the metrics up to the step this process
         resumes from, all of them in the supervisor; the events already handed on). The steps after the
-        resume step come from this process itself."""
-        for tracker in [t for t in self.trackers if t.buffered]:
+        resume step come from this process itself. A tracker that failed in an earlier process gets what it
+        missed the same way."""
+        for tracker in list(self.trackers):
             own = self.state.setdefault(tracker.name, {})
+            if not (tracker.buffered or "kept_step" in own):
+                continue
             kept_step, kept_offset = int(own.get("kept_step", 0)), int(own.get("kept_offset", 0))
             newest = None
             for record in self.room.read_metrics():
@@ -125,6 +133,7 @@ class Exporters:
             self.outcome = outcome_of(event, self.outcome)
             self._each("event", event)
         self._each("flush")
+        self.delivered_offset = self.events.offset
         self._save_state()
 
     def _save_state(self) -> None:
@@ -149,6 +158,9 @@ class Exporters:
 
     def _drop(self, tracker: Tracker, err: BaseException) -> None:
         self.trackers.remove(tracker)
+        own = self.state.setdefault(tracker.name, {})
+        if not tracker.buffered and self.delivered_step is not None:  # one that buffers counts from its last close
+            own.update(kept_step=self.delivered_step, kept_offset=self.delivered_offset)
         self.say(f"the {tracker.name} exporter failed and is off from now on ({one_line(err)}); training goes on"
                  f" and {self.room.metrics.name} and {self.room.events.name} keep everything")  # fmt: skip
         with contextlib.suppress(Exception):
