@@ -19,6 +19,12 @@ TRACKER_ENV = {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DISABLE_C
                "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}  # fmt: skip
 
 
+def tracker_env(directory) -> dict[str, str]:
+    """No network, and W&B's own logs and settings under `directory` rather than the home directory."""
+    homes = {name: str(directory / name.lower()) for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")}
+    return {**TRACKER_ENV, **homes}
+
+
 @pytest.fixture(scope="module")
 def tracked_run(tmp_path_factory):
     """`liandan train --nproc=2` under the supervisor with every exporter on; rank 1 is killed after step 5
@@ -29,7 +35,7 @@ def tracked_run(tmp_path_factory):
                       '--track.exporters=["tensorboard", "wandb", "mlflow"]')  # fmt: skip
     config = root / "tracked.toml"
     config.write_text(cfg.to_toml())
-    env = environment_without(LIANDAN_FAULTS="kill@step:5:1", **TRACKER_ENV)
+    env = environment_without(LIANDAN_FAULTS="kill@step:5:1", **tracker_env(root))
     done = run_liandan("train", config, "--nproc=2", env=env, timeout=500)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "warning:" not in done.stderr, done.stderr[-3000:]  # no tracker failed
@@ -179,7 +185,7 @@ def test_a_failing_tracker_warns_once_and_the_others_go_on(tmp_path, monkeypatch
 
     from liandan.track.exporters import open_exporters
 
-    for key, value in TRACKER_ENV.items():
+    for key, value in tracker_env(tmp_path).items():
         monkeypatch.setenv(key, value)
     room = RunDir(tmp_path / "runs" / "run")
     room.path.mkdir(parents=True)

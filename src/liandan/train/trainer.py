@@ -456,6 +456,7 @@ class Trainer:
         # after the files: the exporters hand on the events the files have just recorded
         exporters = open_exporters(self.room, self.cfg, first_step=self.step)
         if exporters is not None:
+            self.say(f"exporting to {exporters.describe()}")
             loggers.append(exporters)
         return FanOut(*loggers)
 

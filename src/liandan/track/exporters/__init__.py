@@ -67,6 +67,9 @@ class Exporters:
         # what every tracker still open has been given: where one that fails from now on missed things
         self.delivered_step, self.delivered_offset = self.last_step or 0, self.events.offset
 
+    def describe(self) -> str:
+        return ", ".join(t.where for t in self.trackers) or "no tracker"
+
     # -- MetricsLogger --------------------------------------------------------------------------------------
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if self.last_step is not None and step <= self.last_step:  # a rollback: these steps are trained again

@@ -47,6 +47,7 @@ class MlflowTracker:
             elif info.worker:
                 self.client.update_run(run_id, status="RUNNING")
         self.run_id = run_id
+        self.where = f"mlflow ({uri}, run {run_id})"
         state.update(uri=uri, run_id=run_id)
         if info.worker:
             self._log_config(info)

@@ -25,7 +25,7 @@ class TensorBoardTracker:
 
         t = info.track
         directory = Path(t.tensorboard_dir) / info.name if t.tensorboard_dir else info.room.tensorboard
-        self.directory = directory
+        self.where = f"tensorboard ({directory})"
         self.metric_writer = None
         if info.worker:  # the supervisor writes events only
             # purge_step: what an earlier attempt logged after the step this one resumes from is superseded

@@ -35,6 +35,9 @@ class WandbTracker:
             # its own console capture would wrap the streams the supervisor relays
             settings=wandb.Settings(console="off", silent=True),
         )  # fmt: skip
+        self.where = f"wandb ({t.wandb_mode}, run {state['id']}" + (
+            f", in {info.room.wandb})" if t.wandb_mode == "offline" else ")"
+        )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 

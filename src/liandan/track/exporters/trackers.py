@@ -29,6 +29,7 @@ class RunInfo:
 class Tracker(Protocol):
     name: str
     buffered: bool  # it may lose what it was given when its process is killed (see Exporters._replay)
+    where: str  # where its run is, for the user
 
     def metrics(self, step: int, values: dict[str, float], wall_time: float) -> None: ...
 
