@@ -7,8 +7,9 @@ through `log_event`: the trainer, its callbacks and the supervisor all write the
 through the logger. The exporters keep a cursor into events.jsonl (in trackers.json) and hand on the events
 after it whenever they are called. So a restarted worker first hands on what the supervisor recorded between
 its attempts (the incident, the restart), and the supervisor, when it ends, hands on what came after its last
-worker (gave_up, preempted, supervisor_end). An event is handed on at least once: one given to the trackers
-just before a crash, with the cursor not yet saved, is given again by the next worker.
+worker (gave_up, supervisor_end; after a preemption the next launch's first worker does, time being short).
+An event is handed on at least once: one given to the trackers just before a crash, with the cursor not yet
+saved, is given again by the next worker.
 """
 
 from __future__ import annotations

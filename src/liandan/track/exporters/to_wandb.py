@@ -31,13 +31,12 @@ class WandbTracker:
         self.run = wandb.init(
             project=t.wandb_project, entity=t.wandb_entity or None, id=state["id"], name=info.name,
             resume="allow", mode=t.wandb_mode, dir=str(info.room.path), config=info.config, allow_val_change=True,
-            tags=sorted(self.tags) or None, reinit="create_new",
+            tags=sorted(self.tags) or None,
             # its own console capture would wrap the streams the supervisor relays
             settings=wandb.Settings(console="off", silent=True),
         )  # fmt: skip
-        self.where = f"wandb ({t.wandb_mode}, run {state['id']}" + (
-            f", in {info.room.wandb})" if t.wandb_mode == "offline" else ")"
-        )
+        files = f", in {info.room.wandb}" if t.wandb_mode == "offline" else ""
+        self.where = f"wandb ({t.wandb_mode}, run {state['id']}{files})"
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
