@@ -25,7 +25,7 @@ EXTRAS = {
     "ray": ("ray",),
     "tensorboard": ("tensorboard",),
     "wandb": ("wandb",),
-    "mlflow": ("mlflow",),
+    "mlflow": ("mlflow", "sqlalchemy", "alembic"),  # mlflow-skinny installs `mlflow`; the others its SQLite store
 }
 
 
