@@ -292,9 +292,28 @@ class HealthSection:
     )
 
 
+# The trackers `[track] exporters` may name (liandan.track.exporters builds them).
+EXPORTERS = ("tensorboard", "wandb", "mlflow")
+
+
 @dataclass
 class TrackSection:
-    """Where a run's metrics and events go besides its own files (docs/tracking.md)."""
+    """Where a run's metrics, events and config go besides its own files, which stay the source of truth
+    (docs/tracking.md)."""
+
+    # exporters to TensorBoard, Weights & Biases and MLflow
+    exporters: list[str] = _f([], "trackers that also get the run's metrics, incidents and config: tensorboard, "
+                              "wandb, mlflow (each needs its extra: pip install 'liandan[wandb]')")  # fmt: skip
+    tensorboard_dir: str = _f("", "where TensorBoard event files go: <this>/<run name>; empty means "
+                              "<run directory>/tensorboard")  # fmt: skip
+    wandb_project: str = _f("liandan", "Weights & Biases project")
+    wandb_entity: str = _f("", "Weights & Biases entity (team or user); empty means the default of the login")
+    wandb_mode: Literal["offline", "online"] = _f(
+        "offline", "offline writes under <run directory>/wandb, for `wandb sync` later; online needs a login"
+    )
+    mlflow_uri: str = _f("", "MLflow tracking URI (sqlite:///path.db, http://host:5000, ...); empty means "
+                         "sqlite:///<directory of run directories>/mlflow.db")  # fmt: skip
+    mlflow_experiment: str = _f("liandan", "MLflow experiment the run is filed under")
 
     # the run store
     store: bool = _f(True, "index the run in its project's run store (<run.output_dir>/liandan.db) while it trains")
@@ -481,8 +500,18 @@ def check_config(cfg: Config) -> None:
     for module in t.callbacks:
         if not _MODULE_NAME.match(module):
             raise ConfigError(f"train.callbacks: {module!r} is not a module name (package.module)")
+    check_exporters_named(cfg.track.exporters)
     if cfg.schedule.warmup_steps > t.steps:
         raise ConfigError(f"schedule.warmup_steps = {cfg.schedule.warmup_steps} exceeds train.steps = {t.steps}")
+
+
+def check_exporters_named(names: list[str]) -> None:
+    for name in names:
+        if name not in EXPORTERS:
+            raise ConfigError("track.exporters: " + _unknown("exporter", name, list(EXPORTERS)))
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ConfigError(f"track.exporters names {', '.join(repeated)} more than once")
 
 
 def check_run_name(name: str) -> None:

@@ -23,6 +23,9 @@ EXTRAS = {
     "sweep": ("optuna", "sqlalchemy"),
     "hf": ("transformers",),
     "ray": ("ray",),
+    "tensorboard": ("tensorboard",),
+    "wandb": ("wandb",),
+    "mlflow": ("mlflow", "sqlalchemy", "alembic"),  # mlflow-skinny installs `mlflow`; the others its SQLite store
 }
 
 
@@ -176,6 +179,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.model.spec import check_model_config
 
     check_model_config(cfg)  # the family and its tensor-parallel split, before anything starts
+    from liandan.track.exporters import check_exporters
+
+    check_exporters(cfg.track)  # a tracker's library that is missing: the extra to install
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
     # torchrun or srun started us; with $LIANDAN_NNODES, srun starts one supervisor per node instead

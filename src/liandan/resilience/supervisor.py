@@ -199,6 +199,8 @@ class Supervisor(Preemption):
                 self._end(attempt)
             self.standby.dismiss()
             self._remove_snapshots()  # give the host memory back
+            if not self.signals.first:  # preempted, time is short: the next launch's workers hand them on
+                self._export_events()
 
     def _remove_snapshots(self) -> None:
         try:
@@ -206,6 +208,18 @@ class Supervisor(Preemption):
         except OSError as err:  # host memory stays taken until someone removes it: say so
             self.say(f"supervisor: warning: cannot remove the memory snapshots in {self.snapshots}: {err}")
         self.snapshots = None
+
+    def _export_events(self) -> None:
+        """The events recorded after the last worker ended (gave_up, supervisor_end...), to the trackers of
+        `[track] exporters`; on several nodes the next launch's workers hand them on, not every node at once."""
+        if self.rendezvous or not self.cfg.track.exporters:
+            return
+        from liandan.track.exporters import hand_on_events
+
+        try:
+            hand_on_events(self.room, self.cfg, say=self._warn)
+        except Exception as err:  # noqa: BLE001 - the run's files have them; the trackers are a copy
+            self._warn(f"cannot hand the last events to the trackers: {type(err).__name__}: {err}")
 
     def _start(self, number: int) -> Attempt:
         self._clear_heartbeats()

@@ -23,6 +23,10 @@
     logs/verified.json    the supervisor's verdict on the newest checkpoint, handed to the next attempt
     run.lock              held by the process that owns the run (run-<node>.lock: by each node's supervisor)
     trial.log             a sweep trial's output, when the run is one
+    trackers.json         the exporters' state: the W&B and MLflow run ids this run resumes, and how far
+                          into events.jsonl the trackers have been given the events
+    tensorboard/          TensorBoard event files (`[track] exporters`): the metrics, and events/ the events
+    wandb/                Weights & Biases run files (offline mode: for `wandb sync`)
 
 Beside the run directories, their parent (the project directory, `run.output_dir`) holds liandan.db: the run
 store, an index of every run's files (`project_store`).
@@ -193,6 +197,18 @@ class RunDir:
     def trial_log(self) -> Path:
         """The output of a sweep's trial, whose run this is."""
         return self.path / "trial.log"
+
+    @property
+    def trackers(self) -> Path:
+        return self.path / "trackers.json"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tensorboard"
+
+    @property
+    def wandb(self) -> Path:
+        return self.path / "wandb"
 
     def plot(self, name: str = "training") -> Path:
         return self.path / f"{name}.png"

@@ -36,6 +36,7 @@ from liandan.run import META, RunDir, RunLock, holds_progress, lock_run_dir, nam
 from liandan.run.worker_env import WorkerEnv
 from liandan.spec.layout import resolve_layout
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
+from liandan.track.exporters import open_exporters
 from liandan.track.store import StoreLogger
 from liandan.train.callbacks import Callback, builtin_callbacks, in_order
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
@@ -472,7 +473,13 @@ class Trainer:
         if not self.dist.is_main:
             return NullLogger()
         self.room.write_config(self.cfg.to_toml())
-        return FanOut(self.files, ConsoleLogger(self.cfg.train.steps, first_step=self.step))
+        loggers: list[MetricsLogger] = [self.files, ConsoleLogger(self.cfg.train.steps, first_step=self.step)]
+        # after the files: the exporters hand on the events the files have just recorded
+        exporters = open_exporters(self.room, self.cfg, first_step=self.step)
+        if exporters is not None:
+            self.say(f"exporting to {exporters.describe()}")
+            loggers.append(exporters)
+        return FanOut(*loggers)
 
     def _finish(self, result: TrainResult, first_step: int, tokens_trained_now: int) -> None:
         """summary.json: `tokens` counts every kept step of the run (what `liandan fit` takes as D); `seconds`
@@ -536,8 +543,10 @@ def _make_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
         restarting = not cfg.run.overwrite
         for path in (room.metrics, room.summary) if restarting else (room.metrics, room.events, room.summary):
             path.unlink(missing_ok=True)
-        if not restarting:  # an earlier run's guard reports are not this run's
+        if not restarting:  # an earlier run's guard reports and tracker runs are not this run's
             shutil.rmtree(room.guard, ignore_errors=True)
+            shutil.rmtree(room.tensorboard, ignore_errors=True)
+            room.trackers.unlink(missing_ok=True)
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir, resumable, lock
 
