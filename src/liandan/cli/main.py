@@ -23,6 +23,7 @@ EXTRAS = {
     "sweep": ("optuna", "sqlalchemy"),
     "hf": ("transformers",),
     "ray": ("ray",),
+    "dash": ("starlette", "uvicorn", "plotly"),
 }
 
 
@@ -124,9 +125,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="a run directory")
     p.set_defaults(command=cmd_incidents)
 
-    from liandan.cli import checkpoints, data_cmd, doctor_cmd, fit_cmd, forecast_cmd, guard_cmd, plan_cmd, sweep_cmd
+    from liandan.cli import (
+        checkpoints,
+        dash_cmd,
+        data_cmd,
+        doctor_cmd,
+        fit_cmd,
+        forecast_cmd,
+        guard_cmd,
+        plan_cmd,
+        sweep_cmd,
+    )
 
-    for module in (doctor_cmd, guard_cmd, data_cmd, checkpoints, plan_cmd, fit_cmd, forecast_cmd, sweep_cmd):
+    commands = (doctor_cmd, guard_cmd, data_cmd, checkpoints, plan_cmd, fit_cmd, forecast_cmd, sweep_cmd, dash_cmd)
+    for module in commands:
         module.add_commands(sub)
     return parser
 
