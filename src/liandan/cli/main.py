@@ -24,6 +24,7 @@ EXTRAS = {
     "hf": ("transformers",),
     "ray": ("ray",),
     "dash": ("starlette", "uvicorn", "plotly"),
+    "browser-tests": ("playwright",),
 }
 
 

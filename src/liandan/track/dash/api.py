@@ -64,7 +64,7 @@ def parse_x(value: str | None) -> str:
 
 
 def check_key(key: str | None) -> str:
-    if not key or not _KEY.fullmatch(key):
+    if not key or not _KEY.fullmatch(key) or ".." in key:
         raise bad(f"key must name a metric (letters, digits, _ . / : -), not {str(key)[:40]!r}")
     return key
 
@@ -90,7 +90,8 @@ class Dashboard:
     def sync(self, force: bool = False) -> None:
         with self._lock:
             if force or time.monotonic() - self._synced >= self.sync_every_s:
-                self._names = set(self.store.sync())
+                # A run directory that is a symlink out of the project is not served: its files are elsewhere.
+                self._names = {n for n in self.store.sync() if self.run_dir(n) is not None}
                 self._synced = time.monotonic()
 
     # -- runs --------------------------------------------------------------------------------------------
@@ -98,6 +99,8 @@ class Dashboard:
         """A run name the store knows, or a 400 (not a plain name) or 404 (no such run)."""
         if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
             raise bad(f"not a run name: {str(name)[:60]!r}")
+        if name not in self._names and self.run_dir(name) is not None:
+            self.sync(force=True)  # a run that began since the last sync
         if name not in self._names:
             raise ApiError(404, f"no run named {name!r} in {self.project}")
         return name
@@ -112,7 +115,7 @@ class Dashboard:
         self.sync()
         with self._lock:
             rows = self.store.runs()
-        return [_listed(row) for row in rows]
+        return [_listed(row) for row in rows if row["name"] in self._names]
 
     def run(self, name: str) -> dict[str, Any]:
         self.sync()

@@ -123,7 +123,7 @@ function chartBox(id, title) {
 
 function layout(extra = {}) {
   return { margin: { l: 60, r: 20, t: 10, b: 40 }, hovermode: "closest", showlegend: true,
-           legend: { orientation: "h", y: 1.12 }, xaxis: { title: { text: "step" } }, ...extra };
+           legend: { orientation: "h", y: 1.12 }, xaxis: { title: { text: "step" }, zeroline: false }, ...extra };
 }
 
 function incidentShapes(incidents) {
