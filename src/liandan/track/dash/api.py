@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from liandan.run import RunDir, read_jsonl
-from liandan.track.store import X_AXES, RunStore
+from liandan.track.store import X_AXES, RunStore, StoreError
 
 MAX_POINTS = 20_000  # the most points one curve may come back with
 DEFAULT_POINTS = 2_000
@@ -90,8 +90,12 @@ class Dashboard:
     def sync(self, force: bool = False) -> None:
         with self._lock:
             if force or time.monotonic() - self._synced >= self.sync_every_s:
+                try:
+                    names = self.store.sync()
+                except StoreError as err:
+                    raise ApiError(503, str(err)) from None
                 # A run directory that is a symlink out of the project is not served: its files are elsewhere.
-                self._names = {n for n in self.store.sync() if self.run_dir(n) is not None}
+                self._names = {n for n in names if self.run_dir(n) is not None}
                 self._synced = time.monotonic()
 
     # -- runs --------------------------------------------------------------------------------------------
@@ -171,7 +175,13 @@ class Dashboard:
             self.check_run(name)
             with self._lock:
                 present = key in self.store.metric_keys(name)
-            curves.append(self.curve(name, key, x, max_points=points) if present else {"run": name, "missing": True})
+            if not present:
+                curves.append({"run": name, "missing": f"no metric {key!r}"})
+                continue
+            try:
+                curves.append(self.curve(name, key, x, max_points=points))
+            except ApiError as err:  # a run that does not know its tokens or FLOPs per step
+                curves.append({"run": name, "missing": err.message})
         return {"key": key, "x_axis": x, "curves": curves}
 
     # -- incidents ---------------------------------------------------------------------------------------

@@ -44,8 +44,9 @@ def serve(project: Path | str, host: str = "127.0.0.1", port: int = 0, token: st
     """Serve the dashboard of the runs under `project` until interrupted."""
     import uvicorn
 
-    from liandan.track.dash.api import Dashboard
+    from liandan.track.dash.api import ApiError, Dashboard
     from liandan.track.dash.app import create_app
+    from liandan.track.store import StoreError
 
     project = Path(project)
     if not project.is_dir():
@@ -58,7 +59,10 @@ def serve(project: Path | str, host: str = "127.0.0.1", port: int = 0, token: st
     if not loopback and token is None:
         token = secrets.token_urlsafe(24)
         say(f"dash: bound to {host}, not a loopback address: every API request needs the token {token}")
-    dash = Dashboard(project)
+    try:
+        dash = Dashboard(project)
+    except (StoreError, ApiError) as err:
+        raise ConfigError(f"cannot open the run store of {project}: {err}") from None
     app = create_app(dash, token, loopback=loopback)
     sock = bind(host, port)
     shown = f"[{host.strip('[]')}]" if ":" in host else host

@@ -156,6 +156,12 @@ async function drawRunCharts(name, run, incidents, evaluations) {
   const evals = evaluations.filter((e) => e.kind === "eval" && typeof e.loss === "number");
   if (evals.length) lossTraces.push({ name: "validation loss", x: evals.map((e) => e.step), y: evals.map((e) => e.loss),
                                       mode: "lines+markers", type: "scatter", line: { color: COLORS[2], width: 2 } });
+  const f = run.forecast;
+  if (f && typeof f.final_loss === "number" && f.total_steps) {
+    lossTraces.push({ name: "forecast (final loss)", x: [f.total_steps], y: [f.final_loss], mode: "markers",
+      type: "scatter", marker: { color: COLORS[4], size: 9, symbol: "diamond" },
+      error_y: { type: "data", symmetric: false, array: [f.high - f.final_loss], arrayminus: [f.final_loss - f.low] } });
+  }
   lossTraces.push(incidentTrace(incidents));
   await Plotly.react("chart-loss", lossTraces, layout({ shapes, yaxis: { title: { text: "loss" } },
     yaxis2: { overlaying: "y", range: [0, 1], visible: false, fixedrange: true } }), PLOT_CONFIG);
@@ -411,8 +417,8 @@ async function compareView(main, params) {
     });
     Plotly.react("chart-compare", traces, layout({ xaxis: { title: { text: data.x_axis }, type: state.logx ? "log" : "linear" },
       yaxis: { title: { text: data.key }, type: state.logy ? "log" : "linear" } }), PLOT_CONFIG);
-    const missing = data.curves.filter((c) => c.missing).map((c) => c.run);
-    note.textContent = missing.length ? `No ${data.key} in: ${missing.join(", ")}` : "";
+    const missing = data.curves.filter((c) => c.missing).map((c) => `${c.run} (${c.missing})`);
+    note.textContent = missing.length ? `Not shown: ${missing.join("; ")}` : "";
   }
   async function draw() {
     history.replaceState(null, "", `${location.search}#/compare?runs=${[...chosen].map(enc).join(",")}` +
