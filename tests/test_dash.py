@@ -200,6 +200,15 @@ def test_comparing_runs(server):
     assert all(len(c["x"]) == len(c["y"]) > 0 for c in found["curves"])
 
 
+@pytest.mark.slow
+def test_a_finished_run_streams_its_state_once_and_ends(server):
+    status, body = server.request(f"/api/runs/{FAULTY}/stream")
+    text = body.decode()
+    assert status == 200 and text.startswith("event: progress\ndata: ") and text.count("event:") == 1, text
+    progress = json.loads(text.split("data: ", 1)[1])
+    assert (progress["step"], progress["status"]) == (60, "finished") and progress["incidents"] >= 3
+
+
 HOSTILE = [
     ("/api/runs/..%2f..%2fetc%2fpasswd", 404),
     ("/api/runs/%2e%2e", 400),
@@ -367,6 +376,7 @@ def test_two_runs_compared_in_the_browser(server, page, screenshots):
     page.goto(server.url + "#/")
     for name in (FAULTY, CLEAN):
         page.locator(f"#runs input[data-run='{name}']").check()
+    page.screenshot(path=screenshots / "runs.png")
     page.locator("#compare-button").click()
     page.wait_for_selector("#chart-compare .scatterlayer .trace")
     assert page.locator("#chart-compare .legendtext").all_text_contents() == [FAULTY, CLEAN]

@@ -130,6 +130,14 @@ class Dashboard:
         listed = _listed(row)
         return {**listed, "config": row["config"], "summary": row["summary"], "metric_keys": keys}
 
+    def progress(self, name: str) -> dict[str, Any]:
+        """What tells a page watching a run that it has something new to draw."""
+        self.sync()
+        self.check_run(name)
+        with self._lock:
+            row = self.store.run(name)
+        return {k: row.get(k) for k in ("step", "status", "incidents", "updated")}
+
     def curve(self, name: str, key: str, x: str = "step", start: int | None = None, end: int | None = None,
               max_points: int = DEFAULT_POINTS) -> dict[str, Any]:  # fmt: skip
         self.sync()

@@ -5,24 +5,29 @@ so that a web page elsewhere cannot reach the API through a name that resolves t
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import importlib.util
+import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
 from starlette.requests import Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from liandan.track.dash.api import MAX_BODY, MAX_POINTS, MAX_STEP, ApiError, Dashboard, parse_int, parse_x
 
 STATIC = Path(__file__).resolve().parent / "static"
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
+STREAM_S = 60.0  # the longest one event stream stays open
 
 
 def plotly_bundle() -> Path:
@@ -76,9 +81,27 @@ def create_app(dash: Dashboard, token: str | None = None, loopback: bool = True)
             body += chunk
             if len(body) > MAX_BODY:
                 raise ApiError(413, f"request body over {MAX_BODY} bytes")
-        from starlette.concurrency import run_in_threadpool
-
         return JSONResponse(await run_in_threadpool(dash.compare, body), headers={"Cache-Control": "no-store"})
+
+    async def stream(request: Request) -> Response:
+        """Server-sent events: one `progress` message whenever the run's step, status or incidents change,
+        checked every second; the stream ends after `STREAM_S` (browsers reconnect on their own) or when the
+        run stops, so that no connection outlives the server's shutdown by long."""
+        run = await run_in_threadpool(name, request)
+
+        async def messages():
+            last = None
+            began = time.monotonic()
+            while time.monotonic() - began < STREAM_S and not await request.is_disconnected():
+                now = await run_in_threadpool(dash.progress, run)
+                if now != last:
+                    yield f"event: progress\ndata: {json.dumps(now)}\n\n"
+                    last = now
+                if now["status"] != "running":
+                    return
+                await asyncio.sleep(1.0)
+
+        return StreamingResponse(messages(), media_type="text/event-stream", headers={"Cache-Control": "no-store"})
 
     routes = [
         Route("/", page),
@@ -95,6 +118,7 @@ def create_app(dash: Dashboard, token: str | None = None, loopback: bool = True)
         Route("/api/runs/{name}/forecasts", api(lambda r: {"forecasts": dash.forecasts(name(r))})),
         Route("/api/runs/{name}/health", api(lambda r: dash.health(name(r)))),
         Route("/api/runs/{name}/layers", api(layers)),
+        Route("/api/runs/{name}/stream", stream),
         Route("/api/compare", compare, methods=["POST"]),
     ]  # fmt: skip
 

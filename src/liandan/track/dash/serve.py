@@ -69,7 +69,9 @@ def serve(project: Path | str, host: str = "127.0.0.1", port: int = 0, token: st
     url = f"http://{shown}:{sock.getsockname()[1]}/" + (f"?token={token}" if token else "")
     say(f"dash: {len(dash.runs())} run(s) of {dash.project}")
     say(f"dash: open {url}")
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+    )
     try:
         server.run(sockets=[sock])
     finally:

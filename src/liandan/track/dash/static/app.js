@@ -9,6 +9,7 @@ const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2"
                 "#4b5563", "#ea580c", "#0d9488", "#9333ea"];
 const PLOT_CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
 let timer = null;
+let stream = null;
 
 async function api(path, options = {}) {
   const headers = { ...(options.headers || {}) };
@@ -57,7 +58,12 @@ function showError(message) {
 
 function setLive(on) { document.getElementById("live").hidden = !on; }
 
-function stop() { if (timer) clearInterval(timer); timer = null; setLive(false); }
+function stop() {
+  if (timer) clearInterval(timer);
+  if (stream) stream.close();
+  timer = stream = null;
+  setLive(false);
+}
 
 async function route() {
   stop();
@@ -220,15 +226,21 @@ async function runView(main, name) {
   drawLayers(layers, incidents, "grad");
   if (run.status === "running") {
     setLive(true);
-    timer = setInterval(async () => {
+    let busy = false;
+    const refresh = async () => {
+      if (busy) return;
+      busy = true;
       try {
         [run, { incidents }, { evaluations }] = await load();
         fillStats(run);
         fillIncidents(incidents);
         await drawRunCharts(name, run, incidents, evaluations);
         if (run.status !== "running") stop();
-      } catch (err) { showError(err.message); }
-    }, POLL_MS);
+      } catch (err) { showError(err.message); } finally { busy = false; }
+    };
+    // The server says when there is something new (server-sent events); the browser reconnects by itself.
+    stream = new EventSource(`api/runs/${enc(name)}/stream` + (TOKEN ? `?token=${enc(TOKEN)}` : ""));
+    stream.addEventListener("progress", refresh);
   }
 }
 
