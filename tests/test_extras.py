@@ -53,6 +53,7 @@ def test_only_the_pipeline_steps_and_the_sweep_need_an_extra_to_import(without_e
         "liandan.data.normalize ftfy",  # a step of `liandan data run`: [data]
         "liandan.plan.pruner optuna",  # [sweep]
         "liandan.plan.sweep optuna",
+        "liandan.track.dash.app starlette.applications",  # the web application of `liandan dash`: [dash]
     ]
 
 
@@ -60,6 +61,8 @@ def test_a_command_that_needs_an_extra_says_which(without_extras, tmp_path):
     done = run_liandan("sweep", tmp_path / "sweep.toml", env=without_extras)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == "liandan: error: liandan sweep needs the [sweep] extra: pip install 'liandan[sweep]'\n"
+    done = run_liandan("dash", tmp_path, env=without_extras)
+    assert done.stderr == "liandan: error: liandan dash needs the [dash] extra: pip install 'liandan[dash]'\n"
     corpus = write_corpus(tmp_path)
     toml = tmp_path / "pipeline.toml"
     toml.write_text(

@@ -16,6 +16,7 @@ from liandan import faults
 from liandan.config import ConfigError, load_config
 from liandan.model.llama import ModelArgs, Transformer
 from liandan.resilience.incidents import timeline
+from liandan.run import RunDir, read_jsonl
 from liandan.run.errors import DEVICE_FAULT_EXIT
 from liandan.train.health.sdc import fingerprint
 
@@ -107,6 +108,11 @@ def test_a_rank_that_sleeps_in_compute_is_named_a_straggler(faulted2):
     assert straggler["seconds"] >= faults.SLOW_S and straggler["median_seconds"] < faults.SLOW_S / 2
     lines = "\n".join(timeline(faulted2.path))
     assert "STRAGGLER rank 0" in lines and "SILENT DATA CORRUPTION at step 15: rank 1" in lines
+    # Every window's times of both ranks are kept for the dashboard's heat map, the sleeper's forward among them.
+    windows = read_jsonl(RunDir(faulted2.path).rank_times)
+    assert [w["step"] for w in windows][:2] == [WINDOW, 2 * WINDOW] and all(len(w["seconds"]) == 2 for w in windows)
+    forward = windows[-1]["phases"].index("forward")
+    assert windows[-1]["seconds"][0][forward] >= faults.SLOW_S > windows[-1]["seconds"][1][forward]
 
 
 @pytest.mark.slow

@@ -26,6 +26,8 @@ EXTRAS = {
     "tensorboard": ("tensorboard",),
     "wandb": ("wandb",),
     "mlflow": ("mlflow", "sqlalchemy", "alembic"),  # mlflow-skinny installs `mlflow`; the others its SQLite store
+    "dash": ("starlette", "uvicorn", "plotly"),
+    "browser-tests": ("playwright",),
 }
 
 
@@ -129,6 +131,7 @@ def _parser() -> argparse.ArgumentParser:
 
     from liandan.cli import (
         checkpoints,
+        dash_cmd,
         data_cmd,
         doctor_cmd,
         fit_cmd,
@@ -151,6 +154,7 @@ def _parser() -> argparse.ArgumentParser:
         forecast_cmd,
         sweep_cmd,
         runs_cmd,
+        dash_cmd,
     ):
         module.add_commands(sub)
     return parser

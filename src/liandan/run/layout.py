@@ -7,6 +7,8 @@
     doctor.json           the preflight doctor's report: every rank's checks and verdicts (the newest launch,
                           or the newest `liandan doctor` with this run's name)
     doctor-bisect.json    the newest `liandan doctor --bisect` with this run's name: its rounds and verdict
+    rank-times.jsonl      the straggler check's mean phase times per step of every rank, one record per window
+                          (rank 0): the dashboard's step-time heat map
     training.png          loss, learning rate and throughput against step, incidents marked, drawn when it ends
     report.html           `liandan report` of this run alone (report-<run>.png beside it), when asked for
     heartbeat/            rank-NNNNN.json: each rank's step and phase, for the supervisor's hang detection;
@@ -143,6 +145,11 @@ class RunDir:
     @property
     def layer_stats(self) -> Path:
         return self.guard / "layers.jsonl"
+
+    @property
+    def rank_times(self) -> Path:
+        """Every rank's mean seconds per step in each phase, one record per window of the straggler check."""
+        return self.path / "rank-times.jsonl"
 
     @property
     def nodes(self) -> Path:

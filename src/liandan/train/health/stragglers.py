@@ -9,7 +9,8 @@ rank's peers wait for it inside the collectives of backward and the optimizer st
 grows, not in forward: the straggler is the one whose own phase is slow while the others' is normal. A rank
 whose time in a judged phase is `straggler_ratio` times the median of the other ranks' (and
 `straggler_min_s` above it) is over the threshold; over it in `straggler_windows` windows in a row, it is a
-straggler: a "straggler" event names rank, host, phase and its time against the median. With
+straggler: a "straggler" event names rank, host, phase and its time against the median. Rank 0 keeps every
+window's times of every rank in `rank-times.jsonl` (the dashboard's step-time heat map), one process too. With
 `health.exclude_stragglers`, a supervisor of several nodes excludes the straggler's node when the run next
 restarts.
 """
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from liandan.config import Config, HealthSection
+from liandan.run import append_jsonl
 from liandan.spec.layout import uses_fsdp
 from liandan.train.callbacks import Callback, register_callback
 from liandan.train.health.ranks import gather_rows, hosts
@@ -66,13 +68,25 @@ class StragglerCallback(Callback):
             self.on_phase(trainer, step, "step_end", 0)
         self.current = None
         self.steps += 1
-        if step % self.cfg.straggler_every or trainer.rolling_back or not trainer.dist.distributed:
+        if step % self.cfg.straggler_every or trainer.rolling_back:
             return
-        mine = torch.tensor([self.seconds[p] / self.steps for p in TIMED], dtype=torch.float64,
-                            device=trainer.device)  # fmt: skip
+        mine = [self.seconds[p] / self.steps for p in TIMED]
         self.seconds, self.steps = dict.fromkeys(TIMED, 0.0), 0
-        rows = [r.tolist() for r in gather_rows(mine)]
-        self._judge(trainer, step, rows)
+        if trainer.dist.distributed:
+            rows = [r.tolist() for r in gather_rows(torch.tensor(mine, dtype=torch.float64, device=trainer.device))]
+        else:
+            rows = [mine]
+        if trainer.dist.is_main:
+            self._record(trainer, step, rows)
+        if trainer.dist.distributed:
+            self._judge(trainer, step, rows)
+
+    def _record(self, trainer: Trainer, step: int, rows: list[list[float]]) -> None:
+        """The window's times of every rank, for the dashboard's heat map: one short line per window."""
+        record = {"step": step, "time": round(time.time(), 3), "window_steps": self.cfg.straggler_every,
+                  "phases": list(TIMED), "hosts": self.hosts,
+                  "seconds": [[round(v, 6) for v in row] for row in rows]}  # fmt: skip
+        append_jsonl(trainer.room.rank_times, record)
 
     def _judge(self, trainer: Trainer, step: int, rows: list[list[float]]) -> None:
         c = self.cfg

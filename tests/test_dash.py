@@ -1,0 +1,413 @@
+"""`liandan dash` on real runs: its JSON API through a real uvicorn server (answers, evidence, hostile input,
+the token off loopback) and the page in headless Chromium (a finished run with incidents, a run still
+training, a comparison), with screenshots kept for a look."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from helpers import (
+    MICRO_MODEL,
+    environment_without,
+    run_liandan,
+    start_liandan,
+    tiny_config,
+    wait_for_step,
+    write_corpus,
+)
+
+pytest.importorskip("starlette")
+pytest.importorskip("uvicorn")
+
+FAULTY = "faulty"  # the guard rolls back a learning-rate burst; then a worker is killed and restarted
+CLEAN = "clean"
+SECRET = "the-secret-outside-the-project"
+FAULTY_RUN = ["--train.steps=60", "--optim.lr=3e-3", "--train.global_batch=16", "--guard.ring_every=10",
+              "--guard.stats_every=20", "--train.eval_every=20", "--train.eval_batches=2",
+              "--health.straggler_every=10"]  # fmt: skip
+
+
+def environment(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess: none of liandan's variables but the session's cache directory."""
+    return environment_without(LIANDAN_CACHE_DIR=os.environ["LIANDAN_CACHE_DIR"], **extra)
+
+
+def train(project: Path, corpus: Path, name: str, *overrides: str, faults: str = "", nproc: int = 1) -> None:
+    config = project.parent / f"{name}.toml"
+    config.write_text(tiny_config(project, corpus, f"--run.name={name}", *overrides).to_toml())
+    env = environment(**({"LIANDAN_FAULTS": faults} if faults else {}))
+    done = run_liandan("train", config, "--nproc", nproc, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def plant_escapes(project: Path, outside: Path) -> None:
+    """A run whose files point out of the project: an event naming a file outside by its absolute path, a
+    guard report and a stack dump that are symlinks to it, and a run directory that is a symlink out."""
+    secret = outside / "secret.json"
+    secret.write_text(json.dumps({"verdict": SECRET}))
+    (outside / "secret.txt").write_text(SECRET)
+    run = project / "escape"
+    (run / "guard").mkdir(parents=True)
+    (run / "heartbeat" / "stacks").mkdir(parents=True)
+    (run / "guard" / "spike-step-00000002.json").symlink_to(secret)
+    (run / "heartbeat" / "stacks" / "rank-00000.txt").symlink_to(outside / "secret.txt")
+    events = [{"time": 1.0, "kind": "rollback", "step": 2, "report": str(secret), "to": 1},
+              {"time": 2.0, "kind": "rollback", "step": 3, "report": "escape/guard/spike-step-00000002.json"},
+              {"time": 3.0, "kind": "incident", "step": 3, "attempt": 0, "cause": "hang",
+               "stacks": "../../" + str(outside / "secret.txt")}]  # fmt: skip
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0}\n')
+    linked = outside / "linked-run"
+    (linked / "guard").mkdir(parents=True)
+    (linked / "events.jsonl").write_text(json.dumps({"kind": "rollback", "step": 1, "report": "x.json"}) + "\n")
+    (linked / "x.json").write_text(json.dumps({"verdict": SECRET}))
+    (project / "linked").symlink_to(linked)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_corpus(tmp_path_factory.mktemp("dash-corpus"), 200)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, corpus):
+    """A project directory with two finished runs (one with incidents, on two ranks) and the planted escapes."""
+    root = tmp_path_factory.mktemp("dash")
+    project = root / "runs"
+    project.mkdir()
+    train(project, corpus, FAULTY, *FAULTY_RUN, faults="burst@update:30,kill@step:45", nproc=2)
+    train(project, corpus, CLEAN, *MICRO_MODEL, "--train.steps=40", "--resilience.supervise=false")
+    outside = root / "outside"
+    outside.mkdir()
+    plant_escapes(project, outside)
+    return project
+
+
+class Server:
+    def __init__(self, proc: subprocess.Popen, url: str):
+        self.proc = proc
+        self.url = url
+        parsed = urllib.parse.urlsplit(url)
+        self.host, self.port = parsed.hostname, parsed.port
+        self.token = urllib.parse.parse_qs(parsed.query).get("token", [None])[0]
+
+    def request(self, path: str, method: str = "GET", body: bytes | None = None, headers: dict | None = None):
+        """The status and the JSON body of one request, the path sent exactly as given (no normalisation)."""
+        connection = http.client.HTTPConnection(self.host, self.port, timeout=30)
+        try:
+            connection.request(method, path, body=body, headers=headers or {})
+            response = connection.getresponse()
+            data = response.read()
+        finally:
+            connection.close()
+        return response.status, json.loads(data) if response.getheader("content-type", "").startswith(
+            "application/json") else data  # fmt: skip
+
+    def get(self, path: str, **kw):
+        status, body = self.request(path, **kw)
+        assert status == 200, (path, status, body)
+        return body
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def start_dash(project: Path, *args: str) -> Server:
+    proc = start_liandan("dash", project, "--port", "0", *args, env=environment())
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("dash: open "):
+            return Server(proc, line.split("dash: open ", 1)[1].strip())
+    proc.wait()
+    raise AssertionError(f"liandan dash ended ({proc.returncode}): {''.join(lines)}{proc.stderr.read()[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def server(project):
+    server = start_dash(project)
+    yield server
+    server.stop()
+
+
+def incident_of_kind(server: Server, run: str, kind: str) -> dict:
+    incidents = server.get(f"/api/runs/{run}/incidents")["incidents"]
+    return next(i for i in incidents if i["kind"] == kind)
+
+
+# -- the API -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_the_runs_list_and_one_run(server):
+    runs = {r["name"]: r for r in server.get("/api/runs")["runs"]}
+    assert {FAULTY, CLEAN} <= set(runs)
+    faulty = runs[FAULTY]
+    assert faulty["status"] == "finished" and faulty["step"] == 60 and faulty["restarts"] == 1
+    assert 0 < faulty["goodput"] < 1 and faulty["incidents"] >= 2 and faulty["tokens"] == 60 * 16 * 64
+    run = server.get(f"/api/runs/{FAULTY}")
+    assert {"loss", "lr", "tokens_per_s", "mfu"} <= set(run["metric_keys"])
+    assert "[train]" in run["config"] and run["summary"]["steps"] == 60
+
+
+@pytest.mark.slow
+def test_a_curve_is_thinned_with_its_extremes_and_put_against_tokens(server):
+    whole = server.get(f"/api/runs/{FAULTY}/curve?key=loss")
+    assert whole["step"] == list(range(1, 61))
+    thin = server.get(f"/api/runs/{FAULTY}/curve?key=loss&max_points=6&start=1&end=60")
+    assert len(thin["step"]) <= 6
+    assert max(thin["high"]) == max(whole["y"]) and min(thin["low"]) == min(whole["y"])  # a spike survives
+    tokens = server.get(f"/api/runs/{FAULTY}/curve?key=loss&x=tokens&start=10&end=12")
+    assert tokens["step"] == [10, 11, 12] and tokens["x"] == [s * 16 * 64 for s in (10, 11, 12)]
+
+
+@pytest.mark.slow
+def test_an_incident_comes_with_its_evidence(server):
+    rollback = incident_of_kind(server, FAULTY, "rollback")
+    assert rollback["step"] is not None and "rolled back to step" in rollback["line"]
+    found = server.get(f"/api/runs/{FAULTY}/incidents/{rollback['seq']}")
+    report = next(e for e in found["evidence"] if e["file"].startswith("guard/spike-step-"))
+    assert report["json"]["verdict"] and report["json"]["rollback"]["to"] < rollback["step"]
+    assert found["layers"] and all(abs(r["step"] - rollback["step"]) <= 20 for r in found["layers"])
+    crash = incident_of_kind(server, FAULTY, "incident")
+    found = server.get(f"/api/runs/{FAULTY}/incidents/{crash['seq']}")
+    log = next(e for e in found["evidence"] if e["file"] == "logs/attempt-0.log")
+    assert "guard: spike at step" in log["text"]  # the tail of the attempt that was killed after step 45
+    health = server.get(f"/api/runs/{FAULTY}/health")
+    assert [len(w["seconds"]) for w in health["windows"]][:1] == [2]  # both ranks' phase times per window
+    assert {w["step"] for w in health["windows"]} >= {10, 20, 30, 40, 50, 60}
+    assert [r["rank"] for r in health["doctor"]["ranks"]] == [0, 1]
+    assert {e["kind"] for e in server.get(f"/api/runs/{FAULTY}/evaluations")["evaluations"]} == {"eval"}
+
+
+@pytest.mark.slow
+def test_comparing_runs(server):
+    body = json.dumps({"runs": [FAULTY, CLEAN], "key": "loss", "x": "tokens", "max_points": 100}).encode()
+    status, found = server.request("/api/compare", "POST", body, {"Content-Type": "application/json"})
+    assert status == 200 and [c["run"] for c in found["curves"]] == [FAULTY, CLEAN]
+    assert all(len(c["x"]) == len(c["y"]) > 0 for c in found["curves"])
+
+
+@pytest.mark.slow
+def test_a_finished_run_streams_its_state_once_and_ends(server):
+    status, body = server.request(f"/api/runs/{FAULTY}/stream")
+    text = body.decode()
+    assert status == 200 and text.startswith("event: progress\ndata: ") and text.count("event:") == 1, text
+    progress = json.loads(text.split("data: ", 1)[1])
+    assert (progress["step"], progress["status"]) == (60, "finished") and progress["incidents"] >= 3
+
+
+HOSTILE = [
+    ("/api/runs/..%2f..%2fetc%2fpasswd", 404),
+    ("/api/runs/%2e%2e", 400),
+    ("/api/runs/%2Fetc%2Fpasswd", 404),
+    ("/api/runs/..%2foutside/incidents", 404),
+    ("/api/runs/no-such-run", 404),
+    ("/api/runs/.hidden", 400),
+    ("/api/runs/faulty/curve?key=loss&max_points=100000000", 400),
+    ("/api/runs/faulty/curve?key=loss&start=-99999999999999999999", 400),
+    ("/api/runs/faulty/curve?key=loss&start=abc", 400),
+    ("/api/runs/faulty/curve?key=loss&start=9&end=3", 400),
+    ("/api/runs/faulty/curve?key=loss&x=bogus", 400),
+    ("/api/runs/faulty/curve?key=..%2f..%2fx", 400),
+    ("/api/runs/faulty/curve?key=nosuchmetric", 404),
+    ("/api/runs/faulty/incidents/abc", 400),
+    ("/api/runs/faulty/incidents/-1", 400),
+    ("/api/runs/faulty/incidents/99999999", 404),
+    ("/api/runs/faulty/layers?around=1&window=99999999", 400),
+    ("/api/compare", 405),
+    ("/api/nothing/here", 404),
+    ("/static/..%2f..%2f..%2fconfig.py", 404),
+    ("/static/config.toml", 404),
+]
+
+
+@pytest.mark.slow
+def test_hostile_and_malformed_requests_get_one_line_json_errors(server):
+    for path, expected in HOSTILE:
+        status, body = server.request(path)
+        assert status == expected, (path, status, body)
+        if path.startswith("/api"):
+            assert isinstance(body, dict) and "\n" not in body["error"] and body["error"], (path, body)
+    posts = [(b"{not json", 400), (b"[1, 2]", 400), (json.dumps({"runs": ["../x"]}).encode(), 400),
+             (json.dumps({"runs": [FAULTY] * 13}).encode(), 400), (json.dumps({"runs": [FAULTY], "max_points": 1e9})
+             .encode(), 400), (b" " * (1 << 17), 413)]  # fmt: skip
+    for body, expected in posts:
+        status, answer = server.request("/api/compare", "POST", body, {"Content-Type": "application/json"})
+        assert status == expected and "\n" not in answer["error"], (body[:40], status, answer)
+    status, answer = server.request("/api/runs", headers={"Host": "attacker.example"})  # DNS rebinding
+    assert status == 403, answer
+
+
+@pytest.mark.slow
+def test_nothing_outside_the_project_is_served(server):
+    assert "escape" in {r["name"] for r in server.get("/api/runs")["runs"]}
+    answers = []
+    for incident in server.get("/api/runs/escape/incidents")["incidents"]:
+        answers.append(server.get(f"/api/runs/escape/incidents/{incident['seq']}"))
+    assert len(answers) == 3 and all(a["evidence"] == [] for a in answers)
+    assert server.request("/api/runs/linked/incidents/0")[0] == 404  # its directory is outside the project
+    assert {"linked", "linked-run"}.isdisjoint(r["name"] for r in server.get("/api/runs")["runs"])
+    for path in ("/api/runs/escape/health", "/api/runs/escape/layers", "/api/runs"):
+        assert SECRET not in json.dumps(server.get(path))
+    assert all(SECRET not in json.dumps(a) for a in answers)
+
+
+def non_loopback_address() -> str | None:
+    """This machine's address on its default route, when it has one (no packet is sent)."""
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))
+        address = probe.getsockname()[0]
+    except OSError:
+        return None
+    finally:
+        probe.close()
+    return None if address.startswith("127.") or address == "0.0.0.0" else address
+
+
+@pytest.mark.slow
+def test_off_loopback_every_api_request_needs_the_token(project):
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to bind the dashboard to")
+    server = start_dash(project, "--host", address)
+    try:
+        assert server.token and len(server.token) >= 20  # generated, and printed in the URL
+        for headers in ({}, {"Authorization": "Bearer wrong-token-here"}, {"X-Liandan-Token": server.token[:-1]}):
+            status, body = server.request("/api/runs", headers=headers)
+            assert status == 401 and "token" in body["error"], (headers, status, body)
+        assert server.request(f"/api/runs/{FAULTY}/incidents")[0] == 401
+        assert server.request("/api/runs?token=" + server.token)[0] == 200
+        assert server.request("/api/runs", headers={"Authorization": f"Bearer {server.token}"})[0] == 200
+        assert server.request("/")[0] == 200  # the page itself holds no data
+    finally:
+        server.stop()
+
+
+def test_bad_command_lines_end_in_one_line(tmp_path):
+    done = run_liandan("dash", tmp_path / "missing")
+    assert done.returncode == 2 and done.stderr.startswith("liandan: error: no project directory"), done.stderr
+    done = run_liandan("dash", tmp_path, "--port", "70000")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    done = run_liandan("dash", tmp_path, "--host", "0.0.0.0", "--token", "short")
+    assert done.returncode == 2 and "--token" in done.stderr, done.stderr
+
+
+# -- in the browser ------------------------------------------------------------------------------------------
+CHROMIUM = "/usr/bin/chromium"
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run", "--disable-quic"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).is_file():
+        pytest.skip(f"no Chromium at {CHROMIUM} (Debian's chromium package) for the browser tests")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need the [browser-tests] extra")
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def screenshots(tmp_path_factory):
+    """Where the screenshots go: $LIANDAN_SCREENSHOTS when set (to look at them), else a temporary directory."""
+    where = os.environ.get("LIANDAN_SCREENSHOTS")
+    path = Path(where) if where else tmp_path_factory.mktemp("screenshots")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture
+def page(browser):
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    errors = []
+    page.on("pageerror", lambda err: errors.append(str(err)))
+    yield page
+    page.close()
+    assert not errors, errors
+
+
+def click_marker(page, index: int) -> None:
+    """Click the `index`-th incident marker of the loss chart where a user would: on the chart, at its place."""
+    marker = page.locator("#chart-loss .scatterlayer .trace").last.locator("path.point").nth(index)
+    box = marker.bounding_box()
+    x, y = box["x"] + box["width"] / 2, box["y"] + box["height"] / 2
+    page.mouse.move(x, y)
+    page.locator("#chart-loss .hoverlayer .hovertext").wait_for()  # plotly clicks on what it hovers over
+    page.mouse.click(x, y)
+
+
+@pytest.mark.slow
+def test_a_finished_run_its_incident_and_its_evidence_in_the_browser(server, page, screenshots):
+    page.goto(server.url + "#/")
+    page.locator(f"#runs tr[data-run='{FAULTY}'] a").click()
+    page.wait_for_selector("#chart-loss .scatterlayer .trace path.point")
+    markers = page.locator("#chart-loss .scatterlayer .trace").last.locator("path.point")
+    assert markers.count() >= 3  # the rollback, the crash and its restart (and a doctor's warnings, on a busy host)
+    assert page.locator("#stats").inner_text().count("finished") == 1
+    assert page.locator("#chart-ranks .heatmaplayer").count() == 1
+    page.screenshot(path=screenshots / "run.png", full_page=True)
+    marked = [i for i in server.get(f"/api/runs/{FAULTY}/incidents")["incidents"] if i["step"] is not None]
+    click_marker(page, next(k for k, i in enumerate(marked) if i["kind"] == "rollback"))
+    panel = page.locator("#evidence")
+    panel.locator("#evidence-title", has_text="rollback at step").wait_for()
+    panel.locator(".verdict").wait_for()
+    assert "guard/spike-step-" in panel.inner_text()
+    page.screenshot(path=screenshots / "evidence.png")
+
+
+@pytest.mark.slow
+def test_two_runs_compared_in_the_browser(server, page, screenshots):
+    page.goto(server.url + "#/")
+    for name in (FAULTY, CLEAN):
+        page.locator(f"#runs input[data-run='{name}']").check()
+    page.screenshot(path=screenshots / "runs.png")
+    page.locator("#compare-button").click()
+    page.wait_for_selector("#chart-compare .scatterlayer .trace")
+    assert page.locator("#chart-compare .legendtext").all_text_contents() == [FAULTY, CLEAN]
+    page.select_option("#compare-x", "tokens")
+    page.wait_for_function("document.querySelector('#chart-compare .g-xtitle').textContent === 'tokens'")
+    page.locator("#compare-logy").check()
+    page.locator("#compare-smooth").evaluate("(s) => { s.value = '0.8'; s.dispatchEvent(new Event('input')); }")
+    page.wait_for_function("document.querySelector('#chart-compare').layout.yaxis.type === 'log'")
+    assert page.locator("#chart-compare .scatterlayer .trace").count() == 4  # each run raw and smoothed
+    page.screenshot(path=screenshots / "compare.png")
+
+
+@pytest.mark.slow
+def test_a_run_still_training_updates_live_in_the_browser(server, project, corpus, page, screenshots):
+    config = project.parent / "live.toml"
+    config.write_text(tiny_config(project, corpus, "--run.name=live", *MICRO_MODEL, "--train.steps=100000",
+                                  "--resilience.supervise=false", "--checkpoint.every=0").to_toml())  # fmt: skip
+    proc = start_liandan("train", config, env=environment(), quiet=True)
+    try:
+        wait_for_step(project / "live", 3, proc)
+        page.goto(server.url + "#/run/live")
+        page.wait_for_selector("#chart-loss .scatterlayer .trace")
+        assert "running" in page.locator("#stats").inner_text() and page.locator("#live").is_visible()
+        newest = "(() => { const x = document.getElementById('chart-loss').data[0].x; return x[x.length - 1]; })()"
+        first = page.evaluate(newest)
+        page.wait_for_function(f"{newest} > {first}", timeout=30_000)  # the page polls: no reload
+        page.screenshot(path=screenshots / "live.png")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
