@@ -26,7 +26,7 @@ def score_case(model, case: dict) -> dict:
         "loglikelihoods": scoring.loglikelihoods(model, case["requests"], batch_size=3),
         "rolling": scoring.rolling_loglikelihoods(
             model, case["documents"], max_len=case["rolling_max_len"], prefix_token=0, batch_size=3
-        ),  # fmt: skip
+        ),
         "generated": scoring.generate(model, case["prompts"], max_new_tokens=case["max_new_tokens"], batch_size=3),
     }
 

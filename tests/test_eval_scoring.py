@@ -23,7 +23,7 @@ from eval_shard_worker import build, score_case
 from liandan.evaluate import scoring
 from liandan.model import KVCache, ModelArgs, Transformer
 
-ARGS = dict(vocab_size=61, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=40, init_std=0.3)
+ARGS = {"vocab_size": 61, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "max_seq_len": 40, "init_std": 0.3}
 
 
 @pytest.fixture(scope="module")
