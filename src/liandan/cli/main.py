@@ -124,9 +124,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="a run directory")
     p.set_defaults(command=cmd_incidents)
 
-    from liandan.cli import checkpoints, data_cmd, doctor_cmd, fit_cmd, forecast_cmd, guard_cmd, plan_cmd, sweep_cmd
+    from liandan.cli import (
+        checkpoints,
+        data_cmd,
+        doctor_cmd,
+        eval_cmd,
+        fit_cmd,
+        forecast_cmd,
+        guard_cmd,
+        plan_cmd,
+        sweep_cmd,
+    )
 
-    for module in (doctor_cmd, guard_cmd, data_cmd, checkpoints, plan_cmd, fit_cmd, forecast_cmd, sweep_cmd):
+    for module in (doctor_cmd, guard_cmd, data_cmd, checkpoints, eval_cmd, plan_cmd, fit_cmd, forecast_cmd, sweep_cmd):
         module.add_commands(sub)
     return parser
 
@@ -199,6 +209,7 @@ def register_callbacks(modules: Sequence[str] = ()) -> None:
     `liandan train` alone, and each supervised or torchrun worker, which runs `python -m liandan.cli train`
     with the same config."""
     import liandan.doctor.preflight  # "doctor": the hardware preflight before the first step
+    import liandan.evaluate.callback  # "eval_tasks": tasks and held-out bits per byte during training
     import liandan.plan.forecast_callback  # noqa: F401 - "forecast": the live loss forecast
     from liandan.train.callbacks import import_callback_modules
 
