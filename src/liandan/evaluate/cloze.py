@@ -62,7 +62,7 @@ def next_line_items(docs: list[list[str]], n_items: int, n_choices: int, context
     """Items whose context is `context` consecutive lines of a document and whose answer is the line after."""
     rng = random.Random(seed)
     positions = [(d, i) for d, lines in enumerate(docs) for i in range(context, len(lines))]
-    pool = sorted({line for lines in docs for line in lines}, key=len)
+    pool = sorted({line for lines in docs for line in lines}, key=lambda line: (len(line), line))  # no set order
     if len(pool) < n_choices * 2 or not positions:
         raise ConfigError(f"too few usable lines ({len(pool)}) for next-line cloze items of {n_choices} choices")
     lengths = [len(line) for line in pool]
