@@ -182,6 +182,9 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     config = tomllib.loads((run_dir / "config.toml").read_text())
     assert config["data"]["stores"] == [str(store)]
     assert f"run directory: {run_dir}" in out
+    if SHARED_DATA.is_dir():  # its last word: a few cloze items under every prompt format, never one number
+        [spread] = [line for line in out.splitlines() if line.strip().startswith("cloze_en: acc mean")]
+        assert "spread" in spread and "over 5 formats, 10 items" in spread
 
 
 def test_demo_takes_a_directory_of_data_files(tmp_path):
