@@ -23,6 +23,7 @@ EXTRAS = {
     "sweep": ("optuna", "sqlalchemy"),
     "hf": ("transformers",),
     "ray": ("ray",),
+    "eval": ("lm_eval",),
 }
 
 
@@ -138,6 +139,9 @@ def _parser() -> argparse.ArgumentParser:
 
     for module in (doctor_cmd, guard_cmd, data_cmd, checkpoints, eval_cmd, plan_cmd, fit_cmd, forecast_cmd, sweep_cmd):
         module.add_commands(sub)
+    from liandan.cli import lm_eval_cmd
+
+    lm_eval_cmd.add_commands(sub)
     return parser
 
 
