@@ -71,8 +71,7 @@ def evaluate_here(path: Path, run: Path | None, cfg: Any, tasks: list[Any]) -> d
     from liandan.evaluate.runner import Split, run_task
     from liandan.train.distributed import init_distributed, shutdown_distributed
 
-    info = init_distributed("cpu" if cfg.run.device == "auto" and not torch.cuda.is_available() else cfg.run.device,
-                            "gloo", cfg.resilience.collective_timeout_s)  # fmt: skip
+    info = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.resilience.collective_timeout_s)
     try:
         split = None
         if info.world_size > 1:
@@ -83,17 +82,19 @@ def evaluate_here(path: Path, run: Path | None, cfg: Any, tasks: list[Any]) -> d
                 return parts
 
             split = Split(info.rank, info.world_size, gather)
-        model, tokenizer, run_cfg = load_for_eval(path)
+        model, tokenizer, run_cfg = load_for_eval(path, device=info.device)
         e = cfg.eval
         with torch.no_grad():
-            results = [run_task(model, tokenizer, task, limit=e.limit, max_len=run_cfg.model.max_seq_len,
+            results = [run_task(model, tokenizer, task, limit=e.limit, max_len=model.args.max_seq_len,
                                 batch_size=e.batch_size, split=split, formats=e.formats,
                                 max_new_tokens=e.max_new_tokens) for task in tasks]  # fmt: skip
         heldout, contamination, step = [], [], _step_of(path)
-        loader = _loader(run_cfg, run) if run is not None else None
+        # an imported checkpoint has no run config, and so no training stores to hold out from or compare with
+        loader = _loader(run_cfg, run) if run is not None and run_cfg is not None else None
         if loader is not None and e.heldout_sequences:
             heldout = heldout_losses(model, loader, tokenizer, sequences=e.heldout_sequences, batch_size=e.batch_size,
-                                     document_mask=run_cfg.train.mask == "document", split=split)  # fmt: skip
+                                     document_mask=run_cfg.train.mask == "document", device=info.device,
+                                     split=split)  # fmt: skip
         if loader is not None and e.contamination and info.rank == 0:
             from liandan.evaluate.contamination import overlaps
 
