@@ -361,3 +361,17 @@ def test_cloze_items_are_the_same_in_every_process(task):
         for seed in ("1", "2")
     }
     assert len(digests) == 1
+
+
+def test_liandan_train_refuses_a_bad_task_file_before_any_worker_starts(tmp_path):
+    bad = write_task(tmp_path, 'name = "t"\nkind = "generation"\npath = "absent.jsonl"\n', None, "bad")
+    cfg = tiny_config(
+        tmp_path, write_corpus(tmp_path, n_docs=2), "--eval.every=1", f"--eval.tasks={json.dumps([str(bad)])}"
+    )
+    config = tmp_path / "run.toml"
+    config.write_text(cfg.to_toml())
+    done = run_liandan("train", config, "--nproc=2")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and str(bad) in lines[0] and "'path'" in lines[0], done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -174,6 +174,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     external = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and NodeEnv.from_env().nnodes is None)
     supervised = WorkerEnv.from_env().supervised  # a worker of the supervisor
     register_callbacks(cfg.train.callbacks)  # here too: a module that cannot be imported fails before any worker
+    if cfg.eval.every and cfg.eval.tasks and not external and not supervised:
+        from liandan.evaluate.tasks import load_tasks
+
+        load_tasks(cfg.eval.tasks, cfg.eval.data_dir)  # and so does a bad task file
     if cfg.resilience.supervise and not external and not supervised:
         return _supervise(args.config, cfg, name, args.nproc, overrides)
     if args.nproc > 1 and not external:

@@ -28,14 +28,13 @@ class TaskEvalCallback(Callback):
     order = 21  # after the validation loss (20), before snapshots and checkpoints
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
-        self.tasks: list[Any] = []
-
-    def on_train_start(self, trainer: Trainer) -> None:
         from liandan.evaluate.tasks import load_tasks
 
+        self.cfg = cfg
+        self.tasks = load_tasks(cfg.eval.tasks, cfg.eval.data_dir)  # before the model is built: a bad file fails early
+
+    def on_train_start(self, trainer: Trainer) -> None:
         e = self.cfg.eval
-        self.tasks = load_tasks(e.tasks, e.data_dir)
         if e.contamination and self.tasks and trainer.dist.is_main:
             from liandan.evaluate.contamination import overlaps
 
