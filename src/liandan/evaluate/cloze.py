@@ -2,8 +2,9 @@
 
 Each item shows `context_lines` consecutive lines of one document and asks which of `choices` lines comes next:
 the true next line, or lines drawn from elsewhere in the corpus whose length is close to it (so length alone
-does not give the answer away). Lines are split at line breaks, and for Chinese also after 。！？；, and
-kept when their length is between `min_chars` and `max_chars`. The same settings and corpus give the same items.
+does not give the answer away). Lines are split at line breaks, and for Chinese also after 。！？； (with the
+closing quotes that follow), and kept when their length is between `min_chars` and `max_chars` and they are
+mostly letters without lacuna marks. The same settings and corpus give the same items.
 
     [generate]
     corpus = "{data_dir}/corpus/en-shakespeare.txt"   # .txt (one document) or .jsonl (`text_field` per line)
@@ -35,7 +36,8 @@ _DEFAULTS: dict[str, Any] = {
     "text_field": "text", "items": 200, "choices": 4, "context_lines": 2, "min_chars": 20, "max_chars": 120,
     "seed": 17,
 }  # fmt: skip
-_SENTENCE_END = re.compile(r"(?<=[。！？；])")
+# a sentence runs to its end mark and any closing quotes after it, so no line starts with a stray ” or 」
+_SENTENCE = re.compile(r"[^。！？；]*[。！？；]+[”’」』）]*|[^。！？；]+")
 
 
 def cloze_items(task_file: Path, table: dict[str, Any], data_dir: str) -> tuple[list[Item], Path]:
@@ -54,7 +56,8 @@ def cloze_items(task_file: Path, table: dict[str, Any], data_dir: str) -> tuple[
     if not corpus.is_file():
         raise ConfigError(f"{task_file}: field 'generate.corpus': file not found: {corpus}")
     documents = _documents(corpus, s["text_field"], task_file)
-    lines_of = [[ln for ln in _lines(doc) if s["min_chars"] <= len(ln) <= s["max_chars"]] for doc in documents]
+    lines_of = [[ln for ln in _lines(doc) if s["min_chars"] <= len(ln) <= s["max_chars"] and _textual(ln)]
+                for doc in documents]  # fmt: skip
     return next_line_items(lines_of, s["items"], s["choices"], s["context_lines"], s["seed"]), corpus
 
 
@@ -92,10 +95,15 @@ def _documents(corpus: Path, text_field: str, task_file: Path) -> list[str]:
     return [d for d in docs if isinstance(d, str)]
 
 
+def _textual(line: str) -> bool:
+    """Mostly letters (CJK characters count), and no lacuna marks (□ stands for a character lost in the source)."""
+    return "\u25a1" not in line and sum(c.isalnum() for c in line) >= 0.6 * len(line)
+
+
 def _lines(text: str) -> list[str]:
     out = []
     for line in text.split("\n"):
-        out += [part.strip() for part in _SENTENCE_END.split(line) if part.strip()]
+        out += [part.strip() for part in _SENTENCE.findall(line) if part.strip()]
     return out
 
 
