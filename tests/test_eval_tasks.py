@@ -316,12 +316,16 @@ def test_gsm8k_runs_end_to_end_on_a_tiny_checkpoint(tmp_path):
     run = trainer.train().run_dir
     trainer.close()
     out = tmp_path / "eval.json"
-    done = run_liandan("eval", run, "--tasks=gsm8k", "--limit=2", f"--json={out}", f"--eval.data_dir={SHARED_DATA}",
+    done = run_liandan("eval", run, "--tasks=gsm8k", "--limit=2", f"--json={out}", "--record", f"--eval.data_dir={SHARED_DATA}",
                        "--eval.max_new_tokens=8", "--eval.heldout_sequences=0", "--eval.contamination=false")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (task,) = json.loads(out.read_text())["tasks"]
     assert task["task"] == "gsm8k" and task["n"] == 2 and set(task["scores"]) == set(BUILTIN_FORMATS)
     assert all(set(s) == {"exact_match"} for s in task["scores"].values())
+    recorded = read_run(run).of_kind("eval_task")
+    assert len(recorded) == len(BUILTIN_FORMATS) + 1 and all(
+        e["by"] == "liandan eval" and e["step"] == 2 for e in recorded
+    )
     assert "gsm8k: exact_match mean" in done.stdout and "spread" in done.stdout
 
 
