@@ -185,6 +185,9 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     # it ends with the commands that show the run: the dashboard on its project, the report it wrote
     assert f"liandan dash {tmp_path}" in out and f"liandan report {run_dir}" in out
     assert "ROLLBACK at step 19" in (run_dir / "report.html").read_text()
+    if SHARED_DATA.is_dir():  # its last word: a few cloze items under every prompt format, never one number
+        [spread] = [line for line in out.splitlines() if line.strip().startswith("cloze_en: acc mean")]
+        assert "spread" in spread and "over 5 formats, 10 items" in spread
 
 
 def test_demo_takes_a_directory_of_data_files(tmp_path):

@@ -37,7 +37,7 @@ def test_extras_match_pyproject():
     assert extras["dev"][0] == f"liandan[{','.join(EXTRAS)}]"  # dev: every extra, and the tools
 
 
-def test_only_the_pipeline_steps_and_the_sweep_need_an_extra_to_import(without_extras):
+def test_only_the_pipeline_steps_the_sweep_and_the_lm_eval_bridge_need_an_extra_to_import(without_extras):
     code = (
         "import importlib, pkgutil, liandan\n"
         "for m in pkgutil.walk_packages(liandan.__path__, 'liandan.'):\n"
@@ -51,6 +51,7 @@ def test_only_the_pipeline_steps_and_the_sweep_need_an_extra_to_import(without_e
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(done.stdout.split("\n")[:-1]) == [
         "liandan.data.normalize ftfy",  # a step of `liandan data run`: [data]
+        "liandan.evaluate.lm_eval_bridge lm_eval.api",  # [eval]
         "liandan.plan.pruner optuna",  # [sweep]
         "liandan.plan.sweep optuna",
         "liandan.track.dash.app starlette.applications",  # the web application of `liandan dash`: [dash]
@@ -71,6 +72,9 @@ def test_a_command_that_needs_an_extra_says_which(without_extras, tmp_path):
     done = run_liandan("data", "run", toml, env=without_extras)
     assert done.returncode == 2 and done.stdout == "", done.stderr
     assert done.stderr == "liandan: error: liandan data needs the [data] extra: pip install 'liandan[data]'\n"
+    done = run_liandan("lm-eval", tmp_path, "--tasks", "hellaswag", env=without_extras)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == "liandan: error: liandan lm-eval needs the [eval] extra: pip install 'liandan[eval]'\n"
 
 
 @pytest.mark.slow

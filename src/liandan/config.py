@@ -322,6 +322,25 @@ class TrackSection:
 
 
 @dataclass
+class EvalSection:
+    """Task and held-out evaluation (docs/evaluation.md): during training on the ranks that train, with the model
+    sharded as it trains, and by `liandan eval` afterwards."""
+
+    tasks: list[str] = _f([], "task names shipped with liandan (gsm8k, cloze_en, cloze_zh) or paths of task files")
+    every: int = _f(0, "steps between evaluations of the tasks and the held-out sources during training (and at"
+                    " the last step); 0 disables", min=0)  # fmt: skip
+    limit: int = _f(50, "items of each task evaluated (the first ones of its file); 0 takes every item", min=0)
+    formats: list[str] = _f([], "prompt formats to run each task under; empty runs every format the task lists")
+    data_dir: str = _f("../shared/data", "what {data_dir} stands for in task files' paths")
+    batch_size: int = _f(16, "sequences per forward pass when scoring", min=1)
+    max_new_tokens: int = _f(0, "cap on generated tokens per answer; 0 keeps each task's own", min=0)
+    heldout_sequences: int = _f(16, "held-out sequences scored per data source (bits per byte); 0 disables",
+                                min=0)  # fmt: skip
+    contamination: bool = _f(True, "report the n-gram overlap of each task's items with the training stores")
+    ngram: int = _f(13, "word n-gram length of the contamination check", min=1)
+
+
+@dataclass
 class Config:
     run: RunSection = field(default_factory=RunSection)
     model: ModelSection = field(default_factory=ModelSection)
@@ -337,6 +356,7 @@ class Config:
     doctor: DoctorSection = field(default_factory=DoctorSection)
     health: HealthSection = field(default_factory=HealthSection)
     track: TrackSection = field(default_factory=TrackSection)
+    eval: EvalSection = field(default_factory=EvalSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shutil
 from datetime import datetime, timezone
 from pathlib import Path
@@ -77,6 +76,7 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.checkpoint import hf
     from liandan.checkpoint.manager import load_model, resolve_checkpoint
     from liandan.data.tokenizer import ByteTokenizer
+    from liandan.evaluate.loading import checkpoint_tokenizer
 
     given = Path(args.checkpoint)
     source = resolve_checkpoint(given)
@@ -88,7 +88,7 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
         if args.consolidated:
             hf.save_consolidated(state, model.args, out)
         else:
-            tokenizer = _tokenizer_of(source, meta, given if given != source else None)
+            tokenizer = checkpoint_tokenizer(source, meta, given if given != source else None)
             missing_tokenizer = tokenizer is None and meta.get("tokenizer") not in (None, ByteTokenizer().fingerprint())
             dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
             hf.export_hf(state, model.args, out, tokenizer_json=tokenizer, dtype=dtype)
@@ -99,46 +99,6 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"warning: the tokenizer {meta['tokenizer']} it was trained with was not found (not in the run's data "
               "directory nor in its [data] stores); the export has no tokenizer.json")  # fmt: skip
     return 0
-
-
-def _tokenizer_of(checkpoint: Path, meta: dict, run_dir: Path | None) -> Path | None:
-    """The tokenizer.json the checkpoint was trained with (meta.json holds its fingerprint): in the stores of
-    `[data] stores` of the config saved with it, or in the run's own data directory (<run>/data, beside
-    <run>/checkpoints unless the run was given)."""
-    from liandan.data.store import TOKENIZER_FILE
-
-    candidates = [Path(store) / TOKENIZER_FILE for store in _trained_on_stores(meta)]
-    for directory in (run_dir, checkpoint.parent.parent, checkpoint.parent):
-        if directory is not None:
-            candidates.append(directory / "data" / TOKENIZER_FILE)
-    return next((path for path in candidates if _is_tokenizer(path, meta.get("tokenizer"))), None)
-
-
-def _is_tokenizer(path: Path, fingerprint: str | None) -> bool:
-    """Whether `path` is a Hugging Face tokenizer.json with this fingerprint (any, given None)."""
-    from liandan.data.tokenizer import HFTokenizer
-
-    if not path.is_file():
-        return False
-    try:
-        if "liandan" in json.loads(path.read_text()):  # liandan's byte tokenizer: nothing for transformers
-            return False
-        return fingerprint is None or HFTokenizer.load(path).fingerprint() == fingerprint
-    except (OSError, ValueError):  # unreadable: not the tokenizer (DataError and JSON errors are ValueErrors)
-        return False
-
-
-def _trained_on_stores(meta: dict) -> list[str]:
-    """The `[data] stores` of the config saved with a checkpoint."""
-    try:
-        import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
-    try:
-        stores = tomllib.loads(meta.get("config") or "").get("data", {}).get("stores")
-    except (tomllib.TOMLDecodeError, AttributeError, TypeError):
-        return []
-    return [str(s) for s in stores] if isinstance(stores, list) else []
 
 
 def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:

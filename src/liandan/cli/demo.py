@@ -125,7 +125,8 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     room = RunDir.of(run, cfg.checkpoint.dir)
     s = room.read_summary()
     records = room.read_metrics()
-    losses = [r["loss"] if r["loss"] is not None else float("nan") for r in records]  # null: not a number
+    # null: not a number; records without a loss are an evaluation's, beside the step's own
+    losses = [r["loss"] if r["loss"] is not None else float("nan") for r in records if "loss" in r]
     print()
     print(
         f"trained {s['parameters'] / 1e6:.1f}M parameters for {s['steps']} steps on {NPROC} processes"
@@ -142,6 +143,7 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     print(f"\nsample, prompted with {prompt!r}:\n  {sample(model, tokenizer, prompt)!r}\n")
     show_checkpoints(run)
     export_for_transformers(model, run, store / "tokenizer.json")
+    evaluate_briefly(model, tokenizer, run, cfg.eval.data_dir)
     report = make_report([run])[0]
     data_dir = Path(data_summary["output"])
     print(f"data directory: {data_dir}")
@@ -223,6 +225,29 @@ def poison_step(cfg, before: int) -> int | None:
         return None
     data_step = max(g.warmup + 10, g.ring_every + 5)
     return data_step if data_step + 1 < before else None
+
+
+def evaluate_briefly(model, tokenizer, run: Path, data_dir: str, items: int = 10, max_len: int = 128) -> None:
+    """A few items of the English next-line cloze under every prompt format, on the final model: its spread line
+    (a model this small is near chance; the point is that one number would hide the spread)."""
+    import time
+
+    from liandan.config import ConfigError
+    from liandan.evaluate.runner import run_task
+    from liandan.evaluate.tasks import load_tasks
+
+    started = time.perf_counter()
+    try:
+        (task,) = load_tasks(["cloze_en"], data_dir)
+    except ConfigError as err:  # the shared corpus is not where [eval] data_dir says
+        print(f"evaluation skipped: {err}\n")
+        return
+    result = run_task(model, tokenizer, task, limit=items, max_len=min(max_len, model.args.max_seq_len))
+    print(
+        f"evaluation of the final model on {result.n} items of cloze_en under {len(result.scores)} prompt formats"
+        f" ({time.perf_counter() - started:.1f}s; more: liandan eval {run} --tasks cloze_en,cloze_zh,gsm8k):"
+    )
+    print(f"  {result.spread_line()}\n")  # fmt: skip
 
 
 def show_checkpoints(run: Path) -> None:

@@ -28,6 +28,7 @@ EXTRAS = {
     "mlflow": ("mlflow", "sqlalchemy", "alembic"),  # mlflow-skinny installs `mlflow`; the others its SQLite store
     "dash": ("starlette", "uvicorn", "plotly"),
     "browser-tests": ("playwright",),
+    "eval": ("lm_eval",),
 }
 
 
@@ -134,6 +135,7 @@ def _parser() -> argparse.ArgumentParser:
         dash_cmd,
         data_cmd,
         doctor_cmd,
+        eval_cmd,
         fit_cmd,
         forecast_cmd,
         guard_cmd,
@@ -149,6 +151,7 @@ def _parser() -> argparse.ArgumentParser:
         report_cmd,
         data_cmd,
         checkpoints,
+        eval_cmd,
         plan_cmd,
         fit_cmd,
         forecast_cmd,
@@ -157,6 +160,9 @@ def _parser() -> argparse.ArgumentParser:
         dash_cmd,
     ):
         module.add_commands(sub)
+    from liandan.cli import lm_eval_cmd
+
+    lm_eval_cmd.add_commands(sub)
     return parser
 
 
@@ -192,6 +198,10 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     external = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and NodeEnv.from_env().nnodes is None)
     supervised = WorkerEnv.from_env().supervised  # a worker of the supervisor
     register_callbacks(cfg.train.callbacks)  # here too: a module that cannot be imported fails before any worker
+    if cfg.eval.every and cfg.eval.tasks and not external and not supervised:
+        from liandan.evaluate.tasks import load_tasks
+
+        load_tasks(cfg.eval.tasks, cfg.eval.data_dir)  # and so does a bad task file
     if cfg.resilience.supervise and not external and not supervised:
         return _supervise(args.config, cfg, name, args.nproc, overrides)
     if args.nproc > 1 and not external:
@@ -231,6 +241,7 @@ def register_callbacks(modules: Sequence[str] = ()) -> None:
     `liandan train` alone, and each supervised or torchrun worker, which runs `python -m liandan.cli train`
     with the same config."""
     import liandan.doctor.preflight  # "doctor": the hardware preflight before the first step
+    import liandan.evaluate.callback  # "eval_tasks": tasks and held-out bits per byte during training
     import liandan.plan.forecast_callback  # noqa: F401 - "forecast": the live loss forecast
     from liandan.train.callbacks import import_callback_modules
 

@@ -325,6 +325,14 @@ class PackedLoader:
             for i in range(0, len(windows), batch_size)
         ]
 
+    def heldout_of_store(self, index: int, n_sequences: int) -> Batch | None:
+        """The first `n_sequences` held-out windows of store `index` (all of them when it has fewer), the same on
+        every rank; None when the store holds none out (`val_fraction` 0)."""
+        windows = self.streams[index].val_windows[:n_sequences].astype(np.int64)
+        if not len(windows):
+            return None
+        return self._batch(np.full(len(windows), index), windows)
+
     def documents_for_step(self, step: int) -> list[DocumentRef]:
         """Every document that the global batch of `step` draws tokens from, sorted."""
         stores, windows = self.windows_for_step(step)

@@ -80,6 +80,17 @@ class PreparedMask:
         elif backend == "eager" or not self.is_causal:
             self.dense = spec.dense(seq_len, device)
 
+    @classmethod
+    def explicit(cls, allowed: torch.Tensor, backend: str) -> PreparedMask:
+        """A dense mask given whole, (batch, 1, queries, keys), for queries that are not the keys' positions
+        (decoding against cached keys). FlexAttention would compile a kernel per cache length: SDPA serves."""
+        mask = cls.__new__(cls)
+        mask.backend = "eager" if backend == "eager" else "sdpa"
+        mask.is_causal = False
+        mask.dense = allowed
+        mask.block = None
+        return mask
+
 
 @functools.cache
 def _compiled_flex():

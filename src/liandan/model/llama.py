@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from liandan.model.attention import MaskSpec, PreparedMask, attend, choose_backend
+from liandan.model.kv_cache import KVCache
 
 
 @dataclass
@@ -91,7 +92,9 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: PreparedMask) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, mask: PreparedMask, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
         bsz, seq, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds only its share of the heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)
@@ -100,6 +103,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)
         out = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
@@ -140,8 +145,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: PreparedMask) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, mask)
+    def forward(
+        self, x: torch.Tensor, rope: torch.Tensor, mask: PreparedMask, cache: KVCache | None = None, layer: int = 0
+    ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, mask, cache, layer)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -187,13 +194,18 @@ class Transformer(nn.Module):
         doc_ids: torch.Tensor | None = None,
         prefix: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V), or the mean loss when `targets` is given (targets of -1 are ignored).
 
         doc_ids (B, T): packed-document ids; no attention across documents.
         prefix (B, T) bool: positions that attend bidirectionally among themselves (prefix-LM).
         positions (B, T): rotary positions, default 0..T-1.
+        cache: decode incrementally: `tokens` fill the cache's next slots and attend to every slot before
+            them (its positions and padding replace `positions`, `doc_ids` and `prefix`); logits only.
         """
+        if cache is not None:
+            return self._forward_cached(tokens, cache)
         seq = tokens.shape[1]
         mask = PreparedMask(MaskSpec(doc_ids, prefix), self.attention_backend, seq, tokens.device)
         rope = self.rope[:seq] if positions is None else self.rope[positions]
@@ -203,6 +215,16 @@ class Transformer(nn.Module):
         if targets is None:
             return self.output(self.norm(h))
         return self.head_loss(h, targets)
+
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        bsz, seq = tokens.shape
+        rope = self.rope[cache.positions(bsz, seq, tokens.device)]
+        mask = PreparedMask.explicit(cache.allowed(bsz, seq, tokens.device), self.attention_backend)
+        h = self.tok_embeddings(tokens)
+        for index, layer in enumerate(self.layers.values()):
+            h = layer(h, rope, mask, cache, index)
+        cache.advance(seq)
+        return self.output(self.norm(h))
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, output projection and loss: one unit, so it can be compiled as one (the fp32 logits

@@ -74,6 +74,8 @@ class ConsoleLogger:
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> None:
         status = format_metrics(metrics)
+        if not status:  # a record of other keys (the evaluation's) beside the step's training record
+            return
         self.progress.update(self.task, completed=step, status=status)
         if step % self.print_every == 0 and not self.console.is_terminal:
             self.console.print(f"step {step}: {status}", highlight=False)

@@ -1,0 +1,178 @@
+"""`liandan eval RUN|CKPT --tasks ...`: score a checkpoint on tasks (every prompt format: mean, min, max,
+spread), the held-out loss of each data source of its run in bits per byte, and each task's contamination in
+the run's training stores. One process, or `--nproc N` local processes that split the items between them
+(each holds the whole model; the counts are gathered, so the scores are the same). `[eval]` keys of the run's
+config apply, and `--eval.key=value` overrides them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from liandan.config import ConfigError, load_config
+from liandan.run.files import atomic_write_json
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("eval", help="score a checkpoint on tasks under several prompt formats, held-out bits per"
+                       " byte per source, and contamination")  # fmt: skip
+    p.add_argument("path", help="a run directory (its newest checkpoint), a checkpoints directory or a step directory")
+    p.add_argument("--tasks", help="comma-separated task names (gsm8k, cloze_en, cloze_zh) or task files;"
+                   " default: [eval] tasks of the run's config")  # fmt: skip
+    p.add_argument("--limit", type=int, help="items per task (default: [eval] limit); 0 takes all")
+    p.add_argument("--nproc", type=int, default=1, help="local processes to split the items over")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
+    p.add_argument("--record", action="store_true", help="also append the results to the run's events.jsonl")
+    p.add_argument("--report-to", help=argparse.SUPPRESS)  # a worker of --nproc hands its report back here
+    p.set_defaults(command=cmd_eval)
+
+
+def run_dir_of(path: Path) -> Path | None:
+    """The run directory a checkpoint path belongs to (the nearest ancestor holding config.toml), if any."""
+    return next((p for p in (path, *path.parents[:3]) if (p / "config.toml").is_file()), None)
+
+
+def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    path = Path(args.path)
+    if not path.exists():
+        raise ConfigError(f"liandan eval: no such run or checkpoint: {path}")
+    if args.nproc < 1:
+        raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
+    run = run_dir_of(path)
+    extra = [*([f"--eval.tasks={json.dumps(args.tasks.split(','))}"] if args.tasks else []),
+             *([f"--eval.limit={args.limit}"] if args.limit is not None else [])]  # fmt: skip
+    cfg = load_config(run / "config.toml" if run else None, [*overrides, *extra])
+    from liandan.evaluate.tasks import load_tasks
+
+    tasks = load_tasks(cfg.eval.tasks, cfg.eval.data_dir)  # bad task files fail here, before any worker starts
+    if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch(args, overrides)
+    report = evaluate_here(path, run, cfg, tasks)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if args.report_to:
+        atomic_write_json(Path(args.report_to), report)
+        return 0
+    return _tell(report, args, run)
+
+
+def evaluate_here(path: Path, run: Path | None, cfg: Any, tasks: list[Any]) -> dict[str, Any]:
+    """This process's part: alone, or one of `--nproc` workers that split the items and gather the counts."""
+    import torch
+    import torch.distributed as dist
+
+    from liandan.evaluate.heldout import heldout_losses
+    from liandan.evaluate.loading import load_for_eval
+    from liandan.evaluate.runner import Split, run_task
+    from liandan.train.distributed import init_distributed, shutdown_distributed
+
+    info = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.resilience.collective_timeout_s)
+    try:
+        split = None
+        if info.world_size > 1:
+
+            def gather(part: list) -> list[list]:
+                parts: list[Any] = [None] * info.world_size
+                dist.all_gather_object(parts, part)
+                return parts
+
+            split = Split(info.rank, info.world_size, gather)
+        model, tokenizer, run_cfg = load_for_eval(path, device=info.device)
+        e = cfg.eval
+        with torch.no_grad():
+            results = [run_task(model, tokenizer, task, limit=e.limit, max_len=model.args.max_seq_len,
+                                batch_size=e.batch_size, split=split, formats=e.formats,
+                                max_new_tokens=e.max_new_tokens) for task in tasks]  # fmt: skip
+        heldout, contamination, step = [], [], _step_of(path)
+        # an imported checkpoint has no run config, and so no training stores to hold out from or compare with
+        loader = _loader(run_cfg, run) if run is not None and run_cfg is not None else None
+        if loader is not None and e.heldout_sequences:
+            heldout = heldout_losses(model, loader, tokenizer, sequences=e.heldout_sequences, batch_size=e.batch_size,
+                                     document_mask=run_cfg.train.mask == "document", device=info.device,
+                                     split=split)  # fmt: skip
+        if loader is not None and e.contamination and info.rank == 0:
+            from liandan.evaluate.contamination import overlaps
+
+            contamination = overlaps(tasks, loader.stores, tokenizer, limit=e.limit, ngram=e.ngram)
+        return {
+            "checkpoint": str(path), "step": step,
+            "tasks": [{"task": r.task, "kind": r.kind, "n": r.n, "scores": r.scores,
+                       "summary": {m: r.summary(m) for m in r.metrics}, "line": r.spread_line(),
+                       "events": r.events(step)} for r in results],
+            "heldout": [{**h.event(step), "line": h.line()} for h in heldout],
+            "contamination": [{**c.event(), "line": c.line()} for c in contamination],
+        }  # fmt: skip
+    finally:
+        shutdown_distributed()
+
+
+def _step_of(path: Path) -> int:
+    from liandan.checkpoint.manager import read_meta, resolve_checkpoint
+
+    return int(read_meta(resolve_checkpoint(path)).get("step", 0))
+
+
+def _loader(run_cfg: Any, run: Path) -> Any:
+    """The run's own data loader, for its held-out windows (the same split training left out)."""
+    from liandan.data.loader import PackedLoader
+    from liandan.data.prepare import open_prepared, open_stores
+    from liandan.run import RunDir
+
+    if run_cfg.data.stores:
+        stores, _ = open_stores(run_cfg.data.stores)
+    elif RunDir(run).data_manifest.is_file():
+        stores = [open_prepared(RunDir(run).data)[0]]
+    else:
+        return None
+    t = run_cfg.train
+    return PackedLoader(stores, t.seq_len, t.global_batch, run_cfg.run.seed, run_cfg.data.val_fraction,
+                        weights=run_cfg.data.weights or None)  # fmt: skip
+
+
+def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
+    from liandan.cli.main import _error
+    from liandan.train.distributed import launch_local
+
+    with tempfile.TemporaryDirectory(prefix="liandan-eval-") as scratch:
+        report_path = Path(scratch) / "report.json"
+        worker = ["eval", args.path, f"--report-to={report_path}", *overrides]
+        worker += [f"--tasks={args.tasks}"] if args.tasks else []
+        worker += [f"--limit={args.limit}"] if args.limit is not None else []
+        code, message = launch_local(args.nproc, "liandan.cli", worker)
+        if message or code:
+            _error(message or f"liandan eval: a worker failed (exit {code})")
+            return 2 if code == 2 else 1
+        return _tell(json.loads(report_path.read_text()), args, run_dir_of(Path(args.path)))
+
+
+def _tell(report: dict[str, Any], args: argparse.Namespace, run: Path | None) -> int:
+    print(f"checkpoint {report['checkpoint']} (step {report['step']})")
+    for task in report["tasks"]:
+        for fmt, by_metric in task["scores"].items():
+            print(f"  {task['task']} [{fmt}]: " + ", ".join(f"{m} {v:.3f}" for m, v in by_metric.items()))
+        print(task["line"])
+    for line in [h["line"] for h in report["heldout"]] + [c["line"] for c in report["contamination"]]:
+        print(line)
+    if args.json:
+        atomic_write_json(Path(args.json), report)
+    if args.record:
+        if run is None:
+            raise ConfigError(f"--record: {args.path} is not in a run directory (no config.toml above it)")
+        from liandan.run import RunDir
+        from liandan.track.logger import JsonlLogger
+
+        logger = JsonlLogger(RunDir.from_saved_config(run))
+        try:
+            for task in report["tasks"]:
+                for fields in task["events"]:
+                    logger.log_event("eval_task", **fields, by="liandan eval")
+            for h in report["heldout"]:
+                logger.log_event("eval_heldout", **{k: v for k, v in h.items() if k != "line"}, by="liandan eval")
+        finally:
+            logger.close()
+    return 0

@@ -1,0 +1,98 @@
+"""Evaluation inside the training loop, registered as "eval_tasks" (`--eval.every=N --eval.tasks=...`).
+
+Every `eval.every` steps and at the last, on every rank that trains and with the model sharded as it trains
+(FSDP2, tensor parallel): the tasks under each of their formats and the held-out loss of each data source.
+Every rank passes the same requests, so each forward of the sharded model has all its ranks, and every rank
+gets the same answers; the main rank writes them as "eval_task" and "eval_heldout" events and as one metrics
+record of eval/... keys at the step (beside the step's training record, which keeps its own timing). The
+contamination of each task in the training stores is checked once, at the start, by the main rank
+("eval_contamination" events).
+
+Importing this module registers it; `liandan train` does so in every process that trains.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from liandan.config import Config
+from liandan.train.callbacks import Callback, register_callback
+
+if TYPE_CHECKING:
+    from liandan.train.trainer import Trainer
+
+
+class TaskEvalCallback(Callback):
+    order = 21  # after the validation loss (20), before snapshots and checkpoints
+
+    def __init__(self, cfg: Config):
+        from liandan.evaluate.tasks import load_tasks
+
+        self.cfg = cfg
+        self.tasks = load_tasks(cfg.eval.tasks, cfg.eval.data_dir)  # before the model is built: a bad file fails early
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        e = self.cfg.eval
+        if e.contamination and self.tasks and trainer.dist.is_main:
+            from liandan.evaluate.contamination import overlaps
+
+            for overlap in overlaps(self.tasks, trainer.stores, trainer.tokenizer, limit=e.limit, ngram=e.ngram):
+                trainer.logger.log_event("eval_contamination", step=trainer.step, **overlap.event())
+                trainer.say(overlap.line())
+
+    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+        if (step % self.cfg.eval.every and step != self.cfg.train.steps) or trainer.rolling_back:
+            return
+        trainer.phase("eval")
+        tasks, heldout = evaluate_in_training(trainer, self.tasks, self.cfg)
+        if not trainer.dist.is_main:
+            return
+        values: dict[str, float] = {}
+        for result in tasks:
+            for fields in result.events(step):
+                trainer.logger.log_event("eval_task", **fields)
+            values.update(result.metric_values())
+            trainer.say(f"step {step}: {result.spread_line()}")
+        for source in heldout:
+            trainer.logger.log_event("eval_heldout", **source.event(step))
+            values[f"eval/heldout/{source.source}/loss"] = source.loss
+            values[f"eval/heldout/{source.source}/bits_per_byte"] = source.bits_per_byte
+            trainer.say(f"step {step}: {source.line()}")
+        if values:
+            trainer.logger.log_metrics(step, values)
+
+
+def evaluate_in_training(trainer: Trainer, tasks: list[Any], cfg: Config) -> tuple[list[Any], list[Any]]:
+    """Every task and held-out source on the trainer's (sharded) model, the same on every rank."""
+    from liandan.evaluate.heldout import heldout_losses
+    from liandan.evaluate.runner import run_task
+
+    e = cfg.eval
+    model = trainer.model
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), trainer.module.autocasting():
+            results = [
+                run_task(model, trainer.tokenizer, task, limit=e.limit, max_len=cfg.model.max_seq_len,
+                         batch_size=e.batch_size, formats=e.formats, max_new_tokens=e.max_new_tokens)
+                for task in tasks
+            ]  # fmt: skip
+        heldout = []
+        if e.heldout_sequences:
+            heldout = heldout_losses(
+                model, trainer.loader, trainer.tokenizer, sequences=e.heldout_sequences, batch_size=e.batch_size,
+                document_mask=cfg.train.mask == "document", device=trainer.device, autocast=trainer.module.autocasting,
+            )  # fmt: skip
+    finally:
+        model.train(was_training)
+    return results, heldout
+
+
+@register_callback("eval_tasks")
+def eval_tasks_callback(cfg: Config) -> TaskEvalCallback | None:
+    if not cfg.eval.every or not (cfg.eval.tasks or cfg.eval.heldout_sequences):
+        return None
+    return TaskEvalCallback(cfg)

@@ -1,0 +1,106 @@
+"""A checkpoint's model, tokenizer and config, ready to evaluate: from a step directory, a checkpoints
+directory or a run directory (its newest complete checkpoint)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from liandan.checkpoint.manager import load_model, resolve_checkpoint
+from liandan.checkpoint.verify import CheckpointError
+from liandan.config import Config, ConfigError, from_dict
+from liandan.data.store import TOKENIZER_FILE
+from liandan.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+def load_for_eval(
+    run_or_ckpt: str | Path,
+    *,
+    tokenizer: str | Path | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> tuple[nn.Module, Tokenizer, Config | None]:
+    """(model in evaluation mode on `device`, its tokenizer, the config it was trained with: None for an
+    imported checkpoint). `tokenizer` ("byte" or a tokenizer.json) overrides the search for the one the
+    checkpoint records. CheckpointError, in one line, when there is no checkpoint or no tokenizer."""
+    given = Path(run_or_ckpt)
+    if not given.exists():
+        raise CheckpointError(f"no such run or checkpoint: {given}")
+    checkpoint = resolve_checkpoint(given)
+    model, meta = load_model(checkpoint)
+    tok = _tokenizer(checkpoint, meta, given if given != checkpoint else None, tokenizer)
+    if tok.vocab_size > model.args.vocab_size:
+        raise CheckpointError(f"the tokenizer has {tok.vocab_size} tokens but the model of {checkpoint} only "
+                              f"{model.args.vocab_size}: not the tokenizer it was trained with")  # fmt: skip
+    device = torch.device(device)
+    model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
+    model.configure_attention(device, training=False)
+    return model.eval(), tok, saved_config(meta, checkpoint)
+
+
+def saved_config(meta: dict[str, Any], checkpoint: Path) -> Config | None:
+    """The config saved in a checkpoint's meta.json (None when it has none, as imported checkpoints)."""
+    text = meta.get("config")
+    if not text:
+        return None
+    try:
+        return from_dict(tomllib.loads(text))
+    except (tomllib.TOMLDecodeError, ConfigError) as err:
+        raise CheckpointError(f"{checkpoint}: the config saved in meta.json does not load: {err}") from None
+
+
+def _tokenizer(checkpoint: Path, meta: dict, run_dir: Path | None, override: str | Path | None) -> Tokenizer:
+    if override is not None:
+        return load_tokenizer(override)
+    fingerprint = meta.get("tokenizer")
+    if fingerprint == ByteTokenizer().fingerprint():
+        return ByteTokenizer()
+    path = checkpoint_tokenizer(checkpoint, meta, run_dir)
+    if path is None:
+        what = f"the tokenizer {fingerprint} it was trained with" if fingerprint else "a tokenizer"
+        raise CheckpointError(f"{checkpoint}: {what} was not found beside the checkpoint, in the run's data "
+                              "directory or in its [data] stores; name a tokenizer.json")  # fmt: skip
+    return HFTokenizer.load(path)
+
+
+def checkpoint_tokenizer(checkpoint: Path, meta: dict, run_dir: Path | None) -> Path | None:
+    """The tokenizer.json a checkpoint was trained with (meta.json holds its fingerprint; an imported
+    checkpoint holds none, and the file copied beside it is taken): in the stores of `[data] stores` of the
+    config saved with it, in the run's own data directory (<run>/data, beside <run>/checkpoints unless the
+    run was given), or in the checkpoint directory itself."""
+    candidates = [Path(store) / TOKENIZER_FILE for store in _trained_on_stores(meta)]
+    for directory in (run_dir, checkpoint.parent.parent, checkpoint.parent):
+        if directory is not None:
+            candidates.append(directory / "data" / TOKENIZER_FILE)
+    candidates.append(checkpoint / TOKENIZER_FILE)
+    return next((path for path in candidates if _is_tokenizer(path, meta.get("tokenizer"))), None)
+
+
+def _is_tokenizer(path: Path, fingerprint: str | None) -> bool:
+    """Whether `path` is a Hugging Face tokenizer.json with this fingerprint (any, given None)."""
+    if not path.is_file():
+        return False
+    try:
+        if "liandan" in json.loads(path.read_text()):  # liandan's byte tokenizer: nothing for transformers
+            return False
+        return fingerprint is None or HFTokenizer.load(path).fingerprint() == fingerprint
+    except (OSError, ValueError):  # unreadable: not the tokenizer (DataError and JSON errors are ValueErrors)
+        return False
+
+
+def _trained_on_stores(meta: dict) -> list[str]:
+    """The `[data] stores` of the config saved with a checkpoint."""
+    try:
+        stores = tomllib.loads(meta.get("config") or "").get("data", {}).get("stores")
+    except (tomllib.TOMLDecodeError, AttributeError, TypeError):
+        return []
+    return [str(s) for s in stores] if isinstance(stores, list) else []

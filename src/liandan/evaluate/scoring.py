@@ -1,0 +1,270 @@
+"""Scoring a liandan model: log-likelihoods of continuations, rolling log-likelihoods of whole documents and
+greedy generation, on token ids.
+
+The semantics are lm-evaluation-harness's, so that its tasks and liandan's give the same numbers: a request
+(context, continuation) is scored on (context + continuation) cut from the left to `max_len + 1` tokens, the
+model reading all but the last and every continuation token being predicted from the tokens before it; a
+document's rolling log-likelihood predicts each token exactly once, in windows of `max_len` predictions.
+
+The model may be plain or sharded (FSDP2, tensor parallel, both): every rank calls with the same requests,
+runs the same batches in the same order (the collectives of a sharded forward pair up) and gets the same
+answers. Nothing here is a collective of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from liandan.model.kv_cache import KVCache
+
+
+def model_args(model: nn.Module):
+    """The family args of a model, through a DDP wrapper if there is one."""
+    return getattr(model, "module", model).args
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@contextlib.contextmanager
+def scoring_mode(model: nn.Module) -> Iterator[None]:
+    """Evaluation mode without gradients, and SDPA in place of FlexAttention: scoring uses plain causal masks,
+    for which SDPA is as fast, and FlexAttention would compile a kernel for every new batch shape. Whatever
+    the model was set to is restored afterwards (this runs in the middle of training too)."""
+    inner = getattr(model, "module", model)
+    backend, training = inner.attention_backend, model.training
+    if backend == "flex":
+        inner.attention_backend = "sdpa"
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        inner.attention_backend = backend
+        model.train(training)
+
+
+def _max_len(model: nn.Module, max_len: int | None) -> int:
+    limit = model_args(model).max_seq_len
+    if max_len is None:
+        return limit
+    if not 1 <= max_len <= limit:
+        raise ValueError(f"max_len = {max_len} must be between 1 and the model's max_seq_len = {limit}")
+    return max_len
+
+
+def loglikelihoods(
+    model: nn.Module,
+    requests: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    batch_size: int = 16,
+    max_len: int | None = None,
+) -> list[tuple[float, bool]]:
+    """For each (context, continuation) of token ids: (sum of log p(continuation | context), whether every
+    continuation token is the model's greedy choice). The context must have at least one token (lm-eval
+    starts an empty one with the end-of-document token); (context + continuation) is cut from the left to
+    `max_len + 1` tokens (default: the model's max_seq_len)."""
+    max_len = _max_len(model, max_len)
+    windows: list[tuple[list[int], int]] = []
+    for i, (context, continuation) in enumerate(requests):
+        if not continuation:
+            raise ValueError(f"request {i}: the continuation is empty")
+        if not context:
+            raise ValueError(f"request {i}: the context is empty; begin it with the end-of-document token")
+        if len(continuation) > max_len:
+            raise ValueError(f"request {i}: a continuation of {len(continuation)} tokens exceeds max_len = {max_len}")
+        whole = [*context, *continuation][-(max_len + 1) :]
+        windows.append((whole, len(continuation)))
+    results: list[tuple[float, bool]] = [(0.0, False)] * len(windows)
+    # Longest first: the batches are padded to less, and a batch too large for memory fails at once.
+    order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
+    device = _device(model)
+    with scoring_mode(model):
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            scored = _score_batch(model, [windows[i] for i in chunk], device)
+            for i, result in zip(chunk, scored, strict=True):
+                results[i] = result
+    return results
+
+
+def _score_batch(
+    model: nn.Module, windows: list[tuple[list[int], int]], device: torch.device
+) -> list[tuple[float, bool]]:
+    """One forward over right-padded inputs: under a causal mask the padding after a row's last token cannot
+    change that row's logits."""
+    width = max(len(whole) - 1 for whole, _ in windows)
+    longest = max(n for _, n in windows)
+    inputs = torch.zeros(len(windows), width, dtype=torch.long)
+    targets = torch.zeros(len(windows), longest, dtype=torch.long)
+    at = torch.zeros(len(windows), longest, dtype=torch.long)
+    valid = torch.zeros(len(windows), longest, dtype=torch.bool)
+    for row, (whole, n) in enumerate(windows):
+        inputs[row, : len(whole) - 1] = torch.tensor(whole[:-1])
+        targets[row, :n] = torch.tensor(whole[-n:])
+        # the logit at position p predicts token p + 1: the continuation's are the last n positions of the input
+        at[row, :n] = torch.arange(len(whole) - 1 - n, len(whole) - 1)
+        valid[row, :n] = True
+    inputs, targets, at, valid = (t.to(device) for t in (inputs, targets, at, valid))
+    logits = model(inputs)
+    picked = logits[torch.arange(len(windows), device=device)[:, None], at].float()
+    logprobs = picked.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    sums = (logprobs * valid).double().sum(-1)
+    greedy = ((picked.argmax(-1) == targets) | ~valid).all(-1)
+    return list(zip(sums.tolist(), greedy.tolist(), strict=True))
+
+
+def rolling_windows(
+    tokens: Sequence[int], *, max_len: int, prefix_token: int | None = None
+) -> list[tuple[list[int], list[int]]]:
+    """A document as (context, continuation) requests that predict each of its tokens once: consecutive
+    chunks of `max_len` tokens, each read after as much of the text before it as fits in `max_len` inputs.
+    The first token is predicted from `prefix_token` (lm-eval uses the end-of-document token); without one it
+    is only read."""
+    sequence = list(tokens) if prefix_token is None else [prefix_token, *tokens]
+    requests = []
+    for start in range(1, len(sequence), max_len):
+        end = min(start + max_len, len(sequence))
+        requests.append((sequence[max(0, end - max_len - 1) : start], sequence[start:end]))
+    return requests
+
+
+def rolling_loglikelihoods(
+    model: nn.Module,
+    documents: Sequence[Sequence[int]],
+    *,
+    max_len: int | None = None,
+    prefix_token: int | None = None,
+    batch_size: int = 16,
+) -> list[float]:
+    """The log-likelihood of each whole document (see `rolling_windows`); the windows of all documents are
+    batched together."""
+    max_len = _max_len(model, max_len)
+    requests, owner = [], []
+    for d, tokens in enumerate(documents):
+        for request in rolling_windows(tokens, max_len=max_len, prefix_token=prefix_token):
+            requests.append(request)
+            owner.append(d)
+    totals = [0.0] * len(documents)
+    for d, (logprob, _) in zip(
+        owner, loglikelihoods(model, requests, batch_size=batch_size, max_len=max_len), strict=True
+    ):
+        totals[d] += logprob
+    return totals
+
+
+def rolling_loglikelihood(
+    model: nn.Module, tokens: Sequence[int], *, max_len: int | None = None, prefix_token: int | None = None
+) -> float:
+    """One document's log-likelihood (see `rolling_windows`)."""
+    return rolling_loglikelihoods(model, [tokens], max_len=max_len, prefix_token=prefix_token)[0]
+
+
+class _Output:
+    """One prompt's generated tokens, and whether a stop sequence (or the end-of-document token) ended it."""
+
+    def __init__(self, stops: list[list[int]]):
+        self.tokens: list[int] = []
+        self.stops = stops
+        self.cut: int | None = None
+
+    def push(self, token: int) -> bool:
+        """Append a token; True when the output just reached a stop sequence."""
+        self.tokens.append(token)
+        if not any(self.tokens[-len(s) :] == s for s in self.stops if len(s) <= len(self.tokens)):
+            return False
+        # Cut before the earliest stop sequence anywhere in the output, as lm-eval cuts its text.
+        self.cut = min(_find(self.tokens, s) for s in self.stops if _find(self.tokens, s) >= 0)
+        return True
+
+    def result(self) -> list[int]:
+        return self.tokens if self.cut is None else self.tokens[: self.cut]
+
+
+def _find(tokens: list[int], needle: list[int]) -> int:
+    for i in range(len(tokens) - len(needle) + 1):
+        if tokens[i : i + len(needle)] == needle:
+            return i
+    return -1
+
+
+def generate(
+    model: nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    stop_sequences: Sequence[Sequence[int]] | None = None,
+    eos_id: int | None = None,
+    use_cache: bool = True,
+    batch_size: int = 8,
+) -> list[list[int]]:
+    """Greedy continuations of each prompt: at most `max_new_tokens` tokens, ending before the first stop
+    sequence (or `eos_id`) that appears in them. Prompts are cut from the left to leave room for the new
+    tokens within the model's max_seq_len. With `use_cache` the prompts of a batch are run once and each new
+    token reads the cached keys and values; without it every token reruns its whole prompt alone (the
+    reference the cache must equal, token for token)."""
+    limit = model_args(model).max_seq_len
+    if not 1 <= max_new_tokens < limit:
+        raise ValueError(f"max_new_tokens = {max_new_tokens} must be between 1 and max_seq_len - 1 = {limit - 1}")
+    stops = [list(s) for s in stop_sequences or () if len(s)]
+    if eos_id is not None:
+        stops.append([eos_id])
+    kept = limit - max_new_tokens
+    for i, prompt in enumerate(prompts):
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty; begin it with the end-of-document token")
+    trimmed = [list(p)[-kept:] for p in prompts]
+    outputs = [_Output(stops) for _ in trimmed]
+    device = _device(model)
+    with scoring_mode(model):
+        if use_cache:
+            order = sorted(range(len(trimmed)), key=lambda i: -len(trimmed[i]))
+            for start in range(0, len(order), batch_size):
+                chunk = order[start : start + batch_size]
+                _generate_cached(
+                    model, [trimmed[i] for i in chunk], [outputs[i] for i in chunk], max_new_tokens, device
+                )
+        else:
+            for prompt, output in zip(trimmed, outputs, strict=True):
+                _generate_uncached(model, prompt, output, max_new_tokens, device)
+    return [output.result() for output in outputs]
+
+
+def _generate_cached(
+    model: nn.Module, prompts: list[list[int]], outputs: list[_Output], max_new_tokens: int, device: torch.device
+) -> None:
+    width = max(len(p) for p in prompts)
+    pads = [width - len(p) for p in prompts]
+    tokens = torch.zeros(len(prompts), width, dtype=torch.long)
+    for row, (prompt, pad) in enumerate(zip(prompts, pads, strict=True)):
+        tokens[row, pad:] = torch.tensor(prompt)
+    cache = KVCache(width + max_new_tokens, torch.tensor(pads, device=device))
+    logits = model(tokens.to(device), cache=cache)[:, -1]
+    active = list(range(len(prompts)))  # rows of `outputs` still in the batch, in batch order
+    for step in range(max_new_tokens):
+        chosen = logits.argmax(-1)
+        keep = [row for row, token in enumerate(chosen.tolist()) if not outputs[active[row]].push(token)]
+        if not keep or step == max_new_tokens - 1:
+            return
+        if len(keep) < len(active):
+            rows = torch.tensor(keep, device=device)
+            cache.select(rows)
+            chosen = chosen[rows]
+            active = [active[row] for row in keep]
+        logits = model(chosen[:, None], cache=cache)[:, -1]
+
+
+def _generate_uncached(
+    model: nn.Module, prompt: list[int], output: _Output, max_new_tokens: int, device: torch.device
+) -> None:
+    sequence = list(prompt)
+    for _ in range(max_new_tokens):
+        token = int(model(torch.tensor([sequence], device=device))[0, -1].argmax())
+        if output.push(token):
+            return
+        sequence.append(token)
