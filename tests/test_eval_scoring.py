@@ -118,6 +118,9 @@ def test_stop_sequences_and_end_of_document_cut_the_output(model):
     for use_cache in (True, False):
         cut = scoring.generate(model, prompts, max_new_tokens=10, stop_sequences=[stop], use_cache=use_cache)
         assert cut[0] == free[0][:first]
+        kept = scoring.generate(model, prompts[:1], max_new_tokens=10, stop_sequences=[stop], use_cache=use_cache,
+                                keep_stop=True)  # fmt: skip
+        assert kept[0] == free[0][: first + 2]
         by_eos = scoring.generate(model, prompts[1:2], max_new_tokens=10, eos_id=eos, use_cache=use_cache)
         assert by_eos[0] == free[1][: free[1].index(eos)]
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from liandan.model.kv_cache import KVCache
+from liandan.train.parallelize import reshard
 
 
 def model_args(model: nn.Module):
@@ -35,7 +36,8 @@ def _device(model: nn.Module) -> torch.device:
 def scoring_mode(model: nn.Module) -> Iterator[None]:
     """Evaluation mode without gradients, and SDPA in place of FlexAttention: scoring uses plain causal masks,
     for which SDPA is as fast, and FlexAttention would compile a kernel for every new batch shape. Whatever
-    the model was set to is restored afterwards (this runs in the middle of training too)."""
+    the model was set to is restored afterwards, and FSDP2's units sharded again (this runs in the middle of
+    training too)."""
     inner = getattr(model, "module", model)
     backend, training = inner.attention_backend, model.training
     if backend == "flex":
@@ -47,6 +49,7 @@ def scoring_mode(model: nn.Module) -> Iterator[None]:
     finally:
         inner.attention_backend = backend
         model.train(training)
+        reshard(model)  # FSDP2 keeps the last units gathered after a forward: give that memory back to training
 
 
 def _max_len(model: nn.Module, max_len: int | None) -> int:
@@ -168,9 +171,10 @@ def rolling_loglikelihood(
 class _Output:
     """One prompt's generated tokens, and whether a stop sequence (or the end-of-document token) ended it."""
 
-    def __init__(self, stops: list[list[int]]):
+    def __init__(self, stops: list[list[int]], keep_stop: bool = False):
         self.tokens: list[int] = []
         self.stops = stops
+        self.keep_stop = keep_stop
         self.cut: int | None = None
 
     def push(self, token: int) -> bool:
@@ -183,7 +187,7 @@ class _Output:
         return True
 
     def result(self) -> list[int]:
-        return self.tokens if self.cut is None else self.tokens[: self.cut]
+        return self.tokens if self.cut is None or self.keep_stop else self.tokens[: self.cut]
 
 
 def _find(tokens: list[int], needle: list[int]) -> int:
@@ -202,10 +206,13 @@ def generate(
     eos_id: int | None = None,
     use_cache: bool = True,
     batch_size: int = 8,
+    keep_stop: bool = False,
 ) -> list[list[int]]:
     """Greedy continuations of each prompt: at most `max_new_tokens` tokens, ending before the first stop
-    sequence (or `eos_id`) that appears in them. Prompts are cut from the left to leave room for the new
-    tokens within the model's max_seq_len. With `use_cache` the prompts of a batch are run once and each new
+    sequence (or `eos_id`) that appears in them; with `keep_stop`, ending with the stop sequence that ended
+    the generation (for callers that cut decoded text themselves, when a stop token also carries text
+    before the stop). Prompts are cut from the left to leave room for the new tokens within the model's
+    max_seq_len. With `use_cache` the prompts of a batch are run once and each new
     token reads the cached keys and values; without it every token reruns its whole prompt alone (the
     reference the cache must equal, token for token)."""
     limit = model_args(model).max_seq_len
@@ -219,7 +226,7 @@ def generate(
         if not prompt:
             raise ValueError(f"prompt {i} is empty; begin it with the end-of-document token")
     trimmed = [list(p)[-kept:] for p in prompts]
-    outputs = [_Output(stops) for _ in trimmed]
+    outputs = [_Output(stops, keep_stop) for _ in trimmed]
     device = _device(model)
     with scoring_mode(model):
         if use_cache:
