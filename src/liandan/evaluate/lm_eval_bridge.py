@@ -74,7 +74,9 @@ class LiandanLM(TemplateLM):
         elif tokenizer is None or isinstance(tokenizer, (str, Path)):
             raise ValueError("LiandanLM(model=...) needs the model's tokenizer object as tokenizer=")
         self.model, self.liandan_tokenizer = model, tokenizer
-        self.batch_size = _positive_int("batch_size", 16 if batch_size in ("auto", None) else batch_size)
+        # lm-eval's "auto" searches for the largest batch that fits; liandan takes its default instead
+        auto = batch_size is None or str(batch_size).startswith("auto")
+        self.batch_size = _positive_int("batch_size", 16 if auto else batch_size)
         self._max_length = _positive_int("max_length", max_length) if max_length is not None else None
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
         self._stops: dict[str, list[list[int]]] = {}
