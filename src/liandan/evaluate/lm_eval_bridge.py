@@ -4,8 +4,8 @@ user has runs on a liandan checkpoint without exporting it, and on a model shard
     import liandan.evaluate.lm_eval_bridge  # registers "liandan"
     lm_eval.simple_evaluate(model="liandan", model_args="checkpoint=runs/my-run,device=cuda", tasks=[...])
 
-or from the shell, with lm-eval's own arguments: `python -m liandan.evaluate.lm_eval_bridge --model_args
-checkpoint=runs/my-run --tasks hellaswag`.
+or from the shell, with lm-eval's own arguments: `liandan lm-eval runs/my-run --tasks hellaswag` (or
+`python -m liandan.evaluate.lm_eval_bridge --model_args checkpoint=runs/my-run --tasks hellaswag`).
 
 Text is encoded as lm-eval's Hugging Face model encodes it (its `TemplateLM`: trailing spaces of a context
 move to the continuation, an empty context becomes the end-of-document token), and every number comes from
@@ -48,13 +48,17 @@ class LiandanLM(TemplateLM):
         max_gen_toks: int | str = 256,
         device: str | None = "auto",
         dtype: str | None = None,
-        **unused: Any,
+        max_batch_size: Any = None,
+        **others: Any,
     ):
         """Either `checkpoint` (a run, checkpoints or step directory; `tokenizer` optionally overrides the
         one it was trained with) or a `model` already built (plain or sharded) with its `tokenizer`.
         Values may be strings, as lm-eval passes `model_args`; `device` "auto" (or None) is CUDA when there is
-        one, else the CPU."""
+        one, else the CPU; `max_batch_size` (lm-eval's bound on its batch-size search) is not used."""
         super().__init__()
+        unknown = sorted(name for name, value in others.items() if value is not None)  # lm-eval passes unset ones
+        if unknown:
+            raise ValueError(f"unknown argument(s) of the liandan model: {', '.join(unknown)}")
         if (checkpoint is None) == (model is None):
             raise ValueError("LiandanLM needs either checkpoint=PATH or model= and tokenizer=")
         if model is None:
