@@ -114,8 +114,7 @@ def _score_batch(
         at[row, :n] = torch.arange(len(whole) - 1 - n, len(whole) - 1)
         valid[row, :n] = True
     inputs, targets, at, valid = (t.to(device) for t in (inputs, targets, at, valid))
-    logits = model(inputs)
-    picked = logits[torch.arange(len(windows), device=device)[:, None], at].float()
+    picked = model(inputs, logits_at=at).float()
     logprobs = picked.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
     sums = (logprobs * valid).double().sum(-1)
     greedy = ((picked.argmax(-1) == targets) | ~valid).all(-1)
@@ -251,7 +250,8 @@ def _generate_cached(
     for row, (prompt, pad) in enumerate(zip(prompts, pads, strict=True)):
         tokens[row, pad:] = torch.tensor(prompt)
     cache = KVCache(width + max_new_tokens, torch.tensor(pads, device=device))
-    logits = model(tokens.to(device), cache=cache)[:, -1]
+    last = torch.full((len(prompts), 1), width - 1, device=device)
+    logits = model(tokens.to(device), cache=cache, logits_at=last)[:, -1]
     active = list(range(len(prompts)))  # rows of `outputs` still in the batch, in batch order
     for step in range(max_new_tokens):
         chosen = logits.argmax(-1)
