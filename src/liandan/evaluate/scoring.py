@@ -84,16 +84,37 @@ def loglikelihoods(
         whole = [*context, *continuation][-(max_len + 1) :]
         windows.append((whole, len(continuation)))
     results: list[tuple[float, bool]] = [(0.0, False)] * len(windows)
+    # Requests that share their context (the choices of a multiple-choice question, after a few-shot prompt
+    # that is most of the tokens) read it once, into a KV cache that each continuation then reads.
+    by_context: dict[tuple[int, ...], list[int]] = {}
+    for i, (whole, n) in enumerate(windows):
+        by_context.setdefault(tuple(whole[:-n]), []).append(i)
+    alone = [members[0] for members in by_context.values() if len(members) == 1]
+    shared = [members for members in by_context.values() if len(members) > 1]
     # Longest first: the batches are padded to less, and a batch too large for memory fails at once.
-    order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
+    alone.sort(key=lambda i: -len(windows[i][0]))
+    shared.sort(key=lambda members: -len(windows[members[0]][0]))
+    batches = [(alone[i : i + batch_size], _score_batch) for i in range(0, len(alone), batch_size)]
+    batches += [(batch, _score_shared_batch) for batch in _context_batches(shared, batch_size)]
     device = _device(model)
     with scoring_mode(model):
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
-            scored = _score_batch(model, [windows[i] for i in chunk], device)
-            for i, result in zip(chunk, scored, strict=True):
+        for batch, score in batches:
+            for i, result in zip(batch, score(model, [windows[i] for i in batch], device), strict=True):
                 results[i] = result
     return results
+
+
+def _context_batches(groups: list[list[int]], batch_size: int) -> list[list[int]]:
+    """Groups of requests with one context, packed whole (or split, when larger than a batch) into batches
+    of at most `batch_size` requests."""
+    chunks = [group[i : i + batch_size] for group in groups for i in range(0, len(group), batch_size)]
+    batches: list[list[int]] = []
+    for chunk in chunks:
+        if batches and len(batches[-1]) + len(chunk) <= batch_size:
+            batches[-1].extend(chunk)
+        else:
+            batches.append(list(chunk))
+    return batches
 
 
 def _score_batch(
@@ -102,22 +123,55 @@ def _score_batch(
     """One forward over right-padded inputs: under a causal mask the padding after a row's last token cannot
     change that row's logits."""
     width = max(len(whole) - 1 for whole, _ in windows)
-    longest = max(n for _, n in windows)
     inputs = torch.zeros(len(windows), width, dtype=torch.long)
-    targets = torch.zeros(len(windows), longest, dtype=torch.long)
-    at = torch.zeros(len(windows), longest, dtype=torch.long)
-    valid = torch.zeros(len(windows), longest, dtype=torch.bool)
+    at = torch.zeros(len(windows), max(n for _, n in windows), dtype=torch.long)
     for row, (whole, n) in enumerate(windows):
         inputs[row, : len(whole) - 1] = torch.tensor(whole[:-1])
-        targets[row, :n] = torch.tensor(whole[-n:])
         # the logit at position p predicts token p + 1: the continuation's are the last n positions of the input
         at[row, :n] = torch.arange(len(whole) - 1 - n, len(whole) - 1)
+    return _summarise(model(inputs.to(device), logits_at=at.to(device)), windows)
+
+
+def _score_shared_batch(
+    model: nn.Module, windows: list[tuple[list[int], int]], device: torch.device
+) -> list[tuple[float, bool]]:
+    """The batch's distinct contexts, left-padded, go into a KV cache once; its rows are then repeated for
+    each continuation, which is read (right-padded) against them. The last context position predicts the
+    first continuation token, each continuation token but the last the next."""
+    contexts: dict[tuple[int, ...], int] = {}
+    rows = [contexts.setdefault(tuple(whole[:-n]), len(contexts)) for whole, n in windows]
+    width = max(len(context) for context in contexts)
+    longest = max(n for _, n in windows)
+    prefix = torch.zeros(len(contexts), width, dtype=torch.long)
+    for context, row in contexts.items():
+        prefix[row, width - len(context) :] = torch.tensor(context)
+    pads = torch.tensor([width - len(context) for context in contexts], device=device)
+    cache = KVCache(width + longest - 1, pads)
+    last = torch.full((len(contexts), 1), width - 1, device=device)
+    repeat = torch.tensor(rows, device=device)
+    first = model(prefix.to(device), cache=cache, logits_at=last)[repeat]
+    if longest == 1:
+        return _summarise(first, windows)
+    cache.select(repeat)
+    continuations = torch.zeros(len(windows), longest - 1, dtype=torch.long)
+    for row, (whole, n) in enumerate(windows):
+        continuations[row, : n - 1] = torch.tensor(whole[len(whole) - n : -1])
+    return _summarise(torch.cat([first, model(continuations.to(device), cache=cache)], dim=1), windows)
+
+
+def _summarise(logits: torch.Tensor, windows: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+    """(sum of log-probabilities, greedy) of each row's continuation, from its logits (rows, longest, V):
+    row r's first n_r logits predict its n_r continuation tokens; the rest is padding."""
+    targets = torch.zeros(logits.shape[:2], dtype=torch.long)
+    valid = torch.zeros(logits.shape[:2], dtype=torch.bool)
+    for row, (whole, n) in enumerate(windows):
+        targets[row, :n] = torch.tensor(whole[-n:])
         valid[row, :n] = True
-    inputs, targets, at, valid = (t.to(device) for t in (inputs, targets, at, valid))
-    picked = model(inputs, logits_at=at).float()
-    logprobs = picked.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    targets, valid = targets.to(logits.device), valid.to(logits.device)
+    logits = logits.float()
+    logprobs = logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
     sums = (logprobs * valid).double().sum(-1)
-    greedy = ((picked.argmax(-1) == targets) | ~valid).all(-1)
+    greedy = ((logits.argmax(-1) == targets) | ~valid).all(-1)
     return list(zip(sums.tolist(), greedy.tolist(), strict=True))
 
 
