@@ -6,8 +6,9 @@ One liandan Llama (random weights: throughput does not depend on them) and a byt
 on Python's own documentation are written as a Hugging Face directory; two lm-eval tasks are written as local
 jsonl files from the same documentation:
 
-* cloze (multiple choice, log-likelihood): a line of the documentation, and four candidate next lines (the
-  true one and three others drawn with a fixed seed);
+* cloze (multiple choice, log-likelihood): four lines of the documentation, and four candidate next lines
+  (the true one and three others drawn with a fixed seed), the context about three times a choice's length,
+  as a short few-shot prompt would be;
 * complete (generation): the first 64 characters of a line, continued greedily until a newline or
   --max-gen-toks tokens.
 
@@ -66,10 +67,11 @@ def documentation_lines() -> list[str]:
 def write_tasks(directory: Path, lines: list[str], docs: int, max_gen_toks: int) -> None:
     rng = random.Random(0)
     cloze, complete = [], []
-    for i in rng.sample(range(len(lines) - 1), docs):
+    for i in rng.sample(range(3, len(lines) - 1), docs):
         choices = [lines[i + 1], *rng.sample(lines, 3)]
         rng.shuffle(choices)
-        cloze.append({"context": lines[i], "choices": choices, "answer": choices.index(lines[i + 1])})
+        passage = "\n".join(lines[i - 3 : i + 1])
+        cloze.append({"context": passage, "choices": choices, "answer": choices.index(lines[i + 1])})
         complete.append({"prompt": lines[i][:64], "rest": lines[i][64:]})
     cloze_body = (
         'output_type: multiple_choice\ndoc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
