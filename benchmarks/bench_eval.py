@@ -6,24 +6,27 @@ One liandan Llama (random weights: throughput does not depend on them) and a byt
 on Python's own documentation are written as a Hugging Face directory; two lm-eval tasks are written as local
 jsonl files from the same documentation:
 
-* cloze (multiple choice, log-likelihood): a line of the documentation, and four candidate next lines (the
-  true one and three others drawn with a fixed seed);
+* cloze (multiple choice, log-likelihood): four lines of the documentation, and four candidate next lines
+  (the true one and three others drawn with a fixed seed), the context about three times a choice's length,
+  as a short few-shot prompt would be;
 * complete (generation): the first 64 characters of a line, continued greedily until a newline or
   --max-gen-toks tokens.
 
-Each task runs through `lm_eval.simple_evaluate` with three models, once untimed (the dataset is built,
-threads start), then in interleaved rounds (the best round of each is reported, so a load spike from another
-process lands on one round, not on one model):
+lm-eval builds each task's requests once (its Instances, from the local files); each model answers the
+same requests through lm-eval's model interface (`loglikelihood` for the cloze, `generate_until` for the
+completion), batch size --batch-size, once on a few requests untimed, then in interleaved rounds (the best
+round of each is reported, so a load spike from another process lands on one round, not on one model):
 
-* liandan via lm-eval: the "liandan" lm-eval model (`liandan.evaluate.lm_eval_bridge.LiandanLM`) on the
-  liandan model, batched scoring and KV-cache generation from `liandan.evaluate.scoring`;
-* hf via lm-eval: `HFLM(pretrained=<export>)`, transformers' `LlamaForCausalLM` (SDPA) and `generate`;
-* liandan scoring alone: `scoring.loglikelihoods` / `scoring.generate` on the same token ids, without
-  lm-eval's request handling around it (what liandan's own task runner calls).
+* liandan: the "liandan" lm-eval model (`liandan.evaluate.lm_eval_bridge.LiandanLM`) on the liandan model:
+  text encoded as lm-eval encodes it, batched scoring and KV-cache generation from `liandan.evaluate.scoring`;
+* hf transformers: `HFLM(pretrained=<export>)`, transformers' `LlamaForCausalLM` (SDPA) and its `generate`;
+* liandan scoring alone: `scoring.loglikelihoods` / `scoring.generate` on the same requests tokenized
+  beforehand, without lm-eval's request handling (what liandan's own task runner calls).
 
-Examples/s is the task's documents over the seconds of the call. The two lm-eval runs must agree: the
-largest difference of a per-request log-likelihood and the share of identical generations are printed beside
-the speeds.
+Examples/s is the task's documents over the seconds of the call (the cloze has four requests per document).
+What lm-eval does around the model (building datasets and requests, metrics) is the same for both and is
+left out: with a small model it would be most of the time. The two must agree: the largest difference of a
+per-request log-likelihood and the share of identical generations are printed beside the speeds.
 
     python benchmarks/bench_eval.py                   # CPU or the first GPU
     python benchmarks/bench_eval.py --docs 64 --rounds 3 --json results.json
@@ -64,10 +67,11 @@ def documentation_lines() -> list[str]:
 def write_tasks(directory: Path, lines: list[str], docs: int, max_gen_toks: int) -> None:
     rng = random.Random(0)
     cloze, complete = [], []
-    for i in rng.sample(range(len(lines) - 1), docs):
+    for i in rng.sample(range(3, len(lines) - 1), docs):
         choices = [lines[i + 1], *rng.sample(lines, 3)]
         rng.shuffle(choices)
-        cloze.append({"context": lines[i], "choices": choices, "answer": choices.index(lines[i + 1])})
+        passage = "\n".join(lines[i - 3 : i + 1])
+        cloze.append({"context": passage, "choices": choices, "answer": choices.index(lines[i + 1])})
         complete.append({"prompt": lines[i][:64], "rest": lines[i][64:]})
     cloze_body = (
         'output_type: multiple_choice\ndoc_to_text: "{{context}}"\ndoc_to_choice: "{{choices}}"\n'
@@ -87,40 +91,50 @@ def write_tasks(directory: Path, lines: list[str], docs: int, max_gen_toks: int)
         )
 
 
-def timed_evaluate(lm, task: str, task_manager) -> tuple[float, list[dict]]:
-    import lm_eval
+def task_requests(task: str, task_manager) -> tuple[list, int]:
+    """lm-eval's requests for a task (its Instances, built once; both models answer the same ones) and the
+    number of documents they come from."""
+    from lm_eval.tasks import get_task_dict
 
+    built = get_task_dict([task], task_manager)[task]
+    built.build_all_requests(rank=0, world_size=1)
+    return built.instances, len({instance.doc_id for instance in built.instances})
+
+
+def timed_answers(lm, task: str, instances: list) -> tuple[float, list]:
+    """Seconds for the model to answer the task's requests through lm-eval's LM interface, and the answers."""
     start = time.perf_counter()
-    out = lm_eval.simple_evaluate(model=lm, tasks=[task], task_manager=task_manager, log_samples=True,
-                                  verbosity="ERROR")  # fmt: skip
-    return time.perf_counter() - start, sorted(out["samples"][task], key=lambda s: s["doc_id"])
+    if task == "bench_cloze":
+        answers = lm.loglikelihood(instances, disable_tqdm=True)
+    else:
+        answers = lm.generate_until(instances, disable_tqdm=True)
+    return time.perf_counter() - start, answers
 
 
-def timed_scoring(model, tokenizer, samples: list[dict], task: str, batch_size: int, max_gen_toks: int) -> float:
-    """liandan's scoring on the requests lm-eval made of the task, tokenized before the clock starts."""
+def timed_scoring(model, tokenizer, instances: list, task: str, batch_size: int, max_gen_toks: int, stops) -> float:
+    """liandan's scoring on the same requests, tokenized before the clock starts (what liandan's own task
+    runner calls, without lm-eval's request handling around it), with the bridge's stop tokens."""
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode_batch([text])[0]
 
     if task == "bench_cloze":
-        requests = [(encode(c), encode(c + x)[len(encode(c)) :]) for s in samples for c, x in s["arguments"]]
+        pairs = [instance.args for instance in instances]
+        requests = [(encode(c), encode(c + x)[len(encode(c)) :]) for c, x in pairs]
         start = time.perf_counter()
         scoring.loglikelihoods(model, requests, batch_size=batch_size)
     else:
-        prompts = [encode(s["arguments"][0][0]) for s in samples]
+        prompts = [encode(instance.args[0]) for instance in instances]
         start = time.perf_counter()
-        scoring.generate(model, prompts, max_new_tokens=max_gen_toks, stop_sequences=[encode("\n")],
-                         eos_id=tokenizer.eos_id, batch_size=batch_size)  # fmt: skip
+        scoring.generate(model, prompts, max_new_tokens=max_gen_toks, stop_sequences=stops, eos_id=tokenizer.eos_id,
+                         batch_size=batch_size, keep_stop=True)  # fmt: skip
     return time.perf_counter() - start
 
 
-def agreement(task: str, ours: list[dict], theirs: list[dict]) -> str:
+def agreement(task: str, ours: list, theirs: list) -> str:
     if task == "bench_cloze":
-        gaps = [abs(a[0] - b[0]) for x, y in zip(ours, theirs, strict=True)
-                for a, b in zip(x["filtered_resps"], y["filtered_resps"], strict=True)]  # fmt: skip
-        return f"max |d loglik| {max(gaps):.2e}"
-    same = sum(x["resps"][0][0] == y["resps"][0][0] for x, y in zip(ours, theirs, strict=True))
-    return f"identical generations {same}/{len(ours)}"
+        return f"max |d loglik| {max(abs(a[0] - b[0]) for a, b in zip(ours, theirs, strict=True)):.2e}"
+    return f"identical generations {sum(a == b for a, b in zip(ours, theirs, strict=True))}/{len(ours)}"
 
 
 def main() -> None:
@@ -133,8 +147,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default: torch's); one is steadier on a "
+        "machine that other processes share, where threads that wait on each other lose most",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     opts = parser.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
 
     from lm_eval.models.huggingface import HFLM
     from lm_eval.tasks import TaskManager
@@ -163,24 +185,25 @@ def main() -> None:
     load = os.getloadavg()[0]
     results = {}
     for task in ("bench_cloze", "bench_complete"):
-        best = {
-            "liandan via lm-eval": float("inf"),
-            "hf via lm-eval": float("inf"),
-            "liandan scoring alone": float("inf"),
-        }
-        timed_evaluate(ours, task, tasks)  # warm-up, untimed: the dataset is built, caches and threads start
-        timed_evaluate(theirs, task, tasks)
+        instances, docs = task_requests(task, tasks)
+        names = ("liandan", "hf transformers", "liandan scoring alone")
+        best = dict.fromkeys(names, float("inf"))
+        timed_answers(ours, task, instances[:8])  # warm-up, untimed: allocator, threads
+        timed_answers(theirs, task, instances[:8])
         for _ in range(opts.rounds):
-            seconds, our_samples = timed_evaluate(ours, task, tasks)
-            best["liandan via lm-eval"] = min(best["liandan via lm-eval"], seconds)
-            seconds, their_samples = timed_evaluate(theirs, task, tasks)
-            best["hf via lm-eval"] = min(best["hf via lm-eval"], seconds)
-            seconds = timed_scoring(model, tokenizer, our_samples, task, opts.batch_size, opts.max_gen_toks)
+            seconds, our_answers = timed_answers(ours, task, instances)
+            best["liandan"] = min(best["liandan"], seconds)
+            seconds, their_answers = timed_answers(theirs, task, instances)
+            best["hf transformers"] = min(best["hf transformers"], seconds)
+            stops = ours._stop_tokens("\n")
+            seconds = timed_scoring(model, tokenizer, instances, task, opts.batch_size, opts.max_gen_toks, stops)
             best["liandan scoring alone"] = min(best["liandan scoring alone"], seconds)
         results[task] = {
-            "examples_per_s": {name: opts.docs / s for name, s in best.items()},
-            "ratio_liandan_over_hf": best["hf via lm-eval"] / best["liandan via lm-eval"],
-            "agreement": agreement(task, our_samples, their_samples),
+            "docs": docs,
+            "requests": len(instances),
+            "examples_per_s": {name: docs / s for name, s in best.items()},
+            "ratio_liandan_over_hf": best["hf transformers"] / best["liandan"],
+            "agreement": agreement(task, our_answers, their_answers),
         }
     import lm_eval
     import transformers
@@ -198,7 +221,7 @@ def main() -> None:
     for task, result in results.items():
         for name, rate in result["examples_per_s"].items():
             print(f"{task:<16}{name:<24}{rate:>12.2f}")
-        print(f"{task:<16}liandan / hf (lm-eval): {result['ratio_liandan_over_hf']:.2f}x; {result['agreement']}")
+        print(f"{task:<16}liandan / hf: {result['ratio_liandan_over_hf']:.2f}x; {result['agreement']}")
     if opts.json:
         opts.json.write_text(json.dumps({"setup": setup, "results": results}, indent=2))
 

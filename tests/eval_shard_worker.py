@@ -37,6 +37,7 @@ def main(case_path: str, out_dir: str) -> None:
     from liandan.spec.layout import Layout
     from liandan.train.parallelize import build_mesh, parallelize
 
+    torch.set_num_threads(1)  # two ranks share the machine's cores: threads that wait on each other cost most
     case = torch.load(case_path)
     dist.init_process_group("gloo")
     results = {}

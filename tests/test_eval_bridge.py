@@ -142,3 +142,21 @@ def test_lm_eval_command_runs_a_local_task(run, tasks):
     done = run_liandan("lm-eval", run, "--tasks", "local_choice", "--include_path", tasks, "--limit", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "local_choice" in done.stdout and "acc" in done.stdout
+
+
+def test_the_bridge_refuses_what_it_cannot_do():
+    from lm_eval.api.instance import Instance
+
+    from liandan.data.tokenizer import ByteTokenizer
+    from liandan.evaluate.lm_eval_bridge import LiandanLM
+    from liandan.model import ModelArgs, Transformer
+
+    model, tokenizer = Transformer(ModelArgs(vocab_size=257, dim=32, n_layers=1, n_heads=2)), ByteTokenizer()
+    with pytest.raises(ValueError, match="unknown argument.* of the liandan model: checkpont"):
+        LiandanLM(model=model, tokenizer=tokenizer, checkpont="runs/x")
+    with pytest.raises(ValueError, match="needs either checkpoint=PATH or model= and tokenizer="):
+        LiandanLM()
+    lm = LiandanLM(model=model, tokenizer=tokenizer, batch_size="auto:4", max_batch_size=None)
+    sampled = Instance("generate_until", {}, ("Once", {"do_sample": True, "temperature": 0.7}), 0)
+    with pytest.raises(ValueError, match="generates greedily"):
+        lm.generate_until([sampled])

@@ -42,6 +42,16 @@ def _requests(seed: int, n: int, longest_context: int = 30) -> list[tuple[list[i
     return [(_random_tokens(g, 1, longest_context), _random_tokens(g, 1, 8)) for _ in range(n)]
 
 
+def _choices(seed: int, questions: int, choices: int) -> list[tuple[list[int], list[int]]]:
+    """Multiple-choice requests: several continuations (one token long among them) of each context."""
+    g = torch.Generator().manual_seed(seed)
+    requests = []
+    for _ in range(questions):
+        context = _random_tokens(g, 2, 30)
+        requests += [(context, _random_tokens(g, 1, 2 if c == 0 else 8)) for c in range(choices)]
+    return requests
+
+
 @torch.no_grad()
 def direct_loglikelihood(model, context, continuation, max_len) -> tuple[float, bool]:
     whole = torch.tensor([[*context, *continuation][-(max_len + 1) :]])
@@ -51,10 +61,14 @@ def direct_loglikelihood(model, context, continuation, max_len) -> tuple[float, 
 
 
 @pytest.mark.parametrize(
-    "batch_size, max_len", [(1, None), (4, None), (16, 12)], ids=["single", "batched", "truncated"]
+    "batch_size, max_len, shared",
+    [(1, None, False), (4, None, False), (16, 12, False), (3, None, True), (16, None, True), (16, 12, True)],
+    ids=["single", "batched", "truncated", "shared-context-split", "shared-context", "shared-truncated"],
 )
-def test_loglikelihoods_equal_a_direct_forward(model, batch_size, max_len):
-    requests = _requests(1, 11)
+def test_loglikelihoods_equal_a_direct_forward(model, batch_size, max_len, shared):
+    """Shared: the choices of a question read their common context once from the KV cache, also when a
+    question has more choices than a batch holds; with truncation, contexts shared before it may not be."""
+    requests = _choices(1, 4, 5) + _requests(2, 3) if shared else _requests(1, 11)
     got = scoring.loglikelihoods(model, requests, batch_size=batch_size, max_len=max_len)
     for (context, continuation), (logprob, greedy) in zip(requests, got, strict=True):
         want, want_greedy = direct_loglikelihood(model, context, continuation, max_len or ARGS["max_seq_len"])
@@ -118,6 +132,9 @@ def test_stop_sequences_and_end_of_document_cut_the_output(model):
     for use_cache in (True, False):
         cut = scoring.generate(model, prompts, max_new_tokens=10, stop_sequences=[stop], use_cache=use_cache)
         assert cut[0] == free[0][:first]
+        kept = scoring.generate(model, prompts[:1], max_new_tokens=10, stop_sequences=[stop], use_cache=use_cache,
+                                keep_stop=True)  # fmt: skip
+        assert kept[0] == free[0][: first + 2]
         by_eos = scoring.generate(model, prompts[1:2], max_new_tokens=10, eos_id=eos, use_cache=use_cache)
         assert by_eos[0] == free[1][: free[1].index(eos)]
 
@@ -185,7 +202,7 @@ def sharded(tmp_path_factory):
     case = {
         "args": ARGS,
         "state": Transformer(ModelArgs(**ARGS)).state_dict(),
-        "requests": _requests(10, 7),
+        "requests": _requests(10, 7) + _choices(12, 3, 4),
         "documents": [_random_tokens(g, 5, 60) for _ in range(3)],
         "rolling_max_len": 16,
         "prompts": [context for context, _ in _requests(11, 5)],

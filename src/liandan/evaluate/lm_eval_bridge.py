@@ -4,8 +4,8 @@ user has runs on a liandan checkpoint without exporting it, and on a model shard
     import liandan.evaluate.lm_eval_bridge  # registers "liandan"
     lm_eval.simple_evaluate(model="liandan", model_args="checkpoint=runs/my-run,device=cuda", tasks=[...])
 
-or from the shell, with lm-eval's own arguments: `python -m liandan.evaluate.lm_eval_bridge --model_args
-checkpoint=runs/my-run --tasks hellaswag`.
+or from the shell, with lm-eval's own arguments: `liandan lm-eval runs/my-run --tasks hellaswag` (or
+`python -m liandan.evaluate.lm_eval_bridge --model_args checkpoint=runs/my-run --tasks hellaswag`).
 
 Text is encoded as lm-eval's Hugging Face model encodes it (its `TemplateLM`: trailing spaces of a context
 move to the continuation, an empty context becomes the end-of-document token), and every number comes from
@@ -48,13 +48,17 @@ class LiandanLM(TemplateLM):
         max_gen_toks: int | str = 256,
         device: str | None = "auto",
         dtype: str | None = None,
-        **unused: Any,
+        max_batch_size: Any = None,
+        **others: Any,
     ):
         """Either `checkpoint` (a run, checkpoints or step directory; `tokenizer` optionally overrides the
         one it was trained with) or a `model` already built (plain or sharded) with its `tokenizer`.
         Values may be strings, as lm-eval passes `model_args`; `device` "auto" (or None) is CUDA when there is
-        one, else the CPU."""
+        one, else the CPU; `max_batch_size` (lm-eval's bound on its batch-size search) is not used."""
         super().__init__()
+        unknown = sorted(name for name, value in others.items() if value is not None)  # lm-eval passes unset ones
+        if unknown:
+            raise ValueError(f"unknown argument(s) of the liandan model: {', '.join(unknown)}")
         if (checkpoint is None) == (model is None):
             raise ValueError("LiandanLM needs either checkpoint=PATH or model= and tokenizer=")
         if model is None:
@@ -74,9 +78,12 @@ class LiandanLM(TemplateLM):
         elif tokenizer is None or isinstance(tokenizer, (str, Path)):
             raise ValueError("LiandanLM(model=...) needs the model's tokenizer object as tokenizer=")
         self.model, self.liandan_tokenizer = model, tokenizer
-        self.batch_size = _positive_int("batch_size", 16 if batch_size in ("auto", None) else batch_size)
+        # lm-eval's "auto" searches for the largest batch that fits; liandan takes its default instead
+        auto = batch_size is None or str(batch_size).startswith("auto")
+        self.batch_size = _positive_int("batch_size", 16 if auto else batch_size)
         self._max_length = _positive_int("max_length", max_length) if max_length is not None else None
         self.max_gen_toks = _positive_int("max_gen_toks", max_gen_toks)
+        self._stops: dict[str, list[list[int]]] = {}
 
     @property
     def eot_token_id(self) -> int:
@@ -111,8 +118,8 @@ class LiandanLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Greedy generation (liandan's evaluator samples nothing). Requests are grouped by their settings;
-        each group is generated in batches with the KV cache, and its texts are cut at the first stop string,
-        as lm-eval's own models cut them."""
+        each group is generated in batches with the KV cache, each sequence ending at a token that holds a
+        stop string, and the texts are cut at the first stop string, as lm-eval's own models cut them."""
         groups: dict[tuple, list[int]] = {}
         settings = [self._generation_settings(request.args[1]) for request in requests]
         for i, (until, max_new) in enumerate(settings):
@@ -120,11 +127,9 @@ class LiandanLM(TemplateLM):
         texts = [""] * len(requests)
         for (until, max_new), members in groups.items():
             prompts = [self.tok_encode(requests[i].args[0]) or [self.prefix_token_id] for i in members]
-            # Token-level stops end a sequence early where the model writes a stop string as it encodes alone;
-            # the cut below finds it however it was written.
-            stops = [self.tok_encode(s) for s in until]
+            stops = [stop for text in until for stop in self._stop_tokens(text)]
             outputs = scoring.generate(self.model, prompts, max_new_tokens=max_new, stop_sequences=stops,
-                                       eos_id=self.eot_token_id, batch_size=self.batch_size)  # fmt: skip
+                                       eos_id=self.eot_token_id, batch_size=self.batch_size, keep_stop=True)  # fmt: skip
             for i, tokens in zip(members, outputs, strict=True):
                 text = self.tok_decode(tokens)
                 for stop in until:
@@ -132,6 +137,16 @@ class LiandanLM(TemplateLM):
                 texts[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return texts
+
+    def _stop_tokens(self, text: str) -> list[list[int]]:
+        """Token sequences that end a generation at the stop string `text`: its own encoding, and every
+        single token whose text contains it (a newline is often merged with what precedes it). A stop split
+        across tokens some other way is not seen until the text is cut, after `max_gen_toks`."""
+        if text not in self._stops:
+            decode = self.liandan_tokenizer.decode
+            inside = [[i] for i in range(self.liandan_tokenizer.vocab_size) if text in decode([i])]
+            self._stops[text] = [self.tok_encode(text), *inside]
+        return self._stops[text]
 
     def _generation_settings(self, kwargs: dict) -> tuple[list[str], int]:
         kwargs = dict(kwargs or {})

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from liandan.model.kv_cache import KVCache
+from liandan.train.parallelize import reshard
 
 
 def model_args(model: nn.Module):
@@ -35,7 +36,8 @@ def _device(model: nn.Module) -> torch.device:
 def scoring_mode(model: nn.Module) -> Iterator[None]:
     """Evaluation mode without gradients, and SDPA in place of FlexAttention: scoring uses plain causal masks,
     for which SDPA is as fast, and FlexAttention would compile a kernel for every new batch shape. Whatever
-    the model was set to is restored afterwards (this runs in the middle of training too)."""
+    the model was set to is restored afterwards, and FSDP2's units sharded again (this runs in the middle of
+    training too)."""
     inner = getattr(model, "module", model)
     backend, training = inner.attention_backend, model.training
     if backend == "flex":
@@ -47,6 +49,7 @@ def scoring_mode(model: nn.Module) -> Iterator[None]:
     finally:
         inner.attention_backend = backend
         model.train(training)
+        reshard(model)  # FSDP2 keeps the last units gathered after a forward: give that memory back to training
 
 
 def _max_len(model: nn.Module, max_len: int | None) -> int:
@@ -81,16 +84,37 @@ def loglikelihoods(
         whole = [*context, *continuation][-(max_len + 1) :]
         windows.append((whole, len(continuation)))
     results: list[tuple[float, bool]] = [(0.0, False)] * len(windows)
+    # Requests that share their context (the choices of a multiple-choice question, after a few-shot prompt
+    # that is most of the tokens) read it once, into a KV cache that each continuation then reads.
+    by_context: dict[tuple[int, ...], list[int]] = {}
+    for i, (whole, n) in enumerate(windows):
+        by_context.setdefault(tuple(whole[:-n]), []).append(i)
+    alone = [members[0] for members in by_context.values() if len(members) == 1]
+    shared = [members for members in by_context.values() if len(members) > 1]
     # Longest first: the batches are padded to less, and a batch too large for memory fails at once.
-    order = sorted(range(len(windows)), key=lambda i: -len(windows[i][0]))
+    alone.sort(key=lambda i: -len(windows[i][0]))
+    shared.sort(key=lambda members: -len(windows[members[0]][0]))
+    batches = [(alone[i : i + batch_size], _score_batch) for i in range(0, len(alone), batch_size)]
+    batches += [(batch, _score_shared_batch) for batch in _context_batches(shared, batch_size)]
     device = _device(model)
     with scoring_mode(model):
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
-            scored = _score_batch(model, [windows[i] for i in chunk], device)
-            for i, result in zip(chunk, scored, strict=True):
+        for batch, score in batches:
+            for i, result in zip(batch, score(model, [windows[i] for i in batch], device), strict=True):
                 results[i] = result
     return results
+
+
+def _context_batches(groups: list[list[int]], batch_size: int) -> list[list[int]]:
+    """Groups of requests with one context, packed whole (or split, when larger than a batch) into batches
+    of at most `batch_size` requests."""
+    chunks = [group[i : i + batch_size] for group in groups for i in range(0, len(group), batch_size)]
+    batches: list[list[int]] = []
+    for chunk in chunks:
+        if batches and len(batches[-1]) + len(chunk) <= batch_size:
+            batches[-1].extend(chunk)
+        else:
+            batches.append(list(chunk))
+    return batches
 
 
 def _score_batch(
@@ -99,23 +123,55 @@ def _score_batch(
     """One forward over right-padded inputs: under a causal mask the padding after a row's last token cannot
     change that row's logits."""
     width = max(len(whole) - 1 for whole, _ in windows)
-    longest = max(n for _, n in windows)
     inputs = torch.zeros(len(windows), width, dtype=torch.long)
-    targets = torch.zeros(len(windows), longest, dtype=torch.long)
-    at = torch.zeros(len(windows), longest, dtype=torch.long)
-    valid = torch.zeros(len(windows), longest, dtype=torch.bool)
+    at = torch.zeros(len(windows), max(n for _, n in windows), dtype=torch.long)
     for row, (whole, n) in enumerate(windows):
         inputs[row, : len(whole) - 1] = torch.tensor(whole[:-1])
-        targets[row, :n] = torch.tensor(whole[-n:])
         # the logit at position p predicts token p + 1: the continuation's are the last n positions of the input
         at[row, :n] = torch.arange(len(whole) - 1 - n, len(whole) - 1)
+    return _summarise(model(inputs.to(device), logits_at=at.to(device)), windows)
+
+
+def _score_shared_batch(
+    model: nn.Module, windows: list[tuple[list[int], int]], device: torch.device
+) -> list[tuple[float, bool]]:
+    """The batch's distinct contexts, left-padded, go into a KV cache once; its rows are then repeated for
+    each continuation, which is read (right-padded) against them. The last context position predicts the
+    first continuation token, each continuation token but the last the next."""
+    contexts: dict[tuple[int, ...], int] = {}
+    rows = [contexts.setdefault(tuple(whole[:-n]), len(contexts)) for whole, n in windows]
+    width = max(len(context) for context in contexts)
+    longest = max(n for _, n in windows)
+    prefix = torch.zeros(len(contexts), width, dtype=torch.long)
+    for context, row in contexts.items():
+        prefix[row, width - len(context) :] = torch.tensor(context)
+    pads = torch.tensor([width - len(context) for context in contexts], device=device)
+    cache = KVCache(width + longest - 1, pads)
+    last = torch.full((len(contexts), 1), width - 1, device=device)
+    repeat = torch.tensor(rows, device=device)
+    first = model(prefix.to(device), cache=cache, logits_at=last)[repeat]
+    if longest == 1:
+        return _summarise(first, windows)
+    cache.select(repeat)
+    continuations = torch.zeros(len(windows), longest - 1, dtype=torch.long)
+    for row, (whole, n) in enumerate(windows):
+        continuations[row, : n - 1] = torch.tensor(whole[len(whole) - n : -1])
+    return _summarise(torch.cat([first, model(continuations.to(device), cache=cache)], dim=1), windows)
+
+
+def _summarise(logits: torch.Tensor, windows: list[tuple[list[int], int]]) -> list[tuple[float, bool]]:
+    """(sum of log-probabilities, greedy) of each row's continuation, from its logits (rows, longest, V):
+    row r's first n_r logits predict its n_r continuation tokens; the rest is padding."""
+    targets = torch.zeros(logits.shape[:2], dtype=torch.long)
+    valid = torch.zeros(logits.shape[:2], dtype=torch.bool)
+    for row, (whole, n) in enumerate(windows):
+        targets[row, :n] = torch.tensor(whole[-n:])
         valid[row, :n] = True
-    inputs, targets, at, valid = (t.to(device) for t in (inputs, targets, at, valid))
-    logits = model(inputs)
-    picked = logits[torch.arange(len(windows), device=device)[:, None], at].float()
-    logprobs = picked.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
+    targets, valid = targets.to(logits.device), valid.to(logits.device)
+    logits = logits.float()
+    logprobs = logits.log_softmax(-1).gather(-1, targets[..., None])[..., 0]
     sums = (logprobs * valid).double().sum(-1)
-    greedy = ((picked.argmax(-1) == targets) | ~valid).all(-1)
+    greedy = ((logits.argmax(-1) == targets) | ~valid).all(-1)
     return list(zip(sums.tolist(), greedy.tolist(), strict=True))
 
 
@@ -168,9 +224,10 @@ def rolling_loglikelihood(
 class _Output:
     """One prompt's generated tokens, and whether a stop sequence (or the end-of-document token) ended it."""
 
-    def __init__(self, stops: list[list[int]]):
+    def __init__(self, stops: list[list[int]], keep_stop: bool = False):
         self.tokens: list[int] = []
         self.stops = stops
+        self.keep_stop = keep_stop
         self.cut: int | None = None
 
     def push(self, token: int) -> bool:
@@ -183,7 +240,7 @@ class _Output:
         return True
 
     def result(self) -> list[int]:
-        return self.tokens if self.cut is None else self.tokens[: self.cut]
+        return self.tokens if self.cut is None or self.keep_stop else self.tokens[: self.cut]
 
 
 def _find(tokens: list[int], needle: list[int]) -> int:
@@ -202,10 +259,13 @@ def generate(
     eos_id: int | None = None,
     use_cache: bool = True,
     batch_size: int = 8,
+    keep_stop: bool = False,
 ) -> list[list[int]]:
     """Greedy continuations of each prompt: at most `max_new_tokens` tokens, ending before the first stop
-    sequence (or `eos_id`) that appears in them. Prompts are cut from the left to leave room for the new
-    tokens within the model's max_seq_len. With `use_cache` the prompts of a batch are run once and each new
+    sequence (or `eos_id`) that appears in them; with `keep_stop`, ending with the stop sequence that ended
+    the generation (for callers that cut decoded text themselves, when a stop token also carries text
+    before the stop). Prompts are cut from the left to leave room for the new tokens within the model's
+    max_seq_len. With `use_cache` the prompts of a batch are run once and each new
     token reads the cached keys and values; without it every token reruns its whole prompt alone (the
     reference the cache must equal, token for token)."""
     limit = model_args(model).max_seq_len
@@ -219,7 +279,7 @@ def generate(
         if not prompt:
             raise ValueError(f"prompt {i} is empty; begin it with the end-of-document token")
     trimmed = [list(p)[-kept:] for p in prompts]
-    outputs = [_Output(stops) for _ in trimmed]
+    outputs = [_Output(stops, keep_stop) for _ in trimmed]
     device = _device(model)
     with scoring_mode(model):
         if use_cache:
@@ -244,7 +304,8 @@ def _generate_cached(
     for row, (prompt, pad) in enumerate(zip(prompts, pads, strict=True)):
         tokens[row, pad:] = torch.tensor(prompt)
     cache = KVCache(width + max_new_tokens, torch.tensor(pads, device=device))
-    logits = model(tokens.to(device), cache=cache)[:, -1]
+    last = torch.full((len(prompts), 1), width - 1, device=device)
+    logits = model(tokens.to(device), cache=cache, logits_at=last)[:, -1]
     active = list(range(len(prompts)))  # rows of `outputs` still in the batch, in batch order
     for step in range(max_new_tokens):
         chosen = logits.argmax(-1)

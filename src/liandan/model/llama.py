@@ -195,6 +195,7 @@ class Transformer(nn.Module):
         prefix: torch.Tensor | None = None,
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        logits_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits (B, T, V), or the mean loss when `targets` is given (targets of -1 are ignored).
 
@@ -203,9 +204,11 @@ class Transformer(nn.Module):
         positions (B, T): rotary positions, default 0..T-1.
         cache: decode incrementally: `tokens` fill the cache's next slots and attend to every slot before
             them (its positions and padding replace `positions`, `doc_ids` and `prefix`); logits only.
+        logits_at (B, K): logits of these positions only, (B, K, V): scoring needs few positions, and the
+            output projection of all of them is most of the work of a small model with a large vocabulary.
         """
         if cache is not None:
-            return self._forward_cached(tokens, cache)
+            return self._forward_cached(tokens, cache, logits_at)
         seq = tokens.shape[1]
         mask = PreparedMask(MaskSpec(doc_ids, prefix), self.attention_backend, seq, tokens.device)
         rope = self.rope[:seq] if positions is None else self.rope[positions]
@@ -213,10 +216,10 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         if targets is None:
-            return self.output(self.norm(h))
+            return self.output(self.norm(_rows(h, logits_at)))
         return self.head_loss(h, targets)
 
-    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, logits_at: torch.Tensor | None) -> torch.Tensor:
         bsz, seq = tokens.shape
         rope = self.rope[cache.positions(bsz, seq, tokens.device)]
         mask = PreparedMask.explicit(cache.allowed(bsz, seq, tokens.device), self.attention_backend)
@@ -224,12 +227,19 @@ class Transformer(nn.Module):
         for index, layer in enumerate(self.layers.values()):
             h = layer(h, rope, mask, cache, index)
         cache.advance(seq)
-        return self.output(self.norm(h))
+        return self.output(self.norm(_rows(h, logits_at)))
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, output projection and loss: one unit, so it can be compiled as one (the fp32 logits
         of a large vocabulary are the biggest tensor of a small model's step)."""
         return lm_loss(self.output(self.norm(h)), targets, self.args.z_loss)
+
+
+def _rows(h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """h (B, T, D) at positions (B, K), or all of h."""
+    if positions is None:
+        return h
+    return h[torch.arange(h.shape[0], device=h.device)[:, None], positions]
 
 
 def block_attention_logit(block: Block, x: torch.Tensor, args: tuple) -> torch.Tensor:
