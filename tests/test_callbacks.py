@@ -50,19 +50,20 @@ def test_a_name_registered_twice_is_refused(empty_registry):
         registry.register_callback("twice")(second)
 
 
-def test_the_cli_registers_the_doctor_and_the_forecast_and_the_trainer_imports_neither():
+def test_the_cli_registers_the_doctor_forecast_and_task_evaluation_and_the_trainer_imports_none():
     code = (
         "import sys\n"
         "import liandan.train.trainer, liandan.train.callbacks as c\n"
         "assert not [m for m in sys.modules if m.startswith('liandan.plan')], 'the trainer imported plan'\n"
         "assert not [m for m in sys.modules if m.startswith('liandan.doctor')], 'the trainer imported doctor'\n"
+        "assert not [m for m in sys.modules if m.startswith('liandan.evaluate')], 'the trainer imported evaluate'\n"
         "assert c.registered_callbacks() == []\n"
         "from liandan.cli.main import register_callbacks\n"
         "register_callbacks()\n"
         "print(c.registered_callbacks())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['doctor', 'forecast']"
+    assert out.strip() == "['doctor', 'eval_tasks', 'forecast']"
 
 
 # --------------------------------------------------------------------------------------------------------
