@@ -213,3 +213,82 @@ def test_sentencepiece_tokenizer_model_is_imported_as_the_same_tokenizer(tmp_pat
     assert ours.encode_batch(texts) == [reference.encode(t) for t in texts]
     assert [ours.decode(ids) for ids in ours.encode_batch(texts)] == texts
     assert ours.eos_id == reference.eos_id()
+
+
+@pytest.mark.parametrize("variant", [{"qkv_bias": True}, {"head_dim": 32}, {"qkv_bias": True, "head_dim": 8}])
+def test_counts_and_the_planner_s_split_follow_biases_and_head_size(variant):
+    from liandan.model import count_params
+    from liandan.plan.memory import param_split
+
+    args = model_args(ModelSection(dim=64, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, **variant), 0)
+    model = Transformer(args)
+    assert count_params(args).total == sum(p.numel() for p in model.parameters())
+    assert param_split(args).total == count_params(args).total
+    if args.qkv_bias:  # biases start at zero, as the projections' outputs should
+        assert all(torch.equal(b, torch.zeros_like(b)) for n, b in model.named_parameters() if n.endswith("bias"))
+
+
+def test_llama3_rescaling_keeps_fast_divides_slow_and_blends_between():
+    from liandan.model.llama import rope_frequencies
+
+    args = model_args(ModelSection(dim=64, n_heads=2, rope_theta=10000.0, rope_scaling="llama3", rope_factor=8.0,
+                                   rope_original_max_seq_len=64), 0)  # fmt: skip
+    plain = rope_frequencies(dataclasses.replace(args, rope_scaling="none"))
+    scaled = rope_frequencies(args)
+    periods = 64 * plain / (2 * torch.pi)  # how often each frequency turns within the original context
+    fast, slow = periods > 4.0, periods < 1.0
+    assert fast.any() and slow.any() and (~fast & ~slow).any()
+    assert torch.equal(scaled[fast], plain[fast])
+    torch.testing.assert_close(scaled[slow], plain[slow] / 8.0)
+    middle = ~fast & ~slow
+    assert ((scaled[middle] < plain[middle]) & (scaled[middle] > plain[middle] / 8.0)).all()
+
+
+# Published configs, as transformers 4 wrote them (fields that do not matter here left out), and the models'
+# published parameter counts.
+_LLAMA3_1 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+             "rope_type": "llama3"}  # fmt: skip
+IN_THE_WILD = {
+    "Llama-3.1-8B": (8_030_261_248, {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False, "mlp_bias": False,
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 131072,
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8, "pretraining_tp": 1,
+        "rms_norm_eps": 1e-05, "rope_scaling": _LLAMA3_1, "rope_theta": 500000.0, "tie_word_embeddings": False,
+        "vocab_size": 128256}),
+    "Llama-3.2-1B": (1_235_814_400, {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "head_dim": 64, "hidden_size": 2048,
+        "intermediate_size": 8192, "max_position_embeddings": 131072, "num_attention_heads": 32,
+        "num_hidden_layers": 16, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_scaling": {**_LLAMA3_1, "factor": 32.0}, "rope_theta": 500000.0, "tie_word_embeddings": True,
+        "vocab_size": 128256}),
+    "Qwen2.5-0.5B": (494_032_768, {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "hidden_size": 896,
+        "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24,
+        "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True, "use_sliding_window": False,
+        "vocab_size": 151936}),
+    "Qwen3-0.6B": (596_049_920, {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 1024, "intermediate_size": 3072, "max_position_embeddings": 40960,
+        "max_window_layers": 28, "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+        "tie_word_embeddings": True, "use_sliding_window": False, "vocab_size": 151936}),
+    "Mistral-7B-v0.1": (7_241_732_096, {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu", "hidden_size": 4096,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+        "sliding_window": 4096, "tie_word_embeddings": False, "vocab_size": 32000}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(IN_THE_WILD))
+def test_published_configs_give_the_published_parameter_counts(name):
+    from liandan.checkpoint.hf import args_from_hf_config
+    from liandan.model import count_params
+
+    params, config = IN_THE_WILD[name]
+    args = args_from_hf_config(config)
+    assert count_params(args).total == params
+    expected = {"Llama-3.1-8B": ("llama3", 131072), "Llama-3.2-1B": ("llama3", 131072), "Qwen2.5-0.5B": ("none", 32768),
+                "Qwen3-0.6B": ("none", 40960), "Mistral-7B-v0.1": ("none", 4096)}[name]  # fmt: skip
+    assert (args.rope_scaling, args.max_seq_len) == expected
