@@ -40,12 +40,14 @@ def source_tokenizer(model_dir: Path) -> Any | None:
 
 def _convert_sentencepiece(path: Path) -> Any:
     try:
+        import google.protobuf  # noqa: F401 - transformers' converter reads the model's protobuf with it
         import sentencepiece
         import transformers
     except ImportError as err:
+        package = "protobuf" if (err.name or "").startswith("google") else err.name
         raise ValueError(
-            f"{path} is a SentencePiece model; converting it needs the {err.name} package "
-            "(pip install sentencepiece protobuf transformers), or put a tokenizer.json beside it"
+            f"{path} is a SentencePiece model; converting it needs the {package} package "
+            "(pip install 'liandan[hf]'), or put a tokenizer.json beside it"
         ) from None
     try:
         reference = sentencepiece.SentencePieceProcessor(model_file=str(path))
