@@ -30,7 +30,7 @@ def test_extras_match_pyproject():
     from liandan.config import read_toml
 
     extras = read_toml(ROOT / "pyproject.toml")["project"]["optional-dependencies"]
-    module_of = {"mlflow_skinny": "mlflow"}  # distributions whose module has another name
+    module_of = {"mlflow_skinny": "mlflow", "protobuf": "google"}  # distributions whose module has another name
     for extra, modules in EXTRAS.items():
         packages = {re.split(r"[<>=!~;\[ ]", p)[0].lower().replace("-", "_") for p in extras[extra]}
         assert {module_of.get(p, p) for p in packages} == set(modules), extra

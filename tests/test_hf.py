@@ -281,19 +281,14 @@ def exported(tmp_path) -> Path:
         ("attention_bias", True),
         ("mlp_bias", True),
         ("hidden_act", "gelu"),
-        ("head_dim", 32),
-        ("model_type", "mistral"),
+        ("head_dim", 15),
+        ("model_type", "gemma"),
+        ("use_sliding_window", True),
+        ("partial_rotary_factor", 0.5),
         pytest.param(
-            "rope_scaling",
-            {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-            id="rope_scaling-llama3",
+            "rope_scaling", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}, id="yarn"
         ),
+        pytest.param("rope_scaling", {"rope_type": "llama3", "factor": 8.0}, id="rope_scaling-llama3-incomplete"),
         pytest.param(
             "rope_parameters",
             {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
@@ -306,8 +301,9 @@ def test_import_refuses_unsupported_config(exported, field, value):
     config = json.loads(config_path.read_text())
     config[field] = value
     config_path.write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=field) as refused:
         import_hf(exported)
+    assert "\n" not in str(refused.value)
 
 
 def test_import_refuses_checkpoint_that_does_not_match_config(exported):

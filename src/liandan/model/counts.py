@@ -15,7 +15,7 @@ def count_params(args: ModelArgs) -> ParamCounts:
     attn = d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + args.n_heads * hd * d
     qk_norm = 2 * hd if args.qk_norm else 0
     ffn = 3 * d * args.ffn_dim
-    per_layer = attn + qk_norm + ffn + 2 * d
+    per_layer = attn + _qkv_bias(args) + qk_norm + ffn + 2 * d
     embedding = args.vocab_size * d
     head = 0 if args.tie_embeddings else args.vocab_size * d
     non_embedding = L * per_layer + d + head
@@ -37,11 +37,16 @@ def param_split(args: ModelArgs, tp: int = 1) -> ParamSplit:
     by tp), the embedding vocabulary-parallel and the head column-parallel (divided by tp), norms replicated."""
     d, hd = args.dim, args.head_dim
     attn = d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + args.n_heads * hd * d
-    matrices = _ceil(attn, tp) + _ceil(3 * d * args.ffn_dim, tp)
+    matrices = _ceil(attn + _qkv_bias(args), tp) + _ceil(3 * d * args.ffn_dim, tp)
     norms = 2 * d + (2 * hd if args.qk_norm else 0)
     table = _ceil(args.vocab_size * d, tp)
     root = table * (1 if args.tie_embeddings else 2) + d
     return ParamSplit(args.n_layers, matrices + norms, root, args.n_layers * matrices + table)
+
+
+def _qkv_bias(args: ModelArgs) -> int:
+    """Qwen2's biases: not matmul weights, but column-parallel like the projections they follow."""
+    return (args.n_heads + 2 * args.n_kv_heads) * args.head_dim if args.qkv_bias else 0
 
 
 def _ceil(a: int, b: int) -> int:

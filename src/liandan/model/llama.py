@@ -1,6 +1,7 @@
-"""A Llama-style decoder in one file: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention, optional
-tied embeddings, qk-norm and z-loss. The model is plain PyTorch; parallelism, precision and recomputation
-are applied from outside (liandan.train.parallelize), so nothing here knows about them.
+"""A Llama-style decoder in one file: RMSNorm, rotary embeddings (optionally with Llama 3's rescaling), SwiGLU,
+grouped-query attention, optional tied embeddings, qk-norm, query/key/value biases and z-loss. The model is
+plain PyTorch; parallelism, precision and recomputation are applied from outside (liandan.train.parallelize),
+so nothing here knows about them.
 
 Rotary embeddings use the rotate-half layout of Hugging Face's Llama, so weights move between the two
 without permutation.
@@ -28,24 +29,29 @@ class ModelArgs:
     n_kv_heads: int = 0
     ffn_dim: int = 0
     ffn_multiple_of: int = 64
+    head_dim: int = 0
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_scaling: str = "none"
+    rope_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     qk_norm: bool = False
+    qkv_bias: bool = False
     z_loss: float = 0.0
     init_std: float = 0.02
     attention: str = "auto"
 
     def __post_init__(self) -> None:
         self.n_kv_heads = self.n_kv_heads or self.n_heads
+        # Qwen3 and others decouple the head size from the width (Qwen3-0.6B: 16 heads of 128 in 1024).
+        self.head_dim = self.head_dim or self.dim // self.n_heads
         if not self.ffn_dim:
             hidden = int(2 * (4 * self.dim) / 3)
             self.ffn_dim = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
 
 
 class RMSNorm(nn.Module):
@@ -61,11 +67,34 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
-    """(max_seq_len, head_dim) table of [cos | sin] halves, in fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """The rotary angular frequencies (head_dim / 2), in fp64, with Llama 3's long-context rescaling when
+    `rope_scaling = "llama3"`: frequencies whose wavelength is short against the original context keep their
+    value, those whose wavelength exceeds it are divided by `rope_factor`, and a band in between blends the
+    two linearly in (original context / wavelength)."""
+    hd = args.head_dim
+    freq = 1.0 / args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
+    if args.rope_scaling == "none":
+        return freq
+    if args.rope_scaling != "llama3":
+        raise ValueError(f"model.rope_scaling = {args.rope_scaling!r} is not one of none, llama3")
+    periods_in_context = args.rope_original_max_seq_len * freq / (2 * math.pi)
+    low, high = args.rope_low_freq_factor, args.rope_high_freq_factor
+    kept = ((periods_in_context - low) / (high - low)).clamp(0.0, 1.0)  # 1: fast, kept; 0: slow, fully rescaled
+    return freq / args.rope_factor * (1 - kept) + freq * kept
+
+
+def rope_table(head_dim: int, max_seq_len: int, theta: float, frequencies: torch.Tensor | None = None) -> torch.Tensor:
+    """(max_seq_len, head_dim) table of [cos | sin] halves, in fp32; `frequencies` (fp64, head_dim / 2)
+    replace the plain ones of base `theta` when given."""
+    if frequencies is None:
+        frequencies = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), frequencies)
     return torch.cat([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def model_rope_table(args: ModelArgs) -> torch.Tensor:
+    return rope_table(args.head_dim, args.max_seq_len, args.rope_theta, rope_frequencies(args))
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -85,9 +114,10 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        # Qwen2-style biases on the query, key and value projections (not the output projection).
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps) if args.qk_norm else None
@@ -163,7 +193,7 @@ class Transformer(nn.Module):
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
+        self.register_buffer("rope", model_rope_table(args), persistent=False)
         self.attention_backend = "sdpa"
         self.init_weights()
 
@@ -176,12 +206,14 @@ class Transformer(nn.Module):
             if isinstance(module, nn.Linear):
                 last = name.rsplit(".", 1)[-1]
                 nn.init.normal_(module.weight, 0.0, out_std if last in ("wo", "w2") else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, std)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
         with torch.no_grad():
-            self.rope.copy_(rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
+            self.rope.copy_(model_rope_table(self.args))
 
     def configure_attention(self, device: torch.device, training: bool = True) -> str:
         self.attention_backend = choose_backend(self.args.attention, device, training)

@@ -1,9 +1,18 @@
 """Llama's Hugging Face adapter: parameter names, and `config.json` to and from `ModelArgs`.
 
-A model is written as `LlamaForCausalLM`, or as `Qwen3ForCausalLM` when it uses qk-norm: Qwen3 is Llama plus a
-per-head RMSNorm on queries and keys before the rotary embedding, which is exactly liandan's qk-norm. Both use
-the rotate-half rotary layout, so the query and key projections move across unchanged. The file handling
-(safetensors, shards, state-dict checks) is model-agnostic and lives in `liandan.checkpoint.hf`.
+Four open families are one liandan Llama with different switches, all in the rotate-half rotary layout, so
+every projection moves across unchanged:
+
+* Llama 1, 2 and 3.x: plain; Llama 3.1+ rescale RoPE (`rope_scaling` of type `llama3`), 3.2 ties embeddings.
+* Qwen2 / Qwen2.5: biases on the query, key and value projections (`qkv_bias`).
+* Qwen3: a per-head RMSNorm on queries and keys before the rotary embedding (`qk_norm`), often with a head
+  size apart from the width (`head_dim`).
+* Mistral: Llama's layers with sliding-window attention in some versions (see `_sliding_window`).
+
+A model is written as `Qwen3ForCausalLM` when it uses qk-norm, `Qwen2ForCausalLM` when it has query/key/value
+biases, and `LlamaForCausalLM` otherwise (an imported Mistral comes back as a Llama with the same logits).
+The file handling (safetensors, shards, state-dict checks) is model-agnostic and lives in
+`liandan.checkpoint.hf`.
 """
 
 from __future__ import annotations
@@ -13,7 +22,12 @@ from pathlib import Path
 
 from liandan.model.llama import ModelArgs
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 
 # liandan name -> Hugging Face name, per layer ("{i}" is the layer index).
 _LAYER_NAMES = {
@@ -21,20 +35,27 @@ _LAYER_NAMES = {
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
     "feed_forward.w1.weight": "mlp.gate_proj.weight",
     "feed_forward.w3.weight": "mlp.up_proj.weight",
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_QK_NORM_NAMES = {
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-}
 _GLOBAL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+}
+_LLAMA3_SCALING = {  # liandan field -> the Hugging Face rope parameter
+    "rope_factor": "factor",
+    "rope_low_freq_factor": "low_freq_factor",
+    "rope_high_freq_factor": "high_freq_factor",
+    "rope_original_max_seq_len": "original_max_position_embeddings",
 }
 
 
@@ -42,21 +63,34 @@ def to_hf_name(name: str) -> str:
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
     match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
-    if match:
-        rest = match.group(2)
-        hf = _LAYER_NAMES.get(rest) or _QK_NORM_NAMES.get(rest)
-        if hf is not None:
-            return f"model.layers.{match.group(1)}.{hf}"
+    if match and match.group(2) in _LAYER_NAMES:
+        return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
     raise KeyError(name)
 
 
+def export_type(args: ModelArgs) -> str:
+    """The Hugging Face model_type a model of `args` is written as, or a ValueError if none expresses it."""
+    if args.qk_norm and args.qkv_bias:
+        # Qwen3's attention_bias also puts a bias on the output projection, which liandan does not have.
+        raise ValueError("model.qk_norm with model.qkv_bias has no transformers architecture to export to")
+    return "qwen3" if args.qk_norm else "qwen2" if args.qkv_bias else "llama"
+
+
+def _rope_parameters(args: ModelArgs) -> dict:
+    params: dict = {"rope_type": args.rope_scaling if args.rope_scaling != "none" else "default"}
+    params["rope_theta"] = args.rope_theta
+    if args.rope_scaling == "llama3":
+        params.update({hf: getattr(args, ours) for ours, hf in _LLAMA3_SCALING.items()})
+    return params
+
+
 def hf_config(args: ModelArgs, dtype_name: str, eos_token_id: int | None) -> dict:
-    """The `config.json` of the Hugging Face model equal to a liandan model of `args`: `LlamaForCausalLM`, or
-    `Qwen3ForCausalLM` with qk-norm."""
-    qwen3 = args.qk_norm
+    """The `config.json` of the Hugging Face model equal to a liandan model of `args` (see `export_type`)."""
+    model_type = export_type(args)
+    rope = _rope_parameters(args)
     config = {
-        "architectures": [ARCHITECTURES["qwen3" if qwen3 else "llama"]],
-        "model_type": "qwen3" if qwen3 else "llama",
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
         "vocab_size": args.vocab_size,
         "hidden_size": args.dim,
         "intermediate_size": args.ffn_dim,
@@ -67,11 +101,10 @@ def hf_config(args: ModelArgs, dtype_name: str, eos_token_id: int | None) -> dic
         "hidden_act": "silu",
         "max_position_embeddings": args.max_seq_len,
         "rms_norm_eps": args.norm_eps,
-        # transformers 5 reads `rope_parameters`; earlier versions read the top-level `rope_theta` and take a
-        # missing `rope_scaling` as plain RoPE. Both say the same.
+        # transformers 5 reads `rope_parameters`; earlier versions read the top-level `rope_theta` and
+        # `rope_scaling` (absent: plain RoPE). Both say the same.
         "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
-        "attention_bias": False,
+        "rope_parameters": rope,
         "attention_dropout": 0.0,
         "tie_word_embeddings": args.tie_embeddings,
         "initializer_range": args.init_std,
@@ -82,22 +115,28 @@ def hf_config(args: ModelArgs, dtype_name: str, eos_token_id: int | None) -> dic
         "dtype": dtype_name,
         "torch_dtype": dtype_name,
     }
-    if qwen3:
+    if args.rope_scaling != "none":
+        config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    if model_type == "llama":
+        config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
+    else:
+        if model_type == "qwen3":
+            config["attention_bias"] = False
         config.update(
             use_sliding_window=False,
             sliding_window=None,
             max_window_layers=args.n_layers,
             layer_types=["full_attention"] * args.n_layers,
         )
-    else:
-        config.update(mlp_bias=False, pretraining_tp=1)
     return config
 
 
-def _rope_settings(config: dict, where: Path) -> float:
-    """rope_theta of a plain-RoPE config; refuses scaled or partial rotary embeddings."""
+def _rope_settings(config: dict, where: Path) -> dict:
+    """The ModelArgs rotary fields of a config: plain RoPE or Llama 3's rescaling; refuses other scalings and
+    partial rotary embeddings, naming the field."""
     theta = config.get("rope_theta")
     partial = config.get("partial_rotary_factor")
+    settings: dict = {"rope_scaling": "none"}
     for field in ("rope_parameters", "rope_scaling"):
         params = config.get(field)
         if params is None:
@@ -111,10 +150,17 @@ def _rope_settings(config: dict, where: Path) -> float:
                 raise ValueError(f"{where}: {field} differs between layer types, which liandan cannot express")
             params = values[0]
         rope_type = params.get("rope_type", params.get("type")) or "default"
-        if rope_type != "default":
+        if rope_type == "llama3":
+            for ours, hf in _LLAMA3_SCALING.items():
+                if params.get(hf) is None:
+                    raise ValueError(f"{where}: {field} of rope_type 'llama3' lacks {hf}")
+                settings[ours] = type(getattr(ModelArgs, ours))(params[hf])
+            if settings["rope_high_freq_factor"] <= settings["rope_low_freq_factor"]:
+                raise ValueError(f"{where}: {field}.high_freq_factor must exceed low_freq_factor")
+            settings["rope_scaling"] = "llama3"
+        elif rope_type != "default":
             raise ValueError(
-                f"{where}: {field} has rope_type {rope_type!r}; only plain RoPE (none/'default') is supported, "
-                "scaled rotary embeddings are not"
+                f"{where}: {field} has rope_type {rope_type!r}; supported: plain RoPE (none/'default') and 'llama3'"
             )
         if params.get("rope_theta") is not None:
             if theta is not None and float(params["rope_theta"]) != float(theta):
@@ -125,12 +171,40 @@ def _rope_settings(config: dict, where: Path) -> float:
         partial = params.get("partial_rotary_factor", partial)
     if partial is not None and float(partial) != 1.0:
         raise ValueError(f"{where}: partial_rotary_factor {partial} is not supported (rotary on all dimensions only)")
-    return float(theta if theta is not None else 10000.0)
+    settings["rope_theta"] = float(theta if theta is not None else 10000.0)
+    return settings
+
+
+def _sliding_window(config: dict, model_type: str, positions: int, where: Path) -> int:
+    """The longest sequence liandan's full causal attention computes exactly as the config's attention does.
+
+    Mistral 7B v0.1 attends over a sliding window of 4096 positions; v0.2 and later have none. On sequences no
+    longer than the window the two attentions are the same, so such a model is imported with `max_seq_len`
+    set to the window (training at longer sequences is refused by `train.seq_len <= model.max_seq_len`).
+    Qwen2/Qwen3's optional per-layer windows (`use_sliding_window`) are refused."""
+    if model_type == "mistral":
+        window = config.get("sliding_window")
+        return min(positions, int(window)) if window else positions
+    if config.get("use_sliding_window"):
+        raise ValueError(f"{where}: use_sliding_window is true; sliding-window attention is not supported")
+    layer_types = config.get("layer_types") or []
+    if any(t != "full_attention" for t in layer_types):
+        raise ValueError(f"{where}: layer_types {sorted(set(layer_types))} has non-full attention layers")
+    return positions
+
+
+def import_notes(config: dict) -> list[str]:
+    """What a user should know about an import beyond the `[model]` block: lines for the import to print."""
+    window, positions = config.get("sliding_window"), config.get("max_position_embeddings")
+    if config.get("model_type") == "mistral" and window and (not positions or int(window) < int(positions)):
+        why = "full causal attention equals the model's sliding-window attention; longer sequences are refused"
+        return [f"sliding_window = {window}: max_seq_len is set to the window, within which {why}"]
+    return []
 
 
 def args_from_hf_config(config: dict, where: Path | str = "config.json") -> ModelArgs:
-    """The liandan `ModelArgs` equal to a Hugging Face Llama or Qwen3 config, or a ValueError naming the field
-    that liandan cannot express."""
+    """The liandan `ModelArgs` equal to a Hugging Face Llama, Qwen2, Qwen3 or Mistral config, or a ValueError
+    naming the field that liandan cannot express."""
 
     def need(field: str):
         if config.get(field) is None:
@@ -139,7 +213,7 @@ def args_from_hf_config(config: dict, where: Path | str = "config.json") -> Mode
 
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: llama, qwen3)")
+        raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
     archs = config.get("architectures")
     if archs is not None and list(archs) != [ARCHITECTURES[model_type]]:
         raise ValueError(f"{where}: architectures {archs} is not supported; expected [{ARCHITECTURES[model_type]!r}]")
@@ -148,41 +222,36 @@ def args_from_hf_config(config: dict, where: Path | str = "config.json") -> Mode
     act = config.get("hidden_act", config.get("hidden_activation", "silu"))
     if act != "silu":
         raise ValueError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
-    for field in ("attention_bias", "mlp_bias"):
-        if config.get(field):
-            raise ValueError(f"{where}: {field} is true; liandan's projections have no bias")
-    if model_type == "qwen3":
-        if config.get("use_sliding_window"):
-            raise ValueError(f"{where}: use_sliding_window is true; sliding-window attention is not supported")
-        layer_types = config.get("layer_types") or []
-        if any(t != "full_attention" for t in layer_types):
-            raise ValueError(f"{where}: layer_types {sorted(set(layer_types))} has non-full attention layers")
+    if config.get("attention_bias"):  # Qwen2 has no such field: its q/k/v biases are fixed
+        raise ValueError(f"{where}: attention_bias is true; liandan has no bias on the attention output projection")
+    if config.get("mlp_bias"):
+        raise ValueError(f"{where}: mlp_bias is true; liandan's feed-forward projections have no bias")
 
     dim = int(need("hidden_size"))
     n_heads = int(need("num_attention_heads"))
     n_kv_heads = int(config.get("num_key_value_heads") or n_heads)
-    head_dim = config.get("head_dim")
-    if head_dim is not None and int(head_dim) != dim // n_heads:
-        raise ValueError(
-            f"{where}: head_dim {head_dim} is not hidden_size // num_attention_heads = {dim // n_heads}; "
-            "liandan derives the head size from the model width"
-        )
+    head_dim = int(config.get("head_dim") or dim // n_heads)
+    if head_dim % 2:
+        raise ValueError(f"{where}: head_dim {head_dim} is odd; rotary embeddings need an even head size")
     if n_heads % n_kv_heads:
         raise ValueError(
             f"{where}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}"
         )
-    default_positions = 32768 if model_type == "qwen3" else 2048
+    default_positions = 32768 if model_type in ("qwen2", "qwen3", "mistral") else 2048
+    positions = int(config.get("max_position_embeddings") or default_positions)
     return ModelArgs(
         vocab_size=int(need("vocab_size")),
         dim=dim,
         n_layers=int(need("num_hidden_layers")),
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
         ffn_dim=int(need("intermediate_size")),
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        rope_theta=_rope_settings(config, Path(where)),
-        max_seq_len=int(config.get("max_position_embeddings") or default_positions),
+        **_rope_settings(config, Path(where)),
+        max_seq_len=_sliding_window(config, model_type, positions, Path(where)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qk_norm=model_type == "qwen3",
+        qkv_bias=model_type == "qwen2",
         init_std=float(config.get("initializer_range", 0.02)),
     )

@@ -12,6 +12,10 @@ from liandan.model.spec import HFAdapter, ModelSpec, TensorParallelPlan, registe
 
 # ModelArgs fields that do not come from [model] under the same name: derived from the tokenizer.
 DERIVED_FIELDS = ("vocab_size",)
+SHAPE_FIELDS = (
+    *("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"),
+    *("tie_embeddings", "qk_norm", "qkv_bias"),
+)
 
 
 def args_from_config(section: ModelSection, vocab_size: int) -> ModelArgs:
@@ -32,6 +36,10 @@ def state_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
         shapes[p + "attention.wq.weight"] = (args.n_heads * hd, args.dim)
         shapes[p + "attention.wk.weight"] = (args.n_kv_heads * hd, args.dim)
         shapes[p + "attention.wv.weight"] = (args.n_kv_heads * hd, args.dim)
+        if args.qkv_bias:
+            shapes[p + "attention.wq.bias"] = (args.n_heads * hd,)
+            shapes[p + "attention.wk.bias"] = (args.n_kv_heads * hd,)
+            shapes[p + "attention.wv.bias"] = (args.n_kv_heads * hd,)
         shapes[p + "attention.wo.weight"] = (args.dim, args.n_heads * hd)
         if args.qk_norm:
             shapes[p + "attention.q_norm.weight"] = (hd,)
@@ -43,6 +51,14 @@ def state_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     shapes["norm.weight"] = (args.dim,)
     shapes["output.weight"] = (args.vocab_size, args.dim)
     return shapes
+
+
+def function_fields(args: ModelArgs) -> tuple[str, ...]:
+    """Fields that change what a model of the same shapes computes: weights trained under other values give
+    another function (a wrong RoPE base or epsilon loads cleanly and quietly degrades the model). The
+    rescaling's parameters count only when rescaling is on."""
+    scaling = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
+    return ("rope_theta", "norm_eps", "rope_scaling") + (scaling if args.rope_scaling != "none" else ())
 
 
 def tied(args: ModelArgs) -> dict[str, str]:
@@ -93,7 +109,8 @@ LLAMA = register(
         count_params=counts.count_params,
         flops_per_token=counts.flops_per_token,
         param_split=counts.param_split,
-        shape_fields=("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "qk_norm"),
+        shape_fields=SHAPE_FIELDS,
+        function_fields=function_fields,
         tied=tied,
         tie_setting="tie_embeddings",
         tp_plan=tp_plan,
@@ -107,6 +124,7 @@ LLAMA = register(
             config=llama_hf.hf_config,
             args_from_config=llama_hf.args_from_hf_config,
             ignored_suffixes=("rotary_emb.inv_freq",),  # a buffer some older checkpoints store
+            notes=llama_hf.import_notes,
         ),
     )
 )

@@ -14,6 +14,7 @@ the children of one container attribute (`ModelSpec.blocks`), and may offer
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class HFAdapter:
     config: Callable[[Any, str, int | None], dict]  # (args, dtype name, eos id) -> config.json
     args_from_config: Callable[[dict, str], Any]  # (config.json, where) -> args, or a ValueError naming the field
     ignored_suffixes: tuple[str, ...] = ()  # HF tensors skipped on import (buffers recomputed from the config)
+    notes: Callable[[dict], list[str]] = lambda config: []  # config.json -> lines the import should print
 
 
 def _no_tp_check(args: Any, tp: int) -> str | None:
@@ -69,6 +71,10 @@ def _no_tp_check(args: Any, tp: int) -> str | None:
 
 def _untied(args: Any) -> dict[str, str]:
     return {}
+
+
+def _no_function_fields(args: Any) -> tuple[str, ...]:
+    return ()
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,9 @@ class ModelSpec:
     flops_per_token: Callable[[Any, int], float]  # (args, sequence length) -> training FLOPs per token
     param_split: Callable[[Any, int], ParamSplit]  # (args, tp) -> what one tensor-parallel rank holds
     shape_fields: tuple[str, ...]  # args fields that change the state dict's keys or shapes
+    # args -> the fields that change what the model computes without changing its shapes (RoPE base, norm
+    # epsilon): weights from a checkpoint must have been trained under the same values
+    function_fields: Callable[[Any], tuple[str, ...]] = _no_function_fields
     tied: Callable[[Any], dict[str, str]] = _untied  # key -> the key whose tensor it shares
     tie_setting: str = ""  # the args field that ties them, for messages
     tp_plan: Callable[[Any], TensorParallelPlan] | None = None  # None: no tensor parallelism
@@ -95,6 +104,20 @@ class ModelSpec:
     # (block, its input activations, the rest of its forward's arguments) -> the largest attention logit of
     # the block's first sequence, for the guard's layer statistics; None: the family does not say
     attention_logit: Callable[[Any, Any, tuple], Any] | None = None
+
+    def differences(self, ours: Any, theirs: dict[str, Any]) -> list[str]:
+        """How a checkpoint's args (`theirs`, as saved in its metadata; fields it lacks take their defaults)
+        differ from `ours` in shape or function, one 'model.FIELD = OURS (checkpoint: THEIRS)' each."""
+        known = {f.name for f in dataclasses.fields(self.args_type)}
+        try:
+            full = dataclasses.asdict(self.args_type(**{k: v for k, v in theirs.items() if k in known}))
+        except (TypeError, ValueError) as err:
+            return [f"the checkpoint's model arguments do not make a {self.name} model: {err}"]
+        mine = dataclasses.asdict(ours)
+        fields = dict.fromkeys(
+            self.shape_fields + self.function_fields(ours) + self.function_fields(self.args_type(**full))
+        )
+        return [f"model.{k} = {mine[k]} (checkpoint: {full[k]})" for k in fields if mine[k] != full[k]]
 
     def tp_refusal(self, args: Any, tp: int) -> str | None:
         """Why a tensor-parallel degree of `tp` cannot split a model of `args` (one line), or None."""

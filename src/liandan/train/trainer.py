@@ -397,14 +397,14 @@ class Trainer:
         if not (source / META).is_file():
             raise ConfigError(f"checkpoint.init_from = {source}: no checkpoint there ({META} missing)")
         their_meta = read_meta(source)
-        theirs, ours = their_meta.get("model_args", {}), dataclasses.asdict(self.model_args)
-        differ = [f"model.{k} = {ours[k]} (checkpoint: {theirs.get(k)})" for k in self.module.spec.shape_fields
-                  if theirs.get(k) != ours[k]]  # fmt: skip
         family = their_meta.get("model_family", "llama")
         if family != self.module.spec.name:
-            differ.insert(0, f"model.family = {self.module.spec.name} (checkpoint: {family})")
+            raise ConfigError(f"checkpoint.init_from = {source} has another model: model.family = "
+                              f"{self.module.spec.name} (checkpoint: {family})")  # fmt: skip
+        # Shapes and what the shapes do not show (RoPE base and scaling, norm epsilon): either would load.
+        differ = self.module.spec.differences(self.model_args, their_meta.get("model_args", {}))
         if differ:
-            raise ConfigError(f"checkpoint.init_from = {source} has another model shape: {'; '.join(differ)}")
+            raise ConfigError(f"checkpoint.init_from = {source} has another model: {'; '.join(differ)}")
         self.checkpoints.load(source, self.model)
         self.say(f"initialised model weights from {source}")
         self._event("initialised", path=str(source))
