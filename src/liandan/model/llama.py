@@ -17,6 +17,7 @@ from torch import nn
 
 from liandan.model.attention import MaskSpec, PreparedMask, attend, choose_backend
 from liandan.model.kv_cache import KVCache
+from liandan.model.loss import chunked_lm_loss, full_logits, lm_loss
 
 
 @dataclass
@@ -165,6 +166,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", rope_table(args.head_dim, args.max_seq_len, args.rope_theta), persistent=False)
         self.attention_backend = "sdpa"
+        self.ce_chunks = 1
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -182,6 +184,10 @@ class Transformer(nn.Module):
                 module.reset_parameters()
         with torch.no_grad():
             self.rope.copy_(rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
+
+    def configure_loss(self, ce_chunks: int) -> None:
+        """Compute the head and its loss over `ce_chunks` slices of the tokens (1: all at once)."""
+        self.ce_chunks = ce_chunks
 
     def configure_attention(self, device: torch.device, training: bool = True) -> str:
         self.attention_backend = choose_backend(self.args.attention, device, training)
@@ -213,7 +219,7 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         if targets is None:
-            return self.output(self.norm(h))
+            return full_logits(self.output(self.norm(h)))
         return self.head_loss(h, targets)
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -224,27 +230,21 @@ class Transformer(nn.Module):
         for index, layer in enumerate(self.layers.values()):
             h = layer(h, rope, mask, cache, index)
         cache.advance(seq)
-        return self.output(self.norm(h))
+        return full_logits(self.output(self.norm(h)))
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, output projection and loss: one unit, so it can be compiled as one (the fp32 logits
-        of a large vocabulary are the biggest tensor of a small model's step)."""
+        of a large vocabulary are the biggest tensor of a small model's step). With `ce_chunks` > 1 the logits
+        are made and reduced a slice of the tokens at a time; under tensor parallelism they may come out split
+        over the vocabulary, which `lm_loss` reduces in place."""
+        if self.ce_chunks > 1:
+            return chunked_lm_loss(self._logits, h, targets, self.args.z_loss, self.ce_chunks)
         return lm_loss(self.output(self.norm(h)), targets, self.args.z_loss)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(h))
 
 
 def block_attention_logit(block: Block, x: torch.Tensor, args: tuple) -> torch.Tensor:
     """The spec's `attention_logit`: a block's largest attention logit, from its input and its rotary table."""
     return block.attention.largest_logit(block.attention_norm(x), args[0])
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
-    """Mean cross-entropy in fp32 over targets >= 0 (-1 marks a position without a target), plus
-    z_loss * mean(logsumexp(logits)^2), which keeps the softmax normaliser near 1 (PaLM)."""
-    logits = logits.float().flatten(0, 1)
-    targets = targets.flatten()
-    loss = F.cross_entropy(logits, targets, ignore_index=-1)
-    if z_loss:
-        keep = (targets >= 0).float()
-        lse = torch.logsumexp(logits, dim=-1)
-        loss = loss + z_loss * (lse.pow(2) * keep).sum() / keep.sum().clamp(min=1)
-    return loss
