@@ -164,3 +164,23 @@ def test_planner_counts_the_logits_each_rank_holds():
     one = activation_memory(args, micro_batch=1, seq_len=8192).head
     chunked = activation_memory(args, micro_batch=1, seq_len=8192, ce_chunks=8).head
     assert one - chunked == pytest.approx(logits * 7 / 8)
+
+
+def test_train_module_takes_ce_chunks(tmp_path):
+    """`train.ce_chunks` reaches the model through the train module: the same step loss and gradients."""
+    from liandan.data.loader import Batch
+    from liandan.spec.layout import Layout
+    from liandan.train.module import TrainModule
+
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 33), generator=generator)
+    batch = Batch(tokens[:, :-1], tokens[:, 1:], torch.zeros(2, 32, dtype=torch.int32))
+    results = []
+    for chunks in (1, 4):
+        cfg = tiny_config(tmp_path, tmp_path / "corpus.jsonl", f"--train.ce_chunks={chunks}", "--model.z_loss=1e-3")
+        module = TrainModule(cfg, 256, None, Layout(1, 1, 1), torch.device("cpu"), torch.float32)
+        loss = module.forward_backward([batch], lambda *a, **k: None)
+        results.append((float(loss), module.model.output.weight.grad.clone()))
+    assert module.model.ce_chunks == 4
+    assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
+    assert torch.allclose(results[1][1], results[0][1], rtol=0, atol=1e-7)

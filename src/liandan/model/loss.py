@@ -86,6 +86,8 @@ class _ShardedNormaliser(torch.autograd.Function):
         return grad, None, None, None
 
 
+# The collectives inside run eagerly under a compiled head: the logits' matmul around them still compiles.
+@torch.compiler.disable
 def _vocab_parallel_loss(logits, targets: torch.Tensor, z_loss: float) -> torch.Tensor:
     mesh = logits.device_mesh
     local = logits.to_local()
