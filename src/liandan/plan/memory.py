@@ -34,7 +34,8 @@ The output head, outside the formulas, holds the inputs of the final norm and of
 s·b·h, /t with sequence parallelism) and, for the fp32 loss, 12 bytes per logit (fp32 logits, log-softmax,
 and their gradient in the backward pass; 20 with z-loss), measured on the CPU: /t with the vocabulary-parallel
 loss (each rank holds its columns only; without it tensor parallelism gathers whole logits on every rank),
-/c with the loss computed over c chunks of the tokens (`train.ce_chunks`, one chunk's logits alive at a time). Under full recomputation one block is rebuilt at a
+/c with the loss computed over c chunks of the tokens (`train.ce_chunks`, one chunk's logits alive at a time;
+in bf16 the recomputation adds a second bf16 copy of the head's weight). Under full recomputation one block is rebuilt at a
 time in the backward pass, after the head's backward has freed the logits: the larger of the two counts.
 
 The peak: gradients are set to None after every step, so they are allocated as the backward pass frees
@@ -197,6 +198,9 @@ def activation_memory(
     sbh = s * b * h / (tp if sequence_parallel else 1)
     logits = s * b * args.vocab_size / (tp if loss_parallel else 1) / ce_chunks
     head = 2 * c * sbh + (20 if getattr(args, "z_loss", 0.0) else 12) * logits
+    if ce_chunks > 1 and c == 2:
+        # Recomputing a chunk in the backward pass casts the head's weight to bf16 again (measured on an H100).
+        head += c * args.vocab_size * args.dim
     return Activations(per_layer, args.n_layers * per_layer, recompute, masks, head, formula)
 
 
