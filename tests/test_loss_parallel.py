@@ -188,3 +188,12 @@ def test_train_module_takes_ce_chunks(tmp_path):
     assert module.model.ce_chunks == 4
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
     assert torch.allclose(results[1][1], results[0][1], rtol=0, atol=1e-7)
+
+
+def test_a_vocabulary_tp_cannot_split_is_refused_before_sharding(tmp_path):
+    from liandan.spec.layout import Layout
+    from liandan.train.module import TrainModule
+
+    cfg = tiny_config(tmp_path, tmp_path / "corpus.jsonl", "--parallel.tp=2", "--model.vocab_size=321")
+    with pytest.raises(ConfigError, match="vocabulary of 321 does not split evenly over parallel.tp = 2"):
+        TrainModule(cfg, 257, None, Layout(1, 1, 2), torch.device("cpu"), torch.float32)
