@@ -59,7 +59,7 @@ def test_help_lists_commands():
         (["--optim.lr=inf"], ["optim.lr = inf must be a finite number"]),
         (['--train.callbacks=["no_such_callbacks"]'], ["train.callbacks: cannot import 'no_such_callbacks'"]),
         (['--train.callbacks=["a/b.py"]'], ["train.callbacks: 'a/b.py' is not a module name"]),
-        (["--parallel.tp=2", "--model.tie_embeddings=true"], ["model.tie_embeddings = true is not supported"]),
+        (["--parallel.tp=2", "--train.ce_chunks=4"], ["train.ce_chunks > 1 is for tp = 1"]),
     ],
 )
 def test_user_mistakes_give_one_line_and_nonzero_exit(config, args, words):

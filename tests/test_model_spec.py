@@ -91,15 +91,12 @@ def test_llama_tp_refusals():
     args = ModelArgs(dim=64, n_heads=4, n_kv_heads=2)
     assert LLAMA.tp_refusal(args, 1) is None and LLAMA.tp_refusal(args, 2) is None
     assert "must divide" in LLAMA.tp_refusal(args, 4)
-    assert "tie_embeddings" in LLAMA.tp_refusal(ModelArgs(tie_embeddings=True), 2)
-    assert "qk_norm" in LLAMA.tp_refusal(ModelArgs(qk_norm=True), 2)
+    assert LLAMA.tp_refusal(ModelArgs(tie_embeddings=True, qk_norm=True), 2) is None  # both have sharded forms
 
 
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["--model.tie_embeddings=true"], "model.tie_embeddings = true is not supported with parallel.tp > 1 yet"),
-        (["--model.qk_norm=true"], "model.qk_norm = true is not supported with parallel.tp > 1 yet"),
         (
             ["--parallel.tp=4", "--model.n_kv_heads=2"],
             "parallel.tp = 4 must divide model.n_heads = 4 and n_kv_heads = 2",

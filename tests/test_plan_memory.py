@@ -191,8 +191,8 @@ def test_smallest_fitting_layout_is_smallest():
     roomy = smallest_fitting_layout(args, **{**kw, "device_memory_gib": 1000.0})
     assert roomy.nproc == 1 and roomy.activation_checkpoint == "none"
     assert smallest_fitting_layout(args, **{**kw, "device_memory_gib": 0.5, "max_nproc": 8}) is None
-    # tied embeddings cannot take tensor parallel in liandan, so the search offers tp = 1 only
-    assert tp_degrees(args, 8) == [1]
+    # tied embeddings take tensor parallel too (the head shares the embedding's vocabulary rows)
+    assert args.tie_embeddings and tp_degrees(args, 8) == [1, 2, 4, 8]
     assert tp_degrees(plan_model_args(load_config(ROOT / "configs" / "llama-8b.toml")), 8) == [1, 2, 4, 8]
 
 
@@ -230,7 +230,11 @@ def test_plan_of_the_8b_config():
     assert plan.fits and plan.smallest is not None and plan.smallest.nproc <= 64
     assert plan.time.seconds == pytest.approx(plan.flops.total / (64 * 989e12 * 0.4))
     used = [v for v in plan.variants if v.used]
-    assert len(used) == 1 and used[0].checkpoint == "full" and used[0].formula == "2sbh"
+    assert len(used) == 1 and used[0].checkpoint == "full" and used[0].formula == "2sbh/t"  # sequence parallel
+    # the vocabulary-parallel loss: each of the 8 ranks holds 1/8 of the fp32 logits, not all of them (19.7 GiB)
+    assert plan.memory.activations.head / GIB == pytest.approx(2.46, abs=0.01)
+    gathered = load_config(ROOT / "configs" / "llama-8b.toml", ["--parallel.loss_parallel=false"])
+    assert plan_config(gathered, resolve_device("h100"), nproc=64).memory.activations.head / GIB > 19.5
     with pytest.raises(ConfigError, match="must divide the number of processes"):
         plan_config(cfg, resolve_device("h100"), nproc=12)
 

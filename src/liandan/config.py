@@ -108,6 +108,10 @@ class TrainSection:
     dtype: Literal["auto", "fp32", "bf16"] = _f("auto", "compute dtype; auto is bf16 where supported")
     activation_checkpoint: Literal["none", "selective", "full"] = _f("none", "activation recomputation")
     compile: bool = _f(False, "torch.compile each transformer block")
+    ce_chunks: int = _f(
+        1, "compute the output head and cross-entropy over this many slices of the tokens, each recomputed in the"
+        " backward pass, so the fp32 logits of a large vocabulary never exist whole; 1 disables (tp = 1 only)", min=1,
+    )  # fmt: skip
     log_every: int = _f(1, "steps between metric records", min=1)
     eval_every: int = _f(0, "steps between validation-loss checks; 0 disables", min=0)
     eval_batches: int = _f(4, "validation batches per check", min=1)
@@ -121,6 +125,16 @@ class ParallelSection:
     dp_replicate: int = _f(1, "data-parallel replicas (DDP, or HSDP with dp_shard > 1)", min=1)
     dp_shard: int = _f(-1, "FSDP2 shard group size; -1 takes whatever the other dims leave", min=-1)
     tp: int = _f(1, "tensor-parallel degree", min=1)
+    loss_parallel: bool = _f(
+        True,
+        "with tp > 1, the head's logits stay split over the vocabulary and the cross-entropy is computed on"
+        " the shards: no rank holds the full logits",
+    )
+    sequence_parallel: bool = _f(
+        True,
+        "with tp > 1, the norms and the residual stream are split over the sequence between the"
+        " tensor-parallel regions (needs train.seq_len divisible by tp)",
+    )
     backend: Literal["auto", "gloo", "nccl"] = _f("auto", "process-group backend; auto: nccl on cuda, gloo on cpu")
 
 
@@ -526,6 +540,12 @@ def check_config(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if p.dp_shard == 0:
         raise ConfigError("parallel.dp_shard = 0 is not allowed; use a positive size or -1")
+    if p.tp > 1 and p.sequence_parallel and t.seq_len % p.tp:
+        raise ConfigError(
+            f"train.seq_len = {t.seq_len} must be divisible by parallel.tp = {p.tp} with parallel.sequence_parallel"
+        )
+    if p.tp > 1 and t.ce_chunks > 1:
+        raise ConfigError("train.ce_chunks > 1 is for tp = 1; with parallel.tp > 1 use parallel.loss_parallel")
     # Whether parallel.tp can split the model is the family's to say (liandan.model.spec.check_model_config).
     if t.micro_batch and t.global_batch % t.micro_batch:
         raise ConfigError(

@@ -197,8 +197,15 @@ def print_plan(plan, cfg, config_path: str) -> None:
         table.add_row("recomputed layer", _size(acts.recompute), "one block rebuilt at a time in backward")
     if acts.masks:
         table.add_row("attention masks", _size(acts.masks), "dense (b, 1, s, s) document masks kept by SDPA")
+    split = []
+    if m.layout.tp > 1 and cfg.parallel.loss_parallel:
+        split.append(f"/tp={m.layout.tp}, vocabulary-parallel loss")
+    if cfg.train.ce_chunks > 1:
+        split.append(f"/{cfg.train.ce_chunks} chunks")
     table.add_row(
-        "head and loss", _size(acts.head), f"fp32 logits, log-softmax, gradient ({20 if a.z_loss else 12} B per logit)"
+        "head and loss",
+        _size(acts.head),
+        f"fp32 logits, log-softmax, gradient ({20 if a.z_loss else 12} B per logit{''.join(', ' + w for w in split)})",
     )
     verdict = "fits" if plan.fits else "[bold red]does NOT fit[/bold red]"
     table.add_row(
@@ -243,8 +250,6 @@ def print_plan(plan, cfg, config_path: str) -> None:
             "<- this run" if v.used else "",
         )
     console.print(table)
-    if m.layout.tp > 1:
-        console.print("  (sequence parallelism is not in liandan yet: its rows show what it would save)")
 
     fit = plan.smallest
     if fit is None:

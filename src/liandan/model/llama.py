@@ -18,6 +18,7 @@ from torch import nn
 
 from liandan.model.attention import MaskSpec, PreparedMask, attend, choose_backend
 from liandan.model.kv_cache import KVCache
+from liandan.model.loss import chunked_lm_loss, full_logits, lm_loss
 
 
 @dataclass
@@ -195,6 +196,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.register_buffer("rope", model_rope_table(args), persistent=False)
         self.attention_backend = "sdpa"
+        self.ce_chunks = 1
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -214,6 +216,10 @@ class Transformer(nn.Module):
                 module.reset_parameters()
         with torch.no_grad():
             self.rope.copy_(model_rope_table(self.args))
+
+    def configure_loss(self, ce_chunks: int) -> None:
+        """Compute the head and its loss over `ce_chunks` slices of the tokens (1: all at once)."""
+        self.ce_chunks = ce_chunks
 
     def configure_attention(self, device: torch.device, training: bool = True) -> str:
         self.attention_backend = choose_backend(self.args.attention, device, training)
@@ -248,7 +254,7 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         if targets is None:
-            return self.output(self.norm(_rows(h, logits_at)))
+            return full_logits(self.output(self.norm(_rows(h, logits_at))))
         return self.head_loss(h, targets)
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, logits_at: torch.Tensor | None) -> torch.Tensor:
@@ -259,12 +265,19 @@ class Transformer(nn.Module):
         for index, layer in enumerate(self.layers.values()):
             h = layer(h, rope, mask, cache, index)
         cache.advance(seq)
-        return self.output(self.norm(_rows(h, logits_at)))
+        return full_logits(self.output(self.norm(_rows(h, logits_at))))
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, output projection and loss: one unit, so it can be compiled as one (the fp32 logits
-        of a large vocabulary are the biggest tensor of a small model's step)."""
+        of a large vocabulary are the biggest tensor of a small model's step). With `ce_chunks` > 1 the logits
+        are made and reduced a slice of the tokens at a time; under tensor parallelism they may come out split
+        over the vocabulary, which `lm_loss` reduces in place."""
+        if self.ce_chunks > 1:
+            return chunked_lm_loss(self._logits, h, targets, self.args.z_loss, self.ce_chunks)
         return lm_loss(self.output(self.norm(h)), targets, self.args.z_loss)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.output(self.norm(h))
 
 
 def _rows(h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
@@ -277,16 +290,3 @@ def _rows(h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
 def block_attention_logit(block: Block, x: torch.Tensor, args: tuple) -> torch.Tensor:
     """The spec's `attention_logit`: a block's largest attention logit, from its input and its rotary table."""
     return block.attention.largest_logit(block.attention_norm(x), args[0])
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
-    """Mean cross-entropy in fp32 over targets >= 0 (-1 marks a position without a target), plus
-    z_loss * mean(logsumexp(logits)^2), which keeps the softmax normaliser near 1 (PaLM)."""
-    logits = logits.float().flatten(0, 1)
-    targets = targets.flatten()
-    loss = F.cross_entropy(logits, targets, ignore_index=-1)
-    if z_loss:
-        keep = (targets >= 0).float()
-        lse = torch.logsumexp(logits, dim=-1)
-        loss = loss + z_loss * (lse.pow(2) * keep).sum() / keep.sum().clamp(min=1)
-    return loss

@@ -65,37 +65,66 @@ def tied(args: ModelArgs) -> dict[str, str]:
     return {"output.weight": "tok_embeddings.weight"} if args.tie_embeddings else {}
 
 
-def tp_plan(args: ModelArgs) -> TensorParallelPlan:
+def tp_plan(args: ModelArgs, *, loss_parallel: bool = False, sequence_parallel: bool = False) -> TensorParallelPlan:
     """Megatron-style: column-parallel q/k/v and w1/w3, row-parallel wo and w2, vocabulary-parallel
-    embedding, column-parallel head gathered back to full logits. Each rank holds n_heads / tp heads."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    embedding and column-parallel head. Each rank holds n_heads / tp heads.
 
-    return TensorParallelPlan(
-        top={
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "output": ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        },
-        block={
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(),
-        },
+    loss_parallel: the head's logits stay split over the vocabulary (a DTensor the loss reduces in place)
+    instead of being gathered whole on every rank.
+    sequence_parallel: between the tensor-parallel regions (the norms, the residual stream) activations are
+    split over the sequence: the row-parallel outputs reduce-scatter instead of all-reducing, and each
+    region's input is all-gathered back to whole sequences.
+    qk-norm's per-head norms act on each rank's own heads: their weights are replicated DTensors whose
+    input is marked as split over the heads, so their gradients are summed over the ranks.
+    A tied head shares the embedding's table, which both styles split by rows (vocabulary) alike; the tie
+    is restored after sharding (`apply_tp`)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
     )
+
+    between = Shard(1) if sequence_parallel else Replicate()  # the residual stream's layout
+    top = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
+        "output": ColwiseParallel(
+            input_layouts=between,
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    block = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=between),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=between),
+    }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+        block["attention_norm"] = SequenceParallel()
+        block["ffn_norm"] = SequenceParallel()
+        # Attention takes (x, rope, mask, cache, layer): only x is gathered back to whole sequences.
+        block["attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None, None, None, None),
+            desired_input_layouts=(Replicate(), None, None, None, None),
+        )
+        block["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    if args.qk_norm:
+        # q and k are (batch, seq, heads, head_dim) here, each rank holding its own heads (dimension 2).
+        block["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        block["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return TensorParallelPlan(top=top, block=block)
 
 
 def tp_check(args: ModelArgs, tp: int) -> str | None:
-    """The plan splits heads, so tp must divide both head counts; a tied head and qk-norm's per-head norms
-    have no sharded form yet."""
+    """The plan splits heads, so tp must divide both head counts."""
     if args.n_heads % tp or args.n_kv_heads % tp:
         return f"parallel.tp = {tp} must divide model.n_heads = {args.n_heads} and n_kv_heads = {args.n_kv_heads}"
-    for what in ("tie_embeddings", "qk_norm"):
-        if getattr(args, what):
-            return f"model.{what} = true is not supported with parallel.tp > 1 yet"
     return None
 
 

@@ -95,7 +95,9 @@ class ModelSpec:
     function_fields: Callable[[Any], tuple[str, ...]] = _no_function_fields
     tied: Callable[[Any], dict[str, str]] = _untied  # key -> the key whose tensor it shares
     tie_setting: str = ""  # the args field that ties them, for messages
-    tp_plan: Callable[[Any], TensorParallelPlan] | None = None  # None: no tensor parallelism
+    # (args, *, loss_parallel, sequence_parallel) -> the plan; None: no tensor parallelism. With loss_parallel
+    # the head's output is a DTensor split over the vocabulary (`liandan.model.loss.lm_loss` reduces it).
+    tp_plan: Callable[..., TensorParallelPlan] | None = None
     tp_check: Callable[[Any, int], str | None] = _no_tp_check  # why `tp` cannot split this model, or None
     blocks: str = "layers"  # the container of repeated blocks: one FSDP2 unit and one recomputation unit each
     compiled_methods: tuple[str, ...] = ()  # methods compiled on their own when blocks are compiled one by one

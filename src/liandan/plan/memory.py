@@ -31,8 +31,11 @@ with s the sequence length, b the micro-batch per rank, h the hidden size and a 
 by (bytes per value) / 2 for fp32 activations. Attention kernels that never store the s x s scores
 (FlashAttention, FlexAttention, memory-efficient SDPA) drop the 5·a·s/h term also without recomputation.
 The output head, outside the formulas, holds the inputs of the final norm and of the head (2 values per
-s·b·h) and, for the fp32 loss, 12 bytes per logit (fp32 logits, log-softmax, and their gradient in the
-backward pass; 20 with z-loss), measured on the CPU. Under full recomputation one block is rebuilt at a
+s·b·h, /t with sequence parallelism) and, for the fp32 loss, 12 bytes per logit (fp32 logits, log-softmax,
+and their gradient in the backward pass; 20 with z-loss), measured on the CPU: /t with the vocabulary-parallel
+loss (each rank holds its columns only; without it tensor parallelism gathers whole logits on every rank),
+/c with the loss computed over c chunks of the tokens (`train.ce_chunks`, one chunk's logits alive at a time;
+in bf16 the recomputation adds a second bf16 copy of the head's weight). Under full recomputation one block is rebuilt at a
 time in the backward pass, after the head's backward has freed the logits: the larger of the two counts.
 
 The peak: gradients are set to None after every step, so they are allocated as the backward pass frees
@@ -177,6 +180,8 @@ def activation_memory(
     dtype: str = "bf16",
     attention: str = "flash",
     sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    ce_chunks: int = 1,
 ) -> Activations:
     if attention not in ATTENTION_KINDS:
         raise ConfigError(f"attention kind '{attention}' is not one of {', '.join(ATTENTION_KINDS)}")
@@ -191,7 +196,11 @@ def activation_memory(
     mask_one = b * s * s * c if attention == "dense-mask" else 0
     masks = mask_one * (1 if checkpoint == "full" else args.n_layers)
     sbh = s * b * h / (tp if sequence_parallel else 1)
-    head = 2 * c * sbh + (20 if getattr(args, "z_loss", 0.0) else 12) * s * b * args.vocab_size
+    logits = s * b * args.vocab_size / (tp if loss_parallel else 1) / ce_chunks
+    head = 2 * c * sbh + (20 if getattr(args, "z_loss", 0.0) else 12) * logits
+    if ce_chunks > 1 and c == 2:
+        # Recomputing a chunk in the backward pass casts the head's weight to bf16 again (measured on an H100).
+        head += c * args.vocab_size * args.dim
     return Activations(per_layer, args.n_layers * per_layer, recompute, masks, head, formula)
 
 
@@ -254,6 +263,8 @@ def memory_per_device(
     dtype: str = "bf16",
     attention: str = "flash",
     sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+    ce_chunks: int = 1,
     accumulation_steps: int = 1,
 ) -> MemoryEstimate:
     """Peak bytes per device of a training step with `micro_batch` sequences of `seq_len` tokens per rank,
@@ -301,6 +312,8 @@ def memory_per_device(
         dtype=dtype,
         attention=attention,
         sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        ce_chunks=ce_chunks,
     )
     zero = zero_stages(n, layout.dp_size, dtype)
     return MemoryEstimate(
@@ -361,11 +374,13 @@ def smallest_fitting_layout(
     checkpoint_modes: tuple[str, ...] = CHECKPOINT_MODES,
     max_tp: int = 8,
     max_nproc: int | None = None,
+    **head: Any,
 ) -> LayoutFit | None:
     """The fewest devices (a power of two) on which a step fits, searching FSDP2 x tensor-parallel splits
     (dp_shard = nproc / tp) and recomputation modes. At equal device count it prefers the least
     recomputation, then the smallest tensor-parallel degree. None when nothing up to `max_nproc` (default:
-    as many devices as the global batch allows data-parallel ranks, times max_tp) fits."""
+    as many devices as the global batch allows data-parallel ranks, times max_tp) fits. `head`: the
+    sequence_parallel, loss_parallel and ce_chunks settings `memory_per_device` takes."""
     limit = max_nproc or min(2**16, global_batch * max_tp)
     nproc = 1
     while nproc <= limit:
@@ -377,7 +392,7 @@ def smallest_fitting_layout(
                     continue
                 est = memory_per_device(
                     args, layout, micro_batch=b, seq_len=seq_len, activation_checkpoint=mode, dtype=dtype,
-                    attention=attention, accumulation_steps=global_batch // layout.dp_size // b,
+                    attention=attention, accumulation_steps=global_batch // layout.dp_size // b, **head,
                 )  # fmt: skip
                 if est.fits(device_memory_gib, headroom):
                     return LayoutFit(nproc, layout, mode, b, est)
@@ -492,7 +507,7 @@ class ActivationVariant:
     """One row of Korthikanti et al.'s table for this run's s, b, h, a and t."""
 
     checkpoint: str
-    parallel: str  # none, tp=t, or tp=t + sp (sequence parallel, which liandan does not have yet)
+    parallel: str  # none, tp=t, or tp=t + sp (sequence parallel)
     formula: str
     paper_bytes: float  # per layer, attention scores stored as the paper assumes
     kernel_bytes: float  # per layer, with this run's attention kernel
@@ -545,13 +560,15 @@ def plan_config(
     if refusal:
         raise ConfigError(refusal)
     dtype, attention = plan_dtype(cfg), plan_attention(cfg)
+    p = cfg.parallel
+    head = {"sequence_parallel": p.sequence_parallel, "loss_parallel": p.loss_parallel, "ce_chunks": t.ce_chunks}
     memory = memory_per_device(
         args, layout, micro_batch=b, seq_len=t.seq_len, activation_checkpoint=t.activation_checkpoint,
-        dtype=dtype, attention=attention, accumulation_steps=t.global_batch // layout.dp_size // b,
+        dtype=dtype, attention=attention, accumulation_steps=t.global_batch // layout.dp_size // b, **head,
     )  # fmt: skip
     smallest = smallest_fitting_layout(
         args, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
-        device_memory_gib=device.memory_gib, headroom=headroom, dtype=dtype, attention=attention,
+        device_memory_gib=device.memory_gib, headroom=headroom, dtype=dtype, attention=attention, **head,
     )  # fmt: skip
     flops = run_flops(args, seq_len=t.seq_len, steps=t.steps, global_batch=t.global_batch)
     time = run_time_estimate(flops.total, nproc, device.peak_flops(dtype), mfu, price_per_device_hour)
@@ -566,7 +583,7 @@ def plan_config(
                 t.seq_len, b, args.dim, args.n_heads, attention_scores=attention == "eager", **kw
             )
             parallel = "none" if layout.tp == 1 else f"tp={layout.tp}" + (" + sp" if sp else "")
-            used = mode == t.activation_checkpoint and not sp
+            used = mode == t.activation_checkpoint and sp == p.sequence_parallel
             variants.append(ActivationVariant(mode, parallel, formula, paper, kernel, used))
     return Plan(
         args, count_params(args), flops, nproc, device, headroom, memory, memory.fits(device.memory_gib, headroom),

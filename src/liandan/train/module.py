@@ -48,11 +48,21 @@ class TrainModule:
         refusal = self.spec.tp_refusal(self.args, layout.tp)
         if refusal:
             raise ConfigError(refusal)
+        par = cfg.parallel
+        if layout.tp > 1 and par.loss_parallel and self.args.vocab_size % layout.tp:
+            raise ConfigError(
+                f"the vocabulary of {self.args.vocab_size} does not split evenly over parallel.tp = {layout.tp};"
+                " set model.vocab_size to a multiple of it or parallel.loss_parallel = false"
+            )
         # The same seed on every rank gives every rank the same initial weights before sharding.
         torch.manual_seed(cfg.run.seed)
         model = self.spec.build(self.args)
         configure = getattr(model, "configure_attention", None)
         self.attention = _config_step(configure, device) if configure else "built in"
+        if cfg.train.ce_chunks > 1:
+            if not hasattr(model, "configure_loss"):
+                raise ConfigError(f"model.family = {cfg.model.family!r} has no chunked loss; use train.ce_chunks = 1")
+            model.configure_loss(cfg.train.ce_chunks)
         model.to(device)
         fsdp = uses_fsdp(layout)
         t = cfg.train
@@ -69,6 +79,8 @@ class TrainModule:
             fsdp_param_dtype=dtype if fsdp and dtype != torch.float32 else None,
             spec=self.spec,
             allreduce_audit=self.allreduce_audit,
+            loss_parallel=par.loss_parallel,
+            sequence_parallel=par.sequence_parallel,
         )
         # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
         self.autocast = dtype != torch.float32 and not fsdp

@@ -40,20 +40,39 @@ def dp_coordinates(mesh: DeviceMesh | None, layout: Layout) -> tuple[int, int]:
 # tensor parallel
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, spec: ModelSpec | None = None) -> None:
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    spec: ModelSpec | None = None,
+    *,
+    loss_parallel: bool = False,
+    sequence_parallel: bool = False,
+) -> None:
     """The family's tensor-parallel plan: its top-level modules, then the same per-block plan on every block
-    (for Llama, Megatron-style: each rank holds n_heads / tp heads)."""
+    (for Llama, Megatron-style: each rank holds n_heads / tp heads). `loss_parallel` keeps the logits split
+    over the vocabulary; `sequence_parallel` splits the activations between the parallel regions over the
+    sequence."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     spec = spec or spec_for(model.args)
     refusal = spec.tp_refusal(model.args, tp_mesh.size())
     if refusal:
         raise ValueError(refusal)
-    plan = spec.tp_plan(model.args)
+    plan = spec.tp_plan(model.args, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
     if plan.top:
         parallelize_module(model, tp_mesh, plan.top)
     for block in _blocks(model, spec).children():
         parallelize_module(block, tp_mesh, plan.block)
+    _retie(model, spec)
+
+
+def _retie(model: nn.Module, spec: ModelSpec) -> None:
+    """Sharding replaces each module's parameters by new DTensor ones, which undoes a tie; both sides of a
+    tie are split alike (the embedding and the head by vocabulary rows), so the shared one serves both."""
+    for key, source in spec.tied(model.args).items():
+        owner, _, name = key.rpartition(".")
+        source_owner, _, source_name = source.rpartition(".")
+        setattr(model.get_submodule(owner), name, getattr(model.get_submodule(source_owner), source_name))
 
 
 def _blocks(model: nn.Module, spec: ModelSpec) -> nn.Module:
@@ -157,13 +176,15 @@ def parallelize(
     fsdp_param_dtype: torch.dtype | None = None,
     spec: ModelSpec | None = None,
     allreduce_audit: AllReduceAudit | None = None,
+    loss_parallel: bool = False,
+    sequence_parallel: bool = False,
 ) -> nn.Module:
     """Apply TP, recomputation, compile and data parallelism; returns the module to call (DDP wraps).
     `spec` is the model's family (default: found from `model.args`); `allreduce_audit`, under DDP, the state
-    of the audited gradient all-reduce."""
+    of the audited gradient all-reduce; `loss_parallel` and `sequence_parallel` shape tensor parallelism."""
     spec = spec or spec_for(model.args)
     if layout.tp > 1:
-        apply_tp(model, mesh["tp"], spec)
+        apply_tp(model, mesh["tp"], spec, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
     apply_activation_checkpointing(model, activation_checkpoint, spec)
     if compile and (uses_fsdp(layout) or layout.tp > 1):
         apply_compile(model, spec)  # per block: FSDP2 and TP hooks sit between blocks
