@@ -41,8 +41,12 @@ def main(case_path: str, out_dir: str) -> None:
     case = torch.load(case_path)
     dist.init_process_group("gloo")
     results = {}
-    for name, layout in (("fsdp", Layout(1, 2, 1)), ("tp", Layout(1, 1, 2))):
-        model = parallelize(build(case), build_mesh(layout, "cpu"), layout)
+    # "tp_sp": tensor parallel as training sets it up by default, the loss over the vocabulary shards and
+    # sequence parallelism between the blocks
+    for name, layout, split in (("fsdp", Layout(1, 2, 1), False), ("tp", Layout(1, 1, 2), False),
+                                ("tp_sp", Layout(1, 1, 2), True)):  # fmt: skip
+        mesh = build_mesh(layout, "cpu")
+        model = parallelize(build(case), mesh, layout, loss_parallel=split, sequence_parallel=split)
         results[name] = score_case(model, case)
     Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(results))
     dist.destroy_process_group()

@@ -225,7 +225,7 @@ def sharded(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "tp_sp"])
 def test_sharded_scoring_equals_one_process(sharded, layout):
     single, ranks = sharded
     for got in (r[layout] for r in ranks):

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from liandan.model.kv_cache import KVCache
-from liandan.train.parallelize import reshard
+from liandan.train.parallelize import reshard, sequence_split
 
 
 def model_args(model: nn.Module):
@@ -89,8 +89,10 @@ def loglikelihoods(
     by_context: dict[tuple[int, ...], list[int]] = {}
     for i, (whole, n) in enumerate(windows):
         by_context.setdefault(tuple(whole[:-n]), []).append(i)
-    alone = [members[0] for members in by_context.values() if len(members) == 1]
-    shared = [members for members in by_context.values() if len(members) > 1]
+    # Under sequence parallelism a KV-cache step of a few positions cannot be split: every request alone.
+    cached = sequence_split(model) == 1
+    alone = [i for members in by_context.values() if len(members) == 1 or not cached for i in members]
+    shared = [members for members in by_context.values() if len(members) > 1 and cached]
     # Longest first: the batches are padded to less, and a batch too large for memory fails at once.
     alone.sort(key=lambda i: -len(windows[i][0]))
     shared.sort(key=lambda members: -len(windows[members[0]][0]))
@@ -122,14 +124,29 @@ def _score_batch(
 ) -> list[tuple[float, bool]]:
     """One forward over right-padded inputs: under a causal mask the padding after a row's last token cannot
     change that row's logits."""
-    width = max(len(whole) - 1 for whole, _ in windows)
+    split = sequence_split(model)
+    width = _padded(max(len(whole) - 1 for whole, _ in windows), split)
     inputs = torch.zeros(len(windows), width, dtype=torch.long)
     at = torch.zeros(len(windows), max(n for _, n in windows), dtype=torch.long)
     for row, (whole, n) in enumerate(windows):
         inputs[row, : len(whole) - 1] = torch.tensor(whole[:-1])
         # the logit at position p predicts token p + 1: the continuation's are the last n positions of the input
         at[row, :n] = torch.arange(len(whole) - 1 - n, len(whole) - 1)
-    return _summarise(model(inputs.to(device), logits_at=at.to(device)), windows)
+    return _summarise(_logits_at(model, inputs.to(device), at.to(device), split), windows)
+
+
+def _padded(length: int, split: int) -> int:
+    """A length sequence parallelism can split: right padding, which a causal mask keeps from every real
+    position."""
+    return -(-length // split) * split
+
+
+def _logits_at(model: nn.Module, inputs: torch.Tensor, at: torch.Tensor, split: int) -> torch.Tensor:
+    """The logits at positions `at` (B, K). Under sequence parallelism a position's hidden state is on one
+    rank only, so the model computes every position's logits (gathered) and they are picked here."""
+    if split == 1:
+        return model(inputs, logits_at=at)
+    return model(inputs)[torch.arange(inputs.shape[0], device=inputs.device)[:, None], at]
 
 
 def _score_shared_batch(
@@ -281,8 +298,9 @@ def generate(
     trimmed = [list(p)[-kept:] for p in prompts]
     outputs = [_Output(stops, keep_stop) for _ in trimmed]
     device = _device(model)
+    split = sequence_split(model)
     with scoring_mode(model):
-        if use_cache:
+        if use_cache and split == 1:
             order = sorted(range(len(trimmed)), key=lambda i: -len(trimmed[i]))
             for start in range(0, len(order), batch_size):
                 chunk = order[start : start + batch_size]
@@ -290,8 +308,9 @@ def generate(
                     model, [trimmed[i] for i in chunk], [outputs[i] for i in chunk], max_new_tokens, device
                 )
         else:
+            # without the cache: also under sequence parallelism, whose splits one new position cannot take
             for prompt, output in zip(trimmed, outputs, strict=True):
-                _generate_uncached(model, prompt, output, max_new_tokens, device)
+                _generate_uncached(model, prompt, output, max_new_tokens, device, split)
     return [output.result() for output in outputs]
 
 
@@ -321,11 +340,12 @@ def _generate_cached(
 
 
 def _generate_uncached(
-    model: nn.Module, prompt: list[int], output: _Output, max_new_tokens: int, device: torch.device
+    model: nn.Module, prompt: list[int], output: _Output, max_new_tokens: int, device: torch.device, split: int = 1
 ) -> None:
     sequence = list(prompt)
     for _ in range(max_new_tokens):
-        token = int(model(torch.tensor([sequence], device=device))[0, -1].argmax())
+        padded = sequence + [0] * (_padded(len(sequence), split) - len(sequence))
+        token = int(model(torch.tensor([padded], device=device))[0, len(sequence) - 1].argmax())
         if output.push(token):
             return
         sequence.append(token)

@@ -64,6 +64,15 @@ def apply_tp(
     for block in _blocks(model, spec).children():
         parallelize_module(block, tp_mesh, plan.block)
     _retie(model, spec)
+    # Readers of the model that choose their own sequence lengths (evaluation) need to know: between the
+    # blocks each rank then holds 1/tp of the positions, so lengths must divide by tp and a position's hidden
+    # state is on one rank only.
+    model.sequence_split = tp_mesh.size() if sequence_parallel else 1
+
+
+def sequence_split(model: nn.Module) -> int:
+    """Over how many ranks sequence parallelism splits the model's positions (1 without it)."""
+    return getattr(getattr(model, "module", model), "sequence_split", 1)
 
 
 def _retie(model: nn.Module, spec: ModelSpec) -> None:
