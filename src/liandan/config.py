@@ -101,6 +101,10 @@ class TrainSection:
     dtype: Literal["auto", "fp32", "bf16"] = _f("auto", "compute dtype; auto is bf16 where supported")
     activation_checkpoint: Literal["none", "selective", "full"] = _f("none", "activation recomputation")
     compile: bool = _f(False, "torch.compile each transformer block")
+    meta_init: bool = _f(
+        False, "build the model on the meta device and let each rank fill only its shards (the same values as"
+        " a model built whole); off: every rank builds the whole model first"
+    )  # fmt: skip
     log_every: int = _f(1, "steps between metric records", min=1)
     eval_every: int = _f(0, "steps between validation-loss checks; 0 disables", min=0)
     eval_batches: int = _f(4, "validation batches per check", min=1)

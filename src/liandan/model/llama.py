@@ -180,8 +180,13 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, 0.0, std)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
-        with torch.no_grad():
-            self.rope.copy_(rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Buffers computed from the args (the rotary table), where the model's storage was allocated after
+        construction (meta-device initialisation)."""
+        self.rope.copy_(rope_table(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta))
 
     def configure_attention(self, device: torch.device, training: bool = True) -> str:
         self.attention_backend = choose_backend(self.args.attention, device, training)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -16,7 +17,9 @@ from liandan.faults import faulty_matmuls, planned_at, slow_forward
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
 from liandan.spec.layout import Layout, uses_fsdp
+from liandan.train.hardware import PeakMemory
 from liandan.train.health.allreduce import AllReduceAudit
+from liandan.train.meta_init import build_on_meta, materialize, plan_init
 from liandan.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from liandan.train.parallelize import gradient_sync, parallelize, reshard
 
@@ -48,19 +51,40 @@ class TrainModule:
         refusal = self.spec.tp_refusal(self.args, layout.tp)
         if refusal:
             raise ConfigError(refusal)
+        # What building, sharding and initialising the model took above what the process held before.
+        self.init_peak = PeakMemory(device)
+        with self.init_peak:
+            self.model = self._build_model(cfg, mesh, layout, device, dtype)
+        # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
+        self.autocast = dtype != torch.float32 and not uses_fsdp(layout)
+        self.optimizer = build_optimizer(self.model, cfg.optim, device, mixed_tensor_kinds=layout.tp > 1)
+        self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.schedule)
+        self.lr_scale = 1.0  # on top of the schedule; the loss-spike guard lowers it after a rollback
+        self.params = self.spec.count_params(self.args)
+        self.flops_per_token = self.spec.flops_per_token(self.args, cfg.train.seq_len)
+
+    def _build_model(self, cfg: Config, mesh, layout: Layout, device: torch.device, dtype: torch.dtype):
         # The same seed on every rank gives every rank the same initial weights before sharding.
         torch.manual_seed(cfg.run.seed)
-        model = self.spec.build(self.args)
+        materialize = None
+        if cfg.train.meta_init:
+            # Built without storage; each rank fills its own shards once parallelize has placed them.
+            model, record = build_on_meta(lambda: self.spec.build(self.args))
+            init_plan = _config_step(plan_init, model, record)
+            materialize = partial(_materialize_model, plan=init_plan, device=device, seed=cfg.run.seed)
+        else:
+            model = self.spec.build(self.args)
         configure = getattr(model, "configure_attention", None)
         self.attention = _config_step(configure, device) if configure else "built in"
-        model.to(device)
+        if materialize is None:
+            model.to(device)
         fsdp = uses_fsdp(layout)
         t = cfg.train
         # DDP's all-reduce goes through the audited hook where the sdc check reads it or a `corrupt@allreduce`
         # fault strikes there; elsewhere DDP keeps its own, with no Python on the path of every bucket.
         audited = cfg.health.sdc or planned_at("allreduce")
         self.allreduce_audit = AllReduceAudit() if audited and not fsdp and layout.dp_replicate > 1 else None
-        self.model = parallelize(
+        return parallelize(
             model,
             mesh,
             layout,
@@ -69,14 +93,8 @@ class TrainModule:
             fsdp_param_dtype=dtype if fsdp and dtype != torch.float32 else None,
             spec=self.spec,
             allreduce_audit=self.allreduce_audit,
+            materialize=materialize,
         )
-        # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
-        self.autocast = dtype != torch.float32 and not fsdp
-        self.optimizer = build_optimizer(self.model, cfg.optim, device, mixed_tensor_kinds=layout.tp > 1)
-        self.scheduler = build_scheduler(self.optimizer, t.steps, cfg.schedule)
-        self.lr_scale = 1.0  # on top of the schedule; the loss-spike guard lowers it after a rollback
-        self.params = self.spec.count_params(self.args)
-        self.flops_per_token = self.spec.flops_per_token(self.args, t.seq_len)
 
     @property
     def lr(self) -> float:
@@ -158,6 +176,10 @@ class TrainModule:
 
     def _doc_ids(self, batch: Batch) -> torch.Tensor | None:
         return batch.doc_ids if self.cfg.train.mask == "document" else None
+
+
+def _materialize_model(model: torch.nn.Module, plan, device: torch.device, seed: int) -> None:
+    _config_step(materialize, model, plan, device, seed)
 
 
 def _config_step(fn: Callable, *args: Any) -> Any:

@@ -10,6 +10,7 @@ mesh, or DDP when only replication is asked for).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -157,10 +158,12 @@ def parallelize(
     fsdp_param_dtype: torch.dtype | None = None,
     spec: ModelSpec | None = None,
     allreduce_audit: AllReduceAudit | None = None,
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Apply TP, recomputation, compile and data parallelism; returns the module to call (DDP wraps).
     `spec` is the model's family (default: found from `model.args`); `allreduce_audit`, under DDP, the state
-    of the audited gradient all-reduce."""
+    of the audited gradient all-reduce; `materialize`, for a model built on the meta device, allocates and
+    fills its shards once they are known (before DDP, which broadcasts the values it is given)."""
     spec = spec or spec_for(model.args)
     if layout.tp > 1:
         apply_tp(model, mesh["tp"], spec)
@@ -172,7 +175,9 @@ def parallelize(
     if uses_fsdp(layout):
         dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
         apply_fsdp(model, mesh[dims], fsdp_param_dtype, spec)
-    elif layout.dp_replicate > 1:
+    if materialize is not None:
+        materialize(model)
+    if not uses_fsdp(layout) and layout.dp_replicate > 1:
         return apply_ddp(model, mesh["dp_replicate"], allreduce_audit)
     return model
 

@@ -1,0 +1,114 @@
+"""Meta-device initialisation: the same weights and losses as a model built whole, in every layout, and the
+memory it takes measured against the planner's estimate."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from liandan.config import load_config
+from liandan.plan.memory import init_memory, plan_model_args
+from liandan.spec.layout import Layout
+from liandan.train.meta_init import build_on_meta, materialize, plan_init
+from liandan.train.module import TrainModule
+
+WORKER = Path(__file__).with_name("meta_init_worker.py")
+
+
+def _config(*overrides: str):
+    return load_config(None, ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
+                              "--model.max_seq_len=32", "--train.seq_len=32", "--model.vocab_size=320",
+                              "--train.dtype=fp32", *overrides])  # fmt: skip
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_one_process_meta_init_equals_the_model_built_whole(tied):
+    states, after = [], []
+    for meta in (False, True):
+        cfg = _config(f"--train.meta_init={str(meta).lower()}", f"--model.tie_embeddings={str(tied).lower()}")
+        module = TrainModule(cfg, 257, None, Layout(1, 1, 1), torch.device("cpu"), torch.float32)
+        states.append({**module.model.state_dict(), "rope": module.model.rope})
+        after.append(torch.rand(4))  # the generator is left where building the model whole leaves it
+    whole, meta = states
+    assert whole.keys() == meta.keys()
+    assert [k for k in whole if not torch.equal(whole[k], meta[k])] == []
+    assert torch.equal(after[0], after[1])
+
+
+def test_a_parameter_set_by_copying_values_is_refused():
+    from torch import nn
+
+    def build():
+        layer = nn.Linear(4, 4)
+        with torch.no_grad():
+            layer.weight.mul_(2)  # reads the values the replay would not have
+        return layer
+
+    model, record = build_on_meta(build)
+    with pytest.raises(ValueError, match="meta init cannot replay mul_"):
+        plan_init(model, record)
+
+
+def test_a_model_with_buffers_but_no_init_buffers_is_refused():
+    from torch import nn
+
+    def build():
+        layer = nn.Linear(4, 4)
+        layer.register_buffer("table", torch.arange(4.0))
+        return layer
+
+    model, record = build_on_meta(build)
+    with pytest.raises(ValueError, match="has buffers but no init_buffers"):
+        materialize(model, plan_init(model, record), torch.device("cpu"), 0)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Both ranks of the worker: FSDP and tensor-parallel train modules built each way, and the memory one
+    rank took to build a larger model under meta init with FSDP."""
+    out = tmp_path_factory.mktemp("meta_init")
+    # Large allocations are given back to the system when freed, so the resident set follows what is alive.
+    env = {**os.environ, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(out / "store"), str(out)],
+                              env={**env, "RANK": str(rank)}, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]  # fmt: skip
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+def test_two_ranks_meta_init_gives_the_same_shards_and_losses(two_ranks, layout):
+    for rank in two_ranks:
+        whole, meta = rank[f"{layout}/False/shards"], rank[f"{layout}/True/shards"]
+        assert whole.keys() == meta.keys()
+        assert [k for k in whole if not torch.equal(whole[k], meta[k])] == []
+        assert rank[f"{layout}/True/losses"] == rank[f"{layout}/False/losses"]  # bit for bit
+
+
+# The estimate counts tensors; the measured rise also holds the allocator's and FSDP's own small buffers.
+TOLERANCE = 0.10
+
+
+@pytest.mark.slow
+def test_meta_init_peak_host_memory_matches_the_planner(two_ranks):
+    from liandan.plan.memory import count_params
+
+    cfg = load_config(None, ["--model.dim=512", "--model.n_layers=8", "--model.n_heads=8",
+                             "--model.max_seq_len=32", "--train.seq_len=32", "--model.vocab_size=4096",
+                             "--train.meta_init=true"])  # fmt: skip
+    args = plan_model_args(cfg)
+    estimate = init_memory(args, Layout(1, 2, 1), meta=True).host
+    whole = 4 * count_params(args).total
+    assert estimate < 0.65 * whole  # the case is one where meta init matters
+    for rank in two_ranks:
+        measured = rank["large_host_peak"]
+        assert abs(measured - estimate) <= TOLERANCE * estimate, (measured, estimate, whole)
+        assert measured < whole
