@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from liandan.checkpoint import hf
+from liandan.checkpoint.streaming import local_slice, stream_into, weight_source
 from liandan.config import load_config
 from liandan.data.loader import Batch
 from liandan.spec.layout import Layout
@@ -27,8 +29,8 @@ LARGE = ["--model.dim=512", "--model.n_layers=8", "--model.n_heads=8", "--model.
          "--train.seq_len=32", "--model.vocab_size=4096"]  # fmt: skip
 
 
-def config(shape: list[str], meta: bool):
-    return load_config(None, [*shape, f"--train.meta_init={str(meta).lower()}", "--train.dtype=fp32",
+def config(shape: list[str], meta: bool, seed: int = 0):
+    return load_config(None, [*shape, f"--train.meta_init={str(meta).lower()}", "--train.dtype=fp32", f"--run.seed={seed}",
                               "--train.steps=3", "--train.global_batch=4", "--schedule.warmup_steps=1"])  # fmt: skip
 
 
@@ -64,6 +66,25 @@ def main(store: str, out: str) -> None:
             result[f"{name}/{meta}/shards"] = shards(module)
             result[f"{name}/{meta}/losses"] = train(module)
             del module
+    # Weights of another seed, written whole by rank 0, streamed into each layout's shards.
+    whole = TrainModule(config(SMALL, False), 257, None, Layout(1, 1, 1), cpu, torch.float32).model
+    whole_state = {k: v for k, v in whole.state_dict().items()}
+    if dist.get_rank() == 0:
+        hf.save_consolidated(whole_state, whole.args, Path(out) / "whole.safetensors")
+        hf.export_hf(whole_state, whole.args, Path(out) / "hf", dtype=torch.bfloat16)
+    dist.barrier()
+    for name, layout in (("fsdp", fsdp), ("tp", tp)):
+        for source in ("whole.safetensors", "hf"):
+            module = TrainModule(config(SMALL, True, seed=1), 257, build_mesh(layout, "cpu"), layout, cpu,
+                                 torch.float32)  # fmt: skip
+            with weight_source(Path(out) / source) as weights:
+                read = stream_into(module.model, weights)
+            result[f"{name}/{source}/streamed"] = shards(module)
+            result[f"{name}/{source}/expected"] = {
+                k: whole_state[k].to(torch.bfloat16 if source == "hf" else torch.float32).float()[local_slice(p) or ()]
+                for k, p in module.model.named_parameters()
+            }
+            result[f"{name}/{source}/read"] = read
     # Measured last: the first sharded model also pays for code loaded on first use (tens of MB).
     large = TrainModule(config(LARGE, True), 257, build_mesh(fsdp, "cpu"), fsdp, cpu, torch.float32)
     result["large_host_peak"] = large.init_peak.host_bytes

@@ -112,3 +112,19 @@ def test_meta_init_peak_host_memory_matches_the_planner(two_ranks):
         measured = rank["large_host_peak"]
         assert abs(measured - estimate) <= TOLERANCE * estimate, (measured, estimate, whole)
         assert measured < whole
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("source", ["whole.safetensors", "hf"])
+def test_weights_stream_into_each_rank_s_shards(two_ranks, layout, source):
+    """A consolidated file (fp32) and a Hugging Face directory (bf16) read into FSDP and tensor-parallel shards:
+    each rank gets its slice of every tensor and reads no more than its shards hold."""
+    shard_bytes = []
+    for rank in two_ranks:
+        streamed, expected = rank[f"{layout}/{source}/streamed"], rank[f"{layout}/{source}/expected"]
+        assert streamed.keys() == expected.keys()
+        assert [k for k in streamed if not torch.equal(streamed[k], expected[k])] == []
+        stored = 2 if source == "hf" else 4
+        shard_bytes.append(sum(t.numel() for t in streamed.values()) * stored)
+        assert rank[f"{layout}/{source}/read"] == shard_bytes[-1]

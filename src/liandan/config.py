@@ -144,7 +144,10 @@ class CheckpointSection:
     )
     resume: Literal["auto", "off"] = _f("auto", "auto: continue from the newest checkpoint that verifies")
     verify: bool = _f(True, "check every file's checksum before loading")
-    init_from: str = _f("", "a checkpoint directory whose model weights start a new run (optimizer fresh)")
+    init_from: str = _f(
+        "", "model weights that start a new run (optimizer fresh): a checkpoint directory, a Hugging Face"
+        " directory or a consolidated .safetensors file"
+    )  # fmt: skip
     memory_every: int = _f(
         0, "under the supervisor, snapshot every rank's state into host shared memory every this many steps, so a"
         " restart after a process crash resumes from there; 0 disables", min=0,

@@ -29,6 +29,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from liandan.checkpoint.streaming import local_part, local_slice
+
 # Initialisers that overwrite their whole tensor without reading it: what they leave depends only on the
 # tensor's shape and the random numbers they draw, so each can be replayed on a fresh tensor of that shape.
 DRAWING = {
@@ -123,22 +125,6 @@ def plan_init(model: nn.Module, record: InitRecord) -> InitPlan:
         if target is None or id(target) in params:  # buffers are init_buffers()' work
             raise ValueError(f"meta init cannot replay {what}; set train.meta_init = false")
     return InitPlan(record.writes, last, names)
-
-
-def local_slice(param: torch.Tensor) -> tuple[slice, ...] | None:
-    """The index of this rank's shard in the whole tensor (None: the rank holds all of it)."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if not isinstance(param, DTensor):
-        return None
-    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-
-
-def local_part(param: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank writes: a DTensor's local shard, or the parameter itself."""
-    return param.to_local() if hasattr(param, "to_local") else param
 
 
 @torch.no_grad()

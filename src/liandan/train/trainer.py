@@ -27,11 +27,13 @@ from liandan.checkpoint import snapshots
 from liandan.checkpoint.handoff import newest_checkpoint
 from liandan.checkpoint.manager import CheckpointManager, SaveError, read_meta
 from liandan.checkpoint.resume import can_resume, choose_resume
+from liandan.checkpoint.streaming import is_weight_source, stream_into, weight_source
 from liandan.checkpoint.verify import step_of
 from liandan.config import Config, ConfigError
 from liandan.data.loader import PackedLoader
 from liandan.data.prepare import open_prepared, open_stores, prepare_store
 from liandan.faults import corrupt_gradients, flip_parameter_bit, learning_rate_burst, maybe_inject
+from liandan.model.spec import spec_for
 from liandan.run import META, RunDir, RunLock, holds_progress, lock_run_dir, naming
 from liandan.run.worker_env import WorkerEnv
 from liandan.spec.layout import resolve_layout
@@ -106,6 +108,9 @@ class Trainer:
         self.heartbeat.beat(0, "startup")
         self._open_data(resuming)
         self.module = TrainModule(cfg, self.tokenizer.vocab_size, self.mesh, self.layout, self.device, self.dtype)
+        built = self.module.init_peak
+        self._event("model_built", meta_init=cfg.train.meta_init, host_peak_bytes=self._max_over_ranks(built.host_bytes),
+                    device_peak_bytes=self._max_over_ranks(built.device_bytes))  # fmt: skip
         self._open_checkpoints()
         self._resume_or_init()
         peak, self.peak_source = device_peak_flops(self.device, self.dtype)
@@ -394,6 +399,9 @@ class Trainer:
             self.room.truncate_metrics(0)
 
     def _init_from(self, source: Path) -> None:
+        if is_weight_source(source):
+            self._init_from_weights(source)
+            return
         if not (source / META).is_file():
             raise ConfigError(f"checkpoint.init_from = {source}: no checkpoint there ({META} missing)")
         their_meta = read_meta(source)
@@ -408,6 +416,25 @@ class Trainer:
         self.checkpoints.load(source, self.model)
         self.say(f"initialised model weights from {source}")
         self._event("initialised", path=str(source))
+
+    def _init_from_weights(self, source: Path) -> None:
+        """Hugging Face or consolidated weights, each rank reading only its shards' slices, tensor by tensor."""
+        try:
+            with weight_source(source) as weights:
+                spec, theirs = spec_for(weights.args), dataclasses.asdict(weights.args)
+                ours = dataclasses.asdict(self.model_args)
+                fields = (*self.module.spec.shape_fields, "rope_theta", "norm_eps")
+                differ = [f"model.{k} = {ours[k]} (weights: {theirs.get(k)})" for k in dict.fromkeys(fields)
+                          if k in ours and theirs.get(k) != ours[k]]  # fmt: skip
+                if spec.name != self.module.spec.name:
+                    differ.insert(0, f"model.family = {self.module.spec.name} (weights: {spec.name})")
+                if differ:
+                    raise ValueError(f"another model: {'; '.join(differ)}")
+                read = stream_into(self.model, weights)
+        except (ValueError, FileNotFoundError, OSError) as err:
+            raise ConfigError(f"checkpoint.init_from = {source}: {err}") from None
+        self.say(f"initialised model weights from {source}")
+        self._event("initialised", path=str(source), bytes_read=self._sum_over_ranks(read))
 
     def _continue_from(self, meta: dict[str, Any], step: int, source: str) -> None:
         if meta.get("tokenizer") != self.stores[0].fingerprint:
@@ -434,6 +461,13 @@ class Trainer:
         elif kind == "checkpoint_rejected":
             self.say(f"warning: checkpoint rejected: {fields.get('error')}")
         self.files.log_event(kind, **fields)
+
+    def _max_over_ranks(self, value: int) -> int:
+        if not self.dist.distributed:
+            return value
+        t = torch.tensor(value, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t)
 
     def _sum_over_ranks(self, value: float) -> float:
         if not self.dist.distributed:
