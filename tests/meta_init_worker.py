@@ -1,6 +1,6 @@
 """One rank of the meta-initialisation test: `python meta_init_worker.py STORE OUT` with RANK and WORLD_SIZE set.
 
-For FSDP and for tensor parallelism over both ranks, the train module built both ways from the same seed: its
+For FSDP, tensor parallelism and DDP over both ranks, the train module built both ways from the same seed: its
 shards and the losses of a few steps. Then the host memory it takes to build, shard and initialise a larger
 model under meta init with FSDP over both ranks (one whose whole fp32 copy is larger than a rank's share plus
 one whole parameter). Writes OUT/rank<r>.pt for the test to compare."""
@@ -60,7 +60,7 @@ def main(store: str, out: str) -> None:
     cpu = torch.device("cpu")
     result: dict = {}
     fsdp, tp = Layout(1, 2, 1), Layout(1, 1, 2)
-    for name, layout in (("fsdp", fsdp), ("tp", tp)):
+    for name, layout in (("fsdp", fsdp), ("tp", tp), ("ddp", Layout(2, 1, 1))):
         for meta in (False, True):
             module = TrainModule(config(SMALL, meta), 257, build_mesh(layout, "cpu"), layout, cpu, torch.float32)
             result[f"{name}/{meta}/shards"] = shards(module)

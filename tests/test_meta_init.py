@@ -26,11 +26,12 @@ def _config(*overrides: str):
                               "--train.dtype=fp32", *overrides])  # fmt: skip
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_one_process_meta_init_equals_the_model_built_whole(tied):
+@pytest.mark.parametrize("tied, recompute", [(False, "none"), (True, "full")])
+def test_one_process_meta_init_equals_the_model_built_whole(tied, recompute):
     states, after = [], []
     for meta in (False, True):
-        cfg = _config(f"--train.meta_init={str(meta).lower()}", f"--model.tie_embeddings={str(tied).lower()}")
+        cfg = _config(f"--train.meta_init={str(meta).lower()}", f"--model.tie_embeddings={str(tied).lower()}",
+                      f"--train.activation_checkpoint={recompute}")  # fmt: skip
         module = TrainModule(cfg, 257, None, Layout(1, 1, 1), torch.device("cpu"), torch.float32)
         states.append({**module.model.state_dict(), "rope": module.model.rope})
         after.append(torch.rand(4))  # the generator is left where building the model whole leaves it
@@ -67,6 +68,36 @@ def test_a_model_with_buffers_but_no_init_buffers_is_refused():
         materialize(model, plan_init(model, record), torch.device("cpu"), 0)
 
 
+def test_planner_init_memory_by_hand():
+    """Whole: 4 bytes per parameter. Meta init: the rank's fp32 shards on the device; on the host those plus the
+    largest whole parameter, drawn there one at a time."""
+    from liandan.model import ModelArgs, count_params
+
+    args = ModelArgs(vocab_size=1000, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=256)
+    total = count_params(args).total  # 251,200: 2 blocks of 61,568 + embedding, head and final norm
+    assert init_memory(args, Layout(1, 4, 1), meta=False).device == 4 * total
+    meta = init_memory(args, Layout(1, 4, 1), meta=True)
+    assert meta.device == 4 * total / 4
+    assert meta.host == 4 * total / 4 + 4 * 1000 * 64  # the embedding (or head) is the largest tensor
+    tp = init_memory(args, Layout(1, 1, 2), meta=True)
+    assert tp.device == 4 * (total - 2 * 2 * 64 - 64) / 2 + 4 * (2 * 2 * 64 + 64)  # norms stay whole
+
+
+def test_the_planner_counts_initialisation_in_whether_a_run_fits():
+    """Llama 8B on 64 devices of 32 GiB: each step fits, but the whole fp32 model (30 GiB) on every rank
+    before sharding does not; under meta init it does."""
+    from liandan.plan.devices import resolve_device
+    from liandan.plan.memory import plan_config
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "llama-8b.toml"
+    device = resolve_device("h100", memory_gib=32)
+    whole = plan_config(load_config(config, ["--train.meta_init=false"]), device, nproc=64)
+    meta = plan_config(load_config(config, ["--train.meta_init=true"]), device, nproc=64)
+    assert whole.memory.total == meta.memory.total < 0.9 * 32 * 2**30
+    assert not whole.fits and whole.init.device > 0.9 * 32 * 2**30
+    assert meta.fits and meta.init.device < 2**30
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """Both ranks of the worker: FSDP and tensor-parallel train modules built each way, and the memory one
@@ -84,7 +115,7 @@ def two_ranks(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp", "tp"])
+@pytest.mark.parametrize("layout", ["fsdp", "tp", "ddp"])
 def test_two_ranks_meta_init_gives_the_same_shards_and_losses(two_ranks, layout):
     for rank in two_ranks:
         whole, meta = rank[f"{layout}/False/shards"], rank[f"{layout}/True/shards"]
