@@ -4,6 +4,7 @@ memory it takes measured against the planner's estimate."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,17 +42,38 @@ def test_one_process_meta_init_equals_the_model_built_whole(tied, recompute):
     assert torch.equal(after[0], after[1])
 
 
-def test_a_parameter_set_by_copying_values_is_refused():
+def _mul(layer):
+    layer.weight.mul_(2)  # reads the values the replay would not have
+
+
+def _padding_row(layer):
+    layer.weight[0].zero_()  # a view: the replay knows whole tensors only
+
+
+def _set_item(layer):
+    layer.weight[0] = 1.0
+
+
+def _assign_data(layer):
+    layer.weight.data = torch.zeros(4, 4)
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [(_mul, "mul_ on a parameter"), (_padding_row, "zero_ on part of a parameter"),
+     (_set_item, "__setitem__ on a parameter"), (_assign_data, "an assignment to a parameter's .data")],
+)  # fmt: skip
+def test_a_parameter_set_otherwise_than_by_an_initialiser_is_refused(change, words):
     from torch import nn
 
     def build():
         layer = nn.Linear(4, 4)
         with torch.no_grad():
-            layer.weight.mul_(2)  # reads the values the replay would not have
+            change(layer)
         return layer
 
     model, record = build_on_meta(build)
-    with pytest.raises(ValueError, match="meta init cannot replay mul_"):
+    with pytest.raises(ValueError, match=f"meta init cannot replay {re.escape(words)}"):
         plan_init(model, record)
 
 
@@ -159,3 +181,28 @@ def test_weights_stream_into_each_rank_s_shards(two_ranks, layout, source):
         stored = 2 if source == "hf" else 4
         shard_bytes.append(sum(t.numel() for t in streamed.values()) * stored)
         assert rank[f"{layout}/{source}/read"] == shard_bytes[-1]
+
+
+@pytest.mark.parametrize("change, words", [("drop", "missing layers.1.ffn_norm.weight"),
+                                           ("extra", "tensors liandan has no place for: model.extra"),
+                                           ("reshape", "has shape (192, 64), the model arguments give (64, 192)")])  # fmt: skip
+def test_a_hugging_face_directory_that_does_not_fit_the_model_is_refused(tmp_path, change, words):
+    from safetensors.torch import load_file, save_file
+
+    from liandan.checkpoint import hf
+    from liandan.checkpoint.streaming import weight_source
+
+    module = TrainModule(_config(), 257, None, Layout(1, 1, 1), torch.device("cpu"), torch.float32)
+    hf.export_hf(module.model.state_dict(), module.model.args, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    if change == "drop":
+        del tensors["model.layers.1.post_attention_layernorm.weight"]
+    elif change == "extra":
+        tensors["model.extra"] = torch.zeros(2)
+    else:
+        tensors["model.layers.0.mlp.down_proj.weight"] = (
+            tensors["model.layers.0.mlp.down_proj.weight"].reshape(192, 64).contiguous()
+        )
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=re.escape(words)), weight_source(tmp_path):
+        pass

@@ -41,9 +41,22 @@ DRAWING = {
 CONSTANT = {"fill_", "zero_", "ones_", "zeros_", "constant_", "eye_", "dirac_"}
 RANDOM_FACTORIES = {"rand", "randn", "randint", "randperm", "normal", "bernoulli", "multinomial", "rand_like",
                     "randn_like", "randint_like"}  # fmt: skip
-IGNORED = {"requires_grad_", "share_memory_", "__get__", "__set__", "__setitem__"}
+# In-place methods that change no values.
+IGNORED = {"requires_grad_", "share_memory_"}
 # Wrappers that parallelize() puts into parameter names (activation checkpointing, torch.compile).
 WRAPPER_PARTS = ("_checkpoint_wrapped_module", "_orig_mod")
+
+
+IN_PLACE_OPERATORS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                      "__imod__", "__ipow__", "__imatmul__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                      "__irshift__"}  # fmt: skip
+
+
+def _in_place(name: str) -> bool:
+    """Whether a tensor method of this name may change its tensor's values (`add_`, `+=`, `t[i] = v`)."""
+    if name in IN_PLACE_OPERATORS:
+        return True
+    return name.endswith("_") and not name.startswith("__") and name not in IGNORED
 
 
 @dataclass
@@ -80,12 +93,17 @@ class _Recorder(TorchFunctionMode):
             extra = args[1:] if args else ()
             if any(isinstance(a, torch.Tensor) for a in (*extra, *rest.values())):
                 self.record.refusals.append((None, f"{name} with tensor arguments"))
+            elif target._base is not None:  # part of a tensor (an embedding's padding row, say)
+                self.record.refusals.append((target._base, f"{name} on part of a parameter"))
             else:
                 self.record.writes.append(Write(target, func, tuple(extra), rest, name in DRAWING))
         elif name in RANDOM_FACTORIES:
             self.record.refusals.append((None, f"torch.{name} in a constructor"))
-        elif name.endswith("_") and name not in IGNORED and args and isinstance(args[0], torch.Tensor):
-            self.record.refusals.append((args[0], f"{name} on a parameter (it reads or copies values)"))
+        elif name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+            self.record.refusals.append((args[0], "an assignment to a parameter's .data"))
+        elif _in_place(name) and args and isinstance(args[0], torch.Tensor):
+            target = args[0] if args[0]._base is None else args[0]._base
+            self.record.refusals.append((target, f"{name} on a parameter (it reads or copies values)"))
         return func(*args, **kwargs)
 
 
