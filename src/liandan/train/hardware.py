@@ -191,19 +191,23 @@ def _proc_status_kib(field: str) -> int | None:
 
 class PeakMemory:
     """How far this process's memory rose above where it stood on entry, at its highest inside the block:
-    host memory (the resident set, whose high-water mark Linux lets a process reset) and, on CUDA, device
-    memory. Where the mark cannot be reset, the lifetime peak stands in (an upper bound)."""
+    host memory (the resident set) and, on CUDA, device memory. With `reset`, the resident set's high-water
+    mark is reset on entry (Linux lets a process do so), which makes the host figure exact but also makes
+    the process's lifetime peak (`peak_memory_bytes`) start there; without it, or where the mark cannot be
+    reset, the lifetime peak stands in (an upper bound)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, reset: bool = False):
         self.device = device
+        self.reset = reset
         self.host_bytes = 0
         self.device_bytes = 0
 
     def __enter__(self) -> PeakMemory:  # noqa: PYI034 - no subclasses
-        try:  # "5" resets VmHWM to the current resident set (Linux >= 4.0)
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:
-            pass
+        if self.reset:
+            try:  # "5" resets VmHWM to the current resident set (Linux >= 4.0)
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                pass
         self._host_start = (_proc_status_kib("VmRSS") or 0) * 1024
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)

@@ -51,8 +51,10 @@ class TrainModule:
         refusal = self.spec.tp_refusal(self.args, layout.tp)
         if refusal:
             raise ConfigError(refusal)
-        # What building, sharding and initialising the model took above what the process held before.
-        self.init_peak = PeakMemory(device)
+        # What building, sharding and initialising the model took above what the process held before: exact
+        # under meta init, which is what its measurement is for; an upper bound otherwise, so that the
+        # process's lifetime peak, which runs built whole may be measured by, is left alone.
+        self.init_peak = PeakMemory(device, reset=cfg.train.meta_init)
         with self.init_peak:
             self.model = self._build_model(cfg, mesh, layout, device, dtype)
         # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
