@@ -206,3 +206,17 @@ def test_a_hugging_face_directory_that_does_not_fit_the_model_is_refused(tmp_pat
     save_file(tensors, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=re.escape(words)), weight_source(tmp_path):
         pass
+
+
+def test_weights_of_another_model_are_named_field_by_field():
+    from liandan.checkpoint.streaming import differences
+    from liandan.model import ModelArgs
+
+    ours = ModelArgs(vocab_size=320, dim=64, n_layers=2, n_heads=4)
+    assert differences(ours, ModelArgs(vocab_size=320, dim=64, n_layers=2, n_heads=4)) == []
+    theirs = ModelArgs(vocab_size=320, dim=128, n_layers=2, n_heads=4, rope_theta=500000.0)
+    assert differences(ours, theirs) == [
+        "model.dim = 64 (weights: 128)",
+        "model.ffn_dim = 192 (weights: 384)",
+        "model.rope_theta = 10000.0 (weights: 500000.0)",
+    ]

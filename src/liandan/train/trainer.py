@@ -27,13 +27,12 @@ from liandan.checkpoint import snapshots
 from liandan.checkpoint.handoff import newest_checkpoint
 from liandan.checkpoint.manager import CheckpointManager, SaveError, read_meta
 from liandan.checkpoint.resume import can_resume, choose_resume
-from liandan.checkpoint.streaming import is_weight_source, stream_into, weight_source
+from liandan.checkpoint.streaming import differences, is_weight_source, stream_into, weight_source
 from liandan.checkpoint.verify import step_of
 from liandan.config import Config, ConfigError
 from liandan.data.loader import PackedLoader
 from liandan.data.prepare import open_prepared, open_stores, prepare_store
 from liandan.faults import corrupt_gradients, flip_parameter_bit, learning_rate_burst, maybe_inject
-from liandan.model.spec import spec_for
 from liandan.run import META, RunDir, RunLock, holds_progress, lock_run_dir, naming
 from liandan.run.worker_env import WorkerEnv
 from liandan.spec.layout import resolve_layout
@@ -421,13 +420,7 @@ class Trainer:
         """Hugging Face or consolidated weights, each rank reading only its shards' slices, tensor by tensor."""
         try:
             with weight_source(source) as weights:
-                spec, theirs = spec_for(weights.args), dataclasses.asdict(weights.args)
-                ours = dataclasses.asdict(self.model_args)
-                fields = (*self.module.spec.shape_fields, "rope_theta", "norm_eps")
-                differ = [f"model.{k} = {ours[k]} (weights: {theirs.get(k)})" for k in dict.fromkeys(fields)
-                          if k in ours and theirs.get(k) != ours[k]]  # fmt: skip
-                if spec.name != self.module.spec.name:
-                    differ.insert(0, f"model.family = {self.module.spec.name} (weights: {spec.name})")
+                differ = differences(self.model_args, weights.args)
                 if differ:
                     raise ValueError(f"another model: {'; '.join(differ)}")
                 read = stream_into(self.model, weights)
