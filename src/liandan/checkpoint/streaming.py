@@ -171,3 +171,13 @@ def stream_into(model: nn.Module, source: WeightSource) -> int:
         target.copy_(piece.to(dtype=target.dtype))
         read += piece.numel() * piece.element_size()
     return read
+
+
+def load_weights(model: nn.Module, args: Any, path: Path) -> int:
+    """Fill `model` (built from `args`, in any layout) from the weights at `path`, after checking that they
+    are of the same model; returns the bytes this rank read. ValueError or OSError name what is wrong."""
+    with weight_source(path) as weights:
+        differ = differences(args, weights.args)
+        if differ:
+            raise ValueError(f"another model: {'; '.join(differ)}")
+        return stream_into(model, weights)
