@@ -51,29 +51,18 @@ class TrainModule:
         refusal = self.spec.tp_refusal(self.args, layout.tp)
         if refusal:
             raise ConfigError(refusal)
-        # What building, sharding and initialising the model took above what the process held before: exact
-        # under meta init, which is what its measurement is for; an upper bound otherwise, so that the
-        # process's lifetime peak, which runs built whole may be measured by, is left alone.
-        self.init_peak = PeakMemory(device, reset=cfg.train.meta_init)
-        with self.init_peak:
-            self.model = self._build_model(cfg, mesh, layout, device, dtype)
-        # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
-        self.autocast = dtype != torch.float32 and not uses_fsdp(layout)
-        self.optimizer = build_optimizer(self.model, cfg.optim, device, mixed_tensor_kinds=layout.tp > 1)
-        self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.schedule)
-        self.lr_scale = 1.0  # on top of the schedule; the loss-spike guard lowers it after a rollback
-        self.params = self.spec.count_params(self.args)
-        self.flops_per_token = self.spec.flops_per_token(self.args, cfg.train.seq_len)
-
-    def _build_model(self, cfg: Config, mesh, layout: Layout, device: torch.device, dtype: torch.dtype):
+        # What building, sharding and initialising the model takes above what the process holds now: exact
+        # under meta init, which is what the measurement is for; an upper bound otherwise, which leaves alone
+        # the process's lifetime peak that runs built whole may be measured by.
+        self.init_peak = PeakMemory(device, reset=cfg.train.meta_init).start()
         # The same seed on every rank gives every rank the same initial weights before sharding.
         torch.manual_seed(cfg.run.seed)
         materialize = None
         if cfg.train.meta_init:
             # Built without storage; each rank fills its own shards once parallelize has placed them.
             model, record = build_on_meta(lambda: self.spec.build(self.args))
-            init_plan = _config_step(plan_init, model, record)
-            materialize = partial(_materialize_model, plan=init_plan, device=device, seed=cfg.run.seed)
+            materialize = partial(_materialize, plan=_config_step(plan_init, model, record), device=device,
+                                  seed=cfg.run.seed)  # fmt: skip
         else:
             model = self.spec.build(self.args)
         configure = getattr(model, "configure_attention", None)
@@ -86,7 +75,7 @@ class TrainModule:
         # fault strikes there; elsewhere DDP keeps its own, with no Python on the path of every bucket.
         audited = cfg.health.sdc or planned_at("allreduce")
         self.allreduce_audit = AllReduceAudit() if audited and not fsdp and layout.dp_replicate > 1 else None
-        return parallelize(
+        self.model = parallelize(
             model,
             mesh,
             layout,
@@ -97,6 +86,14 @@ class TrainModule:
             allreduce_audit=self.allreduce_audit,
             materialize=materialize,
         )
+        self.init_peak.stop()
+        # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
+        self.autocast = dtype != torch.float32 and not fsdp
+        self.optimizer = build_optimizer(self.model, cfg.optim, device, mixed_tensor_kinds=layout.tp > 1)
+        self.scheduler = build_scheduler(self.optimizer, t.steps, cfg.schedule)
+        self.lr_scale = 1.0  # on top of the schedule; the loss-spike guard lowers it after a rollback
+        self.params = self.spec.count_params(self.args)
+        self.flops_per_token = self.spec.flops_per_token(self.args, t.seq_len)
 
     @property
     def lr(self) -> float:
@@ -180,7 +177,7 @@ class TrainModule:
         return batch.doc_ids if self.cfg.train.mask == "document" else None
 
 
-def _materialize_model(model: torch.nn.Module, plan, device: torch.device, seed: int) -> None:
+def _materialize(model: torch.nn.Module, plan, device: torch.device, seed: int) -> None:
     _config_step(materialize, model, plan, device, seed)
 
 
