@@ -83,6 +83,27 @@ def test_import_hf_then_continue_training(trained, tmp_path):
     _one_line_error(wrong, "checkpoint.init_from", "model.rope_theta = 500000.0 (checkpoint: 10000.0)")
 
 
+@pytest.mark.slow
+def test_init_from_a_hf_directory_streams_into_a_meta_built_model(trained, tmp_path):
+    """No import step: the exported directory itself starts the run, read into the model built on the meta
+    device."""
+    from liandan.checkpoint.hf import export_hf
+
+    config, run = trained
+    ours, _ = load_model(run / "checkpoints" / "step-00000004")
+    export_hf(ours.state_dict(), ours.args, tmp_path / "hf")
+    cont = run_liandan("train", config, "--run.name=from-hf", f"--checkpoint.init_from={tmp_path / 'hf'}",
+                       "--train.meta_init=true", "--train.steps=1", "--schedule.warmup_steps=1",
+                       "--checkpoint.every=0", f'--data.stores=["{run / "data"}"]')  # fmt: skip
+    assert cont.returncode == 0, cont.stderr
+    records = read_run(run.parent / "from-hf")
+    (built,) = records.of_kind("model_built")
+    assert built["meta_init"] is True and built["host_peak_bytes"] > 0
+    (initialised,) = records.of_kind("initialised")
+    assert initialised["bytes_read"] == 4 * sum(p.numel() for p in ours.parameters())
+    assert records.metrics[0]["loss"] < read_run(run).metrics[0]["loss"]  # trained weights, not a fresh init
+
+
 def test_bad_paths_are_one_line_errors(tmp_path):
     for args in (["ckpt", "info", tmp_path / "none"], ["export", tmp_path / "none", tmp_path / "o", "--hf"],
                  ["import", tmp_path / "none", tmp_path / "o", "--hf"]):  # fmt: skip

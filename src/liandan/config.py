@@ -112,6 +112,10 @@ class TrainSection:
         1, "compute the output head and cross-entropy over this many slices of the tokens, each recomputed in the"
         " backward pass, so the fp32 logits of a large vocabulary never exist whole; 1 disables (tp = 1 only)", min=1,
     )  # fmt: skip
+    meta_init: bool = _f(
+        False, "build the model on the meta device and let each rank fill only its shards (the same values as"
+        " a model built whole); off: every rank builds the whole model first"
+    )  # fmt: skip
     log_every: int = _f(1, "steps between metric records", min=1)
     eval_every: int = _f(0, "steps between validation-loss checks; 0 disables", min=0)
     eval_batches: int = _f(4, "validation batches per check", min=1)
@@ -161,7 +165,10 @@ class CheckpointSection:
     )
     resume: Literal["auto", "off"] = _f("auto", "auto: continue from the newest checkpoint that verifies")
     verify: bool = _f(True, "check every file's checksum before loading")
-    init_from: str = _f("", "a checkpoint directory whose model weights start a new run (optimizer fresh)")
+    init_from: str = _f(
+        "", "model weights that start a new run (optimizer fresh): a checkpoint directory, a Hugging Face"
+        " directory or a consolidated .safetensors file"
+    )  # fmt: skip
     memory_every: int = _f(
         0, "under the supervisor, snapshot every rank's state into host shared memory every this many steps, so a"
         " restart after a process crash resumes from there; 0 disables", min=0,

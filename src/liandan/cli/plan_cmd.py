@@ -213,6 +213,11 @@ def print_plan(plan, cfg, config_path: str) -> None:
         f"{verdict} in {usable / GIB:,.1f} of {d.memory_gib:g} GiB ({plan.headroom:.0%} headroom)",
     )  # fmt: skip
     console.print(table)
+    if plan.init is not None:
+        i = plan.init
+        how = "train.meta_init" if i.meta else "built whole (train.meta_init = false)"
+        tight = " [bold red]does NOT fit[/bold red]" if i.device > usable else ""
+        console.print(f"initialisation: {_size(i.device)} per device, {_size(i.host)} host ({i.what}; {how}){tight}")
 
     title = (
         f"ZeRO paper accounting: Ψ = {_count(m.params_per_rank)} parameters per tensor-parallel rank,"

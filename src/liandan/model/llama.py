@@ -214,8 +214,13 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, 0.0, std)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
-        with torch.no_grad():
-            self.rope.copy_(model_rope_table(self.args))
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """Buffers computed from the args (the rotary table), where the model's storage was allocated after
+        construction (meta-device initialisation)."""
+        self.rope.copy_(model_rope_table(self.args))
 
     def configure_loss(self, ce_chunks: int) -> None:
         """Compute the head and its loss over `ce_chunks` slices of the tokens (1: all at once)."""

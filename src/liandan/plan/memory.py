@@ -47,6 +47,7 @@ The numbers, and how far they were off on measured runs, are in docs/planning.md
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -327,6 +328,38 @@ def _dtype_word(c: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------
+# initialisation
+
+
+@dataclass(frozen=True)
+class InitMemory:
+    """Bytes one rank holds while the model is built and initialised, before the first step: the whole
+    model in fp32 on every rank when it is built whole (on the device too, where it is moved there before
+    sharding), or under meta-device initialisation the rank's fp32 shards plus one whole parameter, the
+    largest, drawn on the host at a time (`liandan.train.meta_init`)."""
+
+    meta: bool
+    host: float
+    device: float
+    what: str
+
+    @property
+    def peak(self) -> float:
+        """The larger of the two: on the CPU they are one memory, on a GPU the device's is the one that binds."""
+        return max(self.host, self.device)
+
+
+def init_memory(args: Any, layout: Layout, meta: bool) -> InitMemory:
+    whole = 4.0 * count_params(args).total
+    if not meta:
+        return InitMemory(False, whole, whole, "the whole model in fp32")
+    split = param_split(args, layout.tp)
+    shards = 4.0 * split.total / (layout.dp_shard if uses_fsdp(layout) else 1)
+    largest = 4.0 * max(math.prod(s) for s in spec_for(args).state_shapes(args).values())
+    return InitMemory(True, shards + largest, shards, "the rank's fp32 shards + the largest whole parameter")
+
+
+# ---------------------------------------------------------------------------------------------------------
 # the smallest layout that fits
 
 
@@ -527,6 +560,7 @@ class Plan:
     smallest: LayoutFit | None
     time: RunTime
     variants: tuple[ActivationVariant, ...]
+    init: InitMemory | None = None  # building and initialising the model, before the first step
 
 
 def plan_config(
@@ -585,7 +619,8 @@ def plan_config(
             parallel = "none" if layout.tp == 1 else f"tp={layout.tp}" + (" + sp" if sp else "")
             used = mode == t.activation_checkpoint and sp == p.sequence_parallel
             variants.append(ActivationVariant(mode, parallel, formula, paper, kernel, used))
+    init = init_memory(args, layout, t.meta_init)
+    fits = memory.fits(device.memory_gib, headroom) and init.device <= usable_bytes(device.memory_gib, headroom)
     return Plan(
-        args, count_params(args), flops, nproc, device, headroom, memory, memory.fits(device.memory_gib, headroom),
-        smallest, time, tuple(variants),
+        args, count_params(args), flops, nproc, device, headroom, memory, fits, smallest, time, tuple(variants), init,
     )  # fmt: skip

@@ -177,3 +177,48 @@ def peak_memory_bytes(device: torch.device) -> int:
         return torch.cuda.max_memory_allocated(device)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return rss if sys.platform == "darwin" else rss * 1024
+
+
+def _proc_status_kib(field: str) -> int | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+class PeakMemory:
+    """How far this process's memory rose above where it stood at `start()`, at its highest until `stop()`:
+    host memory (the resident set) and, on CUDA, device memory. With `reset`, the peaks are reset at the start
+    (Linux lets a process reset its resident set's high-water mark), which makes the figures exact but also
+    makes the process's lifetime peaks (`peak_memory_bytes`) start there; without it, or where the mark cannot
+    be reset, the lifetime peaks stand in (upper bounds)."""
+
+    def __init__(self, device: torch.device, reset: bool = False):
+        self.device = device
+        self.reset = reset
+        self.host_bytes = 0
+        self.device_bytes = 0
+
+    def start(self) -> PeakMemory:
+        if self.reset:
+            try:  # "5" resets VmHWM to the current resident set (Linux >= 4.0)
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                pass
+        self._host_start = (_proc_status_kib("VmRSS") or 0) * 1024
+        if self.device.type == "cuda":
+            if self.reset:
+                torch.cuda.reset_peak_memory_stats(self.device)
+            self._device_start = torch.cuda.memory_allocated(self.device)
+        return self
+
+    def stop(self) -> PeakMemory:
+        hwm = _proc_status_kib("VmHWM")
+        peak = hwm * 1024 if hwm is not None else peak_memory_bytes(torch.device("cpu"))
+        self.host_bytes = max(0, peak - self._host_start)
+        if self.device.type == "cuda":
+            self.device_bytes = max(0, torch.cuda.max_memory_allocated(self.device) - self._device_start)
+        return self

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -16,7 +17,9 @@ from liandan.faults import faulty_matmuls, planned_at, slow_forward
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
 from liandan.spec.layout import Layout, uses_fsdp
+from liandan.train.hardware import PeakMemory
 from liandan.train.health.allreduce import AllReduceAudit
+from liandan.train.meta_init import build_on_meta, materialize, plan_init
 from liandan.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from liandan.train.parallelize import gradient_sync, parallelize, reshard
 
@@ -54,16 +57,28 @@ class TrainModule:
                 f"the vocabulary of {self.args.vocab_size} does not split evenly over parallel.tp = {layout.tp};"
                 " set model.vocab_size to a multiple of it or parallel.loss_parallel = false"
             )
+        # What building, sharding and initialising the model takes above what the process holds now: exact
+        # under meta init, which is what the measurement is for; an upper bound otherwise, which leaves alone
+        # the process's lifetime peak that runs built whole may be measured by.
+        self.init_peak = PeakMemory(device, reset=cfg.train.meta_init).start()
         # The same seed on every rank gives every rank the same initial weights before sharding.
         torch.manual_seed(cfg.run.seed)
-        model = self.spec.build(self.args)
+        materialize = None
+        if cfg.train.meta_init:
+            # Built without storage; each rank fills its own shards once parallelize has placed them.
+            model, record = build_on_meta(lambda: self.spec.build(self.args))
+            materialize = partial(_materialize, plan=_config_step(plan_init, model, record), device=device,
+                                  seed=cfg.run.seed)  # fmt: skip
+        else:
+            model = self.spec.build(self.args)
         configure = getattr(model, "configure_attention", None)
         self.attention = _config_step(configure, device) if configure else "built in"
         if cfg.train.ce_chunks > 1:
             if not hasattr(model, "configure_loss"):
                 raise ConfigError(f"model.family = {cfg.model.family!r} has no chunked loss; use train.ce_chunks = 1")
             model.configure_loss(cfg.train.ce_chunks)
-        model.to(device)
+        if materialize is None:
+            model.to(device)
         fsdp = uses_fsdp(layout)
         t = cfg.train
         # DDP's all-reduce goes through the audited hook where the sdc check reads it or a `corrupt@allreduce`
@@ -81,7 +96,9 @@ class TrainModule:
             allreduce_audit=self.allreduce_audit,
             loss_parallel=par.loss_parallel,
             sequence_parallel=par.sequence_parallel,
+            materialize=materialize,
         )
+        self.init_peak.stop()
         # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
         self.autocast = dtype != torch.float32 and not fsdp
         self.optimizer = build_optimizer(self.model, cfg.optim, device, mixed_tensor_kinds=layout.tp > 1)
@@ -170,6 +187,10 @@ class TrainModule:
 
     def _doc_ids(self, batch: Batch) -> torch.Tensor | None:
         return batch.doc_ids if self.cfg.train.mask == "document" else None
+
+
+def _materialize(model: torch.nn.Module, plan, device: torch.device, seed: int) -> None:
+    _config_step(materialize, model, plan, device, seed)
 
 
 def _config_step(fn: Callable, *args: Any) -> Any:

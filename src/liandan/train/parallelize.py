@@ -10,6 +10,7 @@ mesh, or DDP when only replication is asked for).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -187,10 +188,13 @@ def parallelize(
     allreduce_audit: AllReduceAudit | None = None,
     loss_parallel: bool = False,
     sequence_parallel: bool = False,
+    materialize: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Apply TP, recomputation, compile and data parallelism; returns the module to call (DDP wraps).
     `spec` is the model's family (default: found from `model.args`); `allreduce_audit`, under DDP, the state
-    of the audited gradient all-reduce; `loss_parallel` and `sequence_parallel` shape tensor parallelism."""
+    of the audited gradient all-reduce; `loss_parallel` and `sequence_parallel` shape tensor parallelism;
+    `materialize`, for a model built on the meta device, allocates and fills its shards once they are known
+    (before DDP, which broadcasts the values it is given)."""
     spec = spec or spec_for(model.args)
     if layout.tp > 1:
         apply_tp(model, mesh["tp"], spec, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
@@ -202,7 +206,9 @@ def parallelize(
     if uses_fsdp(layout):
         dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
         apply_fsdp(model, mesh[dims], fsdp_param_dtype, spec)
-    elif layout.dp_replicate > 1:
+    if materialize is not None:
+        materialize(model)
+    if not uses_fsdp(layout) and layout.dp_replicate > 1:
         return apply_ddp(model, mesh["dp_replicate"], allreduce_audit)
     return model
 

@@ -27,6 +27,7 @@ from liandan.checkpoint import snapshots
 from liandan.checkpoint.handoff import newest_checkpoint
 from liandan.checkpoint.manager import CheckpointManager, SaveError, read_meta
 from liandan.checkpoint.resume import can_resume, choose_resume
+from liandan.checkpoint.streaming import is_weight_source, load_weights
 from liandan.checkpoint.verify import step_of
 from liandan.config import Config, ConfigError
 from liandan.data.loader import PackedLoader
@@ -106,6 +107,8 @@ class Trainer:
         self.heartbeat.beat(0, "startup")
         self._open_data(resuming)
         self.module = TrainModule(cfg, self.tokenizer.vocab_size, self.mesh, self.layout, self.device, self.dtype)
+        peaks = self._max_over_ranks([self.module.init_peak.host_bytes, self.module.init_peak.device_bytes])
+        self._event("model_built", meta_init=cfg.train.meta_init, host_peak_bytes=peaks[0], device_peak_bytes=peaks[1])
         self._open_checkpoints()
         self._resume_or_init()
         peak, self.peak_source = device_peak_flops(self.device, self.dtype)
@@ -394,6 +397,9 @@ class Trainer:
             self.room.truncate_metrics(0)
 
     def _init_from(self, source: Path) -> None:
+        if is_weight_source(source):
+            self._init_from_weights(source)
+            return
         if not (source / META).is_file():
             raise ConfigError(f"checkpoint.init_from = {source}: no checkpoint there ({META} missing)")
         their_meta = read_meta(source)
@@ -408,6 +414,15 @@ class Trainer:
         self.checkpoints.load(source, self.model)
         self.say(f"initialised model weights from {source}")
         self._event("initialised", path=str(source))
+
+    def _init_from_weights(self, source: Path) -> None:
+        """Hugging Face or consolidated weights, each rank reading only its shards' slices, tensor by tensor."""
+        try:
+            read = load_weights(self.model, self.model_args, source)
+        except (ValueError, OSError) as err:
+            raise ConfigError(f"checkpoint.init_from = {source}: {err}") from None
+        self.say(f"initialised model weights from {source}")
+        self._event("initialised", path=str(source), bytes_read=self._sum_over_ranks(read))
 
     def _continue_from(self, meta: dict[str, Any], step: int, source: str) -> None:
         if meta.get("tokenizer") != self.stores[0].fingerprint:
@@ -434,6 +449,13 @@ class Trainer:
         elif kind == "checkpoint_rejected":
             self.say(f"warning: checkpoint rejected: {fields.get('error')}")
         self.files.log_event(kind, **fields)
+
+    def _max_over_ranks(self, values: list[int]) -> list[int]:
+        if not self.dist.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.tolist()
 
     def _sum_over_ranks(self, value: float) -> float:
         if not self.dist.distributed:

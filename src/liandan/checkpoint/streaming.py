@@ -1,0 +1,183 @@
+"""Whole-tensor weights (a Hugging Face directory, a consolidated `.safetensors` file) read into a sharded
+model one tensor at a time, each rank reading from the file only the slice its shard holds: no rank ever
+holds a whole copy of the model, nor of a tensor it shards.
+
+`weight_source` opens the files and names the model they describe (its family's args, read from
+`config.json` or from the consolidated file's metadata); `stream_into` fills the model's parameters, whatever
+their layout (plain, tensor-parallel or FSDP2 DTensors), and leaves buffers alone. The checks are those of
+`import_hf` and `load_consolidated`: every tensor present once, with the shape the args give, and nothing
+left over.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from liandan.checkpoint import hf
+from liandan.model.spec import spec_for
+
+# Module wrappers that insert a path component into parameter names (activation checkpointing,
+# torch.compile, DDP).
+_WRAPPER_PARTS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_orig_mod|module)(?=\.)")
+
+
+def local_slice(param: torch.Tensor) -> tuple[slice, ...] | None:
+    """The index of this rank's shard in the whole tensor (None: the rank holds all of it), the slice DCP
+    would load into it."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(param, DTensor):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+
+
+def local_part(param: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank writes: a DTensor's local shard, or the parameter itself."""
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def plain_name(name: str) -> str:
+    return _WRAPPER_PARTS.sub("", name).lstrip(".")
+
+
+@dataclass
+class WeightSource:
+    """Open safetensors files and where each of the model's tensors is (liandan name -> file, stored name)."""
+
+    path: Path
+    args: Any
+    located: dict[str, tuple[Any, str]]
+
+
+def _is_hf_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def is_weight_source(path: Path) -> bool:
+    """A Hugging Face directory or a consolidated `.safetensors` file (not a liandan DCP checkpoint)."""
+    return _is_hf_dir(path) or (path.is_file() and path.suffix == ".safetensors")
+
+
+@contextmanager
+def weight_source(path: Path) -> Iterator[WeightSource]:
+    """The files of `path` opened for reading slices; ValueError or FileNotFoundError name what is wrong."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    with ExitStack() as stack:
+
+        def open_file(file: Path):
+            try:
+                return stack.enter_context(safe_open(str(file), framework="pt"))
+            except Exception as err:  # noqa: BLE001 - safetensors raises its own error types for malformed files
+                raise ValueError(f"cannot read {file}: {err}") from None
+
+        if _is_hf_dir(path):
+            args = hf.args_from_hf_config(json.loads((path / "config.json").read_text()), path / "config.json")
+            yield WeightSource(path, args, _locate_hf(path, args, open_file))
+        elif path.is_file():
+            handle = open_file(path)
+            metadata = handle.metadata() or {}
+            if hf.ARGS_METADATA_KEY not in metadata:
+                raise ValueError(f"{path}: no {hf.ARGS_METADATA_KEY} in the safetensors metadata")
+            family = metadata.get(hf.FAMILY_METADATA_KEY, "llama")
+            args = hf._args_from_json(metadata[hf.ARGS_METADATA_KEY], path, family)
+            yield WeightSource(path, args, _locate(path, args, {key: (handle, key) for key in handle.keys()}))  # noqa: SIM118
+        else:
+            raise FileNotFoundError(f"no Hugging Face directory or consolidated .safetensors file at {path}")
+
+
+def _locate_hf(path: Path, args: Any, open_file) -> dict[str, tuple[Any, str]]:
+    spec = spec_for(args)
+    adapter = hf._adapter(spec)
+    names = hf._hf_to_liandan_names(args)
+    tied_hf = {adapter.to_hf_name(key) for key in spec.tied(args)}
+    stored: dict[str, tuple[Any, str]] = {}
+    unexpected = []
+    for file in hf._weight_files(path):
+        handle = open_file(file)
+        for hf_name in handle.keys():  # noqa: SIM118 (safe_open is not a mapping)
+            if hf_name in names:
+                if names[hf_name] in stored:
+                    raise ValueError(f"{file}: {hf_name} is stored more than once")
+                stored[names[hf_name]] = (handle, hf_name)
+            elif hf_name in tied_hf or (adapter.ignored_suffixes and hf_name.endswith(adapter.ignored_suffixes)):
+                continue  # a tied copy transformers ignores, or a buffer recomputed from the config
+            else:
+                unexpected.append(hf_name)
+    if unexpected:
+        raise ValueError(f"{path}: tensors liandan has no place for: {hf._preview(sorted(unexpected))}")
+    return _locate(path, args, stored)
+
+
+def _locate(path: Path, args: Any, stored: dict[str, tuple[Any, str]]) -> dict[str, tuple[Any, str]]:
+    """Every key of the model's state dict, tied ones pointing at the tensor they are tied to, checked for
+    shape; nothing is read yet."""
+    spec = spec_for(args)
+    shapes, tied = spec.state_shapes(args), spec.tied(args)
+    unexpected = sorted(set(stored) - set(shapes))
+    missing = sorted(set(shapes) - set(stored) - set(tied))
+    if missing or unexpected:
+        parts = ([f"missing {hf._preview(missing)}"] if missing else []) + (
+            [f"unexpected {hf._preview(unexpected)}"] if unexpected else []
+        )
+        raise ValueError(f"{path} does not match its model arguments: {'; '.join(parts)}")
+    located = {key: stored[tied[key]] if key in tied else stored[key] for key in shapes}
+    for key, (handle, name) in located.items():
+        shape = tuple(handle.get_slice(name).get_shape())
+        if shape != shapes[key]:
+            raise ValueError(f"{path}: {name} has shape {shape}, the model arguments give {shapes[key]}")
+    return located
+
+
+def differences(ours: Any, theirs: Any) -> list[str]:
+    """What in the weights' model differs from the config's (`model.KEY = ours (weights: theirs)`): the
+    family, the shape fields, and the RoPE base and norm epsilon, which change the function without changing
+    any shape."""
+    import dataclasses
+
+    spec, their_spec = spec_for(ours), spec_for(theirs)
+    if spec.name != their_spec.name:
+        return [f"model.family = {spec.name} (weights: {their_spec.name})"]
+    a, b = dataclasses.asdict(ours), dataclasses.asdict(theirs)
+    keys = dict.fromkeys((*spec.shape_fields, "rope_theta", "norm_eps"))
+    return [f"model.{k} = {a[k]} (weights: {b.get(k)})" for k in keys if k in a and a[k] != b.get(k)]
+
+
+@torch.no_grad()
+def stream_into(model: nn.Module, source: WeightSource) -> int:
+    """Copy each parameter's shard from `source`, reading only that slice; returns the bytes this rank read.
+    The model's parameter names must be the source's keys (wrappers aside)."""
+    read = 0
+    for name, param in model.named_parameters():
+        key = plain_name(name)
+        if key not in source.located:
+            raise ValueError(f"{source.path} has no tensor for the model's parameter {key}")
+        handle, stored = source.located[key]
+        index = local_slice(param)
+        piece = handle.get_slice(stored)[index if index is not None else slice(None)]
+        target = local_part(param)
+        target.copy_(piece.to(dtype=target.dtype))
+        read += piece.numel() * piece.element_size()
+    return read
+
+
+def load_weights(model: nn.Module, args: Any, path: Path) -> int:
+    """Fill `model` (built from `args`, in any layout) from the weights at `path`, after checking that they
+    are of the same model; returns the bytes this rank read. ValueError or OSError name what is wrong."""
+    with weight_source(path) as weights:
+        differ = differences(args, weights.args)
+        if differ:
+            raise ValueError(f"another model: {'; '.join(differ)}")
+        return stream_into(model, weights)
