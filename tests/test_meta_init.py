@@ -217,6 +217,7 @@ def test_weights_of_another_model_are_named_field_by_field():
     theirs = ModelArgs(vocab_size=320, dim=128, n_layers=2, n_heads=4, rope_theta=500000.0)
     assert differences(ours, theirs) == [
         "model.dim = 64 (weights: 128)",
+        "model.head_dim = 16 (weights: 32)",
         "model.ffn_dim = 192 (weights: 384)",
         "model.rope_theta = 10000.0 (weights: 500000.0)",
     ]

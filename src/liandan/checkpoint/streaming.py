@@ -143,16 +143,14 @@ def _locate(path: Path, args: Any, stored: dict[str, tuple[Any, str]]) -> dict[s
 
 def differences(ours: Any, theirs: Any) -> list[str]:
     """What in the weights' model differs from the config's (`model.KEY = ours (weights: theirs)`): the
-    family, the shape fields, and the RoPE base and norm epsilon, which change the function without changing
-    any shape."""
+    family, and what the family's spec compares for any warm start (the shape fields, and those that change
+    the function without changing a shape: the RoPE base and scaling, the norm epsilon)."""
     import dataclasses
 
     spec, their_spec = spec_for(ours), spec_for(theirs)
     if spec.name != their_spec.name:
         return [f"model.family = {spec.name} (weights: {their_spec.name})"]
-    a, b = dataclasses.asdict(ours), dataclasses.asdict(theirs)
-    keys = dict.fromkeys((*spec.shape_fields, "rope_theta", "norm_eps"))
-    return [f"model.{k} = {a[k]} (weights: {b.get(k)})" for k in keys if k in a and a[k] != b.get(k)]
+    return spec.differences(ours, dataclasses.asdict(theirs), source="weights")
 
 
 @torch.no_grad()

@@ -107,19 +107,19 @@ class ModelSpec:
     # the block's first sequence, for the guard's layer statistics; None: the family does not say
     attention_logit: Callable[[Any, Any, tuple], Any] | None = None
 
-    def differences(self, ours: Any, theirs: dict[str, Any]) -> list[str]:
+    def differences(self, ours: Any, theirs: dict[str, Any], source: str = "checkpoint") -> list[str]:
         """How a checkpoint's args (`theirs`, as saved in its metadata; fields it lacks take their defaults)
-        differ from `ours` in shape or function, one 'model.FIELD = OURS (checkpoint: THEIRS)' each."""
+        differ from `ours` in shape or function, one 'model.FIELD = OURS (SOURCE: THEIRS)' each."""
         known = {f.name for f in dataclasses.fields(self.args_type)}
         try:
             full = dataclasses.asdict(self.args_type(**{k: v for k, v in theirs.items() if k in known}))
         except (TypeError, ValueError) as err:
-            return [f"the checkpoint's model arguments do not make a {self.name} model: {err}"]
+            return [f"the {source}'s model arguments do not make a {self.name} model: {err}"]
         mine = dataclasses.asdict(ours)
         fields = dict.fromkeys(
             self.shape_fields + self.function_fields(ours) + self.function_fields(self.args_type(**full))
         )
-        return [f"model.{k} = {mine[k]} (checkpoint: {full[k]})" for k in fields if mine[k] != full[k]]
+        return [f"model.{k} = {mine[k]} ({source}: {full[k]})" for k in fields if mine[k] != full[k]]
 
     def tp_refusal(self, args: Any, tp: int) -> str | None:
         """Why a tensor-parallel degree of `tp` cannot split a model of `args` (one line), or None."""
