@@ -35,6 +35,7 @@ BATCH_SCRIPT = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "2"}
         (1, {}, "here", None),
         (2, {"LIANDAN_SUPERVISED": "1", "WORLD_SIZE": "2", "RANK": "1"}, "worker", None),
         (1, {"WORLD_SIZE": "2", "RANK": "0"}, "torchrun", "started by torchrun (or another launcher): this run is unsupervised"),
+        (1, {"WORLD_SIZE": "2", "RANK": "0", "LIANDAN_ERROR_DIR": "/tmp/e"}, "torchrun", None),  # `supervise = false`
         (1, {**SRUN_TASK, "SLURM_STEP_NUM_TASKS": "8"}, "srun", "started by srun as 8 ranks: this run is unsupervised"),
         (4, {**SRUN_TASK, "SLURM_STEP_NUM_TASKS": "1"}, "here", None),  # srun -n1 liandan train --nproc=4
         (4, {**SRUN_TASK, "SLURM_STEP_NUM_TASKS": "2", "LIANDAN_NNODES": "2", "LIANDAN_RDZV_ENDPOINT": "h:1"}, "here", None),

@@ -46,6 +46,8 @@ def how_started(nproc: int, env: Mapping[str, str]) -> Start:
     hint = ("for restarts after crashes and hangs, run `liandan train CONFIG --nproc=N` on one node, or one "
             "supervisor per node as `liandan launch CONFIG --nodes N --gpus-per-node G` writes")  # fmt: skip
     if "WORLD_SIZE" in env:
+        if WorkerEnv.from_env(env).error_dir is not None:  # liandan's own launcher: `supervise = false` was chosen
+            return Start("torchrun")
         return Start("torchrun", f"liandan: note: started by torchrun (or another launcher): this run is "
                                  f"unsupervised; {hint}")  # fmt: skip
     nnodes = NodeEnv.from_env(env).nnodes
