@@ -74,7 +74,7 @@ def test_train_in_a_batch_script_of_several_nodes_refuses_in_one_line(config):
 
 def test_train_under_a_launcher_says_it_is_unsupervised(config):
     env = environment_without(WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
-    done = run_liandan("train", config, "--run.name=torchrun", "--train.steps=1", env=env)
+    done = run_liandan("train", config, "--run.name=torchrun", "--train.steps=1", "--checkpoint.every=0", env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     notes = [line for line in done.stderr.splitlines() if "unsupervised" in line]
     assert notes == [notes[0]] and notes[0].startswith("liandan: note: started by torchrun")
@@ -98,6 +98,17 @@ def test_sbatch_script_starts_one_supervisor_per_node(config, capsys, tmp_path):
     assert subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")], check=False).returncode == 0  # valid shell
 
 
+def test_submit_without_sbatch_keeps_the_script_and_says_where(config, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a machine without Slurm's commands
+    assert main(["launch", str(config), "--nodes", "2", "--gpus-per-node", "1", "--submit", "--run.name=later"]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    script = config.parent / "runs" / "later.sbatch"
+    assert (
+        line == f"liandan: error: sbatch is not on PATH; the script is at {script}: submit it from a Slurm login node"
+    )
+    assert "#SBATCH --nodes=2" in script.read_text()
+
+
 def test_launch_refuses_a_layout_the_world_cannot_take(config, capsys):
     assert main(["launch", str(config), "--nodes", "2", "--gpus-per-node", "3", "--parallel.tp=4"]) == 2
     assert "tp" in capsys.readouterr().err
@@ -114,7 +125,7 @@ def test_two_nodes_started_from_the_printed_commands(config):
     """Two "nodes" on this machine, each a shell running one printed line: their supervisors meet, start one
     rank each, and train one run of world size 2 together."""
     printed = run_liandan("launch", config, "--nodes=2", "--gpus-per-node=1", "--hosts=127.0.0.1,127.0.0.1",
-                          f"--port={_free_port()}", "--run.name=two-nodes")  # fmt: skip
+                          f"--port={_free_port()}", "--run.name=two-nodes", "--train.steps=2")  # fmt: skip
     assert printed.returncode == 0, printed.stderr
     lines = printed.stdout.strip().splitlines()
     assert len(lines) == 2 and all("LIANDAN_NNODES=2 " in line for line in lines)
@@ -125,6 +136,6 @@ def test_two_nodes_started_from_the_printed_commands(config):
     for node, (_, err) in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, err[-3000:]
     run = read_run(config.parent / "runs" / "two-nodes")
-    assert [r["step"] for r in run.metrics] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in run.metrics] == [1, 2]  # the override reached both nodes
     assert {e["world_size"] for e in run.of_kind("train_start")} == {2}
     assert "unsupervised" not in outputs[0][1] + outputs[1][1]

@@ -107,8 +107,8 @@ def test_a_store_checkpoint_dir_stays_a_url():
 
 @pytest.mark.slow
 def test_supervised_run_resumes_from_the_store_after_a_broken_upload(s3, tmp_path):
-    """The writer is killed after its shards are uploaded and before the manifest: the supervisor restarts the
-    run, which removes the partial save, resumes from the previous complete checkpoint in the store and
+    """Rank 0 is killed after both ranks' shards are uploaded and before the manifest: the supervisor restarts
+    the run, which removes the partial save, resumes from the previous complete checkpoint in the store and
     finishes with every checkpoint complete and verified."""
     config = tmp_path / "tiny.toml"
     config.write_text(tiny_config(tmp_path / "runs", write_corpus(tmp_path), *MICRO_MODEL, "--train.steps=6",
@@ -117,8 +117,8 @@ def test_supervised_run_resumes_from_the_store_after_a_broken_upload(s3, tmp_pat
     env = environment_without(**s3)
 
     store = locate(f"s3://{BUCKET}/broken/checkpoints")
-    done = run_liandan("train", config, "--run.name=broken", f"--checkpoint.dir={store}", timeout=300,
-                       env={**env, "LIANDAN_FAULTS": "kill@save:4"})  # fmt: skip
+    done = run_liandan("train", config, "--nproc=2", "--run.name=broken", f"--checkpoint.dir={store}", timeout=300,
+                       env={**env, "LIANDAN_FAULTS": "kill@save:4:0"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     broken = read_run(tmp_path / "runs" / "broken")
     [incident] = broken.of_kind("incident")
@@ -128,7 +128,8 @@ def test_supervised_run_resumes_from_the_store_after_a_broken_upload(s3, tmp_pat
     assert [r["step"] for r in broken.metrics] == list(range(1, 7))
     assert [p.name for p in store.iterdir()] == ["step-00000002", "step-00000004", "step-00000006"]
     _, meta = load_model(store / "step-00000006")  # verified and read from the store, as `liandan export` does
-    assert meta["step"] == 6 and meta["world_size"] == 1
+    assert meta["step"] == 6 and meta["world_size"] == 2
+    assert {p.name for p in (store / "step-00000006").rglob()} >= {"rank-00000.pt", "rank-00001.pt"}
     info = run_liandan("ckpt", "info", store, env=env)
     assert info.returncode == 0, info.stderr
     assert info.stdout.count(", verified") == 3 and f"{store}/step-00000006" in info.stdout
