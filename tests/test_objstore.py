@@ -10,6 +10,7 @@ import torch
 from helpers import MICRO_MODEL, environment_without, read_run, run_liandan, tiny_config, write_corpus
 from liandan.checkpoint.manager import CheckpointManager, load_model
 from liandan.checkpoint.verify import CheckpointError, verify
+from liandan.config import ConfigError
 from liandan.run import RunDir
 from liandan.run.remote import RemotePath, locate
 
@@ -103,6 +104,8 @@ def test_a_store_checkpoint_dir_stays_a_url():
     room = RunDir.of("runs/x", "s3://bucket/prefix/")
     assert str(room.checkpoints) == "s3://bucket/prefix"
     assert str(room.checkpoints / "step-00000004") == "s3://bucket/prefix/step-00000004"
+    with pytest.raises(ConfigError, match=r"^nosuch://bucket: Protocol not known: nosuch \(install"):
+        locate("nosuch://bucket/prefix").exists()  # one line, not a backend's traceback
 
 
 @pytest.mark.slow

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from liandan.config import ConfigError
+
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -43,9 +45,10 @@ def _filesystem(protocol: str, root: str):
         from fsspec.core import url_to_fs
 
         fs, _ = url_to_fs(f"{protocol}://{root}")
-    except ImportError as err:  # fsspec names the package the protocol needs
-        extra = " (pip install 'liandan[s3]')" if protocol in ("s3", "s3a") else ""
-        raise RuntimeError(f"checkpoints at {protocol}://{root} need {err.name or 'a backend'}{extra}") from None
+    except (ImportError, ValueError) as err:  # a backend not installed, or a protocol fsspec does not know
+        extra = "pip install 'liandan[s3]'" if protocol in ("s3", "s3a") else "install fsspec's backend for it"
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{protocol}://{root}: {why} ({extra})") from None
     return fs
 
 
