@@ -10,6 +10,7 @@ import torch
 from helpers import MICRO_MODEL, environment_without, read_run, run_liandan, tiny_config, write_corpus
 from liandan.checkpoint.manager import CheckpointManager, load_model
 from liandan.checkpoint.verify import CheckpointError, verify
+from liandan.cli.main import main
 from liandan.config import ConfigError
 from liandan.run import RunDir
 from liandan.run.remote import RemotePath, locate
@@ -109,7 +110,7 @@ def test_a_store_checkpoint_dir_stays_a_url():
 
 
 @pytest.mark.slow
-def test_supervised_run_resumes_from_the_store_after_a_broken_upload(s3, tmp_path):
+def test_supervised_run_resumes_from_the_store_after_a_broken_upload(s3, tmp_path, capsys):
     """Rank 0 is killed after both ranks' shards are uploaded and before the manifest: the supervisor restarts
     the run, which removes the partial save, resumes from the previous complete checkpoint in the store and
     finishes with every checkpoint complete and verified."""
@@ -133,6 +134,8 @@ def test_supervised_run_resumes_from_the_store_after_a_broken_upload(s3, tmp_pat
     _, meta = load_model(store / "step-00000006")  # verified and read from the store, as `liandan export` does
     assert meta["step"] == 6 and meta["world_size"] == 2
     assert {p.name for p in (store / "step-00000006").rglob()} >= {"rank-00000.pt", "rank-00001.pt"}
-    info = run_liandan("ckpt", "info", store, env=env)
-    assert info.returncode == 0, info.stderr
-    assert info.stdout.count(", verified") == 3 and f"{store}/step-00000006" in info.stdout
+    assert main(["ckpt", "info", str(store)]) == 0
+    info = capsys.readouterr().out
+    assert info.count(", verified") == 3 and f"{store}/step-00000006" in info
+    assert main(["export", str(store), str(tmp_path / "model.safetensors"), "--consolidated"]) == 0  # the newest
+    assert capsys.readouterr().out.startswith(f"exported step 6 of {store}/step-00000006")

@@ -549,8 +549,9 @@ def resolve_checkpoint(path: Path) -> Path:
     path = locate(path)
     if (path / MANIFEST).is_file() or (path / META).is_file():
         return path
-    for root in (path, run_checkpoint_root(path)):
-        steps = step_dirs(root)
+    remote = isinstance(path, RemotePath)
+    for root in (path,) if remote else (path, run_checkpoint_root(path)):  # a store holds no run directory
+        steps = complete_checkpoints(root) if remote else step_dirs(root)  # in a store, one being saved has none
         if steps:
             return steps[-1]
     raise CheckpointError(f"no checkpoint at {path}")
