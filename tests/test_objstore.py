@@ -101,6 +101,12 @@ def test_a_step_without_its_manifest_is_a_partial_save(s3):
     assert not newest.exists()
 
 
+def test_a_store_that_cannot_be_written_stops_the_run_at_its_start(s3):
+    manager = _manager(f"s3://no-such-bucket-{BUCKET}/run/checkpoints", [])
+    with pytest.raises(CheckpointError, match=r"^checkpoint.dir = s3://no-such-bucket-.* cannot be written: \w+"):
+        manager.remove_stale_saves()
+
+
 def test_a_store_checkpoint_dir_stays_a_url():
     room = RunDir.of("runs/x", "s3://bucket/prefix/")
     assert str(room.checkpoints) == "s3://bucket/prefix"

@@ -20,6 +20,7 @@ into any other parallel layout and world size: DCP reshards on load.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import threading
@@ -297,10 +298,23 @@ class CheckpointManager:
         before any save, on one rank."""
         stale = partial_step_dirs(self.root)
         if self.remote:  # a step directory without its manifest is a save that never finished
+            self._check_store()
             stale = [p for p in step_dirs(self.root) if not (p / MANIFEST).is_file()]
         for path in stale:
             remove_tree(path)
         return stale
+
+    def _check_store(self) -> None:
+        """Put and remove one small object, so that a store that cannot be written (no such bucket, no
+        credentials, no route) stops the run at its start in one line, not at its first save."""
+        probe = self.root / f".liandan-probe-{os.getpid()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink(missing_ok=True)
+        except Exception as err:  # noqa: BLE001 - a store's client fails in many ways, each said in one line
+            raise CheckpointError(
+                f"checkpoint.dir = {self.root} cannot be written: {describe_save_error(err)}"
+            ) from None
 
     def close(self) -> None:
         self.wait()
