@@ -79,6 +79,7 @@ def test_slurm_style_launch_without_torchrun(setup, master):
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR") and not k.startswith(("GLOO_", "NCCL_"))}  # fmt: skip
         env.update(
             SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank), SLURM_NTASKS_PER_NODE="2",
+            SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2",  # srun's job step: what tells its tasks from a batch script
             SLURM_JOB_NODELIST="127.0.0.1", MASTER_PORT=port, OMP_NUM_THREADS="1", **({"MASTER_ADDR": master} if master else {}),
         )  # fmt: skip
         procs.append(start_liandan("train", config, f"--run.name=slurm-{master or 'nodelist'}", env=env))

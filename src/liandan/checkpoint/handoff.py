@@ -14,6 +14,7 @@ from pathlib import Path
 
 from liandan.checkpoint.verify import complete_checkpoints
 from liandan.run import atomic_write, dumps_json, read_json
+from liandan.run.remote import is_url
 from liandan.run.worker_env import WorkerEnv
 
 # The verdict lives among the supervisor's logs (`RunDir.verdict`); the workers find it through
@@ -42,7 +43,7 @@ def verify_and_hand_over(root: Path, checksums: bool, handoff: Path, on_event) -
 
     found = newest_verified(root, checksums, note)
     handoff.unlink(missing_ok=True)
-    if found is not None:
+    if found is not None and not is_url(root):  # objects in a store have no stamp to trust: workers verify
         verdict = {"root": str(Path(root).resolve()), "checksums": checksums, "path": str(found.resolve()),
                    "stamp": stamp(found), "rejected": {str(Path(p).resolve()): stamp(Path(p)) for p in rejected}}  # fmt: skip
         with contextlib.suppress(OSError):  # no room for it (a full disk): the workers then verify for themselves
@@ -54,7 +55,7 @@ def trusted(root: Path, checksums: bool) -> Path | None:
     """The handed-over checkpoint if the verdict still holds for `root`: same files, sizes and times, and
     every newer complete checkpoint one that the supervisor rejected, unchanged since."""
     handed = WorkerEnv.from_env().verified_checkpoint
-    if handed is None:
+    if handed is None or is_url(root):
         return None
     verdict = read_json(handed)
     if not isinstance(verdict, dict):

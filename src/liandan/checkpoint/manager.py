@@ -7,7 +7,10 @@ Layout of `<root>/step-00000100/`:
     manifest.json             written last: size and xxh64 of every file; its presence means complete
 
 A save goes to `step-XXXXXXXX.tmp/`, is fsync'd, gets its manifest and is renamed into place, so a crash
-at any moment leaves either a complete checkpoint or a `.tmp` directory that loading ignores. With
+at any moment leaves either a complete checkpoint or a `.tmp` directory that loading ignores. In a store
+(`checkpoint.dir = "s3://bucket/prefix"`, through fsspec) there is no rename: a save first removes any
+manifest of its step, writes straight into the step directory and puts the manifest last, so a step
+directory without its manifest is a partial save, ignored by loading and removed like a `.tmp` one. With
 `async_save`, DCP copies the state to host memory and writes it in a background thread while training
 goes on; rank 0 then writes the manifest and renames. The next save waits for the previous one. Model
 and optimizer state are saved under layout-independent names (get_state_dict), so a checkpoint loads
@@ -17,6 +20,7 @@ into any other parallel layout and world size: DCP reshards on load.
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import threading
@@ -31,6 +35,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -62,6 +67,7 @@ from liandan.run import (
     rank_file,
     step_dirs,
 )
+from liandan.run.remote import RemotePath, locate, remove_tree
 
 # DCP notes on every single-process save and load that it runs without a process group, which is intended.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -100,7 +106,8 @@ class CheckpointManager:
         verify_on_load: bool = True,
         on_event=None,
     ):
-        self.root = Path(root)
+        self.root = locate(root)
+        self.remote = isinstance(self.root, RemotePath)
         self.keep_last, self.keep_every = keep_last, keep_every
         self.async_save, self.verify_on_load = async_save, verify_on_load
         self.on_event = on_event or (lambda kind, **fields: None)
@@ -125,19 +132,22 @@ class CheckpointManager:
         started = time.perf_counter()
         self.wait()
         final = self.root / step_dir_name(step)
-        tmp = partial_of(final)
+        tmp = final if self.remote else partial_of(final)  # a store has no rename: see the module's doc
         # Local preparation may fail on one rank only (a full disk, say); all ranks agree before DCP's
         # collectives start, so a failure never leaves a peer waiting in one of them.
         error: BaseException | None = None
         try:
             if self.rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+                if self.remote:  # the manifest first: from here on the step is partial, never half-replaced
+                    (tmp / MANIFEST).unlink(missing_ok=True)
+                remove_tree(tmp)
                 tmp.mkdir(parents=True)
         except Exception as err:  # noqa: BLE001 - a failed save is reported on every rank, never raised
             error = err
         if self._all_ok(error is None):  # also the barrier: the directory exists for every rank after it
             try:
-                torch.save(rng_state(), rank_file(tmp, self.rank, ".pt"))
+                with rank_file(tmp, self.rank, ".pt").open("wb") as f:
+                    torch.save(rng_state(), f)
                 if self.rank == 0:
                     meta = {**meta, "step": step, "world_size": self.world_size, "saved_at": time.time()}
                     (tmp / META).write_text(dumps_json(meta, indent=1))  # never a NaN: strict JSON
@@ -151,12 +161,11 @@ class CheckpointManager:
             else:
                 model_sd, optim_sd = get_state_dict(model, optimizer)
                 state = {"model": model_sd, "optim": optim_sd}
+            where = {"storage_writer": FsspecWriter(str(tmp))} if self.remote else {"checkpoint_id": str(tmp)}
             if self.async_save:
-                future = dcp.async_save(
-                    state, checkpoint_id=str(tmp), process_group=self.group, async_stager=self._staging_buffers()
-                )
+                future = dcp.async_save(state, **where, process_group=self.group, async_stager=self._staging_buffers())
             else:
-                dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+                dcp.save(state, **where, process_group=self.group)
                 future = None
         # A failed save must not end the run: report it, keep training. DCP's CheckpointException (a failed write
         # on some rank) is a BaseException, not an Exception.
@@ -191,10 +200,11 @@ class CheckpointManager:
                 future.result()  # all ranks' shards and DCP's metadata are on disk once rank 0's save is done
             maybe_inject("save", step)
             write_manifest(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            tmp.rename(final)
-            fsync_path(self.root)
+            if not self.remote:
+                if final.exists():
+                    shutil.rmtree(final)
+                tmp.rename(final)
+                fsync_path(self.root)
             self._finalized_at = time.perf_counter()
             maybe_inject("saved", step, final)
         except BaseException as err:  # noqa: BLE001 - handed to wait(), which reports it
@@ -237,11 +247,15 @@ class CheckpointManager:
         of failures in a row that the trainer stops at."""
         message = describe_save_error(err)
         try:  # a full disk often surfaces as a writer error deep inside DCP: say how much room there was
-            message += f" (free space on {self.root}: {shutil.disk_usage(self.root).free / 2**20:,.1f} MiB)"
+            if not self.remote:
+                message += f" (free space on {self.root}: {shutil.disk_usage(self.root).free / 2**20:,.1f} MiB)"
         except OSError:
             pass
         if self.rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # give back the space a partial save took
+            try:  # give back the space a partial save took
+                remove_tree(tmp)
+            except OSError:  # an unreachable store: the next start removes it (`remove_stale_saves`)
+                pass
         final = self.root / step_dir_name(step)
         outcome = SaveOutcome(step, final, False, time.perf_counter() - started, error=message)
         self.outcomes.append(outcome)
@@ -283,9 +297,24 @@ class CheckpointManager:
         of space): no one finishes them, and they hold space the next save may need. Call once at start,
         before any save, on one rank."""
         stale = partial_step_dirs(self.root)
+        if self.remote:  # a step directory without its manifest is a save that never finished
+            self._check_store()
+            stale = [p for p in step_dirs(self.root) if not (p / MANIFEST).is_file()]
         for path in stale:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
         return stale
+
+    def _check_store(self) -> None:
+        """Put and remove one small object, so that a store that cannot be written (no such bucket, no
+        credentials, no route) stops the run at its start in one line, not at its first save."""
+        probe = self.root / f".liandan-probe-{os.getpid()}"
+        try:
+            probe.write_bytes(b"")
+            probe.unlink(missing_ok=True)
+        except Exception as err:  # noqa: BLE001 - a store's client fails in many ways, each said in one line
+            raise CheckpointError(
+                f"checkpoint.dir = {self.root} cannot be written: {describe_save_error(err)}"
+            ) from None
 
     def close(self) -> None:
         self.wait()
@@ -314,13 +343,13 @@ class CheckpointManager:
             box[0] = str(found) if found else None
         if self.distributed:
             dist.broadcast_object_list(box, src=0, group=self.group)
-        return Path(box[0]) if box[0] else None
+        return locate(box[0]) if box[0] else None
 
     def load(self, path: Path, model: torch.nn.Module, optimizer=None, verified: bool = False) -> dict[str, Any]:
         """Load model (and optimizer) state into whatever layout they have now; returns meta.json, with
         this rank's RNG states restored where the world size is unchanged. A checkpoint that cannot be
         loaded raises the same CheckpointError, naming the checkpoint and file, on every rank."""
-        path = Path(path)
+        path = locate(path)
         error = None
         try:  # refused before DCP's collectives start, so that no rank is left waiting in one of them
             if not verified and self.rank == 0:
@@ -349,7 +378,8 @@ class CheckpointManager:
             rng_file = rank_file(path, self.rank, ".pt")
             if meta.get("world_size") == self.world_size and rng_file.is_file():
                 try:
-                    set_rng_state(torch.load(rng_file, weights_only=True))
+                    with rng_file.open("rb") as f:
+                        set_rng_state(torch.load(f, weights_only=True))
                 except Exception as err:  # noqa: BLE001 - any failure to load names the checkpoint
                     raise CheckpointError(f"{path}: file {rng_file.name} cannot be loaded: {reason(err)}") from None
         except CheckpointError as err:
@@ -364,7 +394,7 @@ class CheckpointManager:
         inside DCP) the newest older checkpoint that verifies and loads; each one that fails is reported.
         Returns (the checkpoint loaded, its meta.json). When none loads this raises instead of starting over:
         a failed load may have left part of its state in the model."""
-        path: Path | None = Path(newest)
+        path: Path | None = locate(newest)
         failure = None
         while path is not None:
             try:
@@ -402,8 +432,10 @@ class CheckpointManager:
         deleted = [p for p in complete if p not in keep]
         newest = step_of(complete[-1])
         deleted += [p for p in partial_step_dirs(self.root) if parse_partial_step_dir(p.name) < newest]
+        if self.remote:  # saves that never finished, in a store: step directories without their manifest
+            deleted += [p for p in step_dirs(self.root) if step_of(p) < newest and p not in complete]
         for path in deleted:
-            shutil.rmtree(path, ignore_errors=True)
+            remove_tree(path)
         return deleted
 
 
@@ -428,10 +460,10 @@ def newest_verified(root: Path, checksums: bool = True, on_event=None, before: P
     """The newest complete checkpoint under `root` (older than `before`, if given) that verifies; each one
     that fails is reported, and so is a step directory that lost its manifest."""
     for path in reversed(step_directories(root)):
-        if before is not None and path.name >= Path(before).name:
+        if before is not None and path.name >= locate(before).name:
             continue
-        if not (path / MANIFEST).is_file() and partial_of(path).exists():
-            continue  # a save of the same step is replacing it right now
+        if not (path / MANIFEST).is_file() and (isinstance(path, RemotePath) or partial_of(path).exists()):
+            continue  # a save that never finished (in a store), or one of the same step replacing it right now
         try:
             verify(path, checksums=checksums)
         except CheckpointError as err:
@@ -470,7 +502,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def describe_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
     """What `liandan ckpt info` shows: step, tokens, layout, size and whether it verifies."""
-    path = Path(path)
+    path = locate(path)
     if not path.is_dir():
         raise CheckpointError(f"no checkpoint directory at {path}")
     info: dict[str, Any] = {"path": str(path), "bytes": total_bytes(path), "checksums": checksums}
@@ -494,7 +526,7 @@ def load_model(path: Path, verify_checksums: bool = True):
     """A checkpoint's model on the CPU in one process, whatever layout saved it: (model, meta)."""
     from liandan.model.spec import get as get_model_spec
 
-    path = Path(path)
+    path = locate(path)
     verify(path, checksums=verify_checksums)
     meta = read_meta(path)
     if "model_args" not in meta:
@@ -510,7 +542,7 @@ def load_model(path: Path, verify_checksums: bool = True):
 def read_meta(path: Path) -> dict[str, Any]:
     """A checkpoint's meta.json; CheckpointError, naming the checkpoint, when it is missing or not a JSON object."""
     try:
-        meta = json.loads((Path(path) / META).read_text())
+        meta = json.loads((locate(path) / META).read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: file {META} is missing") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -528,11 +560,12 @@ def run_checkpoint_root(run_dir: Path) -> Path:
 
 def resolve_checkpoint(path: Path) -> Path:
     """A step directory, or the newest complete one under a checkpoints directory or a run directory."""
-    path = Path(path)
+    path = locate(path)
     if (path / MANIFEST).is_file() or (path / META).is_file():
         return path
-    for root in (path, run_checkpoint_root(path)):
-        steps = step_dirs(root)
+    remote = isinstance(path, RemotePath)
+    for root in (path,) if remote else (path, run_checkpoint_root(path)):  # a store holds no run directory
+        steps = complete_checkpoints(root) if remote else step_dirs(root)  # in a store, one being saved has none
         if steps:
             return steps[-1]
     raise CheckpointError(f"no checkpoint at {path}")

@@ -19,10 +19,12 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from liandan.checkpoint.verify import CheckpointError
+from liandan.run.remote import RemotePath, locate
 
 METADATA = ".metadata"
 
@@ -52,9 +54,9 @@ def read_metadata(directory: Path, rank: int | None = None) -> Metadata:
     """A checkpoint's DCP metadata (`.metadata`, or a rank's own `__R.metadata`), unpickled with nothing
     admitted but DCP's metadata classes. Raises CheckpointError naming the checkpoint and file otherwise."""
     name = METADATA if rank is None else f"__{rank}{METADATA}"
-    path = Path(directory) / name
+    path = locate(directory) / name
     try:
-        with open(path, "rb") as f:
+        with path.open("rb") as f:
             metadata = _MetadataUnpickler(f).load()
     except FileNotFoundError:
         raise CheckpointError(f"{directory}: file {name} is missing") from None
@@ -84,7 +86,7 @@ def load_state(state: dict[str, Any], path: Path, process_group=None, no_dist: b
     """`dcp.load` of `state` from the checkpoint at `path` through the restricted reader and planner. Any
     failure (a refused object, a truncated or inconsistent shard) is a one-line CheckpointError naming the
     checkpoint and, where known, the file; DCP raises it on every rank alike."""
-    reader = RestrictedFileSystemReader(path)
+    reader = RestrictedFsspecReader(path) if isinstance(path, RemotePath) else RestrictedFileSystemReader(path)
     try:
         dcp.load(state, storage_reader=reader, planner=RestrictedLoadPlanner(reader), process_group=process_group,
                  no_dist=no_dist)  # fmt: skip
@@ -96,15 +98,17 @@ def load_state(state: dict[str, Any], path: Path, process_group=None, no_dist: b
         raise CheckpointError(f"{path}: cannot be loaded: {reason(first)}") from None
 
 
-class RestrictedFileSystemReader(FileSystemReader):
-    """DCP's file reader with `.metadata` read by `read_metadata` above; names the shard a read fails in."""
+class _Restricted:
+    """What both readers below change in DCP's: `.metadata` read by `read_metadata` above, and the shard a
+    read fails in named."""
 
-    def __init__(self, path: str | Path) -> None:
-        super().__init__(path)
-        self._reading: str | None = None
+    location: Any
+    path: Any
+    load_id: Any
+    storage_data: Any
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(Path(self.path), kwargs.get("rank"))
+        metadata = read_metadata(self.location, kwargs.get("rank"))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -125,6 +129,22 @@ class RestrictedFileSystemReader(FileSystemReader):
 
     def file_of(self, storage_index) -> str:
         return self.storage_data[storage_index].relative_path
+
+
+class RestrictedFileSystemReader(_Restricted, FileSystemReader):
+    """DCP's file reader, restricted."""
+
+    def __init__(self, path: str | Path) -> None:
+        super().__init__(path)
+        self.location, self._reading = Path(path), None
+
+
+class RestrictedFsspecReader(_Restricted, FsspecReader):
+    """DCP's fsspec reader (checkpoints in a store: `s3://...`), restricted."""
+
+    def __init__(self, path: RemotePath) -> None:
+        super().__init__(str(path))
+        self.location, self._reading = path, None
 
 
 class RestrictedLoadPlanner(DefaultLoadPlanner):

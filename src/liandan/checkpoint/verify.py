@@ -15,6 +15,7 @@ from pathlib import Path
 import xxhash
 
 from liandan.run.files import atomic_write, fsync_path
+from liandan.run.remote import RemotePath, locate
 from liandan.run.steps import (  # noqa: F401 - re-exported for checkpoint callers
     MANIFEST,
     STEP_DIR,
@@ -35,7 +36,7 @@ class CheckpointError(ValueError):
 
 def step_of(directory: Path) -> int | None:
     """The step of a `step-XXXXXXXX` directory (None for any other name)."""
-    return parse_step_dir(Path(directory).name)
+    return parse_step_dir(locate(directory).name)
 
 
 # Every step directory under a root, complete or not, and those with a manifest (not yet verified), oldest
@@ -46,26 +47,34 @@ complete_checkpoints = complete_step_dirs
 
 def file_digest(path: Path) -> str:
     h = xxhash.xxh64()
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
 
 
 def write_manifest(directory: Path) -> dict:
-    """fsync every file in `directory`, then write the manifest atomically (temp file, fsync, rename)."""
+    """fsync every file in `directory`, then write the manifest atomically (temp file, fsync, rename). In a
+    store, the checksums are of the objects as stored (read back), and the manifest is one put."""
+    remote = isinstance(directory, RemotePath)
     files = {}
-    for path in sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST):
-        fsync_path(path)
+    paths = directory.rglob("*") if remote else (p for p in directory.rglob("*") if p.is_file())
+    for path in sorted(p for p in paths if p.name != MANIFEST):
+        if not remote:
+            fsync_path(path)
         files[str(path.relative_to(directory))] = {"bytes": path.stat().st_size, "xxh64": file_digest(path)}
     manifest = {"format": FORMAT, "version": VERSION, "files": files}
-    atomic_write(directory / MANIFEST, json.dumps(manifest, indent=1))  # durable: file and directory fsync'd
+    if remote:
+        (directory / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    else:
+        atomic_write(directory / MANIFEST, json.dumps(manifest, indent=1))  # durable: file and directory fsync'd
     return manifest
 
 
 def verify(directory: Path, checksums: bool = True) -> None:
     """Raise CheckpointError unless every file of the manifest is present with its size and checksum, and
     `.metadata` holds nothing but DCP's metadata."""
+    directory = locate(directory)
     path = directory / MANIFEST
     if not path.is_file():
         raise CheckpointError(f"{directory}: incomplete checkpoint ({MANIFEST} missing)")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from liandan.checkpoint.verify import CheckpointError
 from liandan.run import MANIFEST, META, RunDir, partial_step_dirs, step_dir_name, step_dirs
+from liandan.run.remote import is_url, locate
 
 
 def add_commands(sub) -> None:
@@ -42,11 +43,13 @@ def _user_error(err: Exception) -> CheckpointError:
 def cmd_ckpt_info(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.checkpoint.manager import describe_checkpoint, run_checkpoint_root
 
-    path = Path(args.path)
+    path = locate(args.path)  # a local path, or a store's URL (`s3://bucket/prefix`)
     if not path.exists():
         raise CheckpointError(f"no such path: {path}")
     candidates = [path] if (path / META).is_file() or (path / MANIFEST).is_file() else []
-    if not candidates:
+    if not candidates and is_url(path):  # a store's checkpoints prefix: no run directory there
+        candidates = step_dirs(path)
+    elif not candidates:
         room = RunDir(path)
         root = run_checkpoint_root(path) if room.config.is_file() else path
         root = room.checkpoints if not root.is_dir() and room.checkpoints.is_dir() else root
@@ -78,7 +81,7 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.data.tokenizer import ByteTokenizer
     from liandan.evaluate.loading import checkpoint_tokenizer
 
-    given = Path(args.checkpoint)
+    given = locate(args.checkpoint)
     source = resolve_checkpoint(given)
     model, meta = load_model(source)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}

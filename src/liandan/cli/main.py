@@ -13,7 +13,7 @@ from liandan.checkpoint.verify import CheckpointError
 from liandan.config import ConfigError, describe, load_config
 from liandan.data.corpus import DataError
 from liandan.run.errors import DEVICE_FAULT_EXIT, RunStopped
-from liandan.run.worker_env import NodeEnv, WorkerEnv
+from liandan.run.worker_env import WorkerEnv
 
 USER_ERRORS = (ConfigError, DataError, CheckpointError, RunStopped)
 # The optional extras of pyproject.toml, by the top-level modules they install: a command that needs one it
@@ -78,7 +78,6 @@ def _leave_process_group() -> None:
 
 
 def _error(message: str) -> None:
-    from liandan.run.worker_env import WorkerEnv
     from liandan.train.distributed import report_worker_error
 
     if report_worker_error(message):  # a worker under `--nproc`: the launcher prints it once
@@ -139,6 +138,7 @@ def _parser() -> argparse.ArgumentParser:
         fit_cmd,
         forecast_cmd,
         guard_cmd,
+        launch_cmd,
         plan_cmd,
         report_cmd,
         runs_cmd,
@@ -148,6 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     for module in (
         doctor_cmd,
         guard_cmd,
+        launch_cmd,
         report_cmd,
         data_cmd,
         checkpoints,
@@ -194,9 +195,14 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     check_exporters(cfg.track)  # a tracker's library that is missing: the extra to install
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
-    # torchrun or srun started us; with $LIANDAN_NNODES, srun starts one supervisor per node instead
-    external = "WORLD_SIZE" in os.environ or ("SLURM_PROCID" in os.environ and NodeEnv.from_env().nnodes is None)
-    supervised = WorkerEnv.from_env().supervised  # a worker of the supervisor
+    from liandan.resilience.launch import how_started
+
+    # torchrun or srun started one process per rank, or the supervisor started this worker; with $LIANDAN_NNODES
+    # srun starts one supervisor per node instead
+    start = how_started(args.nproc, os.environ)
+    external, supervised = start.how != "here", start.how == "worker"
+    if start.note and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(start.note, file=sys.stderr)
     register_callbacks(cfg.train.callbacks)  # here too: a module that cannot be imported fails before any worker
     if cfg.eval.every and cfg.eval.tasks and not external and not supervised:
         from liandan.evaluate.tasks import load_tasks

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from liandan.config import Config
 from liandan.doctor.runner import DoctorFailed, event_fields, run_doctor
 from liandan.doctor.verdict import finding_line
+from liandan.run.remote import is_url
 from liandan.train.callbacks import Callback, register_callback
 
 if TYPE_CHECKING:
@@ -26,7 +27,10 @@ class DoctorPreflight(Callback):
     order = 0  # before any other callback's on_train_start: nothing should happen on a machine that fails
 
     def on_train_start(self, trainer: Trainer) -> None:
-        report = run_doctor(trainer.cfg, trainer.dist, trainer.room.checkpoints, trainer.step,
+        where = trainer.room.checkpoints
+        if is_url(where):  # a store: the disk measured is the run directory's (see `checkpoint_dir`)
+            where = trainer.room.path
+        report = run_doctor(trainer.cfg, trainer.dist, where, trainer.step,
                             trainer.module.params.total)  # fmt: skip
         if trainer.dist.is_main:
             trainer.room.write_doctor(report)

@@ -10,6 +10,7 @@ from liandan.config import Config
 from liandan.doctor import probe, verdict
 from liandan.run import RunDir, append_jsonl, atomic_write_json
 from liandan.run.errors import RunStopped
+from liandan.run.remote import is_url
 from liandan.train.distributed import DistInfo
 
 
@@ -19,8 +20,9 @@ class DoctorFailed(RunStopped):
 
 def checkpoint_dir(cfg: Config) -> Path:
     """Where a run of this config saves checkpoints, before there is a run directory: `checkpoint.dir`, or
-    the directory the run directories go into (the same file system as `<run>/checkpoints`)."""
-    return Path(cfg.checkpoint.dir or cfg.run.output_dir)
+    the directory the run directories go into (the same file system as `<run>/checkpoints`). Checkpoints in
+    a store (`s3://...`) are not on a local disk to measure: then the run directories' disk is measured."""
+    return Path(cfg.checkpoint.dir if cfg.checkpoint.dir and not is_url(cfg.checkpoint.dir) else cfg.run.output_dir)
 
 
 def run_doctor(cfg: Config, info: DistInfo, checkpoints: Path, step: int = 0, parameters: int | None = None) -> dict:

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from liandan.run.files import atomic_write, atomic_write_json
 from liandan.run.jsonl import JsonlTail, keep_jsonl, load_json_object, read_json, read_jsonl
+from liandan.run.remote import locate
 from liandan.run.steps import complete_step_dirs, partial_step_dirs, step_dirs
 
 
@@ -53,7 +54,7 @@ def project_store(project: Path) -> Path:
 
 def rank_file(directory: Path, rank: int, suffix: str) -> Path:
     """A rank's file in a directory of one file per rank (heartbeats, stack dumps, user errors)."""
-    return Path(directory) / f"rank-{rank:05d}{suffix}"
+    return locate(directory) / f"rank-{rank:05d}{suffix}"
 
 
 def rank_files(directory: Path, suffix: str) -> list[Path]:
@@ -64,17 +65,18 @@ def rank_files(directory: Path, suffix: str) -> list[Path]:
 @dataclass(frozen=True)
 class RunDir:
     path: Path
-    checkpoint_dir: Path | None = None  # `checkpoint.dir`, when checkpoints live elsewhere
+    # `checkpoint.dir`, when checkpoints live elsewhere: a local directory or a store's URL (a RemotePath)
+    checkpoint_dir: Path | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "path", Path(self.path))
         if self.checkpoint_dir is not None:
-            object.__setattr__(self, "checkpoint_dir", Path(self.checkpoint_dir))
+            object.__setattr__(self, "checkpoint_dir", locate(self.checkpoint_dir))
 
     @classmethod
     def of(cls, path: Path | str, checkpoint_dir: str | Path | None = "") -> RunDir:
         """A run directory; an empty `checkpoint_dir` (the config's default) means `<run>/checkpoints`."""
-        return cls(Path(path), Path(checkpoint_dir) if checkpoint_dir else None)
+        return cls(Path(path), locate(checkpoint_dir) if checkpoint_dir else None)
 
     # -- files -------------------------------------------------------------------------------------------
     @property

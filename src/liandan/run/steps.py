@@ -8,6 +8,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from liandan.run.remote import locate
+
 STEP_DIR = re.compile(r"^step-(\d{8})$")
 PARTIAL_STEP_DIR = re.compile(r"^step-(\d{8})\.tmp$")
 MANIFEST = "manifest.json"  # written last: a step directory without it is incomplete
@@ -43,11 +45,11 @@ def partial_of(step_dir: Path) -> Path:
     step = parse_step_dir(Path(step_dir).name)
     if step is None:
         raise ValueError(f"{step_dir} is not a step directory")
-    return Path(step_dir).with_name(partial_step_dir_name(step))
+    return locate(step_dir).with_name(partial_step_dir_name(step))
 
 
 def _listed(root: Path, parse) -> list[Path]:
-    root = Path(root)
+    root = locate(root)  # a local directory, or a prefix in a store (`s3://bucket/prefix`)
     if not root.is_dir():
         return []
     return sorted((p for p in root.iterdir() if parse(p.name) is not None and p.is_dir()), key=lambda p: p.name)

@@ -426,9 +426,7 @@ class RunStore:
         for e in found:
             # Paths are as the run saw them, often relative to where it was started.
             saved = Path(e.get("path") or "")
-            e["present"] = bool(e.get("path")) and (
-                saved.is_dir() or (where is not None and (where / saved.name).is_dir())
-            )
+            e["present"] = bool(e.get("path")) and (saved.is_dir() or _is_dir(where, saved.name))
         return found
 
     def evaluations(self, name: str) -> list[dict]:
@@ -436,6 +434,17 @@ class RunStore:
 
     def forecasts(self, name: str) -> list[dict]:
         return self.events(name, ("forecast",))
+
+
+def _is_dir(root, name: str) -> bool:
+    """Whether `root/name` is a directory; a store (`checkpoint.dir = "s3://..."`) that cannot be reached now
+    counts as not holding it, rather than failing the page that asked."""
+    if root is None:
+        return False
+    try:
+        return (root / name).is_dir()
+    except Exception:  # noqa: BLE001 - a store's client fails in many ways (credentials, network, a missing extra)
+        return False
 
 
 def is_incident(event: dict) -> bool:

@@ -34,6 +34,7 @@ from liandan.data.loader import PackedLoader
 from liandan.data.prepare import open_prepared, open_stores, prepare_store
 from liandan.faults import corrupt_gradients, flip_parameter_bit, learning_rate_burst, maybe_inject
 from liandan.run import META, RunDir, RunLock, holds_progress, lock_run_dir, naming
+from liandan.run.remote import locate
 from liandan.run.worker_env import WorkerEnv
 from liandan.spec.layout import resolve_layout
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
@@ -392,7 +393,7 @@ class Trainer:
             self._continue_from(meta, int(meta["step"]), str(path))
             self._event("resumed", step=self.step, source="checkpoint", path=str(path), from_layout=meta.get("layout"))
         elif c.init_from:
-            self._init_from(Path(c.init_from))
+            self._init_from(locate(c.init_from))
         if self.step == 0 and self.dist.is_main:  # a restart with nothing to resume from starts over
             self.room.truncate_metrics(0)
 

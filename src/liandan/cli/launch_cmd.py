@@ -1,0 +1,66 @@
+"""`liandan launch CONFIG --nodes N --gpus-per-node G`: a Slurm script (printed, or submitted with --submit) or
+one command per node, each starting that node's liandan supervisor (see `liandan.resilience.launch`)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from liandan.config import ConfigError, load_config
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="a Slurm script or per-node commands that run one liandan supervisor per node",
+        description="Write what starts a run on several nodes with one liandan supervisor per node, which starts "
+        "that node's ranks and restarts them after a crash or hang. Config overrides (--section.key=value) are "
+        "passed on to every node.",
+    )
+    p.add_argument("config", help="run config (TOML)")
+    p.add_argument("--nodes", type=int, required=True, help="nodes in the job")
+    p.add_argument("--gpus-per-node", type=int, required=True, help="ranks (devices) per node")
+    p.add_argument("--min-nodes", type=int, default=None,
+                   help="carry on with as few nodes as this after nodes are excluded (default: --nodes)")  # fmt: skip
+    p.add_argument("--port", type=int, default=29400, help="rendezvous port on the first node (default 29400)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--submit", action="store_true", help="write the Slurm script beside the run and sbatch it")
+    how.add_argument("--hosts", default=None,
+                     help="comma-separated hosts, one per node: print one shell command per node instead of a Slurm"
+                          " script (the first host serves the rendezvous)")  # fmt: skip
+    p.set_defaults(command=cmd_launch)
+
+
+def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
+    from liandan.cli.main import _check_launch
+    from liandan.resilience.launch import LaunchPlan
+    from liandan.run import RunDir
+
+    cfg = load_config(args.config, overrides)
+    _check_launch(cfg, args.nodes * args.gpus_per_node)  # the layout fits the world size, the data is there
+    name = cfg.run_name(Path(args.config).stem)
+    plan = LaunchPlan(str(Path(args.config).resolve()), name, args.nodes, args.gpus_per_node,
+                      tuple(o for o in overrides if not o.startswith("--run.name=")), args.port, args.min_nodes)  # fmt: skip
+    if args.hosts is not None:
+        print("\n".join(plan.node_commands([h.strip() for h in args.hosts.split(",") if h.strip()])))
+        return 0
+    room = RunDir.of(Path(cfg.run.output_dir) / name, cfg.checkpoint.dir)
+    excluded = room.excluded_hostlist.read_text().strip() if room.excluded_hostlist.is_file() else ""
+    script = plan.sbatch_script(str(Path(cfg.run.output_dir).resolve()), exclude=excluded)
+    if not args.submit:
+        print(script, end="")
+        return 0
+    path = Path(cfg.run.output_dir) / f"{name}.sbatch"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(script)
+    if shutil.which("sbatch") is None:
+        raise ConfigError(f"sbatch is not on PATH; the script is at {path}: submit it from a Slurm login node")
+    done = subprocess.run(["sbatch", str(path)], check=False, capture_output=True, text=True)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise ConfigError(f"sbatch {path} failed: {last}")
+    print(done.stdout.strip() or f"submitted {path}", file=sys.stdout)
+    return 0

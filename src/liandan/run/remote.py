@@ -1,0 +1,182 @@
+"""Step directories on object storage and shared file systems (`checkpoint.dir = "s3://bucket/prefix"`).
+
+`RemotePath` is the small part of `pathlib.Path` that checkpoint code uses (joining, names, listing, reading,
+writing, sizes, removal), carried out through fsspec, so that listings, manifests and verification are one code
+path for local and remote checkpoints. Object stores have no rename and no directories: a "directory" is a key
+prefix, and a save writes straight into its step directory, whose manifest, written last in one put, is what
+makes it complete (see `liandan.checkpoint.manager`).
+
+The backend is fsspec's for the URL's protocol (s3fs for `s3://`, from the `s3` extra); credentials and the
+endpoint come from the backend's usual environment (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+AWS_ENDPOINT_URL, ...). Listings are never served from fsspec's cache: another process (a rank, the
+supervisor, the next attempt) may have written or removed objects since.
+"""
+
+from __future__ import annotations
+
+import functools
+import posixpath
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from liandan.config import ConfigError
+
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(location: object) -> bool:
+    """Whether a location names a store by URL (`s3://...`, `gs://...`, `file://...`) rather than a local path."""
+    return isinstance(location, RemotePath) or bool(_URL.match(str(location)))
+
+
+def locate(location: Any) -> Any:
+    """A `RemotePath` for a URL, a `pathlib.Path` for anything else; an existing `RemotePath` unchanged."""
+    if isinstance(location, RemotePath):
+        return location
+    return RemotePath.of(str(location)) if is_url(location) else Path(location)
+
+
+@functools.cache
+def _filesystem(protocol: str, root: str):
+    """One fsspec file system per store and process (its connections are reused)."""
+    try:
+        from fsspec.core import url_to_fs
+
+        fs, _ = url_to_fs(f"{protocol}://{root}")
+    except (ImportError, ValueError) as err:  # a backend not installed, or a protocol fsspec does not know
+        extra = "pip install 'liandan[s3]'" if protocol in ("s3", "s3a") else "install fsspec's backend for it"
+        why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"{protocol}://{root}: {why} ({extra})") from None
+    return fs
+
+
+@dataclass(frozen=True)
+class _Stat:
+    st_size: int
+
+
+@dataclass(frozen=True, order=True)
+class RemotePath:
+    """A key (or key prefix) in a store, addressed as `protocol://path`."""
+
+    protocol: str
+    path: str  # without the protocol, no trailing slash (bucket/prefix/step-00000100/meta.json)
+
+    @classmethod
+    def of(cls, url: str) -> RemotePath:
+        protocol, _, rest = url.partition("://")
+        return cls(protocol, rest.rstrip("/"))
+
+    @property
+    def fs(self):
+        return _filesystem(self.protocol, self.path.split("/", 1)[0])
+
+    def __str__(self) -> str:
+        return f"{self.protocol}://{self.path}"
+
+    def __truediv__(self, name: str) -> RemotePath:
+        return RemotePath(self.protocol, posixpath.join(self.path, str(name)))
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path)
+
+    @property
+    def parent(self) -> RemotePath:
+        return RemotePath(self.protocol, posixpath.dirname(self.path))
+
+    def with_name(self, name: str) -> RemotePath:
+        return self.parent / name
+
+    def relative_to(self, other: RemotePath) -> str:
+        return posixpath.relpath(self.path, other.path)
+
+    def resolve(self) -> RemotePath:
+        return self
+
+    # -- questions -----------------------------------------------------------------------------------------
+    def _fresh(self) -> None:
+        self.fs.invalidate_cache(self.path)
+
+    def exists(self) -> bool:
+        self._fresh()
+        return self.fs.exists(self.path)
+
+    def is_file(self) -> bool:
+        self._fresh()
+        return self.fs.isfile(self.path)
+
+    def is_dir(self) -> bool:
+        self._fresh()
+        return self.fs.isdir(self.path)
+
+    def stat(self) -> _Stat:
+        self._fresh()
+        return _Stat(int(self.fs.size(self.path)))
+
+    def iterdir(self) -> list[RemotePath]:
+        self._fresh()
+        if not self.fs.isdir(self.path):
+            return []
+        return [RemotePath(self.protocol, p.rstrip("/")) for p in self.fs.ls(self.path, detail=False)
+                if p.rstrip("/") != self.path]  # fmt: skip
+
+    def rglob(self, pattern: str = "*") -> list[RemotePath]:
+        """Every object under this prefix (only `*` is understood: checkpoint code lists whole directories)."""
+        if pattern != "*":
+            raise ValueError(f"RemotePath.rglob understands only '*', not {pattern!r}")
+        self._fresh()
+        return [RemotePath(self.protocol, p) for p in sorted(self.fs.find(self.path))]
+
+    # -- reading and writing -------------------------------------------------------------------------------
+    def open(self, mode: str = "rb") -> IO:
+        if "w" in mode:
+            self.fs.invalidate_cache(self.parent.path)
+        return self.fs.open(self.path, mode)
+
+    def read_bytes(self) -> bytes:
+        try:
+            return self.fs.cat_file(self.path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no object {self}") from None
+
+    def read_text(self) -> str:
+        return self.read_bytes().decode()
+
+    def write_bytes(self, data: bytes) -> None:
+        """One put: on an object store the object appears whole or not at all."""
+        self.fs.pipe_file(self.path, data)
+        self.fs.invalidate_cache(self.parent.path)
+
+    def write_text(self, text: str) -> None:
+        self.write_bytes(text.encode())
+
+    def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
+        """Nothing to do on an object store: a prefix exists once an object is under it."""
+
+    def unlink(self, missing_ok: bool = False) -> None:
+        try:
+            self.fs.rm_file(self.path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+        self.fs.invalidate_cache(self.parent.path)
+
+    def remove_tree(self) -> None:
+        """Remove everything under this prefix (what is already gone is no error)."""
+        self._fresh()
+        if self.fs.exists(self.path):
+            self.fs.rm(self.path, recursive=True)
+        self.fs.invalidate_cache(self.parent.path)
+
+
+def remove_tree(path: Any) -> None:
+    """Remove a step directory, local or remote; what is already gone is no error."""
+    if isinstance(path, RemotePath):
+        path.remove_tree()
+    else:
+        import shutil
+
+        shutil.rmtree(path, ignore_errors=True)
