@@ -27,6 +27,7 @@ EXTRAS = {
     "wandb": ("wandb",),
     "mlflow": ("mlflow", "sqlalchemy", "alembic"),  # mlflow-skinny installs `mlflow`; the others its SQLite store
     "dash": ("starlette", "uvicorn", "plotly"),
+    "fp8": ("torchao",),
     "browser-tests": ("playwright",),
     "eval": ("lm_eval",),
 }
