@@ -27,9 +27,10 @@ EXTRAS = {
     "wandb": ("wandb",),
     "mlflow": ("mlflow", "sqlalchemy", "alembic"),  # mlflow-skinny installs `mlflow`; the others its SQLite store
     "dash": ("starlette", "uvicorn", "plotly"),
-    "fp8": ("torchao",),
     "browser-tests": ("playwright",),
     "eval": ("lm_eval",),
+    "s3": ("s3fs",),
+    "fp8": ("torchao",),
 }
 
 
