@@ -130,6 +130,10 @@ class Trainer:
             f" {cfg.train.seq_len} tokens per sequence, attention {self.module.attention}, {_dtype_name(self.dtype)},"
             f" layout {self.layout}, {self.dist.world_size} process(es) on {self.device.type}"
         )
+        if self.module.fp8_share:
+            emulated = " (emulated)" if cfg.train.fp8_emulate else ""
+            self.say(f"fp8 {cfg.train.fp8}{emulated}: {self.module.fp8_share:.0%} of the FLOPs; MFU against"
+                     f" {self.peak_flops / 1e12:,.4g} TFLOP/s ({self.peak_source})")  # fmt: skip
 
     # -- the loop -----------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
