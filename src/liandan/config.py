@@ -116,6 +116,17 @@ class TrainSection:
         False, "build the model on the meta device and let each rank fill only its shards (the same values as"
         " a model built whole); off: every rank builds the whole model first"
     )  # fmt: skip
+    fp8: Literal["none", "tensorwise", "rowwise"] = _f(
+        "none", "run the linear layers' matmuls in fp8 through torchao (CUDA, compute capability >= 8.9):"
+        " tensorwise (one scale per tensor, fastest) or rowwise (one per row, more robust to outliers)"
+    )  # fmt: skip
+    fp8_skip: list[str] = _f(
+        ["output"], "linear layers left in the run's dtype under train.fp8, as patterns of their qualified names"
+        " (fnmatch: 'layers.0.*'); the rest must have both dimensions divisible by 16"
+    )  # fmt: skip
+    fp8_emulate: bool = _f(
+        False, "emulate train.fp8's casts in the run's dtype, on any device (for tests: no speed-up)"
+    )  # fmt: skip
     log_every: int = _f(1, "steps between metric records", min=1)
     eval_every: int = _f(0, "steps between validation-loss checks; 0 disables", min=0)
     eval_batches: int = _f(4, "validation batches per check", min=1)
@@ -553,6 +564,8 @@ def check_config(cfg: Config) -> None:
         )
     if p.tp > 1 and t.ce_chunks > 1:
         raise ConfigError("train.ce_chunks > 1 is for tp = 1; with parallel.tp > 1 use parallel.loss_parallel")
+    if t.fp8 != "none" and p.tp > 1:
+        raise ConfigError("train.fp8 with parallel.tp > 1 is not supported yet; use data parallelism (FSDP) only")
     # Whether parallel.tp can split the model is the family's to say (liandan.model.spec.check_model_config).
     if t.micro_batch and t.global_batch % t.micro_batch:
         raise ConfigError(

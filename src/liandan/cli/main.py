@@ -29,6 +29,8 @@ EXTRAS = {
     "dash": ("starlette", "uvicorn", "plotly"),
     "browser-tests": ("playwright",),
     "eval": ("lm_eval",),
+    "s3": ("s3fs",),
+    "fp8": ("torchao",),
 }
 
 

@@ -270,7 +270,11 @@ def print_plan(plan, cfg, config_path: str) -> None:
 
     r = plan.time
     peak = r.peak_flops_per_device / 1e12
-    title = f"Time and cost: {r.nproc} x {d.name} at MFU {r.mfu:.2f} of {peak:g} TFLOP/s ({m.dtype})"
+    precision = m.dtype
+    if plan.fp8 is not None and plan.fp8.params:
+        share = 6 * plan.fp8.params / f.per_token
+        precision += f"; fp8 {plan.fp8.recipe} in {plan.fp8.layers} linears, {share:.0%} of the FLOPs"
+    title = f"Time and cost: {r.nproc} x {d.name} at MFU {r.mfu:.2f} of {peak:g} TFLOP/s ({precision})"
     console.print(f"\n[bold]{title}[/bold]")
     table = Table(box=box.SIMPLE, show_header=False, pad_edge=False)
     table.add_column("")

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from liandan.config import ConfigError
-from liandan.spec.peaks import GPU_PEAK_TFLOPS_BF16, gpu_peak_flops
+from liandan.spec.peaks import GPU_PEAK_TFLOPS_BF16, gpu_peak_flops, gpu_peak_flops_fp8
 
 # Memory per device in GiB, from the vendors' data sheets. HBM capacities are binary in practice (an "80GB"
 # H100 has 80 GiB); the H200's 141 GB is what NVIDIA advertises (about 140 GiB is visible to CUDA). A bare
@@ -46,6 +46,10 @@ class Device:
     def peak_flops(self, dtype: str = "bf16") -> float:
         """FLOP/s one device offers in `dtype`, as the trainer's MFU counts it."""
         return self.peak_tflops_bf16 * 1e12 / (2 if dtype == "fp32" else 1)
+
+    def peak_flops_fp8(self, dtype: str = "bf16") -> float:
+        """FLOP/s of the device's fp8 matmuls; without fp8 units (or a known peak), `peak_flops(dtype)`."""
+        return gpu_peak_flops_fp8(self.name) or self.peak_flops(dtype)
 
 
 def _key(name: str) -> str:

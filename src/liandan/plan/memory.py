@@ -56,7 +56,9 @@ from liandan.config import Config, ConfigError
 from liandan.model.spec import ParamCounts, ParamSplit, count_params, flops_per_token, model_args, spec_for
 from liandan.model.spec import get as get_model_spec
 from liandan.plan.devices import Device
+from liandan.plan.fp8 import Fp8Count, plan_fp8
 from liandan.spec.layout import Layout, resolve_layout, uses_fsdp
+from liandan.spec.peaks import mixed_peak_flops
 
 GIB = 2**30
 BYTES = {"bf16": 2, "fp32": 4}
@@ -267,12 +269,16 @@ def memory_per_device(
     loss_parallel: bool = False,
     ce_chunks: int = 1,
     accumulation_steps: int = 1,
+    fp8_params: int = 0,
 ) -> MemoryEstimate:
     """Peak bytes per device of a training step with `micro_batch` sequences of `seq_len` tokens per rank,
     `accumulation_steps` micro-batches per optimizer step.
 
     `dtype` is the compute dtype ("bf16" or "fp32"; master weights and optimizer state are fp32 either
-    way), `attention` one of ATTENTION_KINDS."""
+    way), `attention` one of ATTENTION_KINDS. `fp8_params`: weights of the linears `train.fp8` converts
+    (whole model, before tensor parallel); their matmuls cast the weight to fp8 on the fly (one byte a
+    weight, and rowwise a second, transposed copy in the backward pass: 2 bytes a weight of one block) and
+    save their fp32 or gathered weight for the backward pass, not an autocast bf16 copy."""
     if dtype not in BYTES:
         raise ConfigError(f"dtype '{dtype}' is not one of {', '.join(BYTES)}")
     if micro_batch < 1 or seq_len < 1:
@@ -300,9 +306,13 @@ def memory_per_device(
             transient += 4 * n  # DDP's flat fp32 gradient buckets (gradient_as_bucket_view is off)
             parts.append("DDP gradient buckets")
         if c == 2:
-            transient += 2 * split.matmul  # autocast's bf16 weight copies, saved for the backward pass
+            # autocast's bf16 weight copies, saved for the backward pass; fp8 linears make none
+            transient += 2 * max(0, split.matmul - fp8_params / layout.tp)
             parts.append("autocast bf16 weight copies")
         what = ", ".join(parts) or "none"
+    if fp8_params:
+        transient += 2 * fp8_params / (layout.tp * args.n_layers)  # one block's fp8 weight casts at a time
+        what += ", fp8 weight casts of one block"
     states = ModelStates(4 * per_device, 4 * per_device, 8 * per_device)
     acts = activation_memory(
         args,
@@ -561,6 +571,7 @@ class Plan:
     time: RunTime
     variants: tuple[ActivationVariant, ...]
     init: InitMemory | None = None  # building and initialising the model, before the first step
+    fp8: Fp8Count | None = None
 
 
 def plan_config(
@@ -595,17 +606,22 @@ def plan_config(
         raise ConfigError(refusal)
     dtype, attention = plan_dtype(cfg), plan_attention(cfg)
     p = cfg.parallel
-    head = {"sequence_parallel": p.sequence_parallel, "loss_parallel": p.loss_parallel, "ce_chunks": t.ce_chunks}
+    fp8 = plan_fp8(cfg, args)
+    head = {"sequence_parallel": p.sequence_parallel, "loss_parallel": p.loss_parallel, "ce_chunks": t.ce_chunks,
+            "fp8_params": fp8.params}  # fmt: skip
     memory = memory_per_device(
         args, layout, micro_batch=b, seq_len=t.seq_len, activation_checkpoint=t.activation_checkpoint,
         dtype=dtype, attention=attention, accumulation_steps=t.global_batch // layout.dp_size // b, **head,
     )  # fmt: skip
     smallest = smallest_fitting_layout(
         args, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
-        device_memory_gib=device.memory_gib, headroom=headroom, dtype=dtype, attention=attention, **head,
+        device_memory_gib=device.memory_gib, headroom=headroom, dtype=dtype, attention=attention,
+        max_tp=1 if fp8.params else 8, **head,  # fp8 runs without tensor parallel
     )  # fmt: skip
     flops = run_flops(args, seq_len=t.seq_len, steps=t.steps, global_batch=t.global_batch)
-    time = run_time_estimate(flops.total, nproc, device.peak_flops(dtype), mfu, price_per_device_hour)
+    share = min(1.0, 6.0 * fp8.params / flops.per_token)
+    peak = mixed_peak_flops(device.peak_flops(dtype), device.peak_flops_fp8(dtype), share)
+    time = run_time_estimate(flops.total, nproc, peak, mfu, price_per_device_hour)
     variants = []
     for mode in CHECKPOINT_MODES:
         for sp in (False, True):
@@ -623,4 +639,5 @@ def plan_config(
     fits = memory.fits(device.memory_gib, headroom) and init.device <= usable_bytes(device.memory_gib, headroom)
     return Plan(
         args, count_params(args), flops, nproc, device, headroom, memory, fits, smallest, time, tuple(variants), init,
+        fp8,
     )  # fmt: skip

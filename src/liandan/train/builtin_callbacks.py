@@ -61,6 +61,8 @@ class MetricsCallback(Callback):
             peak_mem_gib=peak_memory_bytes(trainer.device) / 2**30,
             step_time_s=seconds,
         )
+        if trainer.module.fp8_share:  # against the compute dtype's peak alone: comparable with runs without fp8
+            metrics["mfu_dtype_peak"] = trainer.module.flops_per_token * tokens / seconds / trainer.peak_flops_dtype
         if out.skipped:
             metrics["update_skipped"] = 1.0
         if trainer.module.lr_scale != 1.0:  # the loss-spike guard lowered it after a rollback

@@ -15,7 +15,7 @@ import torch
 
 from liandan.run.files import atomic_file
 from liandan.run.worker_env import WorkerEnv
-from liandan.spec.peaks import gpu_peak_flops
+from liandan.spec.peaks import gpu_peak_flops, gpu_peak_flops_fp8
 
 
 def cpu_supports_bf16() -> bool:
@@ -156,6 +156,13 @@ def datasheet_peak_flops(device: torch.device, dtype: torch.dtype) -> float | No
     if peak is not None and dtype == torch.float32:
         peak /= 2  # TF32 tensor cores run at half the bf16 rate
     return peak
+
+
+def datasheet_fp8_peak_flops(device: torch.device) -> float | None:
+    """The data sheet's dense fp8 peak of a GPU; None for a CPU or a GPU the table does not know."""
+    if device.type != "cuda":
+        return None
+    return gpu_peak_flops_fp8(torch.cuda.get_device_name(device))
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:

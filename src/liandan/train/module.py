@@ -17,6 +17,7 @@ from liandan.faults import faulty_matmuls, planned_at, slow_forward
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
 from liandan.spec.layout import Layout, uses_fsdp
+from liandan.train.fp8 import Fp8, dims_refusal, fp8_param_count, fp8_refusal
 from liandan.train.hardware import PeakMemory
 from liandan.train.health.allreduce import AllReduceAudit
 from liandan.train.meta_init import build_on_meta, materialize, plan_init
@@ -81,6 +82,11 @@ class TrainModule:
             model.to(device)
         fsdp = uses_fsdp(layout)
         t = cfg.train
+        fp8 = self._fp8_plan(t, device)
+        if fp8 and (refusal := dims_refusal(model, fp8.skip)):
+            raise ConfigError(refusal)
+        # Counted on the whole model before sharding: 6 FLOPs per converted weight per token run in fp8.
+        self.fp8_params = fp8_param_count(model, fp8.skip) if fp8 else 0
         # DDP's all-reduce goes through the audited hook where the sdc check reads it or a `corrupt@allreduce`
         # fault strikes there; elsewhere DDP keeps its own, with no Python on the path of every bucket.
         audited = cfg.health.sdc or planned_at("allreduce")
@@ -97,6 +103,7 @@ class TrainModule:
             loss_parallel=par.loss_parallel,
             sequence_parallel=par.sequence_parallel,
             materialize=materialize,
+            fp8=fp8,
         )
         self.init_peak.stop()
         # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
@@ -106,6 +113,16 @@ class TrainModule:
         self.lr_scale = 1.0  # on top of the schedule; the loss-spike guard lowers it after a rollback
         self.params = self.spec.count_params(self.args)
         self.flops_per_token = self.spec.flops_per_token(self.args, t.seq_len)
+        self.fp8_share = min(1.0, 6.0 * self.fp8_params / self.flops_per_token)  # of the FLOPs, run in fp8
+
+    @staticmethod
+    def _fp8_plan(t, device: torch.device) -> Fp8 | None:
+        if t.fp8 == "none":
+            return None
+        refusal = fp8_refusal(t.fp8, device, emulate=t.fp8_emulate)
+        if refusal:
+            raise ConfigError(refusal)
+        return Fp8(t.fp8, list(t.fp8_skip), t.fp8_emulate)
 
     @property
     def lr(self) -> float:

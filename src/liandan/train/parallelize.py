@@ -2,7 +2,7 @@
 (`liandan.model.spec`) describes: the tensor-parallel plan, the container of repeated blocks, what to compile.
 
 One DeviceMesh with named dims ("dp_replicate", "dp_shard", "tp"). The order of application follows
-torchtitan: tensor parallel first (it rewrites the linear layers into DTensor shards), then activation
+torchtitan: fp8 linear layers first (they replace modules, which the rest then wraps), tensor parallel next (it rewrites the linear layers into DTensor shards), then activation
 checkpointing and torch.compile per block, then data parallelism (FSDP2 `fully_shard`, HSDP on a 2-D
 mesh, or DDP when only replication is asked for).
 """
@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from liandan.model.spec import ModelSpec, spec_for
 from liandan.spec.layout import Layout, uses_fsdp
+from liandan.train.fp8 import Fp8, convert_to_fp8
 from liandan.train.health.allreduce import AllReduceAudit, audited_allreduce
 
 DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -189,13 +190,17 @@ def parallelize(
     loss_parallel: bool = False,
     sequence_parallel: bool = False,
     materialize: Callable[[nn.Module], None] | None = None,
+    fp8: Fp8 | None = None,
 ) -> nn.Module:
     """Apply TP, recomputation, compile and data parallelism; returns the module to call (DDP wraps).
     `spec` is the model's family (default: found from `model.args`); `allreduce_audit`, under DDP, the state
     of the audited gradient all-reduce; `loss_parallel` and `sequence_parallel` shape tensor parallelism;
     `materialize`, for a model built on the meta device, allocates and fills its shards once they are known
-    (before DDP, which broadcasts the values it is given)."""
+    (before DDP, which broadcasts the values it is given); `fp8`, the linears to run in fp8 and how. Under
+    FSDP the weights are gathered in the compute dtype and cast to fp8 in each step (not gathered in fp8)."""
     spec = spec or spec_for(model.args)
+    if fp8 is not None:
+        convert_to_fp8(model, fp8)
     if layout.tp > 1:
         apply_tp(model, mesh["tp"], spec, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
     apply_activation_checkpointing(model, activation_checkpoint, spec)

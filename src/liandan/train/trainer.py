@@ -37,12 +37,13 @@ from liandan.run import META, RunDir, RunLock, holds_progress, lock_run_dir, nam
 from liandan.run.remote import locate
 from liandan.run.worker_env import WorkerEnv
 from liandan.spec.layout import resolve_layout
+from liandan.spec.peaks import mixed_peak_flops
 from liandan.track import ConsoleLogger, FanOut, JsonlLogger, MetricsLogger, NullLogger, plot_run
 from liandan.track.exporters import open_exporters
 from liandan.track.store import StoreLogger
 from liandan.train.callbacks import Callback, builtin_callbacks, in_order
 from liandan.train.distributed import DistInfo, init_distributed, shutdown_distributed
-from liandan.train.hardware import device_peak_flops, resolve_dtype
+from liandan.train.hardware import datasheet_fp8_peak_flops, device_peak_flops, resolve_dtype
 from liandan.train.heartbeat import Heartbeat
 from liandan.train.module import TrainModule, _config_step
 from liandan.train.parallelize import build_mesh, dp_coordinates, reshard
@@ -113,6 +114,14 @@ class Trainer:
         self._open_checkpoints()
         self._resume_or_init()
         peak, self.peak_source = device_peak_flops(self.device, self.dtype)
+        # MFU's denominator: under fp8 the fp8 linears' share of the FLOPs counts at the fp8 peak (emulated,
+        # or on a device the table does not know, at the compute dtype's); `peak_flops_dtype` stays the
+        # compute dtype's peak, for an MFU comparable with runs without fp8.
+        self.peak_flops_dtype = self._sum_over_ranks(peak)
+        if self.module.fp8_share:
+            fp8_peak = datasheet_fp8_peak_flops(self.device) if not cfg.train.fp8_emulate else None
+            peak = mixed_peak_flops(peak, fp8_peak or peak, self.module.fp8_share)
+            self.peak_source += f", fp8 linears at {'the fp8 data sheet peak' if fp8_peak else 'the same'}"
         self.peak_flops = self._sum_over_ranks(peak)
         self.logger = self._make_logger()
         params = self.module.params
@@ -121,6 +130,10 @@ class Trainer:
             f" {cfg.train.seq_len} tokens per sequence, attention {self.module.attention}, {_dtype_name(self.dtype)},"
             f" layout {self.layout}, {self.dist.world_size} process(es) on {self.device.type}"
         )
+        if self.module.fp8_share:
+            emulated = " (emulated)" if cfg.train.fp8_emulate else ""
+            self.say(f"fp8 {cfg.train.fp8}{emulated}: {self.module.fp8_share:.0%} of the FLOPs; MFU against"
+                     f" {self.peak_flops / 1e12:,.4g} TFLOP/s ({self.peak_source})")  # fmt: skip
 
     # -- the loop -----------------------------------------------------------------------------------------
     def train(self) -> TrainResult:
