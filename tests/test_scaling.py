@@ -262,6 +262,19 @@ def test_cli_fit_run_directories(tmp_path):
     assert "run-8" in done.stdout and "parameters N" in done.stdout and "reported FLOPs" in done.stdout
 
 
+def test_cli_fit_over_a_shell_glob_of_a_project_passes_over_its_databases(tmp_path):
+    import sqlite3
+
+    from liandan.track.store import RunStore
+
+    fake_runs(tmp_path / "runs")
+    RunStore(tmp_path / "runs").close()  # liandan.db, as training leaves beside the runs
+    sqlite3.connect(tmp_path / "runs" / "mlflow.db").execute("CREATE TABLE t (x)").connection.close()
+    done = run_liandan("fit", *sorted((tmp_path / "runs").iterdir()), "--bootstrap", 5)
+    assert done.returncode == 0, done.stderr
+    assert "runs (N = non-embedding parameters" in done.stdout
+
+
 def test_optimal_with_published_hoffmann_constants_in_process(capsys):
     assert main(["optimal", "--law", "hoffmann", "--flops", "5.76e23", "--params", "70B", "--tokens", "1.4T"]) == 0
     out = capsys.readouterr().out

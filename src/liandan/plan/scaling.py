@@ -319,6 +319,14 @@ def read_runs(run_dirs: Sequence[Path], *, params: str = "non_embedding", loss: 
     )
 
 
+def _beside_the_runs(path: Path) -> bool:
+    """An SQLite database or one of its journal files, as a project directory holds beside its runs."""
+    if path.name.endswith(("-wal", "-shm", "-journal")):
+        return True
+    with path.open("rb") as handle:
+        return handle.read(16) == b"SQLite format 3\x00"
+
+
 def load_observations(
     paths: Iterable[Path | str], *, params: str = "non_embedding", loss: str = "auto"
 ) -> Observations:
@@ -329,6 +337,8 @@ def load_observations(
         path = Path(raw)
         if path == RunDir(path.parent).summary and path.is_file():
             runs.append(path.parent)
+        elif path.is_file() and _beside_the_runs(path):
+            continue  # `liandan fit runs/*` also names the project's databases (the run store, MLflow's)
         elif path.is_file():
             csvs.append(read_csv(path))
         else:
