@@ -206,7 +206,8 @@ def test_a_finished_run_streams_its_state_once_and_ends(server):
     text = body.decode()
     assert status == 200 and text.startswith("event: progress\ndata: ") and text.count("event:") == 1, text
     progress = json.loads(text.split("data: ", 1)[1])
-    assert (progress["step"], progress["status"]) == (60, "finished") and progress["incidents"] >= 3
+    # the rollback and the crash (its restart is not counted apart); on a busy host a doctor warning may add one
+    assert (progress["step"], progress["status"]) == (60, "finished") and progress["incidents"] >= 2
 
 
 HOSTILE = [
