@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -221,3 +223,21 @@ def read_run(run_dir: Path | str) -> RunRecords:
     """A run directory's metrics, events and summary (empty where a file is missing)."""
     run = RunDir.of(run_dir)
     return RunRecords(run.path, run.read_metrics(), run.read_events(), run.read_summary())
+
+
+@contextlib.contextmanager
+def faults_planned(fault: str = ""):
+    """$LIANDAN_FAULTS set to `fault` (unset when empty) for an in-process run, with no fault yet fired; the
+    variable is as it was afterwards."""
+    from liandan import faults
+
+    faults._fired.clear()
+    previous = os.environ.pop(faults.ENV, None)
+    if fault:
+        os.environ[faults.ENV] = fault
+    try:
+        yield
+    finally:
+        os.environ.pop(faults.ENV, None)
+        if previous is not None:
+            os.environ[faults.ENV] = previous

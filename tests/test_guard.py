@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import read_run, run_liandan, tiny_config, write_corpus
+from helpers import faults_planned, read_run, run_liandan, tiny_config, write_corpus
 from liandan import faults
 from liandan.checkpoint.ring import StateRing, restore
 from liandan.data.loader import PackedLoader
@@ -47,20 +47,12 @@ def corpus(tmp_path_factory):
 
 def train(out, corpus, *overrides, fault="", name="run"):
     """An in-process run with `fault` in $LIANDAN_FAULTS; returns (result, what the run directory holds)."""
-    faults._fired.clear()
-    previous = os.environ.pop(faults.ENV, None)
-    if fault:
-        os.environ[faults.ENV] = fault
-    try:
+    with faults_planned(fault):
         trainer = Trainer(tiny_config(out, corpus, f"--run.name={name}", *GUARDED, *overrides), say=lambda m: None)
         try:
             result = trainer.train()
         finally:
             trainer.close()
-    finally:
-        os.environ.pop(faults.ENV, None)
-        if previous is not None:
-            os.environ[faults.ENV] = previous
     return result, read_run(result.run_dir)
 
 

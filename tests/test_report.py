@@ -5,7 +5,6 @@ worker is killed (a restart)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from html.parser import HTMLParser
@@ -14,8 +13,7 @@ from pathlib import Path
 import pytest
 
 import liandan.plan.forecast_callback  # noqa: F401 - registers "forecast", as `liandan train` does
-from helpers import environment_without, run_liandan, tiny_config, write_corpus
-from liandan import faults
+from helpers import environment_without, faults_planned, run_liandan, tiny_config, write_corpus
 from liandan.cli.main import main
 from liandan.resilience.incidents import timeline
 from liandan.run import RunDir
@@ -36,21 +34,13 @@ CHROMIUM = "/usr/bin/chromium"
 
 def train(out: Path, corpus: Path, *overrides: str, fault: str = "", name: str = "run") -> Path:
     """An in-process run with `fault` in $LIANDAN_FAULTS; returns its run directory."""
-    faults._fired.clear()
-    previous = os.environ.pop(faults.ENV, None)
-    if fault:
-        os.environ[faults.ENV] = fault
-    try:
+    with faults_planned(fault):
         cfg = tiny_config(out, corpus, f"--run.name={name}", *overrides)
         trainer = Trainer(cfg, say=lambda m: None, callbacks=build_callbacks(cfg))  # the live forecast's, say
         try:
             return trainer.train().run_dir
         finally:
             trainer.close()
-    finally:
-        os.environ.pop(faults.ENV, None)
-        if previous is not None:
-            os.environ[faults.ENV] = previous
 
 
 @pytest.fixture(scope="module")
