@@ -38,3 +38,30 @@ def small_disk(tmp_path):
     yield mount
     for path in reversed(mounted):
         subprocess.run(["umount", "--lazy", str(path)], check=False)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on 127.0.0.1 for one test module, its bucket `helpers.S3_BUCKET`, and the variables that
+    point boto at it (set here too, and returned for subprocesses)."""
+    import logging
+
+    from helpers import S3_BUCKET
+    from liandan.run.remote import locate
+
+    pytest.importorskip("s3fs")
+    moto_server = pytest.importorskip("moto.server")
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "test",
+           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
+            patch.delenv(key, raising=False)
+        locate(f"s3://{S3_BUCKET}").fs.mkdir(S3_BUCKET)
+        yield env
+    server.stop()

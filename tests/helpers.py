@@ -15,6 +15,7 @@ from liandan.config import Config, load_config
 from liandan.run import RunDir
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+S3_BUCKET = "liandan-test"  # the bucket of the loopback S3 server (the `s3` fixture of conftest.py)
 
 
 def write_corpus(directory: Path, n_docs: int = 40) -> Path:

@@ -2,12 +2,10 @@
 loopback: save, verify, corrupt, fall back, retention, partial saves, and a supervised run whose writer is
 killed in the middle of an upload."""
 
-import logging
-
 import pytest
 import torch
 
-from helpers import MICRO_MODEL, environment_without, read_run, run_liandan, tiny_config, write_corpus
+from helpers import MICRO_MODEL, S3_BUCKET, environment_without, read_run, run_liandan, tiny_config, write_corpus
 from liandan.checkpoint.manager import CheckpointManager, load_model
 from liandan.checkpoint.verify import CheckpointError, verify
 from liandan.cli.main import main
@@ -16,28 +14,9 @@ from liandan.run import RunDir
 from liandan.run.remote import RemotePath, locate
 
 pytest.importorskip("s3fs")
-moto_server = pytest.importorskip("moto.server")
+pytest.importorskip("moto.server")
 
-BUCKET = "liandan-test"
-
-
-@pytest.fixture(scope="module")
-def s3():
-    """A moto S3 server on 127.0.0.1, one bucket, and the variables that point boto at it (set here too)."""
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "test",
-           "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
-    with pytest.MonkeyPatch.context() as patch:
-        for key, value in env.items():
-            patch.setenv(key, value)
-        for key in ("AWS_PROFILE", "AWS_SESSION_TOKEN"):
-            patch.delenv(key, raising=False)
-        locate(f"s3://{BUCKET}").fs.mkdir(BUCKET)
-        yield env
-    server.stop()
+BUCKET = S3_BUCKET
 
 
 def _model_and_optimizer(seed: int):

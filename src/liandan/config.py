@@ -155,12 +155,19 @@ class ParallelSection:
 
 @dataclass
 class DataSection:
-    paths: list[str] = _f([], "text files (.txt, .jsonl); empty uses the Python documentation corpus")
+    paths: list[str] = _f([], "text files or URLs (.txt, .jsonl, .parquet); empty uses Python's documentation")
     text_field: str = _f("text", "field holding the text in .jsonl records")
     tokenizer: str = _f("bpe", "byte, bpe (trained on the corpus), or a path to a tokenizer.json")
     bpe_vocab_size: int = _f(4096, "vocabulary size when training a BPE tokenizer", min=260)
     val_fraction: float = _f(0.02, "share of sequences held out for validation", min=0.0, max=0.5)
-    stores: list[str] = _f([], "token stores written by `liandan data run`; when set, paths and tokenizer are unused")
+    stores: list[str] = _f(
+        [], "token stores written by `liandan data run` (directories or URLs: s3://..., gs://...); when set, paths"
+        " and tokenizer are unused"
+    )  # fmt: skip
+    cache_dir: str = _f(
+        "", "local copy of stores named by URL, fetched once and checked; empty: $LIANDAN_CACHE_DIR/stores, else"
+        " $XDG_CACHE_HOME/liandan/stores"
+    )  # fmt: skip
     weights: list[float] = _f([], "mixture weight of each store (normalized); empty weighs stores by their tokens")
 
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
+import tempfile
 from pathlib import Path
 
 from liandan.config import ConfigError
+from liandan.run.remote import is_url
 
 
 def add_commands(sub) -> None:
@@ -23,8 +26,8 @@ def add_commands(sub) -> None:
     p.set_defaults(command=cmd_run)
 
     p = actions.add_parser("inspect", help="statistics and anomaly flags of raw or cleaned text files")
-    p.add_argument("paths", nargs="+", help=".txt/.jsonl/.parquet files (optionally .gz/.zst); one source each")
-    p.add_argument("--out", required=True, help="directory for report.html, report.md and report.json")
+    p.add_argument("paths", nargs="+", help=".txt/.jsonl/.parquet files or URLs (optionally .gz/.zst); one source each")
+    p.add_argument("--out", required=True, help="directory or URL for report.html, report.md and report.json")
     p.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.parquet records")
     p.add_argument("--txt-mode", choices=["file", "paragraph", "line"], default="paragraph", help="documents of a .txt")
     p.add_argument("--baseline", help="an earlier report.json: flag statistics that shifted since")
@@ -32,7 +35,7 @@ def add_commands(sub) -> None:
     p.set_defaults(command=cmd_inspect)
 
     p = actions.add_parser("info", help="what a token store holds; --verify checks every checksum")
-    p.add_argument("store", help="a token store directory (with manifest.json)")
+    p.add_argument("store", help="a token store directory (with manifest.json), or its URL (fetched into the cache)")
     p.add_argument("--verify", action="store_true", help="read every shard and compare its checksum")
     p.set_defaults(command=cmd_info)
 
@@ -93,7 +96,8 @@ def print_summary(s: dict) -> None:
         console.print(f"report: {s['report']['path']}/report.html ({len(flags)} anomaly flag(s))")
         for flag in flags:
             console.print(f"  [yellow]flag[/yellow] {flag}")
-    stores = json.dumps([v["path"] for v in s["stores"].values()])
+    published = s.get("published", {}).get("stores", {})
+    stores = json.dumps([published.get(name, v["path"]) for name, v in s["stores"].items()])
     console.print(f"train on it: --data.stores='{stores}'", soft_wrap=True)
 
 
@@ -107,8 +111,8 @@ def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"unrecognised argument '{overrides[0]}'")
     sources, read_stats = {}, {}
     for name in args.paths:
-        path = Path(name)
-        source = path.name.split(".")[0]
+        path = name if is_url(name) else Path(name)
+        source = name.rstrip("/").rsplit("/", 1)[-1].split(".")[0]
         if source in sources:
             source = name
         read_stats[source] = ReadStats()
@@ -117,28 +121,44 @@ def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
         )
     tokenizer = HFTokenizer.load(args.tokenizer) if args.tokenizer else None
     baseline = Path(args.baseline) if args.baseline else None
-    report = inspect_sources(sources, Path(args.out), tokenizer=tokenizer, baseline=baseline, read_stats=read_stats)
+    with _report_dir(args.out) as out:
+        report = inspect_sources(sources, out, tokenizer=tokenizer, baseline=baseline, read_stats=read_stats)
     for source, counts in read_stats.items():
         if counts.skipped:
             print(
                 f"{source}: {sum(counts.skipped.values())} record(s) skipped: {counts.summary().split('skipped: ')[1]}"
             )
-    print(f"report: {Path(args.out) / 'report.html'} ({len(report.flags)} anomaly flag(s))")
+    print(f"report: {args.out.rstrip('/')}/report.html ({len(report.flags)} anomaly flag(s))")
     for flag in report.flags:
         print(f"  flag: {getattr(flag, 'message', flag)}")
     return 0
 
 
+@contextlib.contextmanager
+def _report_dir(out: str):
+    """Where the report is written: `out` itself, or for a URL a local directory published there when done."""
+    if not is_url(out):
+        yield Path(out)
+        return
+    from liandan.data.storage import REPORT_MARKER, publish
+
+    with tempfile.TemporaryDirectory(prefix="liandan-report-") as local:
+        yield Path(local)
+        publish(Path(local), out, REPORT_MARKER)
+
+
 def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
+    from liandan.data.storage import local_store
     from liandan.data.store import TokenStore, verify_store
 
-    store = TokenStore(Path(args.store))
+    local = local_store(args.store, say=print)  # a store URL is checked against its manifest as it is fetched
+    store = TokenStore(local)
     print(
         f"store {args.store}: {store.num_documents:,} documents, {store.num_tokens:,} tokens in {len(store.shards)} shard(s)"
     )
     print(f"tokenizer {store.fingerprint} (vocabulary {store.vocab_size:,}, end-of-document id {store.eos_id})")
     if args.verify:
-        problems = verify_store(Path(args.store))
+        problems = verify_store(local)
         for problem in problems:
             print(f"  problem: {problem}")
         print("verified: every checksum matches" if not problems else f"{len(problems)} problem(s)")

@@ -124,7 +124,7 @@ def _loader(run_cfg: Any, run: Path) -> Any:
     from liandan.run import RunDir
 
     if run_cfg.data.stores:
-        stores, _ = open_stores(run_cfg.data.stores)
+        stores, _ = open_stores(run_cfg.data.stores, run_cfg.data.cache_dir)
     elif RunDir(run).data_manifest.is_file():
         stores = [open_prepared(RunDir(run).data)[0]]
     else:

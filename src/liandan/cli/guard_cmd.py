@@ -95,7 +95,7 @@ def skipped_batches(run: Path) -> tuple[PackedLoader, Path | None, list[SkippedR
 def open_loader(cfg, room: RunDir) -> PackedLoader:
     """The run's loader over the whole global batch: the trainer's, seen from one rank of one."""
     if cfg.data.stores:
-        stores, _ = open_stores(cfg.data.stores)
+        stores, _ = open_stores(cfg.data.stores, cfg.data.cache_dir)
     else:
         stores = [open_prepared(room.data)[0]]
     t = cfg.train

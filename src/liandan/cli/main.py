@@ -296,8 +296,11 @@ def _check_launch(cfg, nproc: int) -> None:
         resolve_layout(cfg.parallel, nproc)
     except ValueError as err:
         raise ConfigError(str(err)) from None
+    from liandan.data.storage import is_file
+    from liandan.run.remote import locate
+
     for path in cfg.data.paths:
-        if not Path(path).is_file():
+        if not is_file(locate(path)):  # a URL's object too, so a missing one stops the launch, not the workers
             raise DataError(f"data file not found: {path}")
 
 

@@ -36,7 +36,7 @@ from liandan.faults import maybe_inject
 from liandan.run import atomic_file, atomic_write, replacing
 
 # Settings that change where the work runs, never what it writes: a resumed run may change them.
-_RUNTIME_KEYS = ("executor", "workers", "ray_address", "inspect", "baseline")
+_RUNTIME_KEYS = ("executor", "workers", "ray_address", "inspect", "baseline", "publish")
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def clean_task(cfg: PipelineConfig, task: Task, out: Path) -> dict[str, Any]:
         step.on_drop = on_drop
     read_stats = ReadStats()
     docs: Iterator[Document] = read_file(
-        Path(task.path),
+        task.path,
         source=task.source,
         text_field=task.text_field,
         txt_mode=task.txt_mode,
@@ -340,6 +340,12 @@ def run_pipeline(cfg: PipelineConfig, overwrite: bool = False, say: Callable[[st
     }
     if cfg.pipeline.inspect:
         summary["report"] = _inspect(cfg, tasks, out, summary, tokenizer)
+    if cfg.pipeline.publish:
+        from liandan.data.storage import publish_outputs
+
+        report = out / "report" if cfg.pipeline.inspect else None
+        stores_out = {name: out / "stores" / name for name in stores}
+        summary["published"] = publish_outputs(cfg.pipeline.publish, stores_out, report, say)
     _write_json(out / "summary.json", summary)
     return PipelineResult(out, summary)
 

@@ -32,11 +32,16 @@ from typing import Any, Literal
 from liandan.config import ConfigError, build_section, parse_override, read_toml
 from liandan.config import option as _f
 from liandan.data.steps import Step, build_step
+from liandan.run.remote import is_url, locate
 
 
 @dataclass
 class PipelineSection:
     output: str = _f("data/pipeline", "directory that receives every stage's output and the token stores")
+    publish: str = _f(
+        "", "URL (s3://bucket/prefix, gs://...) or directory that receives each finished token store and the"
+        " report, marker last; empty keeps them in the output directory only"
+    )  # fmt: skip
     executor: Literal["local", "ray"] = _f("local", "local processes, or tasks on a Ray cluster")
     workers: int = _f(2, "parallel processes (local) or CPUs requested (ray)", min=1)
     ray_address: str = _f("", "Ray cluster to join (e.g. ray://head:10001); empty starts a local Ray")
@@ -48,7 +53,9 @@ class PipelineSection:
 @dataclass
 class InputSpec:
     name: str = _f("", "source name: its documents form one token store and one mixture component")
-    paths: list[str] = _f([], "files or glob patterns (.txt, .jsonl, .parquet, optionally .gz/.zst)")
+    paths: list[str] = _f(
+        [], "files, URLs (s3://, gs://) or glob patterns (.txt, .jsonl, .parquet, optionally .gz/.zst)"
+    )
     text_field: str = _f("text", "field holding the text in .jsonl and .parquet records")
     txt_mode: Literal["file", "paragraph", "line"] = _f("file", "what a document is in a .txt file")
 
@@ -151,7 +158,7 @@ def load_pipeline(path: str | Path | None, overrides: list[str] | tuple[str, ...
         spec.paths = [_relative_to(base, p) for p in spec.paths]
         specs.append(spec)
     steps = [_resolve_step_paths(dict(s), base) for s in steps]
-    for key in ("output", "baseline"):
+    for key in ("output", "baseline", "publish"):
         value = getattr(built["pipeline"], key)
         if value and not Path(value).is_absolute() and not any(o.startswith(f"--pipeline.{key}=") for o in overrides):
             setattr(built["pipeline"], key, _relative_to(base, value))
@@ -161,7 +168,7 @@ def load_pipeline(path: str | Path | None, overrides: list[str] | tuple[str, ...
 
 
 def _relative_to(base: Path, path: str) -> str:
-    return path if Path(path).is_absolute() else os.path.normpath(base / path)
+    return path if Path(path).is_absolute() or is_url(path) else os.path.normpath(base / path)
 
 
 # Step options that name files: like input paths, they are relative to the pipeline file.
@@ -175,13 +182,20 @@ def _resolve_step_paths(spec: dict[str, Any], base: Path) -> dict[str, Any]:
     return spec
 
 
-def expand_paths(spec: InputSpec) -> list[Path]:
-    """The files of an input, sorted within each pattern, in the order the patterns are given."""
+def expand_paths(spec: InputSpec) -> list[Path | str]:
+    """The files of an input, sorted within each pattern, in the order the patterns are given; objects named by
+    URL stay URLs."""
     from liandan.data.corpus import DataError
+    from liandan.data.storage import glob_url, is_file
 
-    files: list[Path] = []
+    files: list[Path | str] = []
     for pattern in spec.paths:
-        if glob.has_magic(pattern):
+        if is_url(pattern):
+            found = glob_url(pattern) if glob.has_magic(pattern) else [pattern] if is_file(locate(pattern)) else []
+            if not found:
+                raise DataError(f"input '{spec.name}': no object matches {pattern}")
+            files.extend(found)
+        elif glob.has_magic(pattern):
             matches = sorted(Path(m) for m in glob.glob(pattern, recursive=True) if Path(m).is_file())
             if not matches:
                 raise DataError(f"input '{spec.name}': no file matches {pattern}")

@@ -42,10 +42,16 @@ def open_prepared(out_dir: Path) -> tuple[TokenStore, Tokenizer]:
     return store, store.tokenizer
 
 
-def open_stores(paths: list[str]) -> tuple[list[TokenStore], Tokenizer]:
-    """The stores of `[data] stores`, which must all share one tokenizer, and that tokenizer."""
+def open_stores(
+    paths: list[str], cache_dir: str = "", say: Callable[[str], None] | None = None
+) -> tuple[list[TokenStore], Tokenizer]:
+    """The stores of `[data] stores`, which must all share one tokenizer, and that tokenizer. A store named by
+    URL is first copied into the shard cache (`[data] cache_dir`), then opened from there like any other."""
+    from liandan.data.storage import local_store
+
     if not paths:
         raise DataError("no token stores given")
-    stores = [TokenStore(paths[0])]
-    stores += [TokenStore(p, expect_tokenizer=stores[0].fingerprint) for p in paths[1:]]
+    local = [local_store(p, cache_dir, say) for p in paths]
+    stores = [TokenStore(local[0])]
+    stores += [TokenStore(p, expect_tokenizer=stores[0].fingerprint) for p in local[1:]]
     return stores, stores[0].tokenizer

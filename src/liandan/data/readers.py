@@ -28,6 +28,8 @@ from typing import Any, BinaryIO
 
 from liandan.config import ConfigError
 from liandan.data.corpus import DataError, Document, ReadStats
+from liandan.data.storage import is_file, open_binary, storage_errors
+from liandan.run.remote import RemotePath, locate
 
 RejectHandler = Callable[[dict[str, Any]], None]
 
@@ -45,7 +47,7 @@ _CHUNK_BYTES = 1 << 20
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def file_format(path: Path) -> tuple[str, str | None]:
+def file_format(path: Path | RemotePath) -> tuple[str, str | None]:
     """(format, compression) from the file name: "x.jsonl.zst" -> ("jsonl", "zstd")."""
     name = path.name.lower()
     compression = None
@@ -54,7 +56,8 @@ def file_format(path: Path) -> tuple[str, str | None]:
             name, compression = name[: -len(suffix)], kind
     inner = Path(name).suffix
     if inner not in FORMAT_SUFFIXES:
-        shown = "".join(path.suffixes[-2:] if compression else path.suffixes[-1:])
+        suffixes = Path(path.name).suffixes
+        shown = "".join(suffixes[-2:] if compression else suffixes[-1:])
         raise DataError(
             f"unsupported data file type '{shown}' for {path}; use .txt, .jsonl or .parquet (optionally .gz or .zst)"
         )
@@ -62,7 +65,7 @@ def file_format(path: Path) -> tuple[str, str | None]:
 
 
 def read_file(
-    path: str | Path,
+    path: str | Path | RemotePath,
     source: str | None = None,
     text_field: str = "text",
     txt_mode: str = "file",
@@ -73,11 +76,14 @@ def read_file(
 
     txt_mode says what a document is in a text file: the whole "file", each non-empty "line", or each
     blank-line separated "paragraph". jsonl and parquet take the text from `text_field`, the id from an "id"
-    field when there is one, and short scalar fields (title, url, ...) into doc.meta."""
-    path = Path(path)
+    field when there is one, and short scalar fields (title, url, ...) into doc.meta.
+
+    `path` may be a URL (s3://bucket/raw/wiki.jsonl.zst, any fsspec protocol): the object is streamed by ranged
+    reads, never downloaded whole first."""
+    path = locate(path)
     if txt_mode not in TXT_MODES:
         raise ConfigError(f"txt_mode must be one of {', '.join(TXT_MODES)}, got {txt_mode!r}")
-    if not path.is_file():
+    if not is_file(path):
         raise DataError(f"data file not found: {path}")
     kind, compression = file_format(path)
     reader = _Reader(path, source if source is not None else str(path), text_field, stats, on_reject)
@@ -90,7 +96,12 @@ def read_file(
 
 class _Reader:
     def __init__(
-        self, path: Path, source: str, text_field: str, stats: ReadStats | None, on_reject: RejectHandler | None
+        self,
+        path: Path | RemotePath,
+        source: str,
+        text_field: str,
+        stats: ReadStats | None,
+        on_reject: RejectHandler | None,
     ):
         self.path = path
         self.source = source
@@ -277,10 +288,10 @@ def _paragraphs(stream: BinaryIO) -> Iterator[tuple[int, bytes]]:
 
 
 @contextlib.contextmanager
-def _open_stream(path: Path, compression: str | None) -> Iterator[BinaryIO]:
+def _open_stream(path: Path | RemotePath, compression: str | None) -> Iterator[BinaryIO]:
     """The file's bytes, decompressed; a decompression failure becomes a DataError naming the file."""
     try:
-        raw = open(path, "rb")  # noqa: SIM115 - closed below
+        raw = open_binary(path)
     except OSError as err:
         raise DataError(f"cannot open {path}: {err.strerror}") from None
     with raw:
@@ -312,7 +323,7 @@ def _is_decompression_error(err: BaseException) -> bool:
     return isinstance(err, zstandard.ZstdError)
 
 
-def _zstd_chunks(raw: BinaryIO, path: Path) -> Iterator[bytes]:
+def _zstd_chunks(raw: BinaryIO, path: Path | RemotePath) -> Iterator[bytes]:
     """Decompressed chunks of a (possibly multi-frame) zstd file; a file cut off inside a frame is an error,
     where a plain stream reader would end quietly and lose the tail."""
     try:
@@ -359,12 +370,14 @@ class _ChunkStream(io.RawIOBase):
 
 
 @contextlib.contextmanager
-def _parquet_source(path: Path, compression: str | None) -> Iterator[tuple[BinaryIO, int]]:
+def _parquet_source(path: Path | RemotePath, compression: str | None) -> Iterator[tuple[BinaryIO, int]]:
     """A seekable handle on the parquet bytes, and their size. Compressed parquet is first inflated into a
     temporary file (parquet needs random access), never into memory."""
     if compression is None:
+        with storage_errors(path):
+            size = path.stat().st_size
         with _open_stream(path, None) as handle:
-            yield handle, path.stat().st_size
+            yield handle, size
         return
     with tempfile.TemporaryFile() as handle:
         with _open_stream(path, compression) as stream:

@@ -57,6 +57,7 @@ from liandan.model.spec import ParamCounts, ParamSplit, count_params, flops_per_
 from liandan.model.spec import get as get_model_spec
 from liandan.plan.devices import Device
 from liandan.plan.fp8 import Fp8Count, plan_fp8
+from liandan.run.remote import is_url
 from liandan.spec.layout import Layout, resolve_layout, uses_fsdp
 from liandan.spec.peaks import mixed_peak_flops
 
@@ -501,7 +502,9 @@ def plan_model_args(cfg: Config) -> Any:
     tokenizer_vocab = 0
     if not m.vocab_size:
         spec = cfg.data.tokenizer
-        if cfg.data.stores:  # a pipeline's store carries its tokenizer beside its manifest
+        if cfg.data.stores and is_url(cfg.data.stores[0]):  # its manifest says, without fetching the store
+            tokenizer_vocab = _store_url_vocab(cfg.data.stores[0])
+        elif cfg.data.stores:  # a pipeline's store carries its tokenizer beside its manifest
             tokenizer_vocab = _tokenizer_file_vocab(str(Path(cfg.data.stores[0]) / "tokenizer.json"))
         elif spec == "byte":
             tokenizer_vocab = 257
@@ -510,6 +513,12 @@ def plan_model_args(cfg: Config) -> Any:
         else:
             tokenizer_vocab = _tokenizer_file_vocab(spec)
     return model_args(m, tokenizer_vocab)
+
+
+def _store_url_vocab(url: str) -> int:
+    from liandan.data.storage import store_manifest
+
+    return int(store_manifest(url)["vocab_size"])
 
 
 def _tokenizer_file_vocab(path: str) -> int:

@@ -334,7 +334,7 @@ class Trainer:
         directory (resuming, it reuses that store) and the others open it; then the loader of this rank."""
         cfg, t = self.cfg, self.cfg.train
         if cfg.data.stores:
-            self.stores, self.tokenizer = open_stores(cfg.data.stores)
+            self.stores, self.tokenizer = open_stores(cfg.data.stores, cfg.data.cache_dir, self.say)
         else:
             data_dir = self.room.data
 
