@@ -174,6 +174,23 @@ def test_training_from_a_store_url_gives_the_local_store_batches(published, tmp_
     assert fetch_store(urls[0], tmp_path / "cache").downloaded == 0
 
 
+def test_a_store_published_to_a_directory_and_a_report_to_a_url(published, tmp_path, capsys):
+    from liandan.cli.main import main
+
+    out, summary = published
+    assert publish(out / "stores" / "more", str(tmp_path / "shared" / "more"), MANIFEST) == len(
+        _files(out / "stores" / "more")
+    )
+    assert _files(tmp_path / "shared" / "more") == _files(out / "stores" / "more")
+    assert main(["data", "info", summary["published"]["stores"]["more"], "--verify"]) == 0
+    assert "verified: every checksum matches" in capsys.readouterr().out
+    raw = f"{BUCKET}/raw/docs.jsonl"
+    assert main(["data", "inspect", raw, "--out", f"{BUCKET}/reports/docs"]) == 0
+    assert capsys.readouterr().out.startswith(f"report: {BUCKET}/reports/docs/report.html")
+    report = json.loads(locate(f"{BUCKET}/reports/docs/report.json").read_bytes())
+    assert report["sources"]["docs"]["documents"] == 30
+
+
 def test_a_half_published_store_is_refused_and_publishing_again_completes_it(published, tmp_path):
     out, _ = published
     local, url = out / "stores" / "docs", f"{BUCKET}/half/docs"

@@ -261,7 +261,7 @@ def store_manifest(url: str) -> dict[str, Any]:
 
 def fetch_store(url: str, cache: Path, say: Callable[[str], None] | None = None) -> Fetched:
     """The store at `url` as a local directory in the cache `cache`, downloading what the cache lacks."""
-    from liandan.data.store import MANIFEST, file_checksum
+    from liandan.data.store import MANIFEST
 
     source = locate(url)
     raw, _, expected = _manifest_of(source)
@@ -269,19 +269,20 @@ def fetch_store(url: str, cache: Path, say: Callable[[str], None] | None = None)
     local = cache / key / (source.name or "store")
     fetched = Fetched(local)
     with _locked(cache / key / ".lock"):
-        if (local / MANIFEST).is_file() and (local / MANIFEST).read_bytes() == raw:
-            return fetched
         local.mkdir(parents=True, exist_ok=True)
-        for name, info in expected.items():
-            _fetch_file(source / name, local / name, int(info["bytes"]), info["xxh3_64"], fetched, file_checksum)
-        atomic_write(local / MANIFEST, raw, durable=False)  # last: the copy is complete
+        for name, info in expected.items():  # a complete copy costs a stat per file: one removed is fetched again
+            _fetch_file(source / name, local / name, int(info["bytes"]), info["xxh3_64"], fetched)
+        if not ((local / MANIFEST).is_file() and (local / MANIFEST).read_bytes() == raw):
+            atomic_write(local / MANIFEST, raw, durable=False)  # last: the copy is complete
     if say is not None and fetched.files:
         resumed = f", {fetched.resumed} resumed" if fetched.resumed else ""
         say(f"fetched {fetched.files} file(s) of {url} ({fetched.downloaded:,} bytes{resumed}) into {local}")
     return fetched
 
 
-def _fetch_file(source: Any, target: Path, size: int, checksum: str, fetched: Fetched, file_checksum) -> None:
+def _fetch_file(source: RemotePath, target: Path, size: int, checksum: str, fetched: Fetched) -> None:
+    from liandan.data.store import file_checksum
+
     if target.is_file() and target.stat().st_size == size:
         return  # only a checked file is ever renamed to its name
     with storage_errors(source):
@@ -306,7 +307,7 @@ def _fetch_file(source: Any, target: Path, size: int, checksum: str, fetched: Fe
                     " the object is corrupt: publish the store again")  # fmt: skip
 
 
-def _download(source: Any, partial: Path, start: int, size: int) -> int:
+def _download(source: RemotePath, partial: Path, start: int, size: int) -> int:
     """Append bytes [start, size) of `source` to `partial`; returns how many."""
     if start >= size:
         return 0
