@@ -79,6 +79,24 @@ def test_inputs_stream_from_the_store_as_from_disk(s3, tmp_path):
     assert expand_paths(spec) == [urls["docs.jsonl"], urls["docs.jsonl.zst"], urls["more.txt.gz"]]
 
 
+def test_a_run_config_and_a_pipeline_file_take_urls_as_they_are(s3, tmp_path):
+    from liandan.config import DataSection
+    from liandan.data.pipeline_config import load_pipeline
+    from liandan.data.prepare import prepare_store
+
+    files = _write_inputs(tmp_path)
+    urls = _upload(files, f"{BUCKET}/run-inputs")
+    store, _ = prepare_store(DataSection(paths=[urls["docs.jsonl"]], tokenizer="byte"), tmp_path / "data", say=str)
+    assert store.num_documents == 30 and store.provenance(0, 0) == (urls["docs.jsonl"], _topics(0, 1)[0][0])
+    toml = tmp_path / "sub" / "pipeline.toml"
+    toml.parent.mkdir()
+    toml.write_text(
+        f'[pipeline]\npublish = "{BUCKET}/out"\n[[inputs]]\nname = "a"\npaths = ["{BUCKET}/run-inputs/*.jsonl"]\n'
+    )
+    cfg = load_pipeline(toml)  # relative paths are taken from the file's folder; URLs are left alone
+    assert (cfg.pipeline.publish, cfg.inputs[0].paths) == (f"{BUCKET}/out", [f"{BUCKET}/run-inputs/*.jsonl"])
+
+
 def test_a_missing_object_or_bucket_is_one_line(s3):
     with pytest.raises(DataError, match=rf"^data file not found: {BUCKET}/inputs/nothing\.jsonl$"):
         read_file(f"{BUCKET}/inputs/nothing.jsonl")
@@ -270,3 +288,38 @@ def test_a_run_trains_from_a_store_url_as_from_its_local_copy(published, s3, tmp
         assert done.returncode == 0, done.stderr[-3000:]
         losses[name] = [r["loss"] for r in read_metrics(tmp_path / "runs" / name) if "loss" in r]
     assert len(losses["url"]) == 3 and losses["url"] == losses["disk"]
+
+
+@pytest.mark.slow
+def test_a_pipeline_killed_while_publishing_completes_the_store_when_run_again(s3, tmp_path):
+    """`liandan data run` SIGKILLed after the second file of the first store went up: the store is refused until
+    the same command runs again, which puts the rest and the manifest, leaving what the local stores hold."""
+    urls = _upload(_write_inputs(tmp_path), f"{BUCKET}/killed/raw")
+    toml = tmp_path / "pipeline.toml"
+    toml.write_text(f"""
+[pipeline]
+output = "out"
+workers = 1
+inspect = false
+publish = "{BUCKET}/killed/corpus"
+[[inputs]]
+name = "docs"
+paths = ["{urls["docs.jsonl.zst"]}"]
+[[inputs]]
+name = "table"
+paths = ["{urls["table.parquet"]}"]
+[tokenizer]
+kind = "byte"
+""")
+    env = environment_without(**s3)
+    first = run_liandan("data", "run", toml, env={**env, "LIANDAN_FAULTS": "kill@publish:1"}, timeout=300)
+    assert first.returncode == -9, first.stderr[-2000:]
+    docs = f"{BUCKET}/killed/corpus/stores/docs"
+    assert PENDING in _objects(docs) and MANIFEST not in _objects(docs)
+    with pytest.raises(DataError, match="manifest.json missing"):
+        fetch_store(docs, tmp_path / "cache")
+    second = run_liandan("data", "run", toml, env=env, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert f'--data.stores=\'["{docs}", ' in second.stdout
+    for name in ("docs", "table"):
+        assert _objects(f"{BUCKET}/killed/corpus/stores/{name}") == _files(tmp_path / "out" / "stores" / name)
