@@ -209,6 +209,16 @@ def test_a_store_published_to_a_directory_and_a_report_to_a_url(published, tmp_p
     assert report["sources"]["docs"]["documents"] == 30
 
 
+def test_a_store_urls_tokenizer_is_fetched_alone(published, tmp_path):
+    from liandan.data.storage import store_tokenizer
+
+    out, summary = published
+    path = store_tokenizer(summary["published"]["stores"]["docs"], str(tmp_path / "cache"))
+    assert path.read_bytes() == (out / "stores" / "docs" / "tokenizer.json").read_bytes()
+    assert sorted(p.name for p in path.parent.iterdir()) == ["tokenizer.json"]  # no shard came with it
+    assert store_tokenizer(str(out / "stores" / "docs")) == out / "stores" / "docs" / "tokenizer.json"
+
+
 def test_a_half_published_store_is_refused_and_publishing_again_completes_it(published, tmp_path):
     out, _ = published
     local, url = out / "stores" / "docs", f"{BUCKET}/half/docs"

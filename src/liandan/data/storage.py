@@ -265,10 +265,9 @@ def fetch_store(url: str, cache: Path, say: Callable[[str], None] | None = None)
 
     source = locate(url)
     raw, _, expected = _manifest_of(source)
-    key = xxhash.xxh3_64_hexdigest(str(source).encode() + b"\0" + raw)
-    local = cache / key / (source.name or "store")
+    local = _copy_of(source, raw, cache)
     fetched = Fetched(local)
-    with _locked(cache / key / ".lock"):
+    with _locked(local.parent / ".lock"):
         local.mkdir(parents=True, exist_ok=True)
         for name, info in expected.items():  # a complete copy costs a stat per file: one removed is fetched again
             _fetch_file(source / name, local / name, int(info["bytes"]), info["xxh3_64"], fetched)
@@ -278,6 +277,31 @@ def fetch_store(url: str, cache: Path, say: Callable[[str], None] | None = None)
         resumed = f", {fetched.resumed} resumed" if fetched.resumed else ""
         say(f"fetched {fetched.files} file(s) of {url} ({fetched.downloaded:,} bytes{resumed}) into {local}")
     return fetched
+
+
+def _copy_of(source: RemotePath, manifest: bytes, cache: Path) -> Path:
+    """Where the cache keeps its copy of this store (the manifest in the key: a republished store is another)."""
+    key = xxhash.xxh3_64_hexdigest(str(source).encode() + b"\0" + manifest)
+    return cache / key / (source.name or "store")
+
+
+def store_tokenizer(location: str, cache_dir: str = "") -> Path:
+    """A store's tokenizer.json: beside a local store's manifest; for a store URL, fetched alone (checked against
+    the manifest) into the store's place in the cache, without its shards."""
+    from liandan.data.store import TOKENIZER_FILE
+
+    if not is_url(location) or location.startswith("file://"):
+        return local_store(location) / TOKENIZER_FILE
+    source = locate(location)
+    raw, _, expected = _manifest_of(source)
+    local = _copy_of(source, raw, cache_root(cache_dir))
+    with _locked(local.parent / ".lock"):
+        local.mkdir(parents=True, exist_ok=True)
+        info = expected[TOKENIZER_FILE]
+        _fetch_file(
+            source / TOKENIZER_FILE, local / TOKENIZER_FILE, int(info["bytes"]), info["xxh3_64"], Fetched(local)
+        )
+    return local / TOKENIZER_FILE
 
 
 def _fetch_file(source: RemotePath, target: Path, size: int, checksum: str, fetched: Fetched) -> None:

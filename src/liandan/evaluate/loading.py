@@ -13,6 +13,7 @@ from torch import nn
 from liandan.checkpoint.manager import load_model, resolve_checkpoint
 from liandan.checkpoint.verify import CheckpointError
 from liandan.config import Config, ConfigError, from_dict
+from liandan.data.corpus import DataError
 from liandan.data.store import TOKENIZER_FILE
 from liandan.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
@@ -77,7 +78,7 @@ def checkpoint_tokenizer(checkpoint: Path, meta: dict, run_dir: Path | None) -> 
     checkpoint holds none, and the file copied beside it is taken): in the stores of `[data] stores` of the
     config saved with it, in the run's own data directory (<run>/data, beside <run>/checkpoints unless the
     run was given), or in the checkpoint directory itself."""
-    candidates = [Path(store) / TOKENIZER_FILE for store in _trained_on_stores(meta)]
+    candidates = [path for store in _trained_on_stores(meta) if (path := _store_tokenizer(store)) is not None]
     for directory in (run_dir, checkpoint.parent.parent, checkpoint.parent):
         if directory is not None:
             candidates.append(directory / "data" / TOKENIZER_FILE)
@@ -95,6 +96,16 @@ def _is_tokenizer(path: Path, fingerprint: str | None) -> bool:
         return fingerprint is None or HFTokenizer.load(path).fingerprint() == fingerprint
     except (OSError, ValueError):  # unreadable: not the tokenizer (DataError and JSON errors are ValueErrors)
         return False
+
+
+def _store_tokenizer(store: str) -> Path | None:
+    """The tokenizer.json of a store, a store URL's fetched alone into the shard cache."""
+    from liandan.data.storage import store_tokenizer
+
+    try:
+        return store_tokenizer(store)
+    except (DataError, ConfigError):  # a store URL unreadable from here: the other places may hold the tokenizer
+        return None
 
 
 def _trained_on_stores(meta: dict) -> list[str]:
