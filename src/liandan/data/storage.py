@@ -156,6 +156,8 @@ def publish(local: Path, url: str, marker: str) -> int:
     wanted = [f for f in files if there.get(f) != (local / f).stat().st_size]
     complete = there.get(marker) == len(ours) and _read(dest / marker) == ours
     if complete and not wanted:
+        if PENDING in there:  # a publisher stopped between its marker and this note's removal
+            _remove(dest / PENDING)
         return 0
     if not (PENDING in there and _read(dest / PENDING) == token.encode()):
         _remove(dest / marker)  # first: from here on the destination is incomplete, never half-replaced
