@@ -66,27 +66,39 @@ class WordList:
                 phrases.add(tuple(words(entry)))
             else:
                 literals.add(entry)
-        self.substrings = sorted(substrings)
-        self.phrases = phrases
-        self.lengths = sorted({len(p) for p in phrases})
+        # Grouped by first character and first word, so a text is only compared with the entries that could
+        # start in it: one set intersection per document instead of a scan per entry.
+        self.substrings: dict[str, list[str]] = {}
+        for entry in sorted(substrings):
+            self.substrings.setdefault(entry[0], []).append(entry)
+        self.words = {p[0] for p in phrases if len(p) == 1}
+        self.phrases = {p for p in phrases if len(p) > 1}
+        self.phrase_starts = {p[0] for p in self.phrases}
+        self.phrase_lengths = sorted({len(p) for p in self.phrases})
+        self.literals = sorted(literals)
         self.literal = (
-            re.compile("|".join(rf"(?<![^\W_]){re.escape(e)}(?![^\W_])" for e in sorted(literals)))
-            if literals
-            else None
+            re.compile("|".join(rf"(?<![^\W_]){re.escape(e)}(?![^\W_])" for e in self.literals)) if literals else None
         )
+        self.size = len(substrings) + len(phrases) + len(literals)
 
     def __len__(self) -> int:
-        return len(self.substrings) + len(self.phrases) + (self.literal.pattern.count("|") + 1 if self.literal else 0)
+        return self.size
 
     def find(self, lowered: str, tokens: list[str]) -> str | None:
         """The first entry in `lowered` (the text in lower case), whose words are `tokens`."""
-        for entry in self.substrings:
-            if entry in lowered:
-                return entry
-        for n in self.lengths:
-            for i in range(len(tokens) - n + 1):
-                if tuple(tokens[i : i + n]) in self.phrases:
-                    return " ".join(tokens[i : i + n])
+        if self.substrings:
+            for first in sorted(self.substrings.keys() & set(lowered)):
+                for entry in self.substrings[first]:
+                    if entry in lowered:
+                        return entry
+        found = self.words.intersection(tokens)
+        if found:
+            return next(t for t in tokens if t in found)
+        for i, token in enumerate(tokens):
+            if token in self.phrase_starts:
+                for n in self.phrase_lengths:
+                    if tuple(tokens[i : i + n]) in self.phrases:
+                        return " ".join(tokens[i : i + n])
         if self.literal is not None and (match := self.literal.search(lowered)):
             return match.group(0)
         return None
