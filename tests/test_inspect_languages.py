@@ -4,10 +4,11 @@ import json
 
 import pytest
 
+from helpers import run_liandan
 from liandan.data.corpus import Document
 from liandan.data.inspection import Thresholds, inspect_sources
 from liandan.data.langid import Language
-from liandan.data.pipeline import run_pipeline
+from liandan.data.pipeline import read_jsonl_zst, run_pipeline
 from liandan.data.pipeline_config import InputSpec, PipelineConfig, PipelineSection, expected_languages
 
 EN = (
@@ -105,19 +106,43 @@ def test_pipeline_expects_each_input_s_languages_or_the_language_step_s():
 def test_pipeline_report_flags_a_source_in_the_wrong_language(tmp_path):
     (tmp_path / "en.jsonl").write_text(
         "".join(json.dumps({"text": f"{EN} Paragraph {i}. Call +44 20 7946 0958."}) + "\n" for i in range(8))
-        + "".join(json.dumps({"text": f"{ZH}第{i}段。"}, ensure_ascii=False) + "\n" for i in range(4)),
+        + "".join(json.dumps({"text": f"{ZH}第{i}段。"}, ensure_ascii=False) + "\n" for i in range(4))
+        + json.dumps({"text": f"{EN} They frobnicate."})
+        + "\n",
         encoding="utf-8",
     )
     cfg = PipelineConfig(
         pipeline=PipelineSection(output=str(tmp_path / "out"), workers=1),
         inputs=[InputSpec(name="en", paths=[str(tmp_path / "en.jsonl")], languages=["en"])],
-        steps=[{"name": "pii"}, {"name": "language", "languages": ["en", "zh"]}],
+        steps=[
+            {"name": "pii"},
+            {"name": "language", "languages": ["en", "zh"]},
+            {"name": "bad_words", "languages": [], "extra_words": ["frobnicate"]},
+        ],
     )
     cfg.tokenizer.kind = "byte"
     cfg.dedup.exact = cfg.dedup.near = False
     cfg.check()
     summary = run_pipeline(cfg, say=lambda m: None).summary
     assert summary["steps"][0]["changed"] == {"phone_number": 8, "phone_number replacements": 8}
+    assert summary["steps"][2]["dropped"] == {"bad_words:extra": 1}
+    (rejected,) = read_jsonl_zst(tmp_path / "out" / "clean" / "00000.rejects.jsonl.zst")
+    assert (rejected["step"], rejected["reason"], rejected["meta"]["bad_word"]) == (
+        "bad_words",
+        "bad_words:extra",
+        "frobnicate",
+    )
     assert any("in zh, which is not among the expected (en)" in f for f in summary["report"]["flags"])
     data = json.loads((tmp_path / "out" / "report" / "report.json").read_text(encoding="utf-8"))
     assert data["sources"]["en"]["languages"] == pytest.approx({"en": 2 / 3, "zh": 1 / 3}, abs=1e-5)
+
+
+def test_inspect_command_takes_the_expected_languages(tmp_path):
+    path = tmp_path / "web.jsonl"
+    texts = [EN] * 7 + [ZH] * 3
+    path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
+    done = run_liandan("data", "inspect", path, "--out", tmp_path / "report", "--languages", "en", timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "flag: 30% of documents are in zh, which is not among the expected (en)" in done.stdout
+    data = json.loads((tmp_path / "report" / "report.json").read_text(encoding="utf-8"))
+    assert data["sources"]["web"]["languages"] == {"en": 0.7, "zh": 0.3}
