@@ -5,7 +5,7 @@ datasketch's MinHash + MinHashLSH, on the same corpus, scored against exact Jacc
     python benchmarks/near_dedup.py --json results.json
     python benchmarks/near_dedup.py --datatrove-python /path/to/venv/bin/python
 
-datatrove runs in its own interpreter (default: this one if it imports datatrove, else /tmp/dtvenv/bin/python),
+datatrove runs in its own interpreter (default: this one if datatrove's MinHash runs in it, else /tmp/dtvenv/bin/python),
 because its shingling calls xxhash with str, which xxhash 4 (liandan's) rejects. Set that interpreter up with
 
     python -m venv /tmp/dtvenv
@@ -300,7 +300,9 @@ def find_datatrove_python(given: str | None) -> str | None:
     candidates = [given] if given else [sys.executable, "/tmp/dtvenv/bin/python"]
     for python in candidates:
         if python and Path(python).exists():
-            probe = subprocess.run([python, "-c", "import datatrove, spacy"], capture_output=True, check=False)
+            # Importing is not enough: with xxhash 4 datatrove's MinHash fails on its first shingle.
+            check = "import spacy; from datatrove.utils.hashes.xxhash import xxhash64; xxhash64('shingle')"
+            probe = subprocess.run([python, "-c", check], capture_output=True, check=False)
             if probe.returncode == 0:
                 return python
     return None

@@ -32,6 +32,7 @@ def add_commands(sub) -> None:
     p.add_argument("--txt-mode", choices=["file", "paragraph", "line"], default="paragraph", help="documents of a .txt")
     p.add_argument("--baseline", help="an earlier report.json: flag statistics that shifted since")
     p.add_argument("--tokenizer", help="a tokenizer.json, for token-length statistics")
+    p.add_argument("--languages", help="languages every source should hold, e.g. en,zh: flag other languages' shares")
     p.set_defaults(command=cmd_inspect)
 
     p = actions.add_parser("info", help="what a token store holds; --verify checks every checksum")
@@ -121,8 +122,16 @@ def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
         )
     tokenizer = HFTokenizer.load(args.tokenizer) if args.tokenizer else None
     baseline = Path(args.baseline) if args.baseline else None
+    languages = [code.strip().lower() for code in (args.languages or "").split(",") if code.strip()]
     with _report_dir(args.out) as out:
-        report = inspect_sources(sources, out, tokenizer=tokenizer, baseline=baseline, read_stats=read_stats)
+        report = inspect_sources(
+            sources,
+            out,
+            tokenizer=tokenizer,
+            baseline=baseline,
+            read_stats=read_stats,
+            expected_languages={source: languages for source in sources} if languages else None,
+        )
     for source, counts in read_stats.items():
         if counts.skipped:
             print(

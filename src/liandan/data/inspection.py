@@ -28,6 +28,7 @@ import xxhash
 from liandan.config import ConfigError
 from liandan.data.charclass import CHAR_CLASSES, count_char_classes, members, visible
 from liandan.data.corpus import DataError, Document, ReadStats
+from liandan.data.language_share import language_flags, language_shares
 from liandan.data.steps import StepStats
 from liandan.data.text import CJK_CLASS, normalize_for_matching, words
 
@@ -71,6 +72,10 @@ class Thresholds:
     shift_ratio: float = 3.0
     length_shift_ratio: float = 1.5
     duplicate_shift: float = 0.10
+    # Against a source's expected languages (see liandan/data/language_share.py).
+    unexpected_language_share: float = 0.05
+    expected_language_share: float = 0.90
+    expected_language_min_share: float = 0.01
     # Per-class replacements of the built-in usual shares (e.g. {"markup": 0.05} for a source of HTML).
     reference: dict[str, float] = field(default_factory=dict)
 
@@ -127,9 +132,11 @@ def inspect_sources(
     thresholds: Thresholds | None = None,
     seed: int = 0,
     read_stats: dict[str, ReadStats] | None = None,
+    expected_languages: dict[str, list[str]] | None = None,
 ) -> InspectionReport:
     """Measure each source, flag anomalies and write report.html/.md/.json into `out_dir`. `read_stats`: the
-    readers' counts per source, filled while the sources are read; their skipped records go into the report."""
+    readers' counts per source, filled while the sources are read; their skipped records go into the report.
+    `expected_languages`: per source, the languages it should hold (flagged when others take a share)."""
     from liandan.data.report import write_reports  # rendering pulls in matplotlib; keep it off this import
 
     thresholds = thresholds or Thresholds()
@@ -142,8 +149,11 @@ def inspect_sources(
         raise ConfigError(f"max_docs_per_source must be >= 1, got {max_docs_per_source}")
     steps = [_checked_step(raw) for raw in step_stats or []]
     old = load_baseline(Path(baseline)) if baseline is not None else None
+    expected_languages = expected_languages or {}
     stats = {
-        name: source_statistics(name, docs, thresholds, tokenizer, max_docs_per_source, seed)
+        name: source_statistics(
+            name, docs, thresholds, tokenizer, max_docs_per_source, seed, expected_languages.get(name, [])
+        )
         for name, docs in sources.items()
     }
     for name, counts in (read_stats or {}).items():
@@ -211,7 +221,9 @@ def sample_documents(docs: Iterable[Document], limit: int, rng: random.Random) -
     return [doc for _, doc in kept], seen
 
 
-def source_statistics(name, docs, thresholds: Thresholds, tokenizer, limit: int, seed: int) -> dict[str, Any]:
+def source_statistics(
+    name, docs, thresholds: Thresholds, tokenizer, limit: int, seed: int, expected_languages: list[str] = ()
+) -> dict[str, Any]:
     sample, total = sample_documents(docs, limit, random.Random(f"{seed}:{name}"))
     texts = [d.text for d in sample]
     word_counts, word_ids, id_to_word = _words_and_ids(texts)
@@ -220,7 +232,8 @@ def source_statistics(name, docs, thresholds: Thresholds, tokenizer, limit: int,
         "sampled": len(sample),
         "characters": sum(map(len, texts)),
         "lengths": {"characters": distribution([len(t) for t in texts]), "words": distribution(word_counts)},
-        "languages": _languages(sample),
+        "languages": language_shares(sample, identify=bool(expected_languages)),
+        "languages_expected": [language.lower() for language in expected_languages],
         "char_classes": count_char_classes(texts, [d.doc_id for d in sample]),
         "lines": _line_statistics(texts, thresholds),
         "ngrams": {str(n): top_ngrams(word_ids, word_counts, id_to_word, n) for n in NGRAM_SIZES},
@@ -337,13 +350,6 @@ def join_words(ws: list[str]) -> str:
     return out
 
 
-def _languages(sample: list[Document]) -> dict[str, float]:
-    langs = Counter(d.meta.get("language") or "unknown" for d in sample)
-    if set(langs) == {"unknown"}:
-        return {}
-    return {lang: _round(n / len(sample)) for lang, n in langs.most_common()}
-
-
 def _line_statistics(texts: list[str], thresholds: Thresholds) -> dict[str, Any]:
     line_counts: Counter = Counter()
     line_docs: Counter = Counter()
@@ -387,6 +393,8 @@ def find_anomalies(stats: dict[str, dict], thresholds: Thresholds, baseline: dic
         line_flags = _line_flags(name, source, thresholds)
         flags += line_flags + _ngram_flags(name, source, [f.example for f in line_flags], thresholds)
         flags += _document_flags(name, source, thresholds)
+        expected = source.get("languages_expected") or []
+        flags += [Anomaly(name, **f) for f in language_flags(source["languages"], expected, thresholds)]
         if baseline is not None and name in baseline["sources"]:
             flags += _shift_flags(name, source, baseline["sources"][name], thresholds)
     return flags

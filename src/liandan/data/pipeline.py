@@ -409,6 +409,7 @@ def _merge_steps(cleaned: list[dict[str, Any]]) -> list[StepStats]:
 
 def _inspect(cfg: PipelineConfig, tasks: list[Task], out: Path, summary: dict[str, Any], tokenizer) -> dict[str, Any]:
     from liandan.data.inspection import inspect_sources
+    from liandan.data.pipeline_config import expected_languages
 
     def source_docs(name: str) -> Iterator[Document]:
         for t in tasks:
@@ -422,6 +423,7 @@ def _inspect(cfg: PipelineConfig, tasks: list[Task], out: Path, summary: dict[st
         dedup_stats=summary["dedup"],
         tokenizer=tokenizer,
         baseline=Path(cfg.pipeline.baseline) if cfg.pipeline.baseline else None,
+        expected_languages=expected_languages(cfg),
     )
     return {"path": str(out / "report"), "flags": [_flag_text(f) for f in report.flags]}
 

@@ -58,6 +58,9 @@ class InputSpec:
     )
     text_field: str = _f("text", "field holding the text in .jsonl and .parquet records")
     txt_mode: Literal["file", "paragraph", "line"] = _f("file", "what a document is in a .txt file")
+    languages: list[str] = _f(
+        [], "languages the source should hold (the report flags others); empty: the language step's languages"
+    )
 
 
 @dataclass
@@ -115,7 +118,7 @@ class PipelineConfig:
         steps = [s if isinstance(s, dict) else {"name": s.name, "python": repr(s)} for s in self.steps]
         return {
             "pipeline": dataclasses.asdict(self.pipeline),
-            "inputs": [dataclasses.asdict(i) for i in self.inputs],
+            "inputs": [_input_dict(i) for i in self.inputs],
             "steps": steps,
             "dedup": dataclasses.asdict(self.dedup),
             "tokenizer": dataclasses.asdict(self.tokenizer),
@@ -125,6 +128,25 @@ class PipelineConfig:
         import tomli_w
 
         return tomli_w.dumps(self.to_dict())
+
+
+def _input_dict(spec: InputSpec) -> dict[str, Any]:
+    raw = dataclasses.asdict(spec)
+    if not raw["languages"]:  # left out when unset, so outputs written before the option existed still resume
+        del raw["languages"]
+    return raw
+
+
+def expected_languages(cfg: PipelineConfig) -> dict[str, list[str]]:
+    """Per source, the languages the inspection expects: the input's own `languages`, else those the
+    `language` step keeps; sources with neither are left out."""
+    kept: list[str] = []
+    for spec in cfg.steps:
+        if isinstance(spec, dict) and spec.get("name") == "language":
+            kept = list(spec.get("languages") or [])
+        elif not isinstance(spec, dict) and spec.name == "language":
+            kept = sorted(getattr(spec, "languages", []))
+    return {i.name: list(i.languages or kept) for i in cfg.inputs if i.languages or kept}
 
 
 _TABLES = {"pipeline": PipelineSection, "dedup": DedupSection, "tokenizer": TokenizerSection}
@@ -172,7 +194,7 @@ def _relative_to(base: Path, path: str) -> str:
 
 
 # Step options that name files: like input paths, they are relative to the pipeline file.
-_PATH_OPTIONS = ("eval_files",)
+_PATH_OPTIONS = ("eval_files", "word_files")
 
 
 def _resolve_step_paths(spec: dict[str, Any], base: Path) -> dict[str, Any]:

@@ -129,7 +129,9 @@ def _source_blocks(name: str, s: dict[str, Any], flags: list[dict]) -> list[Bloc
     blocks.append(Table(["length", *_PERCENTILE_KEYS, "mean", "max"], [
         [unit, *[d[k] for k in _PERCENTILE_KEYS], d["mean"], d["max"]] for unit, d in s["lengths"].items() if d["count"]
     ]))  # fmt: skip
-    if s["languages"]:
+    if s["languages"] and s.get("languages_expected"):
+        blocks += _language_blocks(s["languages"], s["languages_expected"], flags)
+    elif s["languages"]:
         blocks.append(Table(["language", "share"], [[lang, _pct(v)] for lang, v in s["languages"].items()]))
     flagged = {f["statistic"].removesuffix(" share") for f in flags}
     classes = s["char_classes"]
@@ -157,6 +159,15 @@ def _source_blocks(name: str, s: dict[str, Any], flags: list[dict]) -> list[Bloc
         ["short", s["documents_short"]],
     ]))  # fmt: skip
     return blocks
+
+
+def _language_blocks(shares: dict[str, float], expected: list[str], flags: list[dict]) -> list[Block]:
+    unexpected = {f["statistic"].split(" ")[0] for f in flags if f["kind"] == "unexpected_language"}
+    rows = [[lang, _pct(v), "yes" if lang in expected else "no"] for lang, v in shares.items()]
+    return [
+        ("p", f"Expected languages: {', '.join(expected)}."),
+        Table(["language", "share", "expected"], rows, {i for i, lang in enumerate(shares) if lang in unexpected}),
+    ]
 
 
 # ---------------------------------------------------------------------------------------------- markdown

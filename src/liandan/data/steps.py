@@ -130,7 +130,7 @@ def register(cls: type[Step]) -> type[Step]:
 
 def load_builtin_steps() -> dict[str, type[Step]]:
     """Every step that ships with liandan, registered by importing its module."""
-    from liandan.data import decontam, langid, normalize, quality  # noqa: F401
+    from liandan.data import badwords, decontam, langid, normalize, pii, quality  # noqa: F401
 
     return STEPS
 
