@@ -51,6 +51,9 @@ class InputSpec:
     paths: list[str] = _f([], "files or glob patterns (.txt, .jsonl, .parquet, optionally .gz/.zst)")
     text_field: str = _f("text", "field holding the text in .jsonl and .parquet records")
     txt_mode: Literal["file", "paragraph", "line"] = _f("file", "what a document is in a .txt file")
+    provenance: Literal["input", "file"] = _f(
+        "input", "what each document names as its source in the store's provenance: this input, or its file's path"
+    )
 
 
 @dataclass
