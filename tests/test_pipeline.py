@@ -181,7 +181,7 @@ def test_resume_after_a_real_kill_redoes_nothing_finished(finished, tmp_path, fa
     reference, _ = finished
     toml = write_inputs(tmp_path)
     out = tmp_path / "out"
-    command = ["data", "run", toml, "--workers=1"]
+    command = ["data", "run", toml, "--workers=1", "--pipeline.inspect=false"]
     first = run_liandan(*command, env={**os.environ, "LIANDAN_FAULTS": f"kill@{fault}"}, timeout=300)
     assert first.returncode == -9, first.stderr[-2000:]
     cfg = load_pipeline(toml)

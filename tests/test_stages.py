@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from helpers import write_corpus
 from liandan.cli.main import main
@@ -157,6 +158,7 @@ def test_a_runs_data_paths_go_through_the_stages_into_the_same_tokens(tmp_path):
     assert tokenizer.fingerprint() == "byte-v1" and store.num_documents == 21
 
 
+@pytest.mark.slow  # reads the standard library's docstrings twice
 def test_the_python_documentation_corpus_goes_through_the_stages_into_the_same_tokens(tmp_path):
     from liandan.data.prepare import prepare_store
 

@@ -146,7 +146,8 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     print(f"data directory: {data_dir}")
     for name, what in [
         ("clean/", "cleaned documents, and every dropped record with its step and reason (*.rejects.jsonl.zst)"),
-        ("dedup/stats.json", "exact and near duplicates found"),
+        ("dedup/", "which documents exact and near dedup removed, and their clusters"),
+        ("state/", "each stage's done marker with its statistics: a rerun resumes after the last one"),
         ("stores/corpus/", "the token store: shards with self-describing headers, provenance, manifest, tokenizer"),
         ("stores/corpus-poisoned/", "the store trained on: the same, with the documents of one batch made noise"),
         ("report/report.html", "the inspection report: distributions, repeated lines, anomaly flags"),
