@@ -31,7 +31,7 @@ from liandan.data.executor import make_executor
 from liandan.data.layout import PipelineLayout
 from liandan.data.pipeline_config import PipelineConfig, expand_paths
 from liandan.data.stages import Stage, StageContext, Task, describe, run_stages
-from liandan.data.steps import Step, StepStats, build_step
+from liandan.data.steps import Step, StepStats, build_step, merge_step_stats
 from liandan.faults import maybe_inject
 from liandan.run import atomic_file, atomic_write, replacing
 
@@ -373,7 +373,7 @@ class InspectStage(Stage):
         report = inspect_sources(
             {i.name: source_docs(i.name) for i in cfg.inputs},
             layout.report_dir,
-            step_stats=[s.to_dict() for s in _merge_steps(ctx.results["clean"])],
+            step_stats=[s.to_dict() for s in merge_step_stats([c["steps"] for c in ctx.results["clean"]])],
             dedup_stats=ctx.results["dedup"],
             tokenizer=load_tokenizer(tokenizer_spec(cfg, layout)),
             baseline=Path(cfg.pipeline.baseline) if cfg.pipeline.baseline else None,
@@ -436,7 +436,7 @@ def run_pipeline(
         "stages": [s.name for s in stages],
         "tasks": len(tasks),
         "read": _merge_read([c["read"] for c in cleaned]),
-        "steps": [s.to_dict() for s in _merge_steps(cleaned)],
+        "steps": [s.to_dict() for s in merge_step_stats([c["steps"] for c in cleaned])],
         "rejected": sum(c["rejected"] for c in cleaned),
         "dedup": results["dedup"],
         "tokenizer": manifest["tokenizer"],
@@ -495,15 +495,3 @@ def _merge_read(reads: list[dict[str, Any]]) -> dict[str, Any]:
         "characters": sum(r["characters"] for r in reads),
         "skipped": dict(sorted(skipped.items())),
     }
-
-
-def _merge_steps(cleaned: list[dict[str, Any]]) -> list[StepStats]:
-    merged: list[StepStats] = []
-    for c in cleaned:
-        for i, s in enumerate(c["steps"]):
-            stats = StepStats.from_dict(s)
-            if i == len(merged):
-                merged.append(stats)
-            else:
-                merged[i].merge(stats)
-    return merged
