@@ -192,6 +192,7 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
 
 def test_demo_takes_a_directory_of_data_files(tmp_path):
     from liandan.cli.demo import prepare_data
+    from liandan.data.layout import PipelineLayout
 
     data = tmp_path / "my-text"
     (data / "drafts").mkdir(parents=True)
@@ -202,7 +203,8 @@ def test_demo_takes_a_directory_of_data_files(tmp_path):
     (data / "drafts" / "c.txt").write_text("A draft.\n")
     summary = prepare_data([str(data)], tmp_path / "out", 300)
     assert summary["tasks"] == 2 and summary["read"]["documents"] == 50
-    tasks = [json.loads(p.read_text())["task"]["path"] for p in (tmp_path / "out" / "clean").glob("*.stats.json")]
+    markers = PipelineLayout(tmp_path / "out").state_dir.glob("clean-*.json")  # one done marker per task
+    tasks = [json.loads(p.read_text())["task"]["path"] for p in markers]
     assert sorted(tasks) == [str(data / "a-records.jsonl"), str(data / "b-prose.txt")]
 
     empty = tmp_path / "empty"

@@ -165,21 +165,39 @@ def test_stores_feed_the_training_loader(finished):
 
 
 @pytest.mark.slow
-def test_resume_after_a_real_kill_redoes_nothing_finished(finished, tmp_path):
+@pytest.mark.parametrize(
+    "fault, done_before",
+    [
+        ("clean-midway:1", [("clean", 0)]),  # task 1 killed with its files half written
+        ("dedup:0", [("clean", 0), ("clean", 1)]),  # a whole stage's outputs written, its marker not yet
+        ("tokenize:1", [("clean", 0), ("clean", 1), ("dedup", None), ("tokenizer", None), ("tokenize", 0)]),
+    ],
+)
+def test_resume_after_a_real_kill_redoes_nothing_finished(finished, tmp_path, fault, done_before):
+    from liandan.data.layout import PipelineLayout
+    from liandan.data.pipeline import pipeline_stages, plan_tasks
+    from liandan.data.stages import StageContext
+
     reference, _ = finished
     toml = write_inputs(tmp_path)
     out = tmp_path / "out"
-    command = ["data", "run", toml, "--workers=1"]
-    env = {**os.environ, "LIANDAN_FAULTS": "kill@tokenize:1"}
-    first = run_liandan(*command, env=env, timeout=300)
+    command = ["data", "run", toml, "--workers=1", "--pipeline.inspect=false"]
+    first = run_liandan(*command, env={**os.environ, "LIANDAN_FAULTS": f"kill@{fault}"}, timeout=300)
     assert first.returncode == -9, first.stderr[-2000:]
-    assert (out / "state" / "tokenize-00000.json").is_file()
-    assert not (out / "state" / "tokenize-00001.json").exists()
-    finished_files = {p: p.stat().st_mtime_ns for p in (out / "clean").glob("*") if p.is_file()}
-    finished_files[out / "state" / "tokenize-00000.json"] = (out / "state" / "tokenize-00000.json").stat().st_mtime_ns
+    cfg = load_pipeline(toml)
+    ctx = StageContext(cfg, PipelineLayout(out), plan_tasks(cfg))
+    stages = {s.name: s for s in pipeline_stages(cfg)}
+    markers = [p.name for p in (out / "state").glob("*.json")]
+    units = [(stages[name], None if index is None else ctx.tasks[index]) for name, index in done_before]
+    assert sorted(markers) == sorted(ctx.layout.done(s.name, t).name for s, t in units)
+    kept = [ctx.layout.done(s.name, t) for s, t in units] + [p for s, t in units for p in s.outputs(ctx, t)]
+    kept_times = {p: p.stat().st_mtime_ns for p in kept if p.is_file()}
+    if fault.startswith("clean-midway"):
+        assert (out / "clean" / ".00001.jsonl.zst.tmp").is_file()  # killed while writing
     second = run_liandan(*command, timeout=300)
     assert second.returncode == 0, second.stderr[-2000:]
-    assert {p: p.stat().st_mtime_ns for p in finished_files} == finished_files
+    assert {p: p.stat().st_mtime_ns for p in kept_times} == kept_times
+    assert not [p for p in out.rglob("*.tmp")]
     assert store_bytes(out) == store_bytes(reference)
 
 

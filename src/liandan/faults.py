@@ -18,10 +18,11 @@ Format: comma-separated `ACTION@POINT:STEP[:RANK]`, for example
 
 Points: `data` (loading the batch of step STEP), `step` (after optimizer step STEP), `save` (a checkpoint's
 shards written, its manifest not yet), `saved` (a checkpoint complete; its path is passed along); in the data
-pipeline, `clean` and `tokenize` (task STEP's output written, its done marker not yet); in object storage,
-`publish` (file STEP of a directory put, its marker not yet) and `fetch` (chunk STEP of a download written to
-its partial file). Actions:
-`kill` (SIGKILL), `exit` (exit code 1 at once), `raise` (RuntimeError), `hang` (sleep forever), `enospc`
+pipeline, each stage's name (`clean`, `dedup`, `tokenizer`, `tokenize`, ...: task STEP's output written, its
+done marker not yet; STEP 0 for a stage that runs once) and `clean-midway` (task STEP's files half written); in
+object storage, `publish` (file STEP of a directory put, its marker not yet) and `fetch` (chunk STEP of a
+download written to its partial file).
+Actions: `kill` (SIGKILL), `exit` (exit code 1 at once), `raise` (RuntimeError), `hang` (sleep forever), `enospc`
 (OSError ENOSPC), `corrupt` (flip one byte of a checkpoint shard; `saved` only).
 
 Gradient and update faults fire once per process, the first time their step is trained: a run that rolls

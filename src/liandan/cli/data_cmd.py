@@ -23,6 +23,9 @@ def add_commands(sub) -> None:
     p.add_argument("--executor", choices=["local", "ray"], help="override pipeline.executor")
     p.add_argument("--workers", type=int, help="override pipeline.workers")
     p.add_argument("--overwrite", action="store_true", help="discard earlier output made with another config")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the stages, what each reads and writes and what is done; run none"
+    )
     p.set_defaults(command=cmd_run)
 
     p = actions.add_parser("inspect", help="statistics and anomaly flags of raw or cleaned text files")
@@ -45,7 +48,7 @@ def add_commands(sub) -> None:
 
 
 def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from liandan.data.pipeline import run_pipeline
+    from liandan.data.pipeline import plan, run_pipeline
     from liandan.data.pipeline_config import load_pipeline
 
     if args.executor:
@@ -53,6 +56,9 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.workers is not None:
         overrides = [*overrides, f"--pipeline.workers={args.workers}"]
     cfg = load_pipeline(args.pipeline, overrides)
+    if args.dry_run:
+        print("\n".join(plan(cfg)))
+        return 0
     result = run_pipeline(cfg, overwrite=args.overwrite)
     print_summary(result.summary)
     return 0

@@ -55,21 +55,18 @@ NPROC = 2
 def prepare_data(data: list[str] | None, out: Path, vocab_size: int) -> dict:
     """The data pipeline over the user's files (or Python's documentation), into a token store at `out`."""
     from liandan.cli.data_cmd import print_summary
-    from liandan.data.corpus import ReadStats, python_docs_corpus
+    from liandan.data.corpus import write_python_docs
+    from liandan.data.layout import PipelineLayout
     from liandan.data.pipeline import run_pipeline
     from liandan.data.pipeline_config import InputSpec, PipelineConfig, PipelineSection, TokenizerSection
 
     if data:
         paths = data_files(data)
     else:
-        raw = out / "raw" / "python-docs.jsonl"
-        raw.parent.mkdir(parents=True, exist_ok=True)
-        stats = ReadStats()
-        with raw.open("w", encoding="utf-8") as handle:
-            for doc in python_docs_corpus(stats):
-                handle.write(json.dumps({"id": doc.doc_id, "text": doc.text}, ensure_ascii=False) + "\n")
+        corpus = PipelineLayout(out).python_docs
+        stats = write_python_docs(corpus)
         print(f"wrote the Python documentation corpus (pydoc topics + stdlib docstrings): {stats.summary()}")
-        paths = [str(raw)]
+        paths = [str(corpus)]
     cfg = PipelineConfig(
         pipeline=PipelineSection(output=str(out), workers=2),
         inputs=[InputSpec(name="corpus", paths=paths, txt_mode="paragraph")],
@@ -149,7 +146,8 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     print(f"data directory: {data_dir}")
     for name, what in [
         ("clean/", "cleaned documents, and every dropped record with its step and reason (*.rejects.jsonl.zst)"),
-        ("dedup/stats.json", "exact and near duplicates found"),
+        ("dedup/", "which documents exact and near dedup removed, and their clusters"),
+        ("state/", "each stage's done marker with its statistics: a rerun resumes after the last one"),
         ("stores/corpus/", "the token store: shards with self-describing headers, provenance, manifest, tokenizer"),
         ("stores/corpus-poisoned/", "the store trained on: the same, with the documents of one batch made noise"),
         ("report/report.html", "the inspection report: distributions, repeated lines, anomaly flags"),

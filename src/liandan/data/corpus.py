@@ -84,6 +84,21 @@ def python_docs_corpus(stats: ReadStats | None = None) -> Iterator[Document]:
             yield _counted(Document("python-stdlib", ".".join(rel.with_suffix("").parts), text), stats)
 
 
+def write_python_docs(path: Path) -> ReadStats:
+    """The Python documentation corpus as a .jsonl of {"id", "text"} records, so the pipeline reads it as it
+    reads any file. Written whole or not at all."""
+    import json
+
+    from liandan.run import atomic_file
+
+    stats = ReadStats()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path, "w", durable=False) as handle:
+        for doc in python_docs_corpus(stats):
+            handle.write(json.dumps({"id": doc.doc_id, "text": doc.text}, ensure_ascii=False) + "\n")
+    return stats
+
+
 def _counted(doc: Document, stats: ReadStats) -> Document:
     stats.documents += 1
     stats.characters += len(doc.text)

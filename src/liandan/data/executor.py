@@ -23,26 +23,28 @@ class Executor:
     def close(self) -> None: ...
 
 
-def _progress(description: str, total: int):
+def _progress(description: str, total: int, shown: bool = True):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False
-    )
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), transient=False,
+        disable=not shown,
+    )  # fmt: skip
     return progress, progress.add_task(description, total=total)
 
 
 class LocalExecutor(Executor):
     """Up to `workers` processes (spawned, so no state leaks from the parent); one worker runs in-process."""
 
-    def __init__(self, workers: int):
+    def __init__(self, workers: int, progress: bool = True):
         self.workers = workers
+        self.progress = progress
 
     def map(self, fn: Callable[..., Any], calls: Sequence[tuple], description: str) -> list[Any]:
         results: list[Any] = [None] * len(calls)
         if not calls:
             return results
-        progress, bar = _progress(description, len(calls))
+        progress, bar = _progress(description, len(calls), self.progress)
         with progress:
             if self.workers == 1 or len(calls) == 1:
                 for i, args in enumerate(calls):
@@ -61,7 +63,8 @@ class LocalExecutor(Executor):
 class RayExecutor(Executor):
     """Tasks on a Ray cluster (`address`), or on a Ray started here when no address is given."""
 
-    def __init__(self, workers: int, address: str = ""):
+    def __init__(self, workers: int, address: str = "", progress: bool = True):
+        self.progress = progress
         try:
             import ray
         except ImportError:
@@ -80,7 +83,7 @@ class RayExecutor(Executor):
         refs = [remote.remote(*args) for args in calls]
         index = {ref: i for i, ref in enumerate(refs)}
         results: list[Any] = [None] * len(calls)
-        progress, bar = _progress(description + " (ray)", len(calls))
+        progress, bar = _progress(description + " (ray)", len(calls), self.progress)
         pending = list(refs)
         with progress:
             while pending:
@@ -95,7 +98,8 @@ class RayExecutor(Executor):
             self._ray.shutdown()
 
 
-def make_executor(kind: str, workers: int, address: str = "") -> Executor:
+def make_executor(kind: str, workers: int, address: str = "", progress: bool = True) -> Executor:
+    """`progress`: show a progress bar per stage on the console."""
     if kind == "ray":
-        return RayExecutor(workers, address)
-    return LocalExecutor(workers)
+        return RayExecutor(workers, address, progress)
+    return LocalExecutor(workers, progress)

@@ -1,18 +1,16 @@
-"""`liandan data run`: raw text to token stores, in stages that each write their output and a done marker, so a
-crashed run resumes without redoing finished work.
+"""`liandan data run`: raw text to token stores, as a list of stages (`liandan.data.stages`) that each write
+their output and a done marker, so a crashed run resumes without redoing finished work.
 
-    1. clean      per input file, in parallel: read -> steps (normalize, filters, language, decontamination)
-                  -> clean/<task>.jsonl.zst, a rejects file with the reason for every dropped record, and
-                  the document hashes and MinHash signatures dedup needs
-    2. dedup      once: exact and near duplicates across all sources -> dedup/<task>.remove.npy
-    3. tokenizer  once: byte-level BPE trained on an even sample of the kept documents (or a given one)
-    4. tokenize   per input file, in parallel: kept documents -> a shard of the source's token store
-    5. manifest   per source: stores/<source>/manifest.json with every shard's checksum
-    6. inspect    the report of the final corpus, with anomaly flags
+    clean      per input file, in parallel: read -> steps (normalize, filters, language, decontamination)
+               -> the kept documents, a rejects file with the reason for every dropped record, and the
+               document hashes and MinHash signatures dedup needs
+    dedup      once: exact and near duplicates across all sources -> which documents each task removes
+    tokenizer  once, when the config trains one: byte-level BPE on an even sample of the kept documents
+    tokenize   per input file, in parallel: kept documents -> a shard of the source's token store
+    manifest   once: each store's manifest.json with every shard's checksum
+    inspect    once, unless switched off: the report of the final corpus, with anomaly flags
 
-The output directory is laid out as:
-    pipeline.toml    the resolved config this output was made with (a different config refuses to resume)
-    clean/ dedup/ tokenizer/ stores/<source>/ report/ state/ summary.json
+Where each file goes is `liandan.data.layout.PipelineLayout`'s business; `pipeline_stages(cfg)` is the list.
 """
 
 from __future__ import annotations
@@ -30,8 +28,10 @@ import numpy as np
 
 from liandan.data.corpus import DataError, Document, ReadStats
 from liandan.data.executor import make_executor
+from liandan.data.layout import PipelineLayout
 from liandan.data.pipeline_config import PipelineConfig, expand_paths
-from liandan.data.steps import Step, StepStats, build_step
+from liandan.data.stages import Stage, StageContext, Task, describe, run_stages
+from liandan.data.steps import Step, StepStats, build_step, merge_step_stats
 from liandan.faults import maybe_inject
 from liandan.run import atomic_file, atomic_write, replacing
 
@@ -39,42 +39,29 @@ from liandan.run import atomic_file, atomic_write, replacing
 _RUNTIME_KEYS = ("executor", "workers", "ray_address", "inspect", "baseline", "publish")
 
 
-@dataclass(frozen=True)
-class Task:
-    index: int
-    source: str
-    path: str
-    text_field: str
-    txt_mode: str
-
-    @property
-    def name(self) -> str:
-        return f"{self.index:05d}"
-
-
 def plan_tasks(cfg: PipelineConfig) -> list[Task]:
     tasks: list[Task] = []
     for spec in cfg.inputs:
         for path in expand_paths(spec):
-            tasks.append(Task(len(tasks), spec.name, str(path), spec.text_field, spec.txt_mode))
+            named = spec.name if spec.provenance == "input" else str(path)
+            tasks.append(Task(len(tasks), spec.name, str(path), spec.text_field, spec.txt_mode, named))
     return tasks
 
 
 # -- files (not fsync'd: a crashed stage is redone from its done markers) ----------------------------------------------
-def _write_json(path: Path, value: Any) -> None:
-    atomic_write(path, (json.dumps(value, indent=2, ensure_ascii=False) + "\n").encode(), durable=False)
-
-
-class _JsonlZstWriter:
-    """Lines of JSON into a .jsonl.zst written under a temporary name and renamed when complete."""
+class _JsonlWriter:
+    """Lines of JSON into a .jsonl (zstd-compressed when the name ends in .zst), written under a temporary name
+    and renamed when complete."""
 
     def __init__(self, path: Path):
-        import zstandard
-
         self.path = path
         self._files = contextlib.ExitStack()  # renames the file into place when close() closes it
         self._file = self._files.enter_context(atomic_file(path, "wb", durable=False))
-        self._stream = zstandard.ZstdCompressor(level=3).stream_writer(self._file)
+        self._stream = self._file
+        if path.name.endswith(".zst"):
+            import zstandard
+
+            self._stream = zstandard.ZstdCompressor(level=3).stream_writer(self._file)
         self.count = 0
 
     def write(self, record: dict[str, Any]) -> None:
@@ -82,16 +69,21 @@ class _JsonlZstWriter:
         self.count += 1
 
     def close(self) -> None:
-        self._stream.close()  # also closes the file
+        if self._stream is not self._file:
+            self._stream.close()  # also closes the file
         self._files.close()
 
 
 def read_jsonl_zst(path: Path) -> Iterator[dict[str, Any]]:
-    import zstandard
-
+    """The records of a .jsonl or .jsonl.zst that the pipeline wrote."""
     with open(path, "rb") as raw:
-        reader = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), encoding="utf-8")
-        for line in reader:
+        if path.name.endswith(".zst"):
+            import zstandard
+
+            stream: Any = zstandard.ZstdDecompressor().stream_reader(raw)
+        else:
+            stream = raw
+        for line in io.TextIOWrapper(stream, encoding="utf-8"):
             yield json.loads(line)
 
 
@@ -104,7 +96,19 @@ def read_clean(path: Path) -> Iterator[Document]:
         yield Document(r["source"], r["id"], r["text"], r["meta"])
 
 
-# -- stage 1: clean --------------------------------------------------------------------------------------------
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    atomic_write(path, buffer.getvalue(), durable=False)
+
+
+def kept_documents(layout: PipelineLayout, task: Task) -> Iterator[Document]:
+    remove = np.load(layout.removals(task))
+    for doc, removed in zip(read_clean(layout.kept(task)), remove):
+        if not removed:
+            yield doc
+
+
 def make_steps(specs: list[dict[str, Any] | Step]) -> list[Step]:
     steps = []
     for spec in specs:
@@ -112,78 +116,6 @@ def make_steps(specs: list[dict[str, Any] | Step]) -> list[Step]:
         step.stats = StepStats(step.name)
         steps.append(step)
     return steps
-
-
-def clean_task(cfg: PipelineConfig, task: Task, out: Path) -> dict[str, Any]:
-    from liandan.data.dedup import MinHasher, exact_hashes
-    from liandan.data.readers import read_file
-
-    stats_path = out / "clean" / f"{task.name}.stats.json"
-    if stats_path.is_file():
-        return json.loads(stats_path.read_text())
-    (out / "clean").mkdir(parents=True, exist_ok=True)
-    steps = make_steps(cfg.steps)
-    kept = _JsonlZstWriter(out / "clean" / f"{task.name}.jsonl.zst")
-    rejects = _JsonlZstWriter(out / "clean" / f"{task.name}.rejects.jsonl.zst")
-
-    def on_drop(doc: Document, step: str, reason: str) -> None:
-        rejects.write({"step": step, "reason": reason, **_doc_record(doc)})
-
-    for step in steps:
-        step.on_drop = on_drop
-    read_stats = ReadStats()
-    docs: Iterator[Document] = read_file(
-        task.path,
-        source=task.source,
-        text_field=task.text_field,
-        txt_mode=task.txt_mode,
-        stats=read_stats,
-        on_reject=lambda r: rejects.write({"step": "read", **r}),
-    )
-    for step in steps:
-        docs = step(docs)
-    hasher = MinHasher(dedup_params(cfg)) if cfg.dedup.near else None
-    hashes, signatures, batch = [], [], []
-
-    def flush() -> None:
-        if cfg.dedup.exact:
-            hashes.append(exact_hashes(batch))
-        if hasher is not None:
-            signatures.append(hasher.signatures(batch))
-        batch.clear()
-
-    for doc in docs:
-        kept.write(_doc_record(doc))
-        batch.append(doc.text)
-        if len(batch) == 1024:
-            flush()
-    flush()
-    kept.close()
-    rejects.close()
-    if cfg.dedup.exact:
-        _save_npy(out / "clean" / f"{task.name}.exact.npy", np.concatenate(hashes))
-    if hasher is not None:
-        _save_npy(out / "clean" / f"{task.name}.minhash.npy", np.concatenate(signatures))
-    result = {
-        "task": asdict(task),
-        "documents": kept.count,
-        "rejected": rejects.count,
-        "read": {
-            "documents": read_stats.documents,
-            "characters": read_stats.characters,
-            "skipped": dict(read_stats.skipped),
-        },
-        "steps": [s.stats.to_dict() for s in steps],
-    }
-    maybe_inject("clean", task.index)
-    _write_json(stats_path, result)  # last: its presence marks the task done
-    return result
-
-
-def _save_npy(path: Path, array: np.ndarray) -> None:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    atomic_write(path, buffer.getvalue(), durable=False)
 
 
 def dedup_params(cfg: PipelineConfig):
@@ -201,93 +133,269 @@ def dedup_params(cfg: PipelineConfig):
     )
 
 
-# -- stage 2: dedup --------------------------------------------------------------------------------------------
-def dedup_stage(cfg: PipelineConfig, tasks: list[Task], out: Path, counts: list[int]) -> dict[str, Any]:
-    from liandan.data.dedup import find_duplicates
-
-    stats_path = out / "dedup" / "stats.json"
-    if stats_path.is_file():
-        return json.loads(stats_path.read_text())
-    (out / "dedup").mkdir(parents=True, exist_ok=True)
-    total = sum(counts)
-    if cfg.dedup.exact or cfg.dedup.near:
-        exact = [out / "clean" / f"{t.name}.exact.npy" for t in tasks] if cfg.dedup.exact else []
-        near = [out / "clean" / f"{t.name}.minhash.npy" for t in tasks] if cfg.dedup.near else []
-        text_of = _text_lookup(tasks, out) if cfg.dedup.verify else None
-        result = find_duplicates(exact, near, dedup_params(cfg), out / "dedup" / "work", text_of=text_of)
-        remove, cluster_of, stats = result.remove, result.cluster_of, dict(result.stats)
-    else:
-        remove, cluster_of, stats = np.zeros(total, bool), np.full(total, -1, np.int64), {"documents": total}
-    offsets = np.concatenate([[0], np.cumsum(counts)])
-    for t, lo, hi in zip(tasks, offsets[:-1], offsets[1:]):
-        _save_npy(out / "dedup" / f"{t.name}.remove.npy", remove[lo:hi])
-        _save_npy(out / "dedup" / f"{t.name}.cluster.npy", cluster_of[lo:hi])
-    stats["removed"] = int(remove.sum())
-    _write_json(stats_path, stats)
-    return stats
+def tokenizer_spec(cfg: PipelineConfig, layout: PipelineLayout) -> str:
+    """What `load_tokenizer` takes: the trained BPE's file, `byte`, or the given tokenizer.json."""
+    return str(layout.tokenizer) if cfg.tokenizer.kind == "bpe" else cfg.tokenizer.kind
 
 
-def _text_lookup(tasks: list[Task], out: Path) -> Callable[[int], str]:
-    texts = [d.text for t in tasks for d in read_clean(out / "clean" / f"{t.name}.jsonl.zst")]
+# -- the stages ------------------------------------------------------------------------------------------------
+class CleanStage(Stage):
+    name = "clean"
+    about = "read, run the steps, keep or reject each document; hashes and signatures for dedup"
+    per_task = True
+
+    def inputs(self, ctx: StageContext, task: Task | None = None) -> list[Path]:
+        return [task.path]  # a local path or a URL, shown as given
+
+    def outputs(self, ctx: StageContext, task: Task | None = None) -> list[Path]:
+        layout, dedup = ctx.layout, ctx.cfg.dedup
+        paths = [layout.kept(task), layout.rejects(task)]
+        return paths + [layout.exact_hashes(task)] * dedup.exact + [layout.minhashes(task)] * dedup.near
+
+    def run(self, ctx: StageContext, task: Task | None = None) -> dict[str, Any]:
+        from liandan.data.dedup import MinHasher, exact_hashes
+        from liandan.data.readers import read_file
+
+        cfg, layout = ctx.cfg, ctx.layout
+        layout.clean_dir.mkdir(parents=True, exist_ok=True)
+        steps = make_steps(cfg.steps)
+        kept = _JsonlWriter(layout.kept(task))
+        rejects = _JsonlWriter(layout.rejects(task))
+
+        def on_drop(doc: Document, step: str, reason: str) -> None:
+            rejects.write({"step": step, "reason": reason, **_doc_record(doc)})
+
+        for step in steps:
+            step.on_drop = on_drop
+        read_stats = ReadStats()
+        docs: Iterator[Document] = read_file(
+            task.path,
+            source=task.document_source,
+            text_field=task.text_field,
+            txt_mode=task.txt_mode,
+            stats=read_stats,
+            on_reject=lambda r: rejects.write({"step": "read", **r}),
+        )
+        for step in steps:
+            docs = step(docs)
+        hasher = MinHasher(dedup_params(cfg)) if cfg.dedup.near else None
+        hashes, signatures, batch = [], [], []
+
+        def flush() -> None:
+            if cfg.dedup.exact:
+                hashes.append(exact_hashes(batch))
+            if hasher is not None:
+                signatures.append(hasher.signatures(batch))
+            batch.clear()
+
+        for doc in docs:
+            kept.write(_doc_record(doc))
+            if kept.count == 1:
+                maybe_inject("clean-midway", task.index)  # a task killed while its files are half written
+            batch.append(doc.text)
+            if len(batch) == 1024:
+                flush()
+        flush()
+        kept.close()
+        rejects.close()
+        if cfg.dedup.exact:
+            _save_npy(layout.exact_hashes(task), np.concatenate(hashes))
+        if hasher is not None:
+            _save_npy(layout.minhashes(task), np.concatenate(signatures))
+        return {
+            "task": asdict(task),
+            "documents": kept.count,
+            "rejected": rejects.count,
+            "read": {
+                "documents": read_stats.documents,
+                "characters": read_stats.characters,
+                "skipped": dict(read_stats.skipped),
+            },
+            "steps": [s.stats.to_dict() for s in steps],
+        }
+
+
+class DedupStage(Stage):
+    name = "dedup"
+    about = "exact and near duplicates across all sources; each cluster keeps its first document"
+
+    def inputs(self, ctx: StageContext, task: Task | None = None) -> list[Path]:
+        layout, dedup = ctx.layout, ctx.cfg.dedup
+        paths = []
+        for t in ctx.tasks:
+            paths += [layout.exact_hashes(t)] * dedup.exact + [layout.minhashes(t)] * dedup.near
+            paths += [layout.kept(t)] * (dedup.near and dedup.verify)
+        return paths
+
+    def outputs(self, ctx: StageContext, task: Task | None = None) -> list[Path]:
+        layout = ctx.layout
+        return [p for t in ctx.tasks for p in (layout.removals(t), layout.clusters(t))] + [layout.dedup_work]
+
+    def run(self, ctx: StageContext, task: Task | None = None) -> dict[str, Any]:
+        from liandan.data.dedup import find_duplicates
+
+        cfg, layout, tasks = ctx.cfg, ctx.layout, ctx.tasks
+        layout.dedup_dir.mkdir(parents=True, exist_ok=True)
+        counts = [c["documents"] for c in ctx.results["clean"]]
+        total = sum(counts)
+        if cfg.dedup.exact or cfg.dedup.near:
+            exact = [layout.exact_hashes(t) for t in tasks] if cfg.dedup.exact else []
+            near = [layout.minhashes(t) for t in tasks] if cfg.dedup.near else []
+            text_of = _text_lookup(layout, tasks) if cfg.dedup.verify else None
+            result = find_duplicates(exact, near, dedup_params(cfg), layout.dedup_work, text_of=text_of)
+            remove, cluster_of, stats = result.remove, result.cluster_of, dict(result.stats)
+        else:
+            remove, cluster_of, stats = np.zeros(total, bool), np.full(total, -1, np.int64), {"documents": total}
+        offsets = np.concatenate([[0], np.cumsum(counts)])
+        for t, lo, hi in zip(tasks, offsets[:-1], offsets[1:]):
+            _save_npy(layout.removals(t), remove[lo:hi])
+            _save_npy(layout.clusters(t), cluster_of[lo:hi])
+        stats["removed"] = int(remove.sum())
+        if stats["removed"] == total:
+            raise DataError(
+                f"no document survived cleaning and deduplication; see the rejects files under {layout.clean_dir}"
+            )
+        return stats
+
+
+def _text_lookup(layout: PipelineLayout, tasks: list[Task]) -> Callable[[int], str]:
+    texts = [d.text for t in tasks for d in read_clean(layout.kept(t))]
     return texts.__getitem__
 
 
-def kept_documents(task: Task, out: Path) -> Iterator[Document]:
-    remove = np.load(out / "dedup" / f"{task.name}.remove.npy")
-    for doc, removed in zip(read_clean(out / "clean" / f"{task.name}.jsonl.zst"), remove):
-        if not removed:
-            yield doc
+class TokenizerStage(Stage):
+    name = "tokenizer"
+    about = "train a byte-level BPE on an even sample of the kept documents"
+
+    def inputs(self, ctx: StageContext, task: Task | None = None) -> list[Path]:
+        return [p for t in ctx.tasks for p in (ctx.layout.kept(t), ctx.layout.removals(t))]
+
+    def outputs(self, ctx: StageContext, task: Task | None = None) -> list[Path]:
+        return [ctx.layout.tokenizer]
+
+    def run(self, ctx: StageContext, task: Task | None = None) -> dict[str, Any]:
+        from liandan.data.tokenizer import train_bpe
+
+        cfg, layout = ctx.cfg, ctx.layout
+        kept = ctx.results["dedup"]["documents"] - ctx.results["dedup"]["removed"]
+        stride = max(1, kept // cfg.tokenizer.sample_documents)
+
+        def sample() -> Iterator[str]:
+            index = 0
+            for t in ctx.tasks:
+                for doc in kept_documents(layout, t):
+                    if index % stride == 0:
+                        yield doc.text
+                    index += 1
+
+        every = "every document" if stride == 1 else f"every {stride} of"
+        ctx.say(f"training a {cfg.tokenizer.vocab_size}-token BPE on {every} {kept:,} documents")
+        tokenizer = train_bpe(sample(), cfg.tokenizer.vocab_size, cfg.tokenizer.special_tokens)
+        layout.tokenizer.parent.mkdir(parents=True, exist_ok=True)
+        with replacing(layout.tokenizer, durable=False) as tmp:
+            tokenizer.save(tmp)
+        return {"documents": kept, "stride": stride, "fingerprint": tokenizer.fingerprint()}
 
 
-# -- stage 3: tokenizer ----------------------------------------------------------------------------------------
-def tokenizer_stage(cfg: PipelineConfig, tasks: list[Task], out: Path, kept: int, say: Callable[[str], None]):
-    from liandan.data.tokenizer import load_tokenizer, train_bpe
+class TokenizeStage(Stage):
+    name = "tokenize"
+    about = "the kept documents of each input file -> one shard of its source's token store"
+    per_task = True
 
-    path = out / "tokenizer" / "tokenizer.json"
-    if cfg.tokenizer.kind != "bpe":
-        return load_tokenizer(cfg.tokenizer.kind)
-    if path.is_file():
-        return load_tokenizer(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    stride = max(1, kept // cfg.tokenizer.sample_documents)
+    def inputs(self, ctx: StageContext, task: Task | None = None) -> list[Path]:
+        trained = [ctx.layout.tokenizer] if ctx.cfg.tokenizer.kind == "bpe" else []
+        return [ctx.layout.kept(task), ctx.layout.removals(task), *trained]
 
-    def sample() -> Iterator[str]:
-        index = 0
-        for task in tasks:
-            for doc in kept_documents(task, out):
-                if index % stride == 0:
-                    yield doc.text
-                index += 1
+    def outputs(self, ctx: StageContext, task: Task | None = None) -> list[Path]:
+        return ctx.layout.shard_files(task)
 
-    say(f"training a {cfg.tokenizer.vocab_size}-token BPE on every {stride} of {kept:,} documents")
-    tokenizer = train_bpe(sample(), cfg.tokenizer.vocab_size, cfg.tokenizer.special_tokens)
-    with replacing(path, durable=False) as tmp:
-        tokenizer.save(tmp)
-    return tokenizer
+    def run(self, ctx: StageContext, task: Task | None = None) -> dict[str, Any]:
+        from liandan.data.store import write_shard
+        from liandan.data.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(tokenizer_spec(ctx.cfg, ctx.layout))
+        info = write_shard(kept_documents(ctx.layout, task), tokenizer, ctx.layout.shard(task))
+        return info.to_dict()
 
 
-# -- stage 4 and 5: tokenize, manifests --------------------------------------------------------------------------
-def tokenize_task(task: Task, out: Path, tokenizer_spec: str) -> dict[str, Any]:
-    from liandan.data.store import write_shard
-    from liandan.data.tokenizer import load_tokenizer
+class ManifestStage(Stage):
+    name = "manifest"
+    about = "each store's manifest.json (every shard's checksum) and its tokenizer"
 
-    done = out / "state" / f"tokenize-{task.name}.json"
-    if done.is_file():
-        return json.loads(done.read_text())
-    tokenizer = load_tokenizer(tokenizer_spec)
-    store_dir = out / "stores" / task.source
-    store_dir.mkdir(parents=True, exist_ok=True)
-    info = write_shard(kept_documents(task, out), tokenizer, store_dir / f"shard-{task.name}")
-    result = info.to_dict()
-    maybe_inject("tokenize", task.index)
-    _write_json(done, result)
-    return result
+    def inputs(self, ctx: StageContext, task: Task | None = None) -> list[Path]:
+        return [p for t in ctx.tasks for p in ctx.layout.shard_files(t)]
+
+    def outputs(self, ctx: StageContext, task: Task | None = None) -> list[Path]:
+        return [p for i in ctx.cfg.inputs for p in ctx.layout.manifest_files(i.name)]
+
+    def run(self, ctx: StageContext, task: Task | None = None) -> dict[str, Any]:
+        from liandan.data.store import ShardInfo, write_manifest
+        from liandan.data.tokenizer import load_tokenizer
+
+        spec = tokenizer_spec(ctx.cfg, ctx.layout)
+        tokenizer = load_tokenizer(spec)
+        shards = ctx.results["tokenize"]
+        stores = {}
+        for source in [i.name for i in ctx.cfg.inputs]:
+            infos = [ShardInfo.from_dict(s) for s, t in zip(shards, ctx.tasks) if t.source == source]
+            store = ctx.layout.store(source)
+            write_manifest(store, infos, tokenizer)
+            stores[source] = {
+                "path": str(store),
+                "documents": sum(i.documents for i in infos),
+                "tokens": sum(i.tokens for i in infos),
+            }
+        tokenizer_info = {"spec": spec, "vocab_size": tokenizer.vocab_size, "fingerprint": tokenizer.fingerprint()}
+        return {"stores": stores, "tokenizer": tokenizer_info}
 
 
-def _tokenizer_spec(cfg: PipelineConfig, out: Path) -> str:
+class InspectStage(Stage):
+    name = "inspect"
+    about = "statistics and anomaly flags of the final corpus (report.html, .md, .json)"
+
+    def inputs(self, ctx: StageContext, task: Task | None = None) -> list[Path]:
+        return [p for t in ctx.tasks for p in (ctx.layout.kept(t), ctx.layout.removals(t))]
+
+    def outputs(self, ctx: StageContext, task: Task | None = None) -> list[Path]:
+        return [ctx.layout.report_dir]
+
+    def run(self, ctx: StageContext, task: Task | None = None) -> dict[str, Any]:
+        from liandan.data.inspection import inspect_sources
+        from liandan.data.pipeline_config import expected_languages
+        from liandan.data.tokenizer import load_tokenizer
+
+        cfg, layout = ctx.cfg, ctx.layout
+
+        def source_docs(name: str) -> Iterator[Document]:
+            for t in ctx.tasks:
+                if t.source == name:
+                    yield from kept_documents(layout, t)
+
+        report = inspect_sources(
+            {i.name: source_docs(i.name) for i in cfg.inputs},
+            layout.report_dir,
+            step_stats=[s.to_dict() for s in merge_step_stats([c["steps"] for c in ctx.results["clean"]])],
+            dedup_stats=ctx.results["dedup"],
+            tokenizer=load_tokenizer(tokenizer_spec(cfg, layout)),
+            baseline=Path(cfg.pipeline.baseline) if cfg.pipeline.baseline else None,
+            expected_languages=expected_languages(cfg),
+        )
+        return {"path": str(layout.report_dir), "flags": [_flag_text(f) for f in report.flags]}
+
+
+def _flag_text(flag: Any) -> str:
+    return getattr(flag, "message", None) or str(flag)
+
+
+def pipeline_stages(cfg: PipelineConfig) -> list[Stage]:
+    """The stages this config runs, in order."""
+    stages: list[Stage] = [CleanStage(), DedupStage()]
     if cfg.tokenizer.kind == "bpe":
-        return str(out / "tokenizer" / "tokenizer.json")
-    return cfg.tokenizer.kind
+        stages.append(TokenizerStage())
+    stages += [TokenizeStage(), ManifestStage()]
+    if cfg.pipeline.inspect:
+        stages.append(InspectStage())
+    return stages
 
 
 # -- the whole run ---------------------------------------------------------------------------------------------
@@ -297,82 +405,84 @@ class PipelineResult:
     summary: dict[str, Any]
 
 
-def run_pipeline(cfg: PipelineConfig, overwrite: bool = False, say: Callable[[str], None] = print) -> PipelineResult:
-    from liandan.data.store import ShardInfo, write_manifest
+def plan(cfg: PipelineConfig, layout: PipelineLayout | None = None) -> list[str]:
+    """The stage list with what each reads and writes and how much of it an earlier run finished."""
+    layout = layout or PipelineLayout(Path(cfg.pipeline.output))
+    return describe(pipeline_stages(cfg), StageContext(cfg, layout, plan_tasks(cfg)))
 
-    out = Path(cfg.pipeline.output)
-    _claim_output(cfg, out, overwrite)
+
+def run_pipeline(
+    cfg: PipelineConfig,
+    overwrite: bool = False,
+    say: Callable[[str], None] = print,
+    layout: PipelineLayout | None = None,
+    progress: bool = True,
+) -> PipelineResult:
+    """Run the stages of `cfg` into `layout` (by default laid out under `pipeline.output`), resuming what an
+    earlier run of the same config left."""
+    layout = layout or PipelineLayout(Path(cfg.pipeline.output))
+    _claim_output(cfg, layout, overwrite)
     tasks = plan_tasks(cfg)
-    say(f"{len(tasks)} input file(s) from {len(cfg.inputs)} source(s) -> {out}")
-    executor = make_executor(cfg.pipeline.executor, cfg.pipeline.workers, cfg.pipeline.ray_address)
+    stages = pipeline_stages(cfg)
+    say(f"{len(tasks)} input file(s) from {len(cfg.inputs)} source(s) -> {layout.root}")
+    say("stages: " + " -> ".join(s.name for s in stages))
+    ctx = StageContext(cfg, layout, tasks, say=say)
+    executor = make_executor(cfg.pipeline.executor, cfg.pipeline.workers, cfg.pipeline.ray_address, progress)
     try:
-        cleaned = executor.map(clean_task, [(cfg, t, out) for t in tasks], "clean")
-        counts = [c["documents"] for c in cleaned]
-        dedup = dedup_stage(cfg, tasks, out, counts)
-        kept = sum(counts) - dedup["removed"]
-        if kept == 0:
-            raise DataError(
-                "no document survived cleaning and deduplication; see the rejects files under " + str(out / "clean")
-            )
-        tokenizer = tokenizer_stage(cfg, tasks, out, kept, say)
-        spec = _tokenizer_spec(cfg, out)
-        shards = executor.map(tokenize_task, [(t, out, spec) for t in tasks], "tokenize")
+        results = run_stages(stages, ctx, executor)
     finally:
         executor.close()
-    stores = {}
-    for source in [i.name for i in cfg.inputs]:
-        infos = [ShardInfo.from_dict(s) for s, t in zip(shards, tasks) if t.source == source]
-        write_manifest(out / "stores" / source, infos, tokenizer)
-        stores[source] = {
-            "path": str(out / "stores" / source),
-            "documents": sum(i.documents for i in infos),
-            "tokens": sum(i.tokens for i in infos),
-        }
+    cleaned, manifest = results["clean"], results["manifest"]
     summary = {
-        "output": str(out),
+        "output": str(layout.root),
+        "stages": [s.name for s in stages],
         "tasks": len(tasks),
         "read": _merge_read([c["read"] for c in cleaned]),
-        "steps": [s.to_dict() for s in _merge_steps(cleaned)],
+        "steps": [s.to_dict() for s in merge_step_stats([c["steps"] for c in cleaned])],
         "rejected": sum(c["rejected"] for c in cleaned),
-        "dedup": dedup,
-        "tokenizer": {"spec": spec, "vocab_size": tokenizer.vocab_size, "fingerprint": tokenizer.fingerprint()},
-        "stores": stores,
+        "dedup": results["dedup"],
+        "tokenizer": manifest["tokenizer"],
+        "stores": manifest["stores"],
     }
-    if cfg.pipeline.inspect:
-        summary["report"] = _inspect(cfg, tasks, out, summary, tokenizer)
+    if "inspect" in results:
+        summary["report"] = results["inspect"]
     if cfg.pipeline.publish:
         from liandan.data.storage import publish_outputs
 
-        report = out / "report" if cfg.pipeline.inspect else None
-        stores_out = {name: out / "stores" / name for name in stores}
+        report = layout.report_dir if "inspect" in results else None
+        stores_out = {name: Path(info["path"]) for name, info in manifest["stores"].items()}
         summary["published"] = publish_outputs(cfg.pipeline.publish, stores_out, report, say)
-    _write_json(out / "summary.json", summary)
-    return PipelineResult(out, summary)
+    atomic_write(layout.summary, (json.dumps(summary, indent=2, ensure_ascii=False) + "\n").encode(), durable=False)
+    return PipelineResult(layout.root, summary)
 
 
-def _claim_output(cfg: PipelineConfig, out: Path, overwrite: bool) -> None:
+def changed_settings(cfg: PipelineConfig, layout: PipelineLayout) -> list[str]:
+    """The config sections in which `cfg` differs from the one the output at `layout` was made with (none when
+    there is no output yet); settings of where the work runs do not count."""
+    if not layout.config.is_file():
+        return []
+    from liandan.config import read_toml
+
+    ours, theirs = _output_defining(cfg.to_dict()), _output_defining(read_toml(layout.config))
+    return sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+
+
+def _claim_output(cfg: PipelineConfig, layout: PipelineLayout, overwrite: bool) -> None:
     """Refuse to mix the output of two different configs; a matching one resumes."""
-    resolved = out / "pipeline.toml"
-    ours = _output_defining(cfg.to_dict())
-    if resolved.is_file() and not overwrite:
-        from liandan.config import read_toml
+    import shutil
 
-        theirs = _output_defining(read_toml(resolved))
-        if theirs != ours:
-            changed = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+    if layout.config.is_file() and not overwrite:
+        changed = changed_settings(cfg, layout)
+        if changed:
             raise DataError(
-                f"{out} holds the output of another pipeline config (differs in: {', '.join(changed)}); "
+                f"{layout.root} holds the output of another pipeline config (differs in: {', '.join(changed)}); "
                 "use another pipeline.output, or --overwrite to start over"
             )
-    elif resolved.is_file() and overwrite:
-        import shutil
-
-        for child in ("clean", "dedup", "tokenizer", "stores", "state", "report", "summary.json"):
-            target = out / child
+    elif layout.config.is_file() and overwrite:
+        for target in layout.starting_over([i.name for i in cfg.inputs]):
             shutil.rmtree(target) if target.is_dir() else target.unlink(missing_ok=True)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "state").mkdir(exist_ok=True)
-    atomic_write(resolved, cfg.to_toml().encode(), durable=False)
+    layout.state_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(layout.config, cfg.to_toml().encode(), durable=False)
 
 
 def _output_defining(raw: dict[str, Any]) -> dict[str, Any]:
@@ -393,40 +503,3 @@ def _merge_read(reads: list[dict[str, Any]]) -> dict[str, Any]:
         "characters": sum(r["characters"] for r in reads),
         "skipped": dict(sorted(skipped.items())),
     }
-
-
-def _merge_steps(cleaned: list[dict[str, Any]]) -> list[StepStats]:
-    merged: list[StepStats] = []
-    for c in cleaned:
-        for i, s in enumerate(c["steps"]):
-            stats = StepStats.from_dict(s)
-            if i == len(merged):
-                merged.append(stats)
-            else:
-                merged[i].merge(stats)
-    return merged
-
-
-def _inspect(cfg: PipelineConfig, tasks: list[Task], out: Path, summary: dict[str, Any], tokenizer) -> dict[str, Any]:
-    from liandan.data.inspection import inspect_sources
-    from liandan.data.pipeline_config import expected_languages
-
-    def source_docs(name: str) -> Iterator[Document]:
-        for t in tasks:
-            if t.source == name:
-                yield from kept_documents(t, out)
-
-    report = inspect_sources(
-        {i.name: source_docs(i.name) for i in cfg.inputs},
-        out / "report",
-        step_stats=summary["steps"],
-        dedup_stats=summary["dedup"],
-        tokenizer=tokenizer,
-        baseline=Path(cfg.pipeline.baseline) if cfg.pipeline.baseline else None,
-        expected_languages=expected_languages(cfg),
-    )
-    return {"path": str(out / "report"), "flags": [_flag_text(f) for f in report.flags]}
-
-
-def _flag_text(flag: Any) -> str:
-    return getattr(flag, "message", None) or str(flag)

@@ -61,6 +61,9 @@ class InputSpec:
     languages: list[str] = _f(
         [], "languages the source should hold (the report flags others); empty: the language step's languages"
     )
+    provenance: Literal["input", "file"] = _f(
+        "input", "what each document names as its source in the store's provenance: this input, or its file's path"
+    )
 
 
 @dataclass

@@ -59,6 +59,19 @@ class StepStats:
         return f"{self.name}: {self.documents_in} in, {self.documents_out} out ({drops})"
 
 
+def merge_step_stats(per_task: list[list[dict[str, Any]]]) -> list[StepStats]:
+    """The statistics of each step summed over tasks (each task's list in step order, as `to_dict` writes it)."""
+    merged: list[StepStats] = []
+    for steps in per_task:
+        for i, raw in enumerate(steps):
+            stats = StepStats.from_dict(raw)
+            if i == len(merged):
+                merged.append(stats)
+            else:
+                merged[i].merge(stats)
+    return merged
+
+
 DropHandler = Callable[[Document, str, str], None]  # (document, step name, reason)
 
 

@@ -18,7 +18,7 @@
                           nccl-trace-rank-N: NCCL's flight recorder dumps after a collective timeout
     checkpoints/          step-NNNNNNNN/ per save, step-NNNNNNNN.tmp/ while it is written (or `checkpoint.dir`)
     data/                 the token store made from `[data] paths` (none with `[data] stores`), manifest.json
-                          written last
+                          written last; data/pipeline/: the data pipeline's own files (its stages' done markers)
     guard/                the loss-spike guard's reports (spike-step-NNNNNNNN.json) and layer statistics
                           (layers.jsonl)
     nodes/, excluded_nodes.json, excluded_nodes.txt   failure attribution across nodes
