@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import math
 import os
 import subprocess
 import sys
@@ -198,9 +197,7 @@ def fit() -> int:
 
     start = time.monotonic()
     library = save_fits()
-    p = library.priors
-    print(f"{FITS}: {p.runs} runs in {time.monotonic() - start:.0f}s; alpha ~ {math.exp(p.log_alpha):.3f}")
-    print(f"  evidence {p.evidence:g}, alpha width {p.alpha_width:.2f}, skip {p.skip:g}")
+    print(f"{FITS}: {library.priors.runs} runs in {time.monotonic() - start:.0f}s; settings {library.settings}")
     return 0
 
 

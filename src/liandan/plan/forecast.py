@@ -46,10 +46,12 @@ from liandan.plan.forecast_law import (
 from liandan.plan.forecast_library import (
     Library,
     RunCurve,
+    RunFeatures,
     default_library,
     library_runs,
     measured_final_loss,
     read_run,
+    shapes_forecast,
     with_project,
 )
 
@@ -59,6 +61,7 @@ __all__ = [
     "Forecast",
     "Library",
     "RunCurve",
+    "RunFeatures",
     "annealing_areas",
     "backtest",
     "clean_records",
@@ -140,6 +143,7 @@ def forecast_final_loss(
     decay: float | None = None,
     confidence: float = 0.8,
     library: Library | None = None,
+    features: RunFeatures | None = None,
     samples: int | None = None,
     seed: int | None = None,
 ) -> Forecast:
@@ -149,7 +153,8 @@ def forecast_final_loss(
     lr_fractions: the learning rate of every update of the whole run (any scale; divided by its peak).
     total_steps: the run's length (default len(lr_fractions)). decay: lambda, None to choose (see
     `fit_annealing_law`). library: the priors and calibration (default: the shipped library's; see
-    `forecast_library.with_project`). `samples` and `seed` are accepted for callers of the earlier
+    `forecast_library.with_project`); `features` (model size, tokens per step, learning rate, data) let the
+    library's runs most like this one teach most. `samples` and `seed` are accepted for callers of the earlier
     bootstrap interval and unused: the interval is conformal, one fit per forecast.
     Raises ConfigError when too few records lie past the warmup.
     """
@@ -158,7 +163,7 @@ def forecast_final_loss(
         raise ValueError(f"confidence = {confidence} must lie in (0, 1)")
     library = library or default_library()
     curve = Curve(steps, losses, lr_fractions, total_steps)
-    priors = library.priors
+    priors = library.priors_for(features)
     data = curve.window(skip_share=priors.skip)
     if decay is not None:
         priors = replace(priors, log_tau=math.log(1.0 / (1.0 - decay) / curve.total_steps), tau_width=1e-6)
@@ -166,8 +171,11 @@ def forecast_final_loss(
     power_fit = fit_power(data)
     observed = int(data.updates[-1])
     fraction = min(1.0, curve.observed / curve.total_steps)
+    point = shapes_forecast(curve, data, library.alike(features), priors) if library.taught else None
+    if point is None:  # no runs to learn from: this run's own fit under the priors
+        point = float(fit.at(curve.end))
     # corrected by the median error of the library's forecasts from as far into their runs
-    point = float(fit.at(curve.end)) * math.exp(-library.calibration.bias(fraction, "law"))
+    point *= math.exp(-library.calibration.bias(fraction, "law"))
     power_point = float(power_fit.at(curve.end))
     q = library.calibration.half_width(fraction, confidence, "law")
     qp = library.calibration.half_width(fraction, confidence, "power")
@@ -215,7 +223,9 @@ def forecast_run(
         dirs = [Path(run_dir).resolve().parent] if libraries is None else list(libraries)
         kwargs["library"] = with_project(dirs, exclude=[run_dir])
     try:
-        return forecast_final_loss(run.steps[keep], run.losses[keep], run.lr_fractions, run.total_steps, **kwargs)
+        return forecast_final_loss(
+            run.steps[keep], run.losses[keep], run.lr_fractions, run.total_steps, features=run.features, **kwargs
+        )
     except ConfigError as err:
         raise ConfigError(f"{run.run_dir}: {err}") from None
 
@@ -279,7 +289,13 @@ def backtest_curves(
             forecast, note = None, ""
             try:
                 forecast = forecast_final_loss(
-                    run.steps[keep], run.losses[keep], run.lr_fractions, run.total_steps, library=library, **kwargs
+                    run.steps[keep],
+                    run.losses[keep],
+                    run.lr_fractions,
+                    run.total_steps,
+                    library=library,
+                    features=run.features,
+                    **kwargs,
                 )
             except ConfigError as err:
                 note = str(err)

@@ -95,7 +95,21 @@ def spikes(loss: np.ndarray, noise: float) -> np.ndarray:
     half = max(4, n // 40)
     padded = np.pad(loss, half, mode="edge")
     windows = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1)
-    return loss - np.median(windows, axis=1) > SPIKE_SIGMAS * noise
+    out = loss - np.median(windows, axis=1) > SPIKE_SIGMAS * noise
+    # a large spike (a learning-rate burst, a bad batch run) leaves a recovery that can last hundreds of
+    # steps, steep like the start of training: left out too, until the loss is back to where it was before
+    i = 0
+    while i < n:
+        if not out[i]:
+            i += 1
+            continue
+        before = float(np.median(loss[max(0, i - 2 * half) : i])) if i else float(loss[0])
+        j = i
+        while j < n and np.median(loss[j : j + 5]) > before + 2.0 * noise:
+            j += 1
+        out[i:j] = True
+        i = max(j, i + 1)
+    return out
 
 
 @dataclass
@@ -126,7 +140,7 @@ class Window:
 @dataclass(frozen=True)
 class LawPriors:
     """What other runs teach about a curve's shape: log-normal priors on alpha, on D relative to the run's
-    loss scale (D / L at the end of the warmup) and on tau / steps. `evidence` caps the records' weight:
+    loss scale (D / the loss just after the warmup) and on tau / steps. `evidence` caps the records' weight:
     curves are not exactly the law, and a prefix fitted as if they were extrapolates its own bumps."""
 
     log_alpha: float = math.log(0.5)
@@ -232,6 +246,14 @@ class Curve:
             )
         return Window.make(updates[inside], loss[inside])
 
+    def reference_loss(self) -> float:
+        """The loss just after the warmup (median of the records there): the scale the annealing gain D is
+        measured against, the same however much of the run a forecast sees."""
+        span = max(8, self.total_steps // 50)
+        near = (self.updates >= self.warmup_end) & (self.updates < self.warmup_end + span)
+        pool = self.loss[near] if near.any() else self.loss[self.updates >= self.warmup_end]
+        return float(np.median(pool if len(pool) else self.loss))
+
     def taus(self, priors: LawPriors, data: Window) -> list[float]:
         """Response times to try: the prior's alone until 30% of the annealing is behind the run."""
         centre = priors.tau_ratio() * self.total_steps
@@ -272,7 +294,7 @@ class Curve:
         weight = data.count if free else data.count * min(1.0, priors.evidence / data.count.sum())
         scale = np.sqrt(weight) / data.noise
         annealing = self.has_annealing
-        scale_loss = float(data.y[0])
+        scale_loss = self.reference_loss()
         width = 4.0 if free else 1.0  # the library's runs are whole curves: their data decide
         gain_centre = priors.log_gain + math.log(scale_loss)
 

@@ -18,7 +18,7 @@ import itertools
 import json
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,9 +31,31 @@ from liandan.run import RunDir
 LIBRARY = Path(__file__).with_name("library")
 FITS = LIBRARY / "fits.json"
 CALIBRATION_FRACTIONS = (0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9)
+FEATURE_SCALE = math.log(4.0)  # runs 4x apart in size, tokens per step or learning rate are one unit apart
+DATA_DISTANCE = 4.0  # ...and runs on other data two units
+FLOOR_WEIGHT = 0.02  # every run teaches at least this much, so that unlike runs still give a prior
 PROJECT_WEIGHT = 3.0  # a project's own runs count this many times a library run in its priors
 MIN_WIDTH = {"alpha": 0.1, "gain": 0.2, "tau": 0.3}  # floors on the priors' widths, in e-folds
 EVIDENCE = 64.0  # the records' weight cap of a forecast without a library (the library's runs choose theirs)
+
+
+@dataclass(frozen=True)
+class RunFeatures:
+    """What makes two runs alike, for weighing what one teaches the other: the size of the model, the tokens
+    of a step, the peak learning rate and the data (tokenizer and files)."""
+
+    params: float  # parameters of the blocks, 12 * layers * dim^2
+    tokens_per_step: float
+    lr: float
+    data: str
+
+    def distance(self, other: RunFeatures) -> float:
+        """Squared distance: one unit per FEATURE_SCALE e-folds of each size, DATA_DISTANCE for other data."""
+        d = sum(
+            (math.log(getattr(self, k) / getattr(other, k)) / FEATURE_SCALE) ** 2
+            for k in ("params", "tokens_per_step", "lr")
+        )
+        return d + (0.0 if self.data == other.data else DATA_DISTANCE)
 
 
 @dataclass(frozen=True)
@@ -47,6 +69,7 @@ class RunCurve:
     diverged_at: int | None = None
     """The first logged step whose loss was not finite (NaN, inf, or null as the run writes it), if any."""
     heldout: bool = False  # a library run kept out of the priors, for backtests
+    features: RunFeatures | None = None
 
     @property
     def finished(self) -> bool:
@@ -82,6 +105,10 @@ def read_run(run_dir: str | Path) -> RunCurve:
         elif "loss" in record and diverged_at is None:
             diverged_at = step
     total = cfg.train.steps
+    data = f"{cfg.data.tokenizer}:" + ",".join(sorted(Path(p).name for p in cfg.data.paths))
+    features = RunFeatures(
+        12.0 * cfg.model.n_layers * cfg.model.dim**2, cfg.train.global_batch * cfg.train.seq_len, cfg.optim.lr, data
+    )
     return RunCurve(
         run_dir,
         np.array(steps, dtype=np.int64),
@@ -90,6 +117,7 @@ def read_run(run_dir: str | Path) -> RunCurve:
         total,
         cfg.schedule.kind,
         diverged_at,
+        features=features,
     )
 
 
@@ -134,6 +162,13 @@ def load_fixture(path: str | Path) -> RunCurve:
     schedule = ScheduleSection(**data["schedule"])
     records = data["records"]
     losses = np.array([np.nan if v is None else v for v in records["loss"]], dtype=np.float64)
+    model, train = data["model"], data["train"]
+    features = RunFeatures(
+        12.0 * model["n_layers"] * model["dim"] ** 2,
+        train["global_batch"] * train["seq_len"],
+        data["optim"]["lr"],
+        f"byte:{data['corpus']}",
+    )
     return RunCurve(
         data["name"],
         np.array(records["step"], dtype=np.int64),
@@ -142,6 +177,7 @@ def load_fixture(path: str | Path) -> RunCurve:
         total,
         schedule.kind,
         heldout=data["set"] == "heldout",
+        features=features,
     )
 
 
@@ -178,6 +214,9 @@ class Taught:
     log_gain: float | None  # log(D / loss at the end of the warmup); None without annealing
     log_tau: float | None  # log(tau / steps)
     weight: float = 1.0
+    features: RunFeatures | None = None
+    L0: float = 0.0  # the rest of the law, for its shape (`shapes_forecast`)
+    A: float = 0.0
 
 
 def teach(run: RunCurve, weight: float = 1.0) -> Taught:
@@ -188,10 +227,25 @@ def teach(run: RunCurve, weight: float = 1.0) -> Taught:
     return Taught(
         run.name,
         math.log(fit.alpha),
-        math.log(max(fit.D, 1e-12) / float(data.y[0])) if annealing else None,
+        math.log(max(fit.D, 1e-12) / curve.reference_loss()) if annealing else None,
         math.log((1.0 / (1.0 - fit.decay)) / run.total_steps) if annealing else None,
         weight,
+        run.features,
+        fit.L0,
+        fit.A,
     )
+
+
+def weighed(taught: Sequence[Taught], features: RunFeatures | None, likeness: float = 1.0) -> list[Taught]:
+    """The runs' weights scaled by their likeness to a run with `features` (unscaled without features):
+    exp(-likeness * distance / 2), plus FLOOR_WEIGHT."""
+    if features is None:
+        return list(taught)
+    out = []
+    for t in taught:
+        like = math.exp(-0.5 * likeness * features.distance(t.features)) if t.features is not None else 0.0
+        out.append(replace(t, weight=t.weight * (FLOOR_WEIGHT + like)))
+    return out
 
 
 def priors_from(taught: Sequence[Taught], evidence: float = EVIDENCE) -> LawPriors:
@@ -276,10 +330,49 @@ class Calibration:
         return float(np.interp(math.log(fraction), np.log(fs), vs))
 
 
-def forecast_scores(run: RunCurve, priors: LawPriors, fractions=CALIBRATION_FRACTIONS) -> list[Score]:
-    """log(forecast / actual) of the law and the power law, forecasting `run` from `fractions`."""
+def shapes_forecast(curve: Curve, data, taught: Sequence[Taught], priors: LawPriors) -> float | None:
+    """The final loss from the shapes of other runs: each run's whole-curve law, put on this run's schedule
+    and length (its annealing gain scaled by this run's loss after the warmup), its level scaled to fit the
+    records in `data`; the forecasts weighed by how well each fits them (likelihood, the records' weight
+    capped at `priors.evidence`) and by the runs' own weights (their likeness to this run), then averaged
+    in log. None without usable runs."""
+    ref = curve.reference_loss()
+    s1 = curve.s1
+    logs, logw = [], []
+    total = float(data.count.sum())
+    for t in taught:
+        if t.A <= 0 or t.weight <= 0:
+            continue
+        alpha = math.exp(t.log_alpha)
+        base = data.bin_mean(t.L0 + t.A * np.maximum(s1[data.updates], 1e-12) ** -alpha)
+        gain, tau = 0.0, None
+        if curve.has_annealing:  # runs at a constant rate teach no annealing: the priors' gain stands in
+            gain = math.exp(t.log_gain if t.log_gain is not None else priors.log_gain) * ref
+            tau = math.exp(t.log_tau if t.log_tau is not None else priors.log_tau) * curve.total_steps
+        r = curve.response(tau) if tau is not None else np.zeros(len(s1))
+        lifted = data.y + gain * data.bin_mean(r[data.updates])
+        scale = float(np.sum(data.count * lifted * base) / np.sum(data.count * base * base))
+        chi2 = float(np.sum(data.count * ((lifted - scale * base) / data.noise) ** 2))
+        end = scale * (t.L0 + t.A * float(s1[curve.end]) ** -alpha) - gain * float(r[curve.end])
+        if not (end > 0 and math.isfinite(end)):
+            continue
+        logs.append(math.log(end))
+        logw.append(-0.5 * chi2 * min(1.0, priors.evidence / total) + math.log(t.weight))
+    if not logs:
+        return None
+    w = np.exp(np.array(logw) - max(logw))
+    return float(math.exp(np.sum(w * np.array(logs)) / np.sum(w)))
+
+
+def forecast_scores(
+    run: RunCurve, others: Sequence[Taught], settings: dict, fractions=CALIBRATION_FRACTIONS
+) -> list[Score]:
+    """log(forecast / actual) of the forecast (with `settings`, learned from `others`) and of the power law,
+    forecasting `run` from `fractions` of its steps."""
     actual = measured_final_loss(run.steps, run.losses)
     curve = Curve(run.steps, run.losses, run.lr_fractions, run.total_steps)
+    alike = weighed(others, run.features, settings.get("likeness", 1.0))
+    priors = replace(priors_from(alike), **{k: v for k, v in settings.items() if k != "likeness"})
     out = []
     for fraction in fractions:
         upto = max(1, round(fraction * run.total_steps)) - 1  # updates done at the last step seen
@@ -287,9 +380,10 @@ def forecast_scores(run: RunCurve, priors: LawPriors, fractions=CALIBRATION_FRAC
             data = curve.window(upto, priors.skip)
         except ConfigError:
             continue
-        fit, _ = curve.fit(data, priors)
-        power = fit_power(data)
-        law_point, power_point = float(fit.at(curve.end)), float(power.at(curve.end))
+        law_point = shapes_forecast(curve, data, alike, priors)
+        if law_point is None:
+            law_point = float(curve.fit(data, priors)[0].at(curve.end))
+        power_point = float(fit_power(data).at(curve.end))
         if law_point > 0 and power_point > 0:
             out.append(Score(run.name, fraction, math.log(law_point / actual), math.log(power_point / actual)))
     return out
@@ -299,15 +393,30 @@ def forecast_scores(run: RunCurve, priors: LawPriors, fractions=CALIBRATION_FRAC
 class Library:
     """The priors and the calibration a forecast uses, and the runs they came from."""
 
-    priors: LawPriors
+    priors: LawPriors  # from all the runs alike
     calibration: Calibration
     runs: tuple[str, ...] = ()
+    taught: tuple[Taught, ...] = ()
+    settings: dict = field(default_factory=dict)
+
+    def priors_for(self, features: RunFeatures | None) -> LawPriors:
+        """The priors for a run with `features`: the runs most like it teach most."""
+        if features is None or not self.taught:
+            return self.priors
+        return replace(priors_from(self.alike(features)), **self.law_settings)
+
+    def alike(self, features: RunFeatures | None) -> list[Taught]:
+        return weighed(self.taught, features, self.settings.get("likeness", 1.0))
+
+    @property
+    def law_settings(self) -> dict:
+        return {k: v for k, v in self.settings.items() if k != "likeness"}
 
 
 CHOICES = {  # the forecast's settings that the library's own leave-one-run-out forecasts choose among
-    "alpha_width": (0.1, 0.2, 0.4),
-    "evidence": (16.0, 64.0, 256.0),
+    "evidence": (4.0, 16.0, 64.0),
     "skip": (0.0, 0.3),
+    "likeness": (0.5, 1.0, 2.0),  # how much more the runs alike teach (`weighed`)
 }
 CHOICE_FRACTIONS = (0.1, 0.2, 0.5)
 
@@ -323,24 +432,28 @@ def build(
     runs' steps); the calibration's scores from leave-one-run-out forecasts with those settings."""
     weights = list(weights) if weights is not None else [1.0] * len(runs)
     taught = list(taught) if taught is not None else [teach(r, w) for r, w in zip(runs, weights)]
-    loo = [priors_from([t for j, t in enumerate(taught) if j != i]) for i in range(len(runs))]
+    loo = [[t for j, t in enumerate(taught) if j != i] for i in range(len(runs))]
     if settings is None:
         best = None
         for values in itertools.product(*CHOICES.values()):
             trial = dict(zip(CHOICES, values))
             errors = [
                 abs(s.law)
-                for run, priors in zip(runs, loo)
-                for s in forecast_scores(run, replace(priors, **trial), CHOICE_FRACTIONS)
+                for run, others in zip(runs, loo)
+                for s in forecast_scores(run, others, trial, CHOICE_FRACTIONS)
             ]
             mean = float(np.mean(errors)) if errors else math.inf
             if best is None or mean < best[0]:
                 best = (mean, trial)
         settings = best[1]
     scores: list[Score] = []
-    for run, priors in zip(runs, loo):
-        scores += forecast_scores(run, replace(priors, **settings))
-    library = Library(replace(priors_from(taught), **settings), Calibration(tuple(scores)), tuple(r.name for r in runs))
+    for run, others in zip(runs, loo):
+        scores += forecast_scores(run, others, settings)
+    names = tuple(r.name for r in runs)
+    law_settings = {k: v for k, v in settings.items() if k != "likeness"}
+    library = Library(
+        replace(priors_from(taught), **law_settings), Calibration(tuple(scores)), names, tuple(taught), settings
+    )
     return library, taught, settings
 
 
@@ -350,8 +463,8 @@ def save_fits(path: Path = FITS) -> Library:
     library, taught, settings = build(runs)
     payload = {
         "settings": settings,
-        "runs": [t.__dict__ for t in taught],
-        "scores": [s.__dict__ for s in library.calibration.scores],
+        "runs": [asdict(t) for t in taught],
+        "scores": [asdict(s) for s in library.calibration.scores],
     }
     path.write_text(json.dumps(payload, indent=1) + "\n")
     default_library.cache_clear()
@@ -363,7 +476,10 @@ def _saved() -> tuple[list[Taught], list[Score], dict] | None:
     if not FITS.is_file():
         return None
     payload = json.loads(FITS.read_text())
-    taught = [Taught(**t) for t in payload["runs"]]
+    taught = [
+        Taught(**{**t, "features": RunFeatures(**t["features"]) if t.get("features") else None})
+        for t in payload["runs"]
+    ]
     if tuple(t.name for t in taught) != tuple(r.name for r in library_runs("library")):
         return None
     return taught, [Score(**s) for s in payload["scores"]], payload["settings"]
@@ -378,7 +494,9 @@ def default_library() -> Library:
     if saved is not None:
         taught, scores, settings = saved
         names = tuple(t.name for t in taught)
-        return Library(replace(priors_from(taught), **settings), Calibration(tuple(scores)), names)
+        law_settings = {k: v for k, v in settings.items() if k != "likeness"}
+        priors = replace(priors_from(taught), **law_settings)
+        return Library(priors, Calibration(tuple(scores)), names, tuple(taught), settings)
     if not runs:
         return Library(LawPriors(evidence=EVIDENCE), Calibration(()), ())
     return build(runs)[0]
@@ -393,11 +511,13 @@ def with_project(directories: Sequence[str | Path], exclude: Iterable[str | Path
         return base
     saved = _saved()
     shipped = saved[0] if saved is not None else [teach(r) for r in library_runs("library")]
-    settings = {key: getattr(base.priors, key) for key in CHOICES}
+    settings = dict(base.settings)
     theirs = [teach(r, PROJECT_WEIGHT) for r in own]
     scores = list(base.calibration.scores)
     for i, run in enumerate(own):
         others = shipped + [t for j, t in enumerate(theirs) if j != i]
-        scores += forecast_scores(run, replace(priors_from(others), **settings))
+        scores += forecast_scores(run, others, settings)
     names = base.runs + tuple(str(r.run_dir) for r in own)
-    return Library(replace(priors_from(shipped + theirs), **settings), Calibration(tuple(scores)), names)
+    everyone = tuple(shipped + theirs)
+    priors = replace(priors_from(everyone), **base.law_settings)
+    return Library(priors, Calibration(tuple(scores)), names, everyone, settings)
