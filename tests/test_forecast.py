@@ -148,7 +148,7 @@ def test_the_library_ships_both_sets_of_every_schedule():
 
 @pytest.fixture(scope="module")
 def heldout_rows():
-    return backtest([], (0.1, 0.2))
+    return backtest([], (0.1, 0.2, 0.5))
 
 
 def test_heldout_runs_are_forecast_within_tolerance(heldout_rows):
@@ -171,7 +171,7 @@ def test_heldout_coverage_of_the_calibrated_interval(heldout_rows):
     assert sum(inside) / len(inside) == pytest.approx(
         np.mean([s["coverage"] for s in summarize(heldout_rows) if s["schedule"] == "all"])
     )
-    assert 0.65 <= sum(inside) / len(inside) <= 0.95  # 80% intervals, 20 forecasts
+    assert 0.7 <= sum(inside) / len(inside) <= 0.9  # 80% intervals, 30 forecasts
     for r in heldout_rows:
         f = r.forecast
         assert f.low < f.final_loss < f.high and f.confidence == 0.8
@@ -215,11 +215,12 @@ def test_a_spike_and_a_restart_do_not_move_a_forecast():
 
 
 def test_real_spike_and_restart_runs(heldout_rows):
-    """The held-out runs with a learning-rate burst and with a kill and resume, forecast as well as the rest."""
-    for tag in ("spike", "restart"):
-        rows = [r for r in heldout_rows if tag in r.run and r.fraction == 0.2]
-        assert len(rows) == 1
-        assert abs(rows[0].error) < 0.05
+    """The held-out runs with a learning-rate burst at step 300 of 1000 and with a kill and resume: forecast
+    from after the spike and its recovery, and from before and after the restart, as well as the rest."""
+    (spike,) = [r for r in heldout_rows if "spike" in r.run and r.fraction == 0.5]
+    assert abs(spike.error) < 0.03 and spike.covered
+    for row in [r for r in heldout_rows if "restart" in r.run]:
+        assert abs(row.error) < 0.03 and row.covered
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -47,11 +47,11 @@ from liandan.plan.forecast_library import (
     Library,
     RunCurve,
     RunFeatures,
+    combined_forecast,
     default_library,
     library_runs,
     measured_final_loss,
     read_run,
-    shapes_forecast,
     with_project,
 )
 
@@ -167,13 +167,10 @@ def forecast_final_loss(
     data = curve.window(skip_share=priors.skip)
     if decay is not None:
         priors = replace(priors, log_tau=math.log(1.0 / (1.0 - decay) / curve.total_steps), tau_width=1e-6)
-    fit, _ = curve.fit(data, priors)
+    point, fit = combined_forecast(curve, data, library.alike(features), priors)
     power_fit = fit_power(data)
     observed = int(data.updates[-1])
     fraction = min(1.0, curve.observed / curve.total_steps)
-    point = shapes_forecast(curve, data, library.alike(features), priors) if library.taught else None
-    if point is None:  # no runs to learn from: this run's own fit under the priors
-        point = float(fit.at(curve.end))
     # corrected by the median error of the library's forecasts from as far into their runs
     point *= math.exp(-library.calibration.bias(fraction, "law"))
     power_point = float(power_fit.at(curve.end))

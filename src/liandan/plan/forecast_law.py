@@ -88,14 +88,14 @@ def record_noise(loss: np.ndarray) -> float:
 
 
 def spikes(loss: np.ndarray, noise: float) -> np.ndarray:
-    """Records far above the median of their neighbours (a loss spike and its first steps of recovery)."""
+    """Records far above the median of the records before them (a loss spike), and its recovery."""
     n = len(loss)
     if n < 9:
         return np.zeros(n, dtype=bool)
-    half = max(4, n // 40)
-    padded = np.pad(loss, half, mode="edge")
-    windows = np.lib.stride_tricks.sliding_window_view(padded, 2 * half + 1)
-    out = loss - np.median(windows, axis=1) > SPIKE_SIGMAS * noise
+    half = max(8, n // 40)
+    padded = np.pad(loss, (half, 0), mode="edge")
+    before_each = np.median(np.lib.stride_tricks.sliding_window_view(padded[:-1], half), axis=1)
+    out = loss - before_each > SPIKE_SIGMAS * noise
     # a large spike (a learning-rate burst, a bad batch run) leaves a recovery that can last hundreds of
     # steps, steep like the start of training: left out too, until the loss is back to where it was before
     i = 0
@@ -124,10 +124,12 @@ class Window:
     noise: float
 
     @classmethod
-    def make(cls, updates: np.ndarray, loss: np.ndarray, noise: float | None = None) -> Window:
+    def make(cls, updates: np.ndarray, loss: np.ndarray, noise: float | None = None, masked: bool = False) -> Window:
+        """`masked`: the spikes are already left out (by the caller, over the whole curve)."""
         noise = record_noise(loss) if noise is None else noise
-        keep = ~spikes(loss, noise)
-        updates, loss = updates[keep], loss[keep]
+        if not masked:
+            keep = ~spikes(loss, noise)
+            updates, loss = updates[keep], loss[keep]
         n = len(loss)
         bins = np.minimum((np.arange(n) * min(MAX_BINS, n)) // max(n, 1), MAX_BINS - 1)
         count = np.bincount(bins).astype(np.float64)
@@ -202,6 +204,7 @@ class Curve:
         if not np.all(np.isfinite(eta)) or eta.max() <= 0 or eta.min() < 0:
             raise ValueError("lr_fractions must be finite, non-negative and not all zero")
         self.updates, self.loss = clean_records(steps, losses)
+        self.spiky = spikes(self.loss, record_noise(self.loss)) if len(self.loss) else np.zeros(0, dtype=bool)
         if len(self.updates) and self.updates[-1] >= total_steps:
             raise ValueError(f"a loss is logged at step {self.updates[-1] + 1}, past the run's {total_steps} steps")
         self.eta = eta / eta.max()
@@ -244,7 +247,11 @@ class Curve:
             raise ConfigError(
                 f"only {int(inside.sum())} loss records after the warmup; a forecast needs at least {MIN_POINTS}"
             )
-        return Window.make(updates[inside], loss[inside])
+        noise = record_noise(loss[inside])
+        inside &= ~self.spiky[keep]
+        if inside.sum() < MIN_POINTS:
+            raise ConfigError(f"only {int(inside.sum())} loss records outside spikes; a forecast needs {MIN_POINTS}")
+        return Window.make(updates[inside], loss[inside], noise, masked=True)
 
     def reference_loss(self) -> float:
         """The loss just after the warmup (median of the records there): the scale the annealing gain D is

@@ -364,25 +364,39 @@ def shapes_forecast(curve: Curve, data, taught: Sequence[Taught], priors: LawPri
     return float(math.exp(np.sum(w * np.array(logs)) / np.sum(w)))
 
 
+OWN_EVIDENCE = 256.0  # the records' weight cap of the run's own fit, which late in a run should follow them
+
+
+def combined_forecast(curve: Curve, data, alike: Sequence[Taught], priors: LawPriors):
+    """(final loss, the run's own fit): the other runs' shapes (`shapes_forecast`) and the run's own law
+    (MAP under `priors`) averaged in log, the own law weighing (share of the run seen)^2: little early,
+    when a prefix cannot tell its own future, all at the end, where the curve is its own best witness."""
+    fit, _ = curve.fit(data, replace(priors, evidence=OWN_EVIDENCE))
+    own = float(fit.at(curve.end))
+    shapes = shapes_forecast(curve, data, alike, priors)
+    if shapes is None or own <= 0:
+        return (own if shapes is None else shapes), fit
+    w = min(1.0, curve.observed / curve.total_steps) ** 2
+    return math.exp((1.0 - w) * math.log(shapes) + w * math.log(own)), fit
+
+
 def forecast_scores(
     run: RunCurve, others: Sequence[Taught], settings: dict, fractions=CALIBRATION_FRACTIONS
 ) -> list[Score]:
     """log(forecast / actual) of the forecast (with `settings`, learned from `others`) and of the power law,
     forecasting `run` from `fractions` of its steps."""
     actual = measured_final_loss(run.steps, run.losses)
-    curve = Curve(run.steps, run.losses, run.lr_fractions, run.total_steps)
     alike = weighed(others, run.features, settings.get("likeness", 1.0))
     priors = replace(priors_from(alike), **{k: v for k, v in settings.items() if k != "likeness"})
     out = []
     for fraction in fractions:
-        upto = max(1, round(fraction * run.total_steps)) - 1  # updates done at the last step seen
+        seen = run.steps <= max(1, round(fraction * run.total_steps))  # the prefix alone, as in a live forecast
+        curve = Curve(run.steps[seen], run.losses[seen], run.lr_fractions, run.total_steps)
         try:
-            data = curve.window(upto, priors.skip)
+            data = curve.window(None, priors.skip)
         except ConfigError:
             continue
-        law_point = shapes_forecast(curve, data, alike, priors)
-        if law_point is None:
-            law_point = float(curve.fit(data, priors)[0].at(curve.end))
+        law_point = combined_forecast(curve, data, alike, priors)[0]
         power_point = float(fit_power(data).at(curve.end))
         if law_point > 0 and power_point > 0:
             out.append(Score(run.name, fraction, math.log(law_point / actual), math.log(power_point / actual)))
