@@ -217,7 +217,7 @@ def forecast_run(
     if not keep.any():
         raise ConfigError(f"{run.run_dir} has no loss records yet" + (f" up to step {upto_step}" if upto_step else ""))
     if "library" not in kwargs:
-        dirs = [Path(run_dir).resolve().parent] if libraries is None else list(libraries)
+        dirs = [Path(run_dir).absolute().parent] if libraries is None else list(libraries)
         kwargs["library"] = with_project(dirs, exclude=[run_dir])
     try:
         return forecast_final_loss(
