@@ -119,7 +119,7 @@ def _annealing_note(f) -> str:
     if f.fit.C == 0.0:
         return "constant learning rate: no annealing term"
     if f.annealing_seen < 0.2:
-        return f"annealing {100 * f.annealing_seen:.0f}% seen: its effect comes mostly from the prior"
+        return f"annealing {100 * f.annealing_seen:.0f}% seen: its effect comes from the runs learned from"
     return f"annealing {100 * f.annealing_seen:.0f}% seen"
 
 
