@@ -6,18 +6,21 @@ The curve is the learning-rate-annealing law of Tissue et al. 2024 (`forecast_la
 of a run cannot tell everything: its cooldown may lie ahead (D and tau unseen), and a short stretch of curve
 fits many alphas that part at the end. Those come from the finished runs the forecast learns from
 (`forecast_library`): the shipped library of tiny real runs on four schedules, joined by the user's own
-finished runs (`liandan forecast --library DIR`, and the run's sibling directories), whose whole-curve fits
-give priors on alpha, D (relative to the loss at the end of the warmup) and tau / steps. Each forecast is
-then a MAP fit of the prefix under those priors, with the records' weight capped (`LawPriors.evidence`), as
-a law is only approximately the curve.
+finished runs (`liandan forecast --library DIR`, and the run's sibling directories). Each of those runs,
+fitted whole, lends its curve's shape: its law put on this run's schedule and length, its level scaled to
+this run's records. The shapes' forecasts are averaged in log, weighed by how well each fits the records
+(their weight capped at `LawPriors.evidence`, as a law is only approximately a curve) and by how alike the
+runs are (model size, tokens per step, learning rate, data); the run's own law (a MAP fit under priors from
+the alike runs) joins with weight (share seen)^2, and the median error of the library's own forecasts from
+as far in is taken off (`forecast_library.combined_forecast`, `Calibration.bias`).
 
-Robustness: records far above the median of their neighbours (a spike) are left out and the rest fitted
-with a soft-L1 loss; a step logged twice (a resume repeating the steps since its checkpoint) keeps its last
-record; the warmup's records, the noisiest, are not fitted.
+Robustness: a spike (a record far above the median of those before it) is left out with its recovery; the
+run's own law is fitted with a soft-L1 loss; a step logged twice keeps its last record; the warmup's
+records, the noisiest, are not fitted.
 
-The interval is conformal: the library's runs, each forecast from 10%..90% of its steps with priors from the
-others (leave-one-run-out), give |log(forecast / actual)|, and the interval at confidence c from a share f
-of the steps is forecast * exp(+-q), q the conformal c-quantile of those scores at f. docs/benchmarks.md
+The interval is conformal: the library's runs, each forecast from 10%..90% of its steps with everything
+learned from the others (leave-one-run-out), give log(forecast / actual), and the interval at confidence c
+from a share f of the steps is forecast * exp(+-q), q the conformal c-quantile of |score - median| at f. docs/benchmarks.md
 has the held-out backtests and their coverage.
 
 A schedule-free power law in steps, L = a + b * s^(-c), is fitted alongside for comparison, its interval

@@ -35,6 +35,7 @@ FEATURE_SCALE = math.log(4.0)  # runs 4x apart in size, tokens per step or learn
 DATA_DISTANCE = 4.0  # ...and runs on other data two units
 FLOOR_WEIGHT = 0.02  # every run teaches at least this much, so that unlike runs still give a prior
 PROJECT_WEIGHT = 3.0  # a project's own runs count this many times a library run in its priors
+PROJECT_MAX = 16  # the most recently finished runs of a project directory that teach (about 1 s each)
 MIN_WIDTH = {"alpha": 0.1, "gain": 0.2, "tau": 0.3}  # floors on the priors' widths, in e-folds
 EVIDENCE = 64.0  # the records' weight cap of a forecast without a library (the library's runs choose theirs)
 
@@ -183,7 +184,8 @@ def load_fixture(path: str | Path) -> RunCurve:
 
 def project_runs(directory: str | Path, exclude: Iterable[str | Path] = ()) -> list[RunCurve]:
     """The finished runs directly under `directory` (each with config.toml and metrics.jsonl), whose loss
-    stayed finite; `exclude` leaves out run directories (the run being forecast)."""
+    stayed finite, the PROJECT_MAX most recent; `exclude` leaves out run directories (the run being
+    forecast)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ConfigError(f"--library {directory}: no such directory")
@@ -198,7 +200,9 @@ def project_runs(directory: str | Path, exclude: Iterable[str | Path] = ()) -> l
             continue
         if run.finished and run.diverged_at is None and len(run.steps) >= 4 * 8:
             out.append(run)
-    return out
+    # each run is fitted and replayed on every forecast: the newest teach, a bounded number of them
+    out.sort(key=lambda run: RunDir(run.run_dir).metrics.stat().st_mtime, reverse=True)
+    return out[:PROJECT_MAX]
 
 
 # ---------------------------------------------------------------------------------------------------------
