@@ -8,6 +8,7 @@ from pathlib import Path
 from liandan.config import ConfigError
 
 WORSE_EXIT = 3
+FRACTIONS = "0.1,0.2,0.5"
 
 
 def add_commands(sub) -> None:
@@ -16,27 +17,36 @@ def add_commands(sub) -> None:
         help="forecast a run's final loss from its partial loss curve (learning-rate-annealing scaling law)",
         description=(
             "Forecast the final training loss of RUN from the loss records so far and the learning-rate"
-            " schedule in its config.toml. --backtest replays finished runs instead, forecasting from the"
-            " first 10/20/50% of their steps."
+            " schedule in its config.toml, with priors and a calibrated interval learned from finished runs:"
+            " the shipped library of tiny real runs, the finished runs beside RUN, and those under --library."
+            " --backtest replays finished runs instead (none named: the library's held-out runs), forecasting"
+            " from the first 10/20/50% of their steps."
         ),
     )
-    p.add_argument("runs", nargs="+", metavar="RUN", help="run directory (with --backtest: one or more finished runs)")
+    p.add_argument(
+        "runs",
+        nargs="*",
+        metavar="RUN",
+        help="run directory (with --backtest: finished runs, default the held-out library)",
+    )
+    p.add_argument(
+        "--library",
+        action="append",
+        default=None,
+        metavar="DIR",
+        help="a project directory whose finished runs the forecast also learns from (repeatable; default: RUN's"
+        " parent directory)",
+    )
     p.add_argument("--reference", metavar="RUN2", help="flag RUN when its forecast is worse than this run's final loss")
     p.add_argument("--fail-if-worse", action="store_true", help="exit 3 when RUN is forecast worse than --reference")
     p.add_argument("--upto", type=int, metavar="STEP", help="use only the records up to STEP")
     p.add_argument("--backtest", action="store_true", help="replay finished runs from a share of their steps")
     p.add_argument(
-        "--fractions", default="0.1,0.2,0.5", metavar="F,F,...", help="shares of the steps a backtest forecasts from"
+        "--fractions", default=FRACTIONS, metavar="F,F,...", help="shares of the steps a backtest forecasts from"
     )
     p.add_argument("--confidence", type=float, default=0.8, help="coverage of the interval (default 0.8)")
-    p.add_argument(
-        "--samples", type=int, default=48, help="bootstrap refits behind the interval (default 48, at least 4)"
-    )
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     p.set_defaults(command=cmd_forecast)
-
-
-MIN_SAMPLES = 4  # fewer refits give an interval of (nearly) zero width, which reads as certainty
 
 
 def cmd_forecast(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -44,13 +54,13 @@ def cmd_forecast(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"forecast takes no config overrides (got {overrides[0]})")
     if not 0.0 < args.confidence < 1.0:
         raise ConfigError(f"--confidence = {args.confidence} must lie between 0 and 1")
-    if args.samples < MIN_SAMPLES:
-        raise ConfigError(f"--samples = {args.samples}: an interval needs at least {MIN_SAMPLES} bootstrap refits")
-    options = {"confidence": args.confidence, "samples": args.samples}
+    options = {"confidence": args.confidence}
     if args.backtest:
         if args.reference or args.fail_if_worse or args.upto is not None:
-            raise ConfigError("--backtest takes only runs, --fractions, --confidence and --samples")
+            raise ConfigError("--backtest takes only runs, --library, --fractions and --confidence")
         return _backtest(args, options)
+    if args.fractions != FRACTIONS:
+        raise ConfigError("--fractions goes with --backtest")
     if len(args.runs) != 1:
         raise ConfigError(f"forecast takes one run (got {len(args.runs)}); use --backtest to replay several")
     if args.fail_if_worse and not args.reference:
@@ -62,7 +72,7 @@ def _forecast(args: argparse.Namespace, options: dict) -> int:
     from liandan.plan.forecast import forecast_run, measured_final_loss, read_run
 
     run = Path(args.runs[0])
-    f = forecast_run(run, upto_step=args.upto, **options)
+    f = forecast_run(run, upto_step=args.upto, libraries=args.library, **options)
     reference = None
     if args.reference:
         ref = read_run(args.reference)
@@ -71,7 +81,10 @@ def _forecast(args: argparse.Namespace, options: dict) -> int:
         if ref.finished:
             reference = ("final loss", measured_final_loss(ref.steps, ref.losses))
         else:
-            reference = ("forecast final loss", forecast_run(args.reference, **options).final_loss)
+            reference = (
+                "forecast final loss",
+                forecast_run(args.reference, libraries=args.library, **options).final_loss,
+            )
     worse = reference is not None and f.final_loss > reference[1]
     if args.json:
         import json
@@ -86,6 +99,7 @@ def _forecast(args: argparse.Namespace, options: dict) -> int:
         print(f"forecast final loss  {f.final_loss:.4f}   {pct}% interval [{f.low:.4f}, {f.high:.4f}]")
         print(f"  fitted loss now {f.current_loss:.4f}; " + _annealing_note(f))
         print(f"  schedule-free power law: {f.power_law:.4f} [{f.power_low:.4f}, {f.power_high:.4f}]")
+        print(f"  priors and interval learned from {f.prior_runs} finished runs")
         if reference:
             what, value = reference
             if worse:
@@ -105,7 +119,7 @@ def _annealing_note(f) -> str:
     if f.fit.C == 0.0:
         return "constant learning rate: no annealing term"
     if f.annealing_seen < 0.2:
-        return f"annealing {100 * f.annealing_seen:.0f}% seen: its effect comes mostly from the prior"
+        return f"annealing {100 * f.annealing_seen:.0f}% seen: its effect comes from the runs learned from"
     return f"annealing {100 * f.annealing_seen:.0f}% seen"
 
 
@@ -118,16 +132,24 @@ def _backtest(args: argparse.Namespace, options: dict) -> int:
         raise ConfigError(f"--fractions = {args.fractions!r} must be numbers separated by commas") from None
     if not fractions or not all(0.0 < x <= 1.0 for x in fractions):
         raise ConfigError(f"--fractions = {args.fractions!r} must be shares in (0, 1]")
-    rows = backtest(args.runs, fractions, **options)
+    rows = backtest(args.runs, fractions, libraries=args.library or (), **options)
     if args.json:
         import json
 
         print(json.dumps([_row_dict(r) for r in rows], indent=2))
         return 0
     from rich.console import Console
+
+    console = Console(width=160, highlight=False)
+    console.print(_rows_table(rows, options["confidence"]))
+    console.print(_summary_table(rows, options["confidence"]))
+    return 0
+
+
+def _rows_table(rows, confidence: float):
     from rich.table import Table
 
-    pct = round(100 * options["confidence"])
+    pct = round(100 * confidence)
     table = Table(title="forecast backtest: final training loss forecast from the start of finished runs")
     for name, justify in [
         ("run", "left"),
@@ -159,21 +181,55 @@ def _backtest(args: argparse.Namespace, options: dict) -> int:
             f"{f.power_law:.4f}",
             f"{100 * r.power_error:+.2f}%",
         )
-    console = Console(width=160, highlight=False)
-    console.print(table)
+    return table
+
+
+def summarize(rows) -> list[dict]:
+    """Per share of the steps and schedule (and "all"): mean and worst |error| of the law and the power law,
+    and the share of actual losses inside each one's interval."""
+    out = []
     for fraction in dict.fromkeys(r.fraction for r in rows):
         done = [r for r in rows if r.fraction == fraction and r.forecast is not None]
-        if not done:
-            continue
-        mean = sum(abs(r.error) for r in done) / len(done)
-        worst = max(abs(r.error) for r in done)
-        power = sum(abs(r.power_error) for r in done) / len(done)
-        inside = sum(bool(r.covered) for r in done)
-        console.print(
-            f"from {100 * fraction:.0f}% of the steps: mean |error| {100 * mean:.2f}% (worst {100 * worst:.2f}%),"
-            f" {inside}/{len(done)} in the interval; power law mean |error| {100 * power:.2f}%"
+        for schedule in [*dict.fromkeys(r.schedule for r in done), "all"]:
+            group = [r for r in done if schedule in ("all", r.schedule)]
+            if not group:
+                continue
+            n = len(group)
+            out.append(
+                {
+                    "fraction": fraction,
+                    "schedule": schedule,
+                    "runs": n,
+                    "mean_error": sum(abs(r.error) for r in group) / n,
+                    "worst_error": max(abs(r.error) for r in group),
+                    "coverage": sum(bool(r.covered) for r in group) / n,
+                    "power_mean_error": sum(abs(r.power_error) for r in group) / n,
+                    "power_coverage": sum(bool(r.power_covered) for r in group) / n,
+                }
+            )
+    return out
+
+
+def _summary_table(rows, confidence: float):
+    from rich.table import Table
+
+    pct = round(100 * confidence)
+    table = Table(title="by share of the steps seen and schedule: the law with priors against a plain power law")
+    for name in ("seen", "schedule", "runs", "mean |error|", "worst", f"in {pct}% interval", "power law mean |error|",
+                 f"power law in {pct}% interval"):  # fmt: skip
+        table.add_column(name, justify="left" if name == "schedule" else "right")
+    for s in summarize(rows):
+        table.add_row(
+            f"{100 * s['fraction']:.0f}%",
+            s["schedule"],
+            str(s["runs"]),
+            f"{100 * s['mean_error']:.2f}%",
+            f"{100 * s['worst_error']:.2f}%",
+            f"{100 * s['coverage']:.0f}%",
+            f"{100 * s['power_mean_error']:.2f}%",
+            f"{100 * s['power_coverage']:.0f}%",
         )
-    return 0
+    return table
 
 
 def _row_dict(r) -> dict:
@@ -187,6 +243,7 @@ def _row_dict(r) -> dict:
         "error": r.error,
         "power_error": r.power_error,
         "covered": r.covered,
+        "power_covered": r.power_covered,
         "note": r.note,
     }
     if r.forecast is not None:
