@@ -21,7 +21,8 @@ prefix-filtered similarity join. A document is a true duplicate when some other 
 
 Methods, each pinned to one core (os.sched_setaffinity), times in wall seconds:
 
-* liandan: `exact_hashes` + `MinHasher.signatures` saved to .npy (phase 1), then `find_duplicates` (phase 2).
+* liandan: `exact_hashes` + `MinHasher.signatures` saved to .npy (phase 1), then `find_duplicates` (phase 2),
+  which confirms candidates by exact Jaccard (the default, `verify`; texts held in memory here).
 * datatrove: MinhashDedupSignature, MinhashDedupBuckets and MinhashDedupCluster run with LocalPipelineExecutor,
   workers=1, its default MinhashConfig (5-grams, 14 buckets x 8 hashes, 64-bit). Its tokenizers are language
   specific (spaCy for English, spaCy + jieba for Chinese), so English and Chinese documents go through two
@@ -188,7 +189,7 @@ def run_liandan(texts: list[str], bands_rows: tuple[int, int] | None, work: Path
         signatures.append(work / f"{task}.minhash.npy")
         np.save(exact[-1], exact_hashes(texts[lo : lo + 5000]))
         np.save(signatures[-1], hasher.signatures(texts[lo : lo + 5000]))
-    result = find_duplicates(exact, signatures, params, work / "dedup")
+    result = find_duplicates(exact, signatures, params, work / "dedup", texts)  # verify is on by default
     return time.perf_counter() - start, result.cluster_of
 
 

@@ -203,7 +203,7 @@ def dedup_params(cfg: PipelineConfig):
 
 # -- stage 2: dedup --------------------------------------------------------------------------------------------
 def dedup_stage(cfg: PipelineConfig, tasks: list[Task], out: Path, counts: list[int]) -> dict[str, Any]:
-    from liandan.data.dedup import find_duplicates
+    from liandan.data.dedup import ShardTexts, find_duplicates
 
     stats_path = out / "dedup" / "stats.json"
     if stats_path.is_file():
@@ -213,8 +213,14 @@ def dedup_stage(cfg: PipelineConfig, tasks: list[Task], out: Path, counts: list[
     if cfg.dedup.exact or cfg.dedup.near:
         exact = [out / "clean" / f"{t.name}.exact.npy" for t in tasks] if cfg.dedup.exact else []
         near = [out / "clean" / f"{t.name}.minhash.npy" for t in tasks] if cfg.dedup.near else []
-        text_of = _text_lookup(tasks, out) if cfg.dedup.verify else None
-        result = find_duplicates(exact, near, dedup_params(cfg), out / "dedup" / "work", text_of=text_of)
+        texts = ShardTexts([out / "clean" / f"{t.name}.jsonl.zst" for t in tasks], counts)
+        executor = make_executor(cfg.pipeline.executor, cfg.dedup.workers, cfg.pipeline.ray_address)
+        try:
+            result = find_duplicates(
+                exact, near, dedup_params(cfg), out / "dedup" / "work", texts, cfg.dedup.workers, executor
+            )
+        finally:
+            executor.close()
         remove, cluster_of, stats = result.remove, result.cluster_of, dict(result.stats)
     else:
         remove, cluster_of, stats = np.zeros(total, bool), np.full(total, -1, np.int64), {"documents": total}
@@ -225,11 +231,6 @@ def dedup_stage(cfg: PipelineConfig, tasks: list[Task], out: Path, counts: list[
     stats["removed"] = int(remove.sum())
     _write_json(stats_path, stats)
     return stats
-
-
-def _text_lookup(tasks: list[Task], out: Path) -> Callable[[int], str]:
-    texts = [d.text for t in tasks for d in read_clean(out / "clean" / f"{t.name}.jsonl.zst")]
-    return texts.__getitem__
 
 
 def kept_documents(task: Task, out: Path) -> Iterator[Document]:
