@@ -203,3 +203,17 @@ def test_band_jobs_on_local_processes_and_ray_give_the_same_removals(corpus, one
         assert result.stats["band_jobs"] == 3, name
         assert np.array_equal(result.remove, one_process.remove), name
         assert np.array_equal(result.cluster_of, one_process.cluster_of), name
+
+
+def test_dedup_workers_and_verification_are_pipeline_settings(tmp_path):
+    from liandan.config import ConfigError
+    from liandan.data.pipeline import dedup_params
+    from liandan.data.pipeline_config import load_pipeline
+
+    toml = tmp_path / "pipeline.toml"
+    toml.write_text('[[inputs]]\nname = "web"\npaths = ["web.jsonl"]\n\n[dedup]\nworkers = 4\n')
+    cfg = load_pipeline(toml)
+    assert cfg.dedup.workers == 4 and cfg.dedup.verify and dedup_params(cfg).verify
+    assert load_pipeline(toml, ["--dedup.workers=2"]).dedup.workers == 2
+    with pytest.raises(ConfigError, match="workers"):
+        load_pipeline(toml, ["--dedup.workers=0"])
