@@ -154,6 +154,7 @@ def find_duplicates(
         }
         near_stats["documents_without_words"] = outcomes[0]["documents_without_words"]
         near_stats["band_jobs"] = len(jobs)
+        near_stats["band_job_peak_rss_mb"] = max(o["peak_rss_mb"] for o in outcomes)
         if job.texts is not None:
             remove, near_stats["kept_without_kept_near_duplicate"] = _backed_removals(
                 flatten(parent), exact_parent, job.texts, params, batch_documents

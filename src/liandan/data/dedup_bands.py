@@ -24,6 +24,7 @@ import functools
 import io
 import itertools
 import json
+import resource
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,6 +154,7 @@ def band_edges(job: BandJob) -> dict[str, Any]:
         "verified_pairs": checked,
         "rejected_by_verification": rejected,
         "documents_without_words": int(n - len(live)),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),  # of the process
     }
 
 
