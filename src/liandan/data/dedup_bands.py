@@ -1,7 +1,7 @@
 """The near-duplicate global phase for a range of LSH bands: candidate pairs, their exact-Jaccard confirmation
 and the clusters they form, as one picklable job a local process or a Ray task can run.
 
-`band_edges(job)` memory-maps every task's signature file, hashes its bands of every document to 64-bit keys
+`band_edges(job)` reads every task's signature file in chunks, hashes its bands of every document to 64-bit keys
 (one pass over the files, keys written band-major to a file in the job's work folder), and in each band takes
 as candidates the documents with equal keys (`bucket_pairs`: every pair of a small bucket, a chain through a
 large one), a set that depends on the band alone.
@@ -13,7 +13,8 @@ forest of what it linked (an edge from every document to its cluster's smallest 
 edges), so the driver's union of the jobs' forests has the same clusters as one process checking every band.
 
 Memory of one job, for n documents: about 40 bytes per document (cluster parents, one band's keys and their
-sort order, which documents have words), 16 bytes per unique candidate pair of its bands, and one batch of
+sort order, which documents have words) plus 8 per band of the job (its band keys file, memory-mapped), one
+chunk of signature rows (65,536 rows), 16 bytes per unique candidate pair of its bands, and one batch of
 shingle sets (8 bytes per shingle plus about 100 bytes per document, for `batch_documents` documents: about
 130 MB for 100,000 documents of 150 shingles).
 """
@@ -112,13 +113,12 @@ class BandJob:
 
 def band_edges(job: BandJob) -> dict[str, Any]:
     """Run one job (see the module doc): its spanning forest as `edges` (2, k) int64 and its counts."""
-    signatures = [np.load(f, mmap_mode="r") for f in job.signature_files]
-    n = sum(len(s) for s in signatures)
+    n = sum(np.load(f, mmap_mode="r").shape[0] for f in job.signature_files)
     first, last = job.band_range
     work = Path(job.work_dir)
     work.mkdir(parents=True, exist_ok=True)
     keys_path = work / f"band_keys_{first}_{last}.npy"
-    has_words = write_band_keys(signatures, first, last, job.rows, keys_path)
+    has_words = write_band_keys(job.signature_files, first, last, job.rows, keys_path)
     parent = np.load(job.exact_parents) if job.exact_parents else np.arange(n, dtype=np.int64)
     live = np.flatnonzero(has_words)
     keys = np.load(keys_path, mmap_mode="r")
@@ -183,24 +183,37 @@ def _band_weights(rows: int) -> np.ndarray:
     return np.array(splitmix64(0x62616E64, rows), np.uint64) | np.uint64(1)
 
 
-def write_band_keys(signatures: list[np.ndarray], first: int, last: int, rows: int, path: Path) -> np.ndarray:
+def _signature_chunks(path: str) -> Iterator[np.ndarray]:
+    """The rows of a signature .npy in chunks of _ROWS_PER_CHUNK, read into memory rather than memory-mapped:
+    a band job reads every page of the file, and mapped pages would stay in its resident set."""
+    mapped = np.load(path, mmap_mode="r")  # for its header only: shape, dtype, where the data starts
+    (length, width), dtype, offset = mapped.shape, mapped.dtype, mapped.offset
+    del mapped
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        for lo in range(0, length, _ROWS_PER_CHUNK):
+            count = min(_ROWS_PER_CHUNK, length - lo)
+            yield np.fromfile(handle, dtype, count * width).reshape(count, width)
+
+
+def write_band_keys(signature_files: Sequence[str], first: int, last: int, rows: int, path: Path) -> np.ndarray:
     """Hash bands [first, last) of every document to 64 bits into a (bands, documents) .npy at `path`, reading
     each signature file once; return which documents have words (a signature other than all EMPTY)."""
-    n = sum(len(s) for s in signatures)
+    counts = [np.load(f, mmap_mode="r").shape[0] for f in signature_files]
+    n = sum(counts)
     keys = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint64, shape=(last - first, n))
     has_words = np.zeros(n, bool)
     weights = _band_weights(rows)
     start = 0
-    for sig in signatures:
-        for lo in range(0, len(sig), _ROWS_PER_CHUNK):
-            at = slice(start + lo, start + min(lo + _ROWS_PER_CHUNK, len(sig)))
+    for file in signature_files:
+        for chunk in _signature_chunks(file):
+            at = slice(start, start + len(chunk))
             # EMPTY fills every column of a document without words; every job looks at the same column
-            has_words[at] = np.asarray(sig[lo : lo + _ROWS_PER_CHUNK, 0]) != EMPTY
-            chunk = np.asarray(sig[lo : lo + _ROWS_PER_CHUNK, first * rows : last * rows])
-            by_band = chunk.reshape(len(chunk), last - first, rows).astype(np.uint64)
+            has_words[at] = chunk[:, 0] != EMPTY
+            by_band = chunk[:, first * rows : last * rows].reshape(len(chunk), last - first, rows).astype(np.uint64)
             keys[:, at] = fmix64(by_band @ weights).T  # wrap-around uint64 dot product
-        start += len(sig)
-    keys.flush()
+            start += len(chunk)
+        keys.flush()
     return has_words
 
 
