@@ -21,7 +21,8 @@ prefix-filtered similarity join. A document is a true duplicate when some other 
 
 Methods, each pinned to one core (os.sched_setaffinity), times in wall seconds:
 
-* liandan: `exact_hashes` + `MinHasher.signatures` saved to .npy (phase 1), then `find_duplicates` (phase 2).
+* liandan: `exact_hashes` + `MinHasher.signatures` saved to .npy (phase 1), then `find_duplicates` (phase 2),
+  which confirms candidates by exact Jaccard (the default, `verify`; texts held in memory here).
 * datatrove: MinhashDedupSignature, MinhashDedupBuckets and MinhashDedupCluster run with LocalPipelineExecutor,
   workers=1, its default MinhashConfig (5-grams, 14 buckets x 8 hashes, 64-bit). Its tokenizers are language
   specific (spaCy for English, spaCy + jieba for Chinese), so English and Chinese documents go through two
@@ -188,7 +189,7 @@ def run_liandan(texts: list[str], bands_rows: tuple[int, int] | None, work: Path
         signatures.append(work / f"{task}.minhash.npy")
         np.save(exact[-1], exact_hashes(texts[lo : lo + 5000]))
         np.save(signatures[-1], hasher.signatures(texts[lo : lo + 5000]))
-    result = find_duplicates(exact, signatures, params, work / "dedup")
+    result = find_duplicates(exact, signatures, params, work / "dedup", texts)  # verify is on by default
     return time.perf_counter() - start, result.cluster_of
 
 
@@ -270,6 +271,18 @@ def datatrove_worker(spec_path: str) -> None:
     from datatrove.pipeline.readers import JsonlReader
     from loguru import logger
 
+    try:  # datatrove >= 0.5 names languages by ISO 639-3 and hashes str, which xxhash 4 refuses
+        import datatrove.utils.hashes.xxhash as datatrove_xxhash
+        import xxhash
+        from datatrove.utils.typeshelper import Languages
+
+        names = {"en": Languages.english, "zh": Languages.chinese}
+        if int(xxhash.VERSION.split(".")[0]) >= 4:
+            datatrove_xxhash.xxhash64 = lambda d: xxhash.xxh64_intdigest(d.encode() if isinstance(d, str) else d)
+            datatrove_xxhash.xxhash32 = lambda d: xxhash.xxh32_intdigest(d.encode() if isinstance(d, str) else d)
+    except ImportError:
+        names = {"en": "en", "zh": "zh"}
+
     logger.remove()
     logging.disable(logging.WARNING)
     spec = json.loads(Path(spec_path).read_text())
@@ -278,7 +291,7 @@ def datatrove_worker(spec_path: str) -> None:
     for language in spec["languages"]:
         base = Path(spec["work"]) / language
         runs = [
-            ("signatures", 1, [JsonlReader(str(base / "input")), MinhashDedupSignature(str(base / "sigs"), config=config, language=language)]),
+            ("signatures", 1, [JsonlReader(str(base / "input")), MinhashDedupSignature(str(base / "sigs"), config=config, language=names[language])]),
             ("buckets", config.num_buckets, [MinhashDedupBuckets(str(base / "sigs"), str(base / "buckets"), config=config)]),
             ("cluster", 1, [MinhashDedupCluster(str(base / "buckets"), str(base / "remove"), config=config, save_cluster_id=True)]),
         ]  # fmt: skip
@@ -358,9 +371,10 @@ def main() -> None:
         print(f"round {round_number + 1}: " + ", ".join(f"{k} {v[0]:.2f} s" for k, v in timed.items()))
     rows = {name: (statistics.median(seconds[name]), clusters[name]) for name in seconds}
 
-    from liandan.data.minhash import optimal_bands
+    from liandan.data.minhash import NearDedupParams
 
-    print(f"\nliandan's own bands for 0.8: {optimal_bands(THRESHOLD, 112)}; datasketch's: MinHashLSH(threshold=0.8)")
+    own = NearDedupParams(threshold=THRESHOLD).bands_rows
+    print(f"\nliandan's own bands for 0.8 (verified): {own}; datasketch's: MinHashLSH(threshold=0.8)")
     columns = ("seconds", "docs/s/core", "recall", "en", "zh", "precision", "prec J>=.7", "pair recall")
     print(f"{'method':30}" + "".join(f"{c:>12}" for c in columns))
     chinese = np.array([lang == "zh" for lang in languages])

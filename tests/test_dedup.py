@@ -16,6 +16,7 @@ from scipy.integrate import quad
 from helpers import SHARED_DATA
 from liandan.config import ConfigError
 from liandan.data import dedup as dedup_module
+from liandan.data import dedup_bands
 from liandan.data.corpus import DataError
 from liandan.data.dedup import MinHasher, NearDedupParams, exact_hashes, find_duplicates
 from liandan.data.minhash import EMPTY, candidate_probability, jaccard, optimal_bands, word_hashes
@@ -59,6 +60,7 @@ def _run(tmp_path: Path, tasks: list[list[str]], params: NearDedupParams, **kwar
         signature_files.append(tmp_path / f"task{i}.minhash.npy")
         np.save(exact_files[-1], exact_hashes(texts))
         np.save(signature_files[-1], hasher.signatures(texts))
+    kwargs.setdefault("texts", [t for texts in tasks for t in texts])
     return find_duplicates(exact_files, signature_files, params, tmp_path / "work", **kwargs)
 
 
@@ -87,12 +89,15 @@ def test_bands_and_rows_minimize_the_weighted_error_like_a_brute_force_search(th
     assert errors[chosen] <= min(errors.values()) + 1e-7  # quad's own tolerance
 
 
-def test_default_bands_put_the_s_curve_around_the_threshold():
+def test_default_bands_favour_recall_because_verification_guards_precision():
     params = NearDedupParams()
     bands, rows = params.bands_rows
-    assert (bands, rows) == (11, 10) and params.num_perm == 112
-    assert candidate_probability(0.9, bands, rows) > 0.98
-    assert candidate_probability(0.5, bands, rows) < 0.02
+    assert params.verify and (bands, rows) == (18, 6) and params.num_perm == 112
+    assert candidate_probability(0.8, bands, rows) > 0.99
+    assert candidate_probability(0.3, bands, rows) < 0.02
+    # without verification every candidate is removed: the bands balance both errors
+    unverified = NearDedupParams(verify=False).bands_rows
+    assert unverified == (11, 10) and candidate_probability(0.5, *unverified) < 0.02
     assert NearDedupParams(bands=20, rows=5).bands_rows == (20, 5)
 
 
@@ -202,15 +207,15 @@ def test_verification_keeps_only_pairs_above_the_threshold(tmp_path):
     copies = [_edited(p, rng.choice([3, 6, 9, 12, 15]), rng) for p in sources]
     corpus = sources + copies
     params = NearDedupParams(verify=True, bands=16, rows=7)  # loose bands: many candidates below 0.8
-    result = _run(tmp_path, [corpus], params, text_of=corpus.__getitem__)
+    result = _run(tmp_path, [corpus], params)
     hasher = MinHasher(params)
     similarity = np.array([jaccard(hasher.shingles(a), hasher.shingles(b)) for a, b in zip(sources, copies)])
     together = (result.cluster_of[: len(sources)] == result.cluster_of[len(sources) :]) & result.remove[len(sources) :]
     assert result.stats["rejected_by_verification"] > 10
     assert np.all(similarity[together] >= 0.8)
     assert together[similarity >= 0.85].mean() >= 0.95
-    with pytest.raises(DataError, match="text_of"):
-        _run(tmp_path, [corpus[:10]], params)
+    with pytest.raises(DataError, match="needs the documents' texts"):
+        _run(tmp_path, [corpus[:10]], params, texts=None)
 
 
 def test_chinese_near_duplicates_use_character_ngrams(tmp_path):
@@ -253,7 +258,7 @@ def _write(path: Path, array: np.ndarray) -> Path:
 def test_clusters_are_transitive_and_keep_the_smallest_index(tmp_path, monkeypatch):
     """Signatures written by hand: band equalities chosen so the expected clusters are known exactly."""
     rng = np.random.default_rng(0)
-    params = NearDedupParams(num_perm=8, bands=4, rows=2)
+    params = NearDedupParams(num_perm=8, bands=4, rows=2, verify=False)  # no texts behind these signatures
     sigs = rng.integers(0, 2**32 - 1, size=(12, 8), dtype=np.uint32)
     sigs[3, 0:2] = sigs[5, 0:2]  # 5 ~ 3 in band 0
     sigs[9, 4:6] = sigs[3, 4:6]  # 3 ~ 9 in band 2: 3, 5, 9 are one cluster though 5 and 9 share nothing
@@ -262,7 +267,7 @@ def test_clusters_are_transitive_and_keep_the_smallest_index(tmp_path, monkeypat
     sigs[10, :] = EMPTY
     exact = rng.integers(0, 2**63, size=(12, 2), dtype=np.uint64)
     exact[7] = exact[0]  # 0 and 7 are exact duplicates
-    monkeypatch.setattr(dedup_module, "_ROWS_PER_CHUNK", 5)  # chunks that straddle the two task files
+    monkeypatch.setattr(dedup_bands, "_ROWS_PER_CHUNK", 5)  # chunks that straddle the two task files
     halves = [slice(0, 6), slice(6, 12)]
     exact_files = [_write(tmp_path / f"e{i}.npy", exact[half]) for i, half in enumerate(halves)]
     signature_files = [_write(tmp_path / f"s{i}.npy", sigs[half]) for i, half in enumerate(halves)]
@@ -273,7 +278,7 @@ def test_clusters_are_transitive_and_keep_the_smallest_index(tmp_path, monkeypat
     assert result.stats["exact_duplicates"] == 1 and result.stats["near_duplicates"] == 3
     assert [c.tolist() for c in result.clusters_sample(10)] == [[0, 7], [1, 2], [3, 5, 9]]
     assert [c.tolist() for c in result.clusters_sample(1)] == [[0, 7]]
-    assert not (tmp_path / "work" / "band_keys.npy").exists()
+    assert not list((tmp_path / "work").iterdir())  # band keys and exact parents are removed
     # exact dedup alone, near dedup alone
     only_exact = find_duplicates(exact_files, [], params, tmp_path / "w2")
     assert np.flatnonzero(only_exact.remove).tolist() == [7]

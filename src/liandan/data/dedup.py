@@ -2,47 +2,66 @@
 
 1. Per task, in parallel: `exact_hashes(texts)` and `MinHasher(params).signatures(texts)` for the task's
    documents, in order, saved as .npy files (see `liandan.data.minhash` for how they are computed).
-2. Once: `find_duplicates(exact_files, signature_files, params, work_dir)` reads every task's files (signatures
-   memory-mapped) and returns which documents to remove, numbering documents globally by concatenating the
-   tasks in the order given.
+2. Once: `find_duplicates(exact_files, signature_files, params, work_dir, texts)` reads every task's files
+   (signatures memory-mapped) and returns which documents to remove, numbering documents globally by
+   concatenating the tasks in the order given.
 
 Documents with the same exact hash are duplicates. Near duplicates come from LSH banding: the signature is cut
-into b bands of r rows; two documents whose band k is equal are candidates, optionally confirmed by the exact
-Jaccard similarity of their n-gram sets (`params.verify`, which needs `text_of`). Each band is handled on its
-own: one pass over the signature files hashes every band of every document to 64 bits and writes the keys
-to `work_dir` (band-major), then each band's keys are sorted and equal neighbours become candidate pairs. Pairs
-join clusters with scipy's connected components; the document with the smallest global index in each cluster
-is kept. Peak memory is about 100 bytes per document whatever num_perm is, plus one chunk of signatures.
-Documents without any word get no near-duplicate candidates (exact dedup still compares them).
+into b bands of r rows; two documents whose band k is equal are candidates, and a candidate pair counts only
+once the exact Jaccard similarity of the two documents' shingle sets reaches the threshold (`params.verify`,
+on by default; the texts are streamed from a `TextSource`, shard by shard). Because verification guards
+precision, the default bands are chosen for recall (see `NearDedupParams`). Clusters are the connected
+components of exact-duplicate pairs and confirmed pairs only; the document with the smallest global index in
+each cluster is kept, so every removal is backed by a chain of confirmed pairs.
+
+The near phase is split by band (`liandan.data.dedup_bands`): `workers` jobs each take a range of bands, find
+and confirm their candidates and return a spanning forest of what they linked; the driver unions the forests.
+The clusters do not depend on how the bands are split, so one process, local processes and Ray tasks give the
+same removals. Documents without any word get no near-duplicate candidates (exact dedup still compares them).
+Driver memory: about 40 bytes per document plus the forests.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from scipy.sparse import coo_matrix
-from scipy.sparse.csgraph import connected_components
 
 from liandan.data.corpus import DataError
-from liandan.data.minhash import (
-    EMPTY,
-    MinHasher,
-    NearDedupParams,
-    exact_hashes,
-    fmix64,
-    jaccard,
-    optimal_bands,
-    splitmix64,
+from liandan.data.dedup_bands import (
+    BATCH_DOCUMENTS,
+    BandJob,
+    InMemoryTexts,
+    ShardTexts,
+    TextSource,
+    band_edges,
+    confirm_pairs,
+    equal_runs,
+    flatten,
+    link,
+    split_bands,
 )
+from liandan.data.minhash import MinHasher, NearDedupParams, exact_hashes, optimal_bands
 
-__all__ = ["DedupResult", "MinHasher", "NearDedupParams", "exact_hashes", "find_duplicates", "optimal_bands"]
+_MAX_ROUNDS = 8  # of the check that every removed document has a kept near duplicate
 
-_ROWS_PER_CHUNK = 1 << 16  # signature rows read at a time when hashing bands
+if TYPE_CHECKING:
+    from liandan.data.executor import Executor
+
+__all__ = [
+    "DedupResult",
+    "InMemoryTexts",
+    "MinHasher",
+    "NearDedupParams",
+    "ShardTexts",
+    "TextSource",
+    "exact_hashes",
+    "find_duplicates",
+    "optimal_bands",
+]
 
 
 @dataclass
@@ -69,10 +88,15 @@ def find_duplicates(
     signature_files: Sequence[Path],
     params: NearDedupParams,
     work_dir: Path,
-    text_of: Callable[[int], str] | None = None,
+    texts: TextSource | Sequence[str] | None = None,
+    workers: int = 1,
+    executor: Executor | None = None,
+    batch_documents: int = BATCH_DOCUMENTS,
 ) -> DedupResult:
     """Which documents to remove, over the concatenation of the tasks' files (see the module doc). Either list
-    may be empty, which turns that kind of dedup off; otherwise file i of both lists comes from task i."""
+    may be empty, which turns that kind of dedup off; otherwise file i of both lists comes from task i.
+    `texts` (a TextSource, or the texts themselves) is needed when params.verify is on. The near phase runs
+    as `workers` jobs split by band, on `executor` (in this process when it is None)."""
     exact = [_load(Path(f), 2, np.uint64, "exact hashes", "exact_hashes") for f in exact_files]
     signatures = [
         _load(Path(f), params.num_perm, np.uint32, "MinHash signatures", f"MinHasher(num_perm={params.num_perm})")
@@ -84,26 +108,59 @@ def find_duplicates(
         for ef, e, sf, sig in zip(exact_files, exact, signature_files, signatures):
             if len(e) != len(sig):
                 raise DataError(f"{ef} has {len(e)} documents but {sf} has {len(sig)}: they must come from one task")
-    if signatures and params.verify and text_of is None:
-        raise DataError("near-dedup verification (verify = true) needs the documents' texts (text_of)")
+    if signatures and params.verify and texts is None:
+        raise DataError("near-dedup verification (verify = true) needs the documents' texts")
+    if workers < 1:
+        raise DataError(f"near-dedup workers must be at least 1, got {workers}")
     n = sum(len(a) for a in (exact or signatures))
     parent = np.arange(n, dtype=np.int64)
 
     exact_duplicates = 0
     if exact:
-        heads, members = _equal_runs(np.concatenate(exact))
-        _link(parent, heads, members)
+        heads, members = equal_runs(np.concatenate(exact))
+        link(parent, heads, members)
         exact_duplicates = len(members)
+    exact_parent = flatten(parent).copy()
+    remove = None
 
     bands, rows = params.bands_rows
     near_stats: dict[str, Any] = {}
     if signatures:
         work_dir = Path(work_dir)
         work_dir.mkdir(parents=True, exist_ok=True)
-        verifier = _Verifier(MinHasher(params), text_of, params.threshold) if params.verify and text_of else None
-        near_stats = _link_near_duplicates(parent, signatures, bands, rows, work_dir / "band_keys.npy", verifier)
+        job = BandJob(
+            signature_files=tuple(str(Path(f).resolve()) for f in signature_files),
+            band_range=(0, bands),
+            rows=rows,
+            params=params,
+            work_dir=str(work_dir.resolve()),
+            texts=_text_source(texts) if params.verify else None,
+            batch_documents=batch_documents,
+        )
+        if exact_duplicates:
+            np.save(work_dir / "exact_parents.npy", flatten(parent))
+            job = replace(job, exact_parents=str((work_dir / "exact_parents.npy").resolve()))
+        jobs = [(replace(job, band_range=r),) for r in split_bands(bands, workers)]
+        if executor is None or len(jobs) == 1:
+            outcomes = [band_edges(*j) for j in jobs]
+        else:
+            outcomes = executor.map(band_edges, jobs, "dedup: bands")
+        for outcome in outcomes:
+            link(parent, *outcome.pop("edges"))
+        (work_dir / "exact_parents.npy").unlink(missing_ok=True)
+        near_stats = {
+            key: sum(o[key] for o in outcomes)
+            for key in ("candidate_pairs", "verified_pairs", "rejected_by_verification")
+        }
+        near_stats["documents_without_words"] = outcomes[0]["documents_without_words"]
+        near_stats["band_jobs"] = len(jobs)
+        near_stats["band_job_peak_rss_mb"] = max(o["peak_rss_mb"] for o in outcomes)
+        if job.texts is not None:
+            remove, near_stats["kept_without_kept_near_duplicate"] = _backed_removals(
+                flatten(parent), exact_parent, job.texts, params, batch_documents
+            )
 
-    result = _result(parent, exact_duplicates)
+    result = _result(parent, exact_duplicates, remove)
     result.stats.update(near_stats)
     if signatures:
         result.stats.update(
@@ -117,35 +174,10 @@ def find_duplicates(
     return result
 
 
-def _link_near_duplicates(
-    parent: np.ndarray,
-    signatures: list[np.ndarray],
-    bands: int,
-    rows: int,
-    keys_path: Path,
-    verifier: _Verifier | None,
-) -> dict[str, int]:
-    has_words = _write_band_keys(signatures, bands, rows, keys_path)
-    keys = np.load(keys_path, mmap_mode="r")
-    live = np.flatnonzero(has_words)
-    candidates = 0
-    for band in range(bands if len(live) > 1 else 0):
-        heads, members = _equal_runs(np.asarray(keys[band])[live])
-        heads, members = live[heads], live[members]
-        new = _roots(parent, heads) != _roots(parent, members)
-        heads, members = heads[new], members[new]
-        candidates += len(heads)
-        if verifier is not None:
-            keep = verifier.confirm(heads, members)
-            heads, members = heads[keep], members[keep]
-        _link(parent, heads, members)
-    del keys
-    keys_path.unlink()
-    return {
-        "candidate_pairs": candidates,
-        "rejected_by_verification": verifier.rejected if verifier else 0,
-        "documents_without_words": int(len(has_words) - len(live)),
-    }
+def _text_source(texts: TextSource | Sequence[str] | None) -> TextSource | None:
+    if texts is None or hasattr(texts, "read"):
+        return texts  # type: ignore[return-value]
+    return InMemoryTexts(texts)  # type: ignore[arg-type]
 
 
 def _load(path: Path, width: int, dtype: type, what: str, producer: str) -> np.ndarray:
@@ -163,84 +195,46 @@ def _load(path: Path, width: int, dtype: type, what: str, producer: str) -> np.n
     return array
 
 
-def _equal_runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For keys (n,) or rows (n, w): pairs (first index, other index) for every index whose key occurs at a
-    smaller index too; the first is the smallest index with that key."""
-    if len(keys) < 2:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    if keys.ndim == 1:
-        order = np.argsort(keys, kind="stable")
-        ordered = keys[order]
-        same = ordered[1:] == ordered[:-1]
-    else:
-        order = np.lexsort(keys.T[::-1])
-        ordered = keys[order]
-        same = (ordered[1:] == ordered[:-1]).all(axis=1)
-    positions = np.arange(1, len(keys))
-    run_start = np.maximum.accumulate(np.where(same, 0, positions))
-    return order[run_start[same]], order[positions[same]]
-
-
-@functools.cache
-def _band_weights(rows: int) -> np.ndarray:
-    return np.array(splitmix64(0x62616E64, rows), np.uint64) | np.uint64(1)
-
-
-def _write_band_keys(signatures: list[np.ndarray], bands: int, rows: int, path: Path) -> np.ndarray:
-    """Hash band k of every document to 64 bits into a (bands, documents) .npy at `path`, reading each
-    signature file once; return which documents have words (a signature other than all EMPTY)."""
-    n = sum(len(s) for s in signatures)
-    keys = np.lib.format.open_memmap(path, mode="w+", dtype=np.uint64, shape=(bands, n))
-    has_words = np.zeros(n, bool)
-    weights = _band_weights(rows)
-    start = 0
-    for sig in signatures:
-        for lo in range(0, len(sig), _ROWS_PER_CHUNK):
-            chunk = np.asarray(sig[lo : lo + _ROWS_PER_CHUNK, : bands * rows])
-            at = slice(start + lo, start + lo + len(chunk))
-            has_words[at] = (chunk != EMPTY).any(axis=1)
-            by_band = chunk.reshape(len(chunk), bands, rows).astype(np.uint64)
-            keys[:, at] = fmix64(by_band @ weights).T  # wrap-around uint64 dot product
-        start += len(sig)
-    keys.flush()
-    return has_words
-
-
-def _roots(parent: np.ndarray, nodes: np.ndarray) -> np.ndarray:
-    roots = parent[nodes]
-    while True:
-        up = parent[roots]
-        if np.array_equal(up, roots):
-            return roots
-        roots = up
-
-
-def _link(parent: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-    """Merge the clusters of a[i] and b[i] for every i; a cluster's root is its smallest document index, and
-    only roots are re-pointed (so `_roots` follows at most one hop per earlier merge)."""
-    if len(a) == 0:
-        return
-    ra, rb = _roots(parent, a), _roots(parent, b)
-    nodes, inverse = np.unique(np.concatenate([ra, rb]), return_inverse=True)
-    pairs = len(ra)
-    graph = coo_matrix((np.ones(pairs, np.int8), (inverse[:pairs], inverse[pairs:])), shape=(len(nodes),) * 2)
-    _, label = connected_components(graph, directed=False)
-    _, first = np.unique(label, return_index=True)  # nodes ascend, so a label's first node is its smallest
-    parent[nodes] = nodes[first[label]]
-
-
-def _result(parent: np.ndarray, exact_duplicates: int) -> DedupResult:
-    n = len(parent)
-    while True:  # point every document straight at its root
-        up = parent[parent]
-        if np.array_equal(up, parent):
+def _backed_removals(
+    root: np.ndarray, exact_root: np.ndarray, texts: TextSource, params: NearDedupParams, batch_documents: int
+) -> tuple[np.ndarray, int]:
+    """Which clustered documents to remove so that every removed one has Jaccard >= threshold with a kept one
+    of its cluster (a chain of confirmed pairs alone does not say so: a ~ b and b ~ c, yet c may be far from
+    a). Each cluster keeps its first document; in rounds, the undecided members are checked against the
+    cluster's newest kept document, those that match are removed, and the first of the rest is kept too.
+    Exact duplicates match without reading their texts. Depends only on the clusters, so it is the same
+    however the bands were split; members still undecided after _MAX_ROUNDS are kept."""
+    n = len(root)
+    remove = np.zeros(n, bool)
+    pending = np.flatnonzero(root != np.arange(n))
+    against = root[pending]
+    for _ in range(_MAX_ROUNDS):
+        if len(pending) == 0:
             break
-        parent = up
+        same = exact_root[pending] == exact_root[against]
+        match = same.copy()
+        match[~same] = confirm_pairs(against[~same], pending[~same], texts, params, batch_documents)
+        remove[pending[match]] = True
+        pending = pending[~match]
+        _, first = np.unique(root[pending], return_index=True)  # pending ascends: first = smallest per cluster
+        kept = np.zeros(len(pending), bool)
+        kept[first] = True
+        newest = np.full(n, -1, np.int64)
+        newest[root[pending[first]]] = pending[first]
+        pending = pending[~kept]
+        against = newest[root[pending]]
+    return remove, int((root != np.arange(n)).sum() - remove.sum())
+
+
+def _result(parent: np.ndarray, exact_duplicates: int, remove: np.ndarray | None = None) -> DedupResult:
+    n = len(parent)
+    parent = flatten(parent)
     size = np.bincount(parent, minlength=n)
     in_cluster = size[parent] > 1
     cluster_roots = np.flatnonzero((size > 1) & (parent == np.arange(n)))
     cluster_of = np.where(in_cluster, np.searchsorted(cluster_roots, parent), -1).astype(np.int64)
-    remove = in_cluster & (parent != np.arange(n))
+    if remove is None:
+        remove = in_cluster & (parent != np.arange(n))
     removed = int(remove.sum())
     stats = {
         "documents": n,
@@ -251,26 +245,3 @@ def _result(parent: np.ndarray, exact_duplicates: int) -> DedupResult:
         "largest_cluster": int(size.max()) if len(cluster_roots) else 0,
     }
     return DedupResult(remove, cluster_of, stats)
-
-
-class _Verifier:
-    """Keeps candidate pairs whose n-gram sets really have Jaccard similarity >= threshold."""
-
-    def __init__(self, hasher: MinHasher, text_of: Callable[[int], str], threshold: float) -> None:
-        self.threshold = threshold
-        self.shingles = functools.lru_cache(maxsize=1 << 16)(lambda i: hasher.shingles(text_of(int(i))))
-        self.seen_rejected: set[tuple[int, int]] = set()
-
-    @property
-    def rejected(self) -> int:
-        return len(self.seen_rejected)
-
-    def confirm(self, heads: np.ndarray, members: np.ndarray) -> np.ndarray:
-        keep = np.zeros(len(heads), bool)
-        for i, pair in enumerate(zip(heads.tolist(), members.tolist())):
-            if pair in self.seen_rejected:
-                continue
-            keep[i] = jaccard(self.shingles(pair[0]), self.shingles(pair[1])) >= self.threshold
-            if not keep[i]:
-                self.seen_rejected.add(pair)
-        return keep

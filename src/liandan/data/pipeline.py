@@ -232,7 +232,7 @@ class DedupStage(Stage):
         return [p for t in ctx.tasks for p in (layout.removals(t), layout.clusters(t))] + [layout.dedup_work]
 
     def run(self, ctx: StageContext, task: Task | None = None) -> dict[str, Any]:
-        from liandan.data.dedup import find_duplicates
+        from liandan.data.dedup import ShardTexts, find_duplicates
 
         cfg, layout, tasks = ctx.cfg, ctx.layout, ctx.tasks
         layout.dedup_dir.mkdir(parents=True, exist_ok=True)
@@ -241,8 +241,14 @@ class DedupStage(Stage):
         if cfg.dedup.exact or cfg.dedup.near:
             exact = [layout.exact_hashes(t) for t in tasks] if cfg.dedup.exact else []
             near = [layout.minhashes(t) for t in tasks] if cfg.dedup.near else []
-            text_of = _text_lookup(layout, tasks) if cfg.dedup.verify else None
-            result = find_duplicates(exact, near, dedup_params(cfg), layout.dedup_work, text_of=text_of)
+            texts = ShardTexts([layout.kept(t) for t in tasks], counts)
+            executor = make_executor(cfg.pipeline.executor, cfg.dedup.workers, cfg.pipeline.ray_address)
+            try:
+                result = find_duplicates(
+                    exact, near, dedup_params(cfg), layout.dedup_work, texts, cfg.dedup.workers, executor
+                )
+            finally:
+                executor.close()
             remove, cluster_of, stats = result.remove, result.cluster_of, dict(result.stats)
         else:
             remove, cluster_of, stats = np.zeros(total, bool), np.full(total, -1, np.int64), {"documents": total}
@@ -256,11 +262,6 @@ class DedupStage(Stage):
                 f"no document survived cleaning and deduplication; see the rejects files under {layout.clean_dir}"
             )
         return stats
-
-
-def _text_lookup(layout: PipelineLayout, tasks: list[Task]) -> Callable[[int], str]:
-    texts = [d.text for t in tasks for d in read_clean(layout.kept(t))]
-    return texts.__getitem__
 
 
 class TokenizerStage(Stage):

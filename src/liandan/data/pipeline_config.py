@@ -77,7 +77,12 @@ class DedupSection:
     num_perm: int = _f(112, "MinHash permutations", min=8, max=1024)
     bands: int = _f(0, "LSH bands; 0 chooses bands and rows from the threshold", min=0)
     rows: int = _f(0, "rows per band; 0 chooses them from the threshold", min=0)
-    verify: bool = _f(False, "confirm candidate pairs by exact Jaccard before removing (slower)")
+    verify: bool = _f(True, "confirm candidate pairs by exact Jaccard before removing (bands then favour recall)")
+    workers: int = _f(
+        1,
+        "jobs the near-dedup global phase is split into by band (local processes or Ray tasks, per [pipeline])",
+        min=1,
+    )
 
 
 @dataclass
