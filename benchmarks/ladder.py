@@ -29,8 +29,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data" / "corpus"
 
 # name: (dim, heads). Two layers each; widths only, so N grows by one knob.
-LADDER = {"w24": (24, 2), "w32": (32, 2), "w48": (48, 3), "w64": (64, 4)}
+LADDER = {"w24": (24, 2), "w32": (32, 2), "w48": (48, 3), "w64": (64, 4), "w80": (80, 4), "w96": (96, 4)}
 TARGET = {"w128": (128, 4)}
+# the ladders compared: four rungs each, from the smallest up (the longest reach) and the largest four
+SUBSETS = {"w24-w64": ("w24", "w32", "w48", "w64"), "w48-w96": ("w48", "w64", "w80", "w96"), "all six": tuple(LADDER)}
+SEEDED = ("w24", "w32", "w48", "w64")  # the rungs --seeds trains again
 TOKENS_PER_PARAM = 4  # D = 4·N (non-embedding): data scaled with size
 BATCH, SEQ = 8, 128
 
@@ -114,9 +117,9 @@ def main() -> int:
     parser.add_argument("--fixture", type=Path, help="write the ladder's and the target's results here (JSON)")
     args = parser.parse_args()
 
-    ladder: list[Path] = []
-    for i in range(args.seeds):
-        ladder += ensure_runs(args.out, LADDER, seed=1 + i, suffix="" if i == 0 else f"-s{1 + i}")
+    ladder = ensure_runs(args.out, LADDER, seed=1)
+    for i in range(1, args.seeds):
+        ladder += ensure_runs(args.out, {k: LADDER[k] for k in SEEDED}, seed=1 + i, suffix=f"-s{1 + i}")
     target = ensure_runs(args.out, TARGET, seed=1)
     if args.train_only:
         return 0
@@ -124,19 +127,19 @@ def main() -> int:
 
 
 def compare(ladder: list[Path], target: Path, fixture: Path | None) -> int:
-
     from liandan.plan.scale_up import planned_run, predict_scale_up
     from liandan.plan.scaling import load_observations
 
     summary = json.loads((target / "summary.json").read_text())
     actual = summary["val_loss"]
     run = planned_run(target.parent / f"{target.name}.toml")
-    seeds = sorted({p.name.partition("-s")[2] or "1" for p in ladder})
-    cases = [("seed 1", [p for p in ladder if "-s" not in p.name])]
-    if len(seeds) > 1:
-        cases.append((f"seeds {', '.join(seeds)}", ladder))
+    by_name = {p.name: p for p in ladder}
+    cases = [(label, [by_name[n] for n in names]) for label, names in SUBSETS.items()]
+    repeats = [p for p in ladder if "-s" in p.name]
+    if repeats:
+        cases.insert(1, ("w24-w64, two seeds", [by_name[n] for n in SUBSETS["w24-w64"]] + repeats))
     print(f"target {target.name}: N = {run.n:.4g}, D = {run.d:.4g}, final validation loss {actual:.4f}")
-    print("| ladder | runs | C of the target / largest rung | predicted | 80% interval | actual | error | covered |")
+    print("| ladder | runs | target's C / largest rung's | predicted | 80% interval | actual | error | covered |")
     print("|---|---|---|---|---|---|---|---|")
     for label, dirs in cases:
         obs = load_observations(dirs, loss="val")
@@ -146,16 +149,20 @@ def compare(ladder: list[Path], target: Path, fixture: Path | None) -> int:
         covered = "yes" if p.low <= actual <= p.high else "no"
         print(f"| {label} | {len(obs)} | {p.reach:.1f}x | {p.loss:.4f} | [{p.low:.4f}, {p.high:.4f}] | {actual:.4f} "
               f"| {error:+.2%} | {covered} |")  # fmt: skip
-    print(f"liandan fit {' '.join(str(p) for p in ladder)} --loss val --confidence 0.8 --predict {target}.toml")
+    for label, dirs in cases:
+        print(
+            f"{label}: liandan fit {' '.join(str(p) for p in dirs)} --loss val --confidence 0.8 --predict {target}.toml"
+        )
     if fixture:
         fixture.parent.mkdir(parents=True, exist_ok=True)
         obs = load_observations(ladder, loss="val")
         lines = [
             "# the ladder of benchmarks/ladder.py: non-embedding parameters, tokens, final validation loss",
-            "N,D,loss,seed",
+            "rung,seed,N,D,loss",
         ]
         for name, n, d, loss in zip(obs.names, obs.n, obs.d, obs.loss):
-            lines.append(f"{int(n)},{int(d)},{loss:.6f},{name.partition('-s')[2] or '1'}")
+            rung, _, seed = name.partition("-s")
+            lines.append(f"{rung},{seed or 1},{int(n)},{int(d)},{loss:.6f}")
         fixture.write_text("\n".join(lines) + "\n")
         target_file = fixture.with_name("target.json")
         target_file.write_text(
@@ -170,7 +177,9 @@ def compare(ladder: list[Path], target: Path, fixture: Path | None) -> int:
             )
             + "\n"
         )
-        (fixture.with_name("target.toml")).write_text((target.parent / f"{target.name}.toml").read_text())
+        config = (target.parent / f"{target.name}.toml").read_text()  # paths as seen from the project root
+        config = config.replace(str(target.parent), "runs/ladder").replace(str(SHARED), "../shared/data/corpus")
+        fixture.with_name("target.toml").write_text(config)
         print(f"wrote {fixture}, {target_file} and target.toml")
     return 0
 
