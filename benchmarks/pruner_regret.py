@@ -7,9 +7,9 @@ For each pruner and each order of the trials: whether it pruned the trial that w
 
     # record the study once: a sweep of tiny runs with no pruning, every trial to its end
     liandan sweep benchmarks/sweep-regret.toml
-    python benchmarks/pruner_regret.py --study runs/sweeps/regret --save benchmarks/data/regret-trials.json
+    python benchmarks/pruner_regret.py --study runs/sweeps/regret --save tests/fixtures/regret-trials.json
     # replay it (the recorded curves are committed, so this alone reproduces the table)
-    python benchmarks/pruner_regret.py --trials benchmarks/data/regret-trials.json --orders 10
+    python benchmarks/pruner_regret.py --trials tests/fixtures/regret-trials.json --orders 40
 """
 
 from __future__ import annotations
