@@ -14,7 +14,10 @@ from helpers import MICRO_MODEL, read_run, run_liandan, tiny_config, write_corpu
 from liandan.config import ScheduleSection
 from liandan.plan.forecast import schedule_fractions
 from liandan.plan.forecast_callback import ForecastCallback
+from liandan.plan.forecast_worker import MAX_WAITING, ForecastWorker
 from liandan.plan.live_forecast import LiveForecaster
+from liandan.run import RunDir
+from liandan.track.store import RunStore
 from liandan.train import Trainer
 from liandan.train.callbacks import Callback, build_callbacks
 
@@ -213,6 +216,11 @@ def test_forecasts_are_fitted_while_the_loop_goes_on_and_still_written(tmp_path,
         trained_before = {r["step"] for r in records[:at] if "loss" in r}
         assert set(range(1, e["step"] + LEAD + 1)) <= trained_before
     assert not [t for t in threading.enumerate() if t.name == "liandan-forecast"]  # stopped at the end
+    with RunStore(RunDir(result.run_dir).project) as store:  # the run store has them as metrics and events
+        store.ingest(result.run_dir)
+        curve = store.curve("gated", "forecast_final_loss")
+        assert dict(zip(curve["step"], curve["y"])) == {e["step"]: e["final_loss"] for e in made}
+        assert [e["step"] for e in store.forecasts("gated")] == [e["step"] for e in made]
 
 
 class FailAt(Callback):
@@ -235,3 +243,22 @@ def test_a_failed_run_stops_its_forecast_thread_and_writes_no_more(tmp_path, cor
     assert not [t for t in threading.enumerate() if t.name == "liandan-forecast"]
     # step 30's forecast was asked for; the run failed before any step could write it
     assert all(e["step"] < 30 for e in events(tmp_path / "failing", "forecast"))
+
+
+def test_a_worker_that_falls_behind_drops_the_oldest_waiting_request_and_never_more():
+    started, release = threading.Event(), threading.Event()
+
+    def fit(steps, losses):  # the fit of step 1 holds the thread until released; the others return at once
+        started.set()
+        assert release.wait(timeout=30)
+        return steps[-1]
+
+    worker = ForecastWorker(fit)
+    worker.submit([1], [5.0])
+    assert started.wait(timeout=30) and worker.in_flight
+    for step in range(2, 3 + MAX_WAITING):  # one more than may wait
+        worker.submit([step], [5.0])
+    assert worker.poll() == [] and worker.superseded == 1
+    release.set()
+    assert worker.close(drain=True) == [1, *range(3, 3 + MAX_WAITING)]
+    assert not worker.alive

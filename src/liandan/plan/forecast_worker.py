@@ -5,13 +5,14 @@ Why a thread and not a process: the fit is numpy and scipy on a few hundred numb
 state, so it cannot change the training's numbers, and a thread needs no second interpreter (a process would
 re-import numpy and scipy, and a forked one would inherit the trainer's process groups and threads). The
 loop never waits for it: `submit` and `poll` only take a lock around a few list operations. A forecast that
-falls due while another is being fitted waits as the one pending request; a newer one replaces it (the
-loop's time is never spent, the stale one is dropped and counted in `superseded`).
+falls due while another is being fitted waits its turn, so every forecast that falls due is written, in
+order; should fits fall behind by more than `MAX_WAITING` (a fit slower than `every` steps), the oldest
+waiting request is dropped and counted in `superseded`, so the backlog never grows.
 
 Writing the results (events, metrics, console) stays with the training thread, which owns the loggers: the
 callback publishes whatever `poll` returns after a step, and at the end of the run `close(drain=True)` waits
-for what is still pending, so the last forecasts are written too. After a failure `close(drain=False)` drops
-the pending request and waits only for a fit in progress (half a second), whose result is not written. The
+for what is still waiting, so the last forecasts are written too. After a failure `close(drain=False)` drops
+the waiting requests and waits only for a fit in progress (half a second), whose result is not written. The
 thread is a daemon, so a fit that hangs never keeps the process alive.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 
 from liandan.plan.live_forecast import LiveForecast
@@ -26,6 +28,7 @@ from liandan.plan.live_forecast import LiveForecast
 log = logging.getLogger(__name__)
 
 Compute = Callable[[Sequence[int], Sequence[float]], "LiveForecast | None"]
+MAX_WAITING = 4  # requests waiting for the thread; the first fit also loads scipy (over a second)
 
 
 class ForecastWorker:
@@ -34,11 +37,11 @@ class ForecastWorker:
     def __init__(self, compute: Compute, name: str = "liandan-forecast"):
         self._compute = compute
         self._cond = threading.Condition()
-        self._pending: tuple[list[int], list[float]] | None = None
+        self._pending: deque[tuple[list[int], list[float]]] = deque()
         self._busy = False
         self._closing = False
         self._ready: list[LiveForecast] = []
-        self.superseded = 0  # requests replaced by a newer one before their fit began
+        self.superseded = 0  # requests dropped, oldest first, while more than MAX_WAITING waited
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -47,9 +50,10 @@ class ForecastWorker:
         with self._cond:
             if self._closing:
                 return
-            if self._pending is not None:
+            self._pending.append((steps, losses))
+            if len(self._pending) > MAX_WAITING:
+                self._pending.popleft()
                 self.superseded += 1
-            self._pending = (steps, losses)
             self._cond.notify_all()
 
     def poll(self) -> list[LiveForecast]:
@@ -62,16 +66,16 @@ class ForecastWorker:
     def in_flight(self) -> bool:
         """Whether a forecast is being fitted or waits to be."""
         with self._cond:
-            return self._busy or self._pending is not None
+            return self._busy or bool(self._pending)
 
     def close(self, *, drain: bool, timeout: float | None = 30.0) -> list[LiveForecast]:
         """Stop the thread and wait up to `timeout` seconds for it to end (None: as long as it takes).
-        drain: fit what is pending first and return every result not yet polled. Otherwise drop the pending
-        request, let a fit in progress end, and return nothing."""
+        drain: fit what is waiting first and return every result not yet polled. Otherwise drop the waiting
+        requests, let a fit in progress end, and return nothing."""
         with self._cond:
             self._closing = True
             if not drain:
-                self._pending = None
+                self._pending.clear()
             self._cond.notify_all()
         self._thread.join(timeout)
         if self._thread.is_alive():  # a daemon: it cannot keep the process alive
@@ -85,12 +89,12 @@ class ForecastWorker:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while self._pending is None and not self._closing:
+                while not self._pending and not self._closing:
                     self._cond.wait()
-                if self._pending is None:  # closing, nothing left to fit
+                if not self._pending:  # closing, nothing left to fit
                     return
-                steps, losses = self._pending
-                self._pending, self._busy = None, True
+                steps, losses = self._pending.popleft()
+                self._busy = True
             try:
                 result = self._compute(steps, losses)
             except Exception as err:  # noqa: BLE001 - compute never raises; if it did, the run must not notice
