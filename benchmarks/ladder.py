@@ -1,14 +1,16 @@
 """Scale-up prediction on the CPU: train a ladder of small runs and a larger run on the same data, predict the
 larger run's final loss from the ladder alone (`liandan fit LADDER... --predict CONFIG`), and compare.
 
-The ladder is four widths of a two-layer Llama (byte tokenizer, the shared English text), each trained on
-tokens in proportion to its non-embedding parameters (data scaled with size), with the same schedule shape,
-batch and learning rate; the target is the same recipe at twice the widest rung's width (LADDER, TARGET below),
-about 14 times its compute. Every run ends with a validation loss over 64 held-out batches (the split follows
-the seed: the seed-1 ladder and the target share it).
+The rungs are six widths of a two-layer Llama, 24 to 96 (byte tokenizer, the shared English text), each
+trained on tokens in proportion to its non-embedding parameters (data scaled with size), with the same
+schedule shape, batch and learning rate; the target is the same recipe 128 wide (LADDER, TARGET below). The
+comparison fits four ladders (SUBSETS): the four smallest rungs (the target 13.6 times their largest's
+compute), the four largest (3.1 times), all six, and the four smallest with a second seed. Every run ends
+with a validation loss over 64 held-out batches (the split follows the seed: the seed-1 rungs and the
+target share it).
 
     python benchmarks/ladder.py --out runs/ladder               # train what is missing, then compare
-    python benchmarks/ladder.py --out runs/ladder --seeds 2     # the ladder twice, two seeds
+    python benchmarks/ladder.py --out runs/ladder --seeds 2     # the four smallest rungs again, seed 2
     python benchmarks/ladder.py --out runs/ladder --seeds 2 --fixture tests/fixtures/ladder/ladder.csv
                                         # also the ladder's results, the target's config and loss, for the tests
 
