@@ -1,8 +1,10 @@
 """Forecasts of the final loss while a run trains: when they are made, what they write, the flag against a
 reference loss, and that training itself is untouched."""
 
+import json
 import logging
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -12,9 +14,12 @@ from helpers import MICRO_MODEL, read_run, run_liandan, tiny_config, write_corpu
 from liandan.config import ScheduleSection
 from liandan.plan.forecast import schedule_fractions
 from liandan.plan.forecast_callback import ForecastCallback
+from liandan.plan.forecast_worker import MAX_WAITING, ForecastWorker
 from liandan.plan.live_forecast import LiveForecaster
+from liandan.run import RunDir
+from liandan.track.store import RunStore
 from liandan.train import Trainer
-from liandan.train.callbacks import build_callbacks
+from liandan.train.callbacks import Callback, build_callbacks
 
 STEPS = 40
 SHAPE = [
@@ -143,3 +148,117 @@ def test_liandan_train_forecasts_when_asked(tmp_path, corpus):
     made = events(tmp_path / "cli", "forecast")
     assert [e["step"] for e in made] == [15, 30]
     assert all("reference_loss" not in e for e in made)
+
+
+# --------------------------------------------------------------------------------------------------------
+# off the training loop's critical path
+
+LEAD = 5  # steps the loop must run past a forecast's step before that forecast's fit may finish
+
+
+class LoopStep(Callback):
+    """Tells a GatedForecaster how far the training loop has got; runs before the forecast callback."""
+
+    order = 11
+
+    def __init__(self, forecaster):
+        self.forecaster = forecaster
+
+    def after_step(self, trainer, step, metrics):
+        with self.forecaster.gate:
+            self.forecaster.loop_step = step
+            self.forecaster.gate.notify_all()
+
+
+class GatedForecaster(LiveForecaster):
+    """A real forecaster whose fit cannot return before the training loop has finished LEAD more steps. If the
+    loop waited for a forecast, that wait could never end: the gate would time out and say so."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Condition()
+        self.loop_step = 0
+        self.released: list[tuple[int, bool]] = []  # (the forecast's step, whether the loop opened the gate)
+
+    def compute(self, steps, losses):
+        with self.gate:
+            opened = self.gate.wait_for(lambda: self.loop_step >= steps[-1] + LEAD, timeout=30)
+        self.released.append((steps[-1], opened))
+        return super().compute(steps, losses)
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_forecasts_are_fitted_while_the_loop_goes_on_and_still_written(tmp_path, corpus, one_thread):
+    cfg = tiny_config(tmp_path, corpus, *SHAPE, "--run.name=gated", "--forecast.every=10")
+    forecaster = GatedForecaster.from_config(cfg)
+    result = Trainer(cfg, callbacks=[LoopStep(forecaster), ForecastCallback(forecaster)], say=lambda m: None).train()
+
+    # the loop ran LEAD steps past each forecast's step while its fit was pending: it never waited for one
+    assert forecaster.released == [(10, True), (20, True), (30, True)]
+    made = events(result.run_dir, "forecast")
+    assert [e["step"] for e in made] == [20, 30]  # step 10's fit saw too few records: nothing to write
+    for e in made:
+        assert e["step"] + LEAD <= e["published_step"] <= STEPS
+    # in metrics.jsonl each forecast's record (at the step it saw) comes after the training records of the
+    # steps run while it was fitted
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for e in made:
+        at = next(i for i, r in enumerate(records) if "forecast_final_loss" in r and r["step"] == e["step"])
+        assert records[at]["forecast_final_loss"] == e["final_loss"]
+        assert records[at]["forecast_low"] == e["low"] and records[at]["forecast_high"] == e["high"]
+        trained_before = {r["step"] for r in records[:at] if "loss" in r}
+        assert set(range(1, e["step"] + LEAD + 1)) <= trained_before
+    assert not [t for t in threading.enumerate() if t.name == "liandan-forecast"]  # stopped at the end
+    with RunStore(RunDir(result.run_dir).project) as store:  # the run store has them as metrics and events
+        store.ingest(result.run_dir)
+        curve = store.curve("gated", "forecast_final_loss")
+        assert dict(zip(curve["step"], curve["y"])) == {e["step"]: e["final_loss"] for e in made}
+        assert [e["step"] for e in store.forecasts("gated")] == [e["step"] for e in made]
+
+
+class FailAt(Callback):
+    order = 11
+
+    def __init__(self, step):
+        self.step = step
+
+    def after_step(self, trainer, step, metrics):
+        if step == self.step:
+            raise RuntimeError(f"failed at step {step}")
+
+
+def test_a_failed_run_stops_its_forecast_thread_and_writes_no_more(tmp_path, corpus, one_thread):
+    cfg = tiny_config(tmp_path, corpus, *SHAPE, "--run.name=failing", "--forecast.every=10")
+    callback = ForecastCallback(LiveForecaster.from_config(cfg))
+    with pytest.raises(RuntimeError, match="failed at step 31"):
+        Trainer(cfg, callbacks=[FailAt(31), callback], say=lambda m: None).train()
+    assert callback.worker is None
+    assert not [t for t in threading.enumerate() if t.name == "liandan-forecast"]
+    # step 30's forecast was asked for; the run failed before any step could write it
+    assert all(e["step"] < 30 for e in events(tmp_path / "failing", "forecast"))
+
+
+def test_a_worker_that_falls_behind_drops_the_oldest_waiting_request_and_never_more():
+    started, release = threading.Event(), threading.Event()
+
+    def fit(steps, losses):  # the fit of step 1 holds the thread until released; the others return at once
+        started.set()
+        assert release.wait(timeout=30)
+        return steps[-1]
+
+    worker = ForecastWorker(fit)
+    worker.submit([1], [5.0])
+    assert started.wait(timeout=30) and worker.in_flight
+    for step in range(2, 3 + MAX_WAITING):  # one more than may wait
+        worker.submit([step], [5.0])
+    assert worker.poll() == [] and worker.superseded == 1
+    release.set()
+    assert worker.close(drain=True) == [1, *range(3, 3 + MAX_WAITING)]
+    assert not worker.alive

@@ -67,6 +67,13 @@ def add_commands(sub) -> None:
         help="training FLOPs of a proposed run; alone, split compute-optimally under the fitted law",
     )
     p.add_argument(
+        "--predict",
+        action="append",
+        metavar="CONFIG",
+        help="a run config (TOML) to predict the final loss of before it starts, from these runs as a ladder, "
+        "with an interval (the --bootstrap replicates carry the runs' noise; at --confidence); repeatable",
+    )
+    p.add_argument(
         "--save",
         metavar="FILE",
         help="write the fit and its bootstrap replicates as JSON (for `liandan optimal --law`)",
@@ -193,6 +200,12 @@ def cmd_fit(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.compute == "6nd":
         obs.compute = 6.0 * obs.n * obs.d
     console = _console()
+    if args.predict:
+        if predict or args.save:
+            raise ConfigError("--predict CONFIG goes alone: without --predict-n/-d/-flops and --save")
+        from liandan.cli.scale_up_cmd import print_scale_up
+
+        return print_scale_up(console, obs, args)
     with console.status(f"fitting {len(obs)} runs, {args.bootstrap} bootstrap resamples"):
         result = scaling.fit(obs, bootstrap=args.bootstrap, seed=args.seed)
 

@@ -5,18 +5,22 @@ Importing this module registers it; `liandan train` does so in every process tha
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 from liandan.config import Config
 from liandan.train.callbacks import Callback, register_callback
 
 if TYPE_CHECKING:
-    from liandan.plan.live_forecast import LiveForecaster
+    from liandan.plan.forecast_worker import ForecastWorker
+    from liandan.plan.live_forecast import LiveForecast, LiveForecaster
     from liandan.train.trainer import Trainer
 
 
 class ForecastCallback(Callback):
-    """Every `forecast.every` steps, on the main rank, a "forecast" event in events.jsonl and a console line;
+    """Every `forecast.every` steps, on the main rank, a forecast of the final loss, fitted in a background
+    thread (`ForecastWorker`) so that no step waits for it. When it is ready, after a later step, it becomes a
+    "forecast" event in events.jsonl, a record of forecast_* metrics at the step it saw, and a console line;
     once, when even the forecast's lower bound is worse than `forecast.reference_loss`, a
     "forecast_worse_than_reference" event and a warning. Training itself is untouched."""
 
@@ -24,11 +28,15 @@ class ForecastCallback(Callback):
 
     def __init__(self, forecaster: LiveForecaster):
         self.forecaster = forecaster
-        self.active = False
+        self.worker: ForecastWorker | None = None
 
     def on_train_start(self, trainer: Trainer) -> None:
-        self.active = trainer.dist.is_main
-        if self.active and trainer.step > 0:  # resumed: the curve so far is in metrics.jsonl
+        if not trainer.dist.is_main:
+            return
+        from liandan.plan.forecast_worker import ForecastWorker
+
+        self.worker = ForecastWorker(self.forecaster.compute)
+        if trainer.step > 0:  # resumed: the curve so far is in metrics.jsonl
             records = [
                 (r["step"], r["loss"])
                 for r in trainer.room.read_metrics()
@@ -37,25 +45,45 @@ class ForecastCallback(Callback):
             self.forecaster.resume([s for s, _ in records], [x for _, x in records])
 
     def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        if not self.active or not isinstance(metrics.get("loss"), (int, float)):
+        if self.worker is None:
+            return
+        for f in self.worker.poll():
+            self._publish(trainer, f, step)
+        if not isinstance(metrics.get("loss"), (int, float)):
             return
         self.forecaster.observe(step, metrics["loss"])
-        if not self.forecaster.due():
+        if self.forecaster.due():
+            self.worker.submit(*self.forecaster.take_due())
+
+    def on_train_end(self, trainer: Trainer, result) -> None:
+        if self.worker is None:
             return
-        f = self.forecaster.forecast()
-        if f is None:
-            return
+        worker, self.worker = self.worker, None
+        for f in worker.close(drain=True):  # the last forecasts of a short run are still worth writing
+            self._publish(trainer, f, trainer.step)
+
+    def on_error(self, trainer: Trainer, err: BaseException) -> None:
+        if self.worker is not None:
+            self.worker.close(drain=False)  # the loggers may be what failed: write nothing more
+            self.worker = None
+
+    def _publish(self, trainer: Trainer, f: LiveForecast, now: int) -> None:
+        f = dataclasses.replace(f, published_step=now)
         trainer.logger.log_event("forecast", **f.to_event())
+        # metrics at the step the forecast saw, beside that step's training record: curves of the forecast
+        trainer.logger.log_metrics(
+            f.step, {"forecast_final_loss": f.final_loss, "forecast_low": f.low, "forecast_high": f.high}
+        )
         pct = round(100 * f.confidence)
         trainer.say(
-            f"step {step}: forecast final loss {f.final_loss:.4f}, {pct}% interval [{f.low:.4f}, {f.high:.4f}]"
-            f" at step {f.total_steps} ({f.seconds:.2f}s)"
+            f"step {f.step}: forecast final loss {f.final_loss:.4f}, {pct}% interval [{f.low:.4f}, {f.high:.4f}]"
+            f" at step {f.total_steps} ({f.seconds:.2f}s, ready at step {now})"
         )
         if self.forecaster.newly_flagged(f):
             ref = f.reference_loss
             trainer.logger.log_event(
                 "forecast_worse_than_reference",
-                step=step,
+                step=f.step,
                 final_loss=f.final_loss,
                 low=f.low,
                 high=f.high,
@@ -63,7 +91,7 @@ class ForecastCallback(Callback):
                 observed_fraction=f.observed_fraction,
             )
             trainer.say(
-                f"warning: step {step}: forecast final loss {f.final_loss:.4f} is worse than the reference"
+                f"warning: step {f.step}: forecast final loss {f.final_loss:.4f} is worse than the reference"
                 f" {ref:.4f} even at the low end of its {pct}% interval ({f.low:.4f});"
                 f" from {100 * f.observed_fraction:.0f}% of the run"
             )

@@ -46,10 +46,11 @@ class LiveForecast:
     observed_fraction: float
     annealing_seen: float
     power_law: float  # the schedule-free power law's forecast, for comparison
-    seconds: float  # what the forecast cost the training process
+    seconds: float  # what the fit took (in the forecast thread, not the training loop, when run in the background)
     reference_loss: float | None = None
     worse_than_reference: bool | None = None  # the flag: the lower bound is worse than the reference
     central_worse_than_reference: bool | None = None  # the softer signal: the central value is
+    published_step: int | None = None  # the step after which the training loop wrote it (background forecasts)
 
     def to_event(self) -> dict:
         return {k: v for k, v in asdict(self).items() if v is not None}
@@ -118,13 +119,23 @@ class LiveForecaster:
 
     def forecast(self) -> LiveForecast | None:
         """Forecast from the records so far, or None (too few records, or the fit failed). Never raises."""
-        step = self.steps[-1]
-        self._next_due = (step // self.every + 1) * self.every
+        return self.compute(*self.take_due())
+
+    def take_due(self) -> tuple[list[int], list[float]]:
+        """The records to forecast from now (copies, for another thread to fit), the next forecast falling
+        due at the next multiple of `every`."""
+        self._next_due = (self.steps[-1] // self.every + 1) * self.every
+        return list(self.steps), list(self.losses)
+
+    def compute(self, steps: Sequence[int], losses: Sequence[float]) -> LiveForecast | None:
+        """The forecast from these records, or None. Reads nothing of the forecaster that changes while a run
+        trains, so it may run in another thread while the records grow. Never raises."""
+        step = steps[-1]
         started = time.perf_counter()
         try:
             f = forecast_final_loss(
-                self.steps,
-                self.losses,
+                steps,
+                losses,
                 self.lr_fractions,
                 self.total_steps,
                 samples=self.samples,

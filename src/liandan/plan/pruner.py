@@ -11,7 +11,7 @@ import numpy as np
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from liandan.plan.forecast import forecast_final_loss
+from liandan.plan.forecast import Forecast, forecast_final_loss
 
 
 @dataclass
@@ -34,7 +34,7 @@ class ForecastPruner(optuna.pruners.BasePruner):
     training-loss forecast can be compared with whatever the objective is), else its value. Two guards against
     the high bias of early forecasts (docs/planning.md): no pruning before `min_fraction` of the steps, and
     none while the trial's last reported value is no worse than the best trial's at the same step. Only for
-    studies that minimize a loss.
+    studies that minimize a loss. `fit` is the forecast (`forecast_final_loss`'s signature).
     """
 
     def __init__(
@@ -47,6 +47,7 @@ class ForecastPruner(optuna.pruners.BasePruner):
         min_fraction: float = 0.3,
         reference_attr: str = "final_train_loss",
         seed: int = 0,
+        fit: Callable[..., Forecast] = forecast_final_loss,
     ):
         if curve is None and lr_fractions is None:
             raise ValueError("ForecastPruner needs lr_fractions or a curve function")
@@ -60,6 +61,7 @@ class ForecastPruner(optuna.pruners.BasePruner):
         self._curve = curve or self._reported_curve
         self.confidence, self.samples, self.min_fraction = confidence, samples, min_fraction
         self.reference_attr, self.seed = reference_attr, seed
+        self._fit = fit  # forecast_final_loss, or a replay's memo of it (plan.sweep_replay)
         self.last: dict[int, tuple[float, float, float, float]] = {}  # trial number -> (forecast, low, high, reference)
 
     def _reported_curve(self, trial: FrozenTrial) -> PartialCurve | None:
@@ -82,7 +84,7 @@ class ForecastPruner(optuna.pruners.BasePruner):
             return False  # level with the best so far: an early forecast's bias is likelier than a worse end
         reference = float(best.user_attrs.get(self.reference_attr, best.value))
         try:
-            f = forecast_final_loss(
+            f = self._fit(
                 curve.steps,
                 curve.losses,
                 curve.lr_fractions,
