@@ -104,6 +104,8 @@ def profile_dtype(name: str, opts: argparse.Namespace) -> dict:
         "dtype": name,
         "settings": list(settings),
         "step_s": total / opts.steps,
+        "threads": torch.get_num_threads(),
+        "load": open("/proc/loadavg").read().split()[0],
         "phases": {p: times[p] / opts.steps for p in PHASES},
         "kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
         "profiled_s": profiled,
@@ -113,7 +115,8 @@ def profile_dtype(name: str, opts: argparse.Namespace) -> dict:
 
 def report(r: dict) -> None:
     step = r["step_s"]
-    print(f"\n{r['dtype']} {' '.join(r['settings'])}: {1000 * step:.0f} ms per step (timed around the phases)")
+    print(f"\n{r['dtype']} {' '.join(r['settings'])}: {1000 * step:.0f} ms per step (timed around the phases),"
+          f" {r['threads']} threads, load average {r['load']}")  # fmt: skip
     for phase, s in r["phases"].items():
         print(f"  {phase:<10} {1000 * s:7.1f} ms  {100 * s / step:5.1f}%")
     print(f"  by kind of operator (self time, {1000 * r['profiled_s']:.0f} ms per step under the profiler):")
@@ -133,11 +136,14 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--eager", action="store_true", help="profile without train.compile")
     p.add_argument("--settings", action="append", default=[], help="a liandan config override; repeatable")
+    p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trace", default=None, help="write a Chrome trace of the last dtype here")
     p.add_argument("--json", default=None)
     opts = p.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     results = [profile_dtype(name.strip(), opts) for name in opts.dtypes.split(",") if name.strip()]
     for r in results:
         report(r)
