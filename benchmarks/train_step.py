@@ -6,22 +6,25 @@ only where the CPU has native bf16 arithmetic). For each dtype the script prints
 implementation, the ratio liandan / best peer, and liandan's MFU against the square-matmul peak measured in the
 same run.
 
-    python benchmarks/train_step.py                       # the full run, a few minutes on 2 cores
+    python benchmarks/train_step.py                       # the full run, minutes on 2 cores
     python benchmarks/train_step.py --steps 4 --warmup 2  # a quick look
-    python benchmarks/train_step.py --json results.json
+    python benchmarks/train_step.py --threads 1 --liandan-settings="--train.ce_fused=true --train.ce_chunks=4"
 
 Implementations:
 
-* liandan: `liandan.model.Transformer` through `liandan.train.parallelize.parallelize` (single process) and
-  `liandan.train.optim.build_optimizer`, stepped as `Trainer.train` steps it: autocast to bf16 over fp32 master
-  weights, loss from the model, backward, `liandan.train.optim.clip_grad_norm`, optimizer and scheduler step, zero_grad.
-  Measured eager and with `compile=True`; the faster of the two is reported as "liandan".
-* hf: `transformers.LlamaForCausalLM` with `attn_implementation="sdpa"`, `torch.optim.AdamW`, autocast for bf16,
-  eager, as a typical user runs it.
-* plain: a compact Llama written below, `torch.optim.AdamW`, autocast for bf16, eager.
+* liandan: `liandan.train.module.TrainModule` built from a config as `liandan train` builds it (`train.compile`,
+  causal mask, SDPA, constant schedule; `--liandan-settings` adds variants with other settings), stepped as
+  `Trainer.train` steps it: forward and backward (autocast to bf16 over fp32 master weights), clip, optimizer
+  and scheduler step. Compiled by default (`--liandan-modes eager,compile` adds the eager one).
+* hf: `transformers.LlamaForCausalLM` with `attn_implementation="sdpa"`; plain: a compact Llama written below.
+  Each peer runs in the configurations of `--peer-modes`: `compile` (`model.compile()`, fused AdamW),
+  `compile+opt` (`model.compile()`, clip and foreach AdamW step in one `torch.compile`d function) and `eager`
+  (torch's default AdamW). The fastest peer configuration is the reference.
 
 The implementations are timed in interleaved rounds (each runs steps/rounds steps in turn), so a load spike from
-another process on the machine is shared between them rather than landing on one.
+another process on the machine is shared between them rather than landing on one. The summary gives liandan /
+best peer by tokens/s over all timed steps and by the fastest single step (the least disturbed by other
+processes).
 """
 
 from __future__ import annotations
