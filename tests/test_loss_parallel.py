@@ -22,7 +22,7 @@ import torch
 from helpers import tiny_config
 from liandan.config import ConfigError
 from liandan.model import ModelArgs, Transformer
-from liandan.model.loss import chunked_lm_loss, lm_loss
+from liandan.model.loss import chunked_lm_loss, fused_lm_loss, lm_loss
 from liandan.model.spec import get as get_model_spec
 from liandan.plan.memory import activation_memory
 
@@ -133,6 +133,42 @@ def test_chunked_loss_never_holds_whole_logits():
     assert rows == [10] * 8  # 4 forward, 4 recomputed in backward
 
 
+@pytest.mark.parametrize("z", [0.0, 1e-2])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_fused_loss_equals_plain_loss(z, chunks):
+    """`train.ce_fused`: the same loss (relative 1e-6) and gradients of the head, the final norm and the hidden
+    states (1e-7 of gradients of size ~1e-3) in fp32; in bf16 autocast the same to bf16's rounding of the
+    head's matmuls, which both paths round alike with one chunk; without gradients, the same loss as with."""
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=96, dim=32, n_layers=1, n_heads=2, max_seq_len=16, z_loss=z)
+    model = Transformer(args)
+    hidden = torch.randn(3, 10, 32)
+    targets = torch.randint(0, 96, (3, 10))
+    targets[1, 3:] = -1
+
+    def run(fused: bool, dtype: torch.dtype):
+        model.zero_grad()
+        h = hidden.clone().requires_grad_()
+        model.configure_loss(chunks, fused=fused)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            loss = model.head_loss(h, targets) / 2  # a share of an accumulated step's loss
+        loss.backward()
+        return loss.detach(), h.grad, model.output.weight.grad.clone(), model.norm.weight.grad.clone()
+
+    plain, fused = run(False, torch.float32), run(True, torch.float32)
+    assert fused[0] == pytest.approx(float(plain[0]), rel=1e-6)
+    for a, b in zip(fused[1:], plain[1:], strict=True):
+        assert torch.allclose(a, b, rtol=0, atol=1e-7)
+    plain, fused = run(False, torch.bfloat16), run(True, torch.bfloat16)
+    assert fused[0] == pytest.approx(float(plain[0]), rel=1e-6)
+    tolerance = 1e-6 if chunks == 1 else 5e-3  # several chunks: each chunk's weight gradient rounded to bf16
+    for a, b in zip(fused[1:], plain[1:], strict=True):
+        assert (a - b).abs().max() <= tolerance * b.abs().max()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model.head_loss(hidden, targets) == 2 * fused[0]  # evaluation and replays: the same arithmetic
+    assert fused_lm_loss(hidden, model.output.weight, targets, z, chunks).requires_grad
+
+
 # ---------------------------------------------------------------------------------------------------------
 # what is refused, and what the planner counts
 
@@ -147,6 +183,7 @@ def test_tied_and_qk_norm_are_no_longer_refused_with_tp():
     [
         (["--parallel.tp=2", "--train.seq_len=63", "--model.max_seq_len=64"], "must be divisible by parallel.tp"),
         (["--parallel.tp=2", "--train.ce_chunks=4"], "train.ce_chunks > 1 is for tp = 1"),
+        (["--parallel.tp=2", "--train.ce_fused=true"], "train.ce_fused is for tp = 1"),
     ],
 )
 def test_impossible_settings_are_refused(tmp_path, overrides, message):
@@ -186,6 +223,12 @@ def test_train_module_takes_ce_chunks(tmp_path):
         loss = module.forward_backward([batch], lambda *a, **k: None)
         results.append((float(loss), module.model.output.weight.grad.clone()))
     assert module.model.ce_chunks == 4
+    cfg = tiny_config(tmp_path, tmp_path / "corpus.jsonl", "--train.ce_fused=true", "--model.z_loss=1e-3")
+    module = TrainModule(cfg, 256, None, Layout(1, 1, 1), torch.device("cpu"), torch.float32)
+    loss = module.forward_backward([batch], lambda *a, **k: None)
+    assert module.model.ce_fused
+    assert float(loss) == pytest.approx(results[0][0], rel=1e-6)
+    assert torch.allclose(module.model.output.weight.grad, results[0][1], rtol=0, atol=1e-7)
     assert results[1][0] == pytest.approx(results[0][0], rel=1e-6)
     assert torch.allclose(results[1][1], results[0][1], rtol=0, atol=1e-7)
 

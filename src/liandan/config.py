@@ -112,6 +112,11 @@ class TrainSection:
         1, "compute the output head and cross-entropy over this many slices of the tokens, each recomputed in the"
         " backward pass, so the fp32 logits of a large vocabulary never exist whole; 1 disables (tp = 1 only)", min=1,
     )  # fmt: skip
+    ce_fused: bool = _f(
+        False, "compute the head's and cross-entropy's gradients in the forward pass, train.ce_chunks slices of"
+        " the tokens at a time, so no logits are kept for the backward pass (nor made twice, as train.ce_chunks"
+        " alone does); equal to the unfused loss to rounding, not bit for bit (tp = 1 only)",
+    )  # fmt: skip
     meta_init: bool = _f(
         False, "build the model on the meta device and let each rank fill only its shards (the same values as"
         " a model built whole); off: every rank builds the whole model first"
@@ -571,6 +576,8 @@ def check_config(cfg: Config) -> None:
         )
     if p.tp > 1 and t.ce_chunks > 1:
         raise ConfigError("train.ce_chunks > 1 is for tp = 1; with parallel.tp > 1 use parallel.loss_parallel")
+    if p.tp > 1 and t.ce_fused:
+        raise ConfigError("train.ce_fused is for tp = 1; with parallel.tp > 1 use parallel.loss_parallel")
     if t.fp8 != "none" and p.tp > 1:
         raise ConfigError("train.fp8 with parallel.tp > 1 is not supported yet; use data parallelism (FSDP) only")
     # Whether parallel.tp can split the model is the family's to say (liandan.model.spec.check_model_config).

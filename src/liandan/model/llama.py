@@ -18,7 +18,7 @@ from torch import nn
 
 from liandan.model.attention import MaskSpec, PreparedMask, attend, choose_backend
 from liandan.model.kv_cache import KVCache
-from liandan.model.loss import chunked_lm_loss, full_logits, lm_loss
+from liandan.model.loss import chunked_lm_loss, full_logits, fused_lm_loss, lm_loss
 
 
 @dataclass
@@ -197,6 +197,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope", model_rope_table(args), persistent=False)
         self.attention_backend = "sdpa"
         self.ce_chunks = 1
+        self.ce_fused = False
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -222,9 +223,11 @@ class Transformer(nn.Module):
         construction (meta-device initialisation)."""
         self.rope.copy_(model_rope_table(self.args))
 
-    def configure_loss(self, ce_chunks: int) -> None:
-        """Compute the head and its loss over `ce_chunks` slices of the tokens (1: all at once)."""
+    def configure_loss(self, ce_chunks: int, fused: bool = False) -> None:
+        """Compute the head and its loss over `ce_chunks` slices of the tokens (1: all at once); `fused`: with
+        their gradients in the forward pass (`fused_lm_loss`)."""
         self.ce_chunks = ce_chunks
+        self.ce_fused = fused
 
     def configure_attention(self, device: torch.device, training: bool = True) -> str:
         self.attention_backend = choose_backend(self.args.attention, device, training)
@@ -277,6 +280,11 @@ class Transformer(nn.Module):
         of a large vocabulary are the biggest tensor of a small model's step). With `ce_chunks` > 1 the logits
         are made and reduced a slice of the tokens at a time; under tensor parallelism they may come out split
         over the vocabulary, which `lm_loss` reduces in place."""
+        if self.ce_fused:
+            bias = self.output.bias
+            if bias is not None:
+                raise ValueError("train.ce_fused needs an output projection without a bias")
+            return fused_lm_loss(self.norm(h), self.output.weight, targets, self.args.z_loss, self.ce_chunks)
         if self.ce_chunks > 1:
             return chunked_lm_loss(self._logits, h, targets, self.args.z_loss, self.ce_chunks)
         return lm_loss(self.output(self.norm(h)), targets, self.args.z_loss)

@@ -147,3 +147,75 @@ def chunked_lm_loss(
         else:
             total = total + _chunk_sums(head, part, part_targets, z_loss)
     return total / count
+
+
+# ---------------------------------------------------------------------------------------------------------
+# fused head and loss
+
+
+def _fused_pass(hidden, weight, targets, z_loss: float, chunks: int, compute_dtype, count, need_grad: bool):
+    """(mean loss, grad of hidden, grad of weight (fp32)) of the cross-entropy of `hidden @ weight.T`, a slice
+    of the tokens at a time; the gradients are None unless `need_grad`. The matmuls run in `compute_dtype`,
+    the softmax in fp32, as the unfused path does under autocast."""
+    h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
+    grad_h = torch.empty_like(hidden) if need_grad else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    start = 0
+    for part in h.split(-(-h.shape[0] // chunks)):
+        rows = slice(start, start + part.shape[0])
+        start += part.shape[0]
+        part_targets = targets[rows]
+        keep = (part_targets >= 0).float()
+        column = part_targets.clamp(min=0)[:, None]
+        logits = (part @ w.t()).float()
+        lse = torch.logsumexp(logits, dim=-1)
+        total = total + ((lse - logits.gather(1, column).squeeze(1)) * keep).sum()
+        if z_loss:
+            total = total + z_loss * (lse.pow(2) * keep).sum()
+        if not need_grad:
+            continue
+        # d/dlogits of (lse - target logit + z lse^2) / count = (softmax (1 + 2 z lse) - onehot) / count
+        scale = keep / count
+        soft_scale = scale * (1 + 2 * z_loss * lse) if z_loss else scale
+        grad = (logits - lse[:, None]).exp_().mul_(soft_scale[:, None])
+        grad.scatter_add_(1, column, -scale[:, None])
+        grad = grad.to(compute_dtype)
+        grad_h[rows] = (grad @ w).to(hidden.dtype)
+        grad_w += (grad.t() @ part).float()
+    return total / count, grad_h, grad_w
+
+
+class _FusedHeadLoss(torch.autograd.Function):
+    """The loss of `_fused_pass` with the gradients it computed in the forward pass: the backward pass only
+    scales them, so no logits are kept for it, and none are made twice (`chunked_lm_loss` makes them twice)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, z_loss: float, chunks: int, compute_dtype, count):
+        loss, grad_h, grad_w = _fused_pass(hidden, weight, targets, z_loss, chunks, compute_dtype, count, True)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_out, (grad_w * grad_out).to(ctx.weight_dtype), None, None, None, None, None
+
+
+def fused_lm_loss(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_loss: float, chunks: int = 1
+) -> torch.Tensor:
+    """`lm_loss(hidden @ weight.T, targets, z_loss)` for hidden (..., D) and the output projection's weight
+    (V, D), the gradients computed with the loss, `chunks` slices of the tokens at a time. Under autocast the
+    matmuls run in its dtype. Equal to the unfused loss to rounding (the sums add up in another order), not
+    bit for bit; deterministic like it. Without gradients (evaluation, replays) the same arithmetic gives the
+    same loss."""
+    device = hidden.device.type
+    compute_dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    hidden, targets = hidden.flatten(0, -2), targets.flatten()
+    count = (targets >= 0).sum().clamp(min=1).float()
+    with torch.autocast(device, enabled=False):
+        if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+            return _FusedHeadLoss.apply(hidden, weight, targets, z_loss, chunks, compute_dtype, count)
+        return _fused_pass(hidden, weight, targets, z_loss, chunks, compute_dtype, count, False)[0]

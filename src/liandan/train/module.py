@@ -74,10 +74,11 @@ class TrainModule:
             model = self.spec.build(self.args)
         configure = getattr(model, "configure_attention", None)
         self.attention = _config_step(configure, device) if configure else "built in"
-        if cfg.train.ce_chunks > 1:
+        if cfg.train.ce_chunks > 1 or cfg.train.ce_fused:
             if not hasattr(model, "configure_loss"):
-                raise ConfigError(f"model.family = {cfg.model.family!r} has no chunked loss; use train.ce_chunks = 1")
-            model.configure_loss(cfg.train.ce_chunks)
+                raise ConfigError(f"model.family = {cfg.model.family!r} has no chunked or fused loss;"
+                                  " use train.ce_chunks = 1 and train.ce_fused = false")  # fmt: skip
+            model.configure_loss(cfg.train.ce_chunks, fused=cfg.train.ce_fused)
         if materialize is None:
             model.to(device)
         fsdp = uses_fsdp(layout)
