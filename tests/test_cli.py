@@ -176,7 +176,9 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     for name in ("summary.json", "stores/corpus/manifest.json", "stores/corpus/tokenizer.json", "report/report.html"):
         assert (data_dir / name).exists(), name
     summary = json.loads((data_dir / "summary.json").read_text())
-    assert [s["name"] for s in summary["steps"]] == ["normalize", "language", "gopher_repetition"]
+    assert [s["name"] for s in summary["steps"]] == ["normalize", "language", "pii", "gopher_repetition"]
+    # a live forecast of the final loss, fitted beside training, set against what the run measured
+    assert "forecast of the final loss from step " in out and "; measured " in out
     import tomllib
 
     config = tomllib.loads((run_dir / "config.toml").read_text())

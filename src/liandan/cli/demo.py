@@ -1,13 +1,14 @@
 """`liandan demo`: the whole system on a laptop CPU in a few minutes, on text that ships with Python.
 
-Runs the data pipeline on the corpus (normalize, language tags, repetition filter, exact and near dedup, a
-byte-level BPE, a token store and an inspection report), poisons one batch of the store (a copy in which that
-batch's documents are random tokens), trains a small Llama on the copy with document masking, validation and
-verified checkpoints on two processes (FSDP2) under the supervisor, after the preflight doctor has checked
-every rank's devices and collectives and with silent-data-corruption checks on, which survives a rank killed on purpose
-part-way (it resumes from the in-memory snapshot of that very step), while the loss-spike guard rolls back the
-poisoned batch and names its documents, then samples from the final checkpoint, exports it for `transformers`
-and says where everything is.
+Runs the data pipeline's stages on the corpus (normalize, language tags, PII redaction, repetition filter,
+exact and verified near dedup, a byte-level BPE, a token store and an inspection report), poisons one batch of
+the store (a copy in which that batch's documents are random tokens), trains a small Llama on the copy with
+document masking, validation and verified checkpoints on two processes (FSDP2) under the supervisor, after the
+preflight doctor has checked every rank's devices and collectives and with silent-data-corruption checks on,
+which survives a rank killed on purpose part-way (it resumes from the in-memory snapshot of that very step),
+while the loss-spike guard rolls back the poisoned batch and names its documents and a live forecast predicts
+the final loss early, then samples from the final checkpoint, exports it for `transformers` and says where
+everything is.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ DEMO_SETTINGS = [
     "--data.bpe_vocab_size=4096",
     "--checkpoint.every=100",
     "--checkpoint.memory_every=1",
+    "--forecast.every=60",
 ]
 NPROC = 2
 
@@ -70,7 +72,7 @@ def prepare_data(data: list[str] | None, out: Path, vocab_size: int) -> dict:
     cfg = PipelineConfig(
         pipeline=PipelineSection(output=str(out), workers=2),
         inputs=[InputSpec(name="corpus", paths=paths, txt_mode="paragraph")],
-        steps=[{"name": "normalize"}, {"name": "language"}, {"name": "gopher_repetition"}],
+        steps=[{"name": "normalize"}, {"name": "language"}, {"name": "pii"}, {"name": "gopher_repetition"}],
         tokenizer=TokenizerSection(vocab_size=vocab_size),
     )
     cfg.check()
@@ -110,6 +112,7 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
         settings.append(f"--train.eval_every={max(1, steps // 6)}")
         settings.append(f"--schedule.warmup_steps={min(30, max(1, steps // 10))}")
         settings.append(f"--checkpoint.every={max(1, steps // 3)}")
+        settings.append(f"--forecast.every={max(1, steps // 5)}")
     settings.append(f"--run.output_dir={output_dir}")
     settings.append(f"--run.name={name}")
     cfg = load_config(None, settings + overrides)
@@ -131,6 +134,7 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     )
     val_loss = s["val_loss"] if s["val_loss"] is not None else float("nan")
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; validation loss {val_loss:.3f}")
+    show_early_forecast(room, records)
     print("incidents (liandan incidents <run>):")
     for line in timeline(run):
         print(f"  {line}")
@@ -173,6 +177,23 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     print(f"\nsee it in the dashboard:  liandan dash {output_dir}")
     print(f"share it as one page:     liandan report {run}   (written: {report})")
     return 0
+
+
+def show_early_forecast(room: RunDir, records: list[dict]) -> None:
+    """The earliest live forecast of the final loss against what the run then measured."""
+    from liandan.plan.forecast import measured_final_loss
+
+    forecasts = sorted((e for e in room.read_events() if e.get("kind") == "forecast"), key=lambda e: e["step"])
+    trained = [(r["step"], r["loss"]) for r in records if isinstance(r.get("loss"), (int, float))]
+    if not forecasts or not trained:
+        return
+    f = forecasts[0]
+    measured = measured_final_loss([s for s, _ in trained], [x for _, x in trained])
+    print(
+        f"forecast of the final loss from step {f['step']} ({100 * f['observed_fraction']:.0f}% of the run):"
+        f" {f['final_loss']:.3f}, {round(100 * f['confidence'])}% interval [{f['low']:.3f}, {f['high']:.3f}]"
+        f" (a plain power law: {f['power_law']:.3f}); measured {measured:.3f}"
+    )
 
 
 def kill_step(cfg) -> int:
