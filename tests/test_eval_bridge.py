@@ -67,7 +67,8 @@ def run(tmp_path_factory) -> Path:
     done = run_liandan("train", ROOT / "configs" / "tiny.toml", *MICRO_MODEL, "--model.max_seq_len=64",
                        "--train.seq_len=64", "--train.steps=3", "--train.eval_every=0", "--schedule.warmup_steps=1",
                        "--data.tokenizer=byte", f'--data.paths=["{corpus}"]', f"--run.output_dir={root}",
-                       "--run.name=run", "--checkpoint.every=3", timeout=300)  # fmt: skip
+                       "--run.name=run", "--checkpoint.every=3", "--doctor.preflight=false", "--track.plot=false",
+                       timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return root / "run"
 

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from helpers import run_liandan, tiny_config, write_corpus
+from helpers import liandan_here, run_liandan, tiny_config, write_corpus
 
 
 @pytest.fixture(scope="session")
@@ -118,12 +118,12 @@ def _error_line(done) -> str:
 
 
 def test_skipped_says_in_one_line_when_there_is_nothing_to_list(guarded_run, tmp_path):
-    assert "not a run directory" in _error_line(run_liandan("skipped", tmp_path / "nowhere"))
+    assert "not a run directory" in _error_line(liandan_here("skipped", tmp_path / "nowhere"))
     run = tmp_path / "copy"
     run.mkdir()
     shutil.copy(guarded_run / "config.toml", run)
     shutil.copytree(guarded_run / "data", run / "data")
-    assert "no checkpoints in" in _error_line(run_liandan("skipped", run))
+    assert "no checkpoints in" in _error_line(liandan_here("skipped", run))
 
     # A checkpoint whose loader skipped nothing, and no rollback in the events.
     newest = guarded_run / "checkpoints" / "step-00000040"
@@ -133,7 +133,7 @@ def test_skipped_says_in_one_line_when_there_is_nothing_to_list(guarded_run, tmp
     meta["loader"]["skipped"] = []
     (saved / "meta.json").write_text(json.dumps(meta))
     (run / "events.jsonl").write_text("")
-    assert "the guard skipped no batches in" in _error_line(run_liandan("skipped", run))
+    assert "the guard skipped no batches in" in _error_line(liandan_here("skipped", run))
 
     # Rollbacks in the events: one before the checkpoint that the run undid (it resumed from before it and
     # trained those batches after all), one after the checkpoint, not saved in any yet.
@@ -142,7 +142,7 @@ def test_skipped_says_in_one_line_when_there_is_nothing_to_list(guarded_run, tmp
                  {"kind": "rollback", "step": 47, "to": 40, "skipped": [loader_step, loader_step + 2],
                   "report": "r47", "culprit_data_steps": [loader_step + 1]}]  # fmt: skip
     (run / "events.jsonl").write_text("".join(json.dumps({"time": 1.0, **e}) + "\n" for e in rollbacks))
-    out = run_liandan("skipped", run, check=True).stdout.splitlines()
+    out = liandan_here("skipped", run, check=True).stdout.splitlines()
     assert out[0].startswith("2 skipped batch(es)")
     assert out[1] == (
         f"data steps {loader_step}..{loader_step + 1}: rollback at step 47 to step 40; report r47"

@@ -50,7 +50,9 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def faulty(tmp_path_factory, corpus):
-    return train(tmp_path_factory.mktemp("report-runs"), corpus, *GUARDED, fault=FAULTS, name="faulty")
+    return train(
+        tmp_path_factory.mktemp("report-runs"), corpus, *GUARDED, "--track.plot=true", fault=FAULTS, name="faulty"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +249,9 @@ def test_the_report_renders_offline_in_headless_chromium(report, tmp_path):
 @pytest.mark.slow
 def test_a_supervised_restart_is_marked_and_reported(tmp_path, corpus):
     config = tmp_path / "killed.toml"
-    config.write_text(tiny_config(tmp_path, corpus, "--train.steps=8", "--checkpoint.memory_every=1").to_toml())
+    config.write_text(
+        tiny_config(tmp_path, corpus, "--train.steps=8", "--checkpoint.memory_every=1", "--track.plot=true").to_toml()
+    )
     env = environment_without(LIANDAN_FAULTS="kill@step:4")
     done = run_liandan("train", config, "--run.name=killed", env=env, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]

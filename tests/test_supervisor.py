@@ -23,6 +23,7 @@ from helpers import (
     environment_without,
     fill_disk,
     liandan_command,
+    liandan_here,
     process_tree,
     read_metrics,
     read_run,
@@ -124,7 +125,7 @@ def test_fault_is_survived_exactly(setup, name, faults, failure, cause, rank, re
     summary = read_run(config.parent / "runs" / name).summary
     assert summary["restarts"] == 1 and 0 < summary["goodput"] <= 1
     assert summary["steps"] == 8 and summary["tokens"] == 8 * TOKENS_PER_STEP  # not only the last attempt's
-    timeline = run_liandan("incidents", config.parent / "runs" / name)
+    timeline = liandan_here("incidents", config.parent / "runs" / name)
     assert failure.upper() in timeline.stdout and "recovered" in timeline.stdout and "goodput" in timeline.stdout
 
 
@@ -420,7 +421,7 @@ def _preempted_run(config, name, signals):
     assert event["signal"] == signals[0].name and event["workers_left_alive"] == []
     for checkpoint in complete_checkpoints(run_dir / "checkpoints"):
         verify(checkpoint, checksums=True)  # a save cut short is not among them
-    timeline = run_liandan("incidents", run_dir, check=True).stdout
+    timeline = liandan_here("incidents", run_dir, check=True).stdout
     [line] = [line for line in timeline.splitlines() if "PREEMPTED" in line]
     assert f"by {signals[0].name}" in line
     return run_dir, "".join(announced) + out, event
@@ -509,8 +510,7 @@ def test_preemption_abandons_a_step_that_cannot_finish_in_time(setup):
     assert plan["plan"] == "fall back" and plan["fits"] and plan["fallback_step"] == 1 and plan["step"] == 2
     assert plan["finish_s"] > plan["grace_left_s"] >= plan["fallback_s"]
     assert "abandoning it, saving step 1" in out
-    timeline = subprocess.run([sys.executable, "-m", "liandan.cli", "incidents", str(run_dir)],
-                              capture_output=True, text=True, check=True).stdout  # fmt: skip
+    timeline = liandan_here("incidents", run_dir, check=True).stdout
     assert "preemption plan by SIGTERM: abandon step 2, save step 1 (" in timeline
     assert [step_of(c) for c in complete_checkpoints(run_dir / "checkpoints")] == [1]
     resumed = _train(config, "stalled", extra=STALLED)

@@ -54,7 +54,7 @@ def test_same_seed_same_loss_curve_bit_for_bit(tmp_path, corpus):
 
 
 def test_run_directory_contents(tmp_path, corpus):
-    _trainer, result = run(tmp_path, corpus, "--train.eval_every=3")
+    _trainer, result = run(tmp_path, corpus, "--train.eval_every=3", "--track.plot=true")
     run_dir = result.run_dir
     recorded = read_run(run_dir)
     records = recorded.metrics

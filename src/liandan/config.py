@@ -365,6 +365,8 @@ class TrackSection:
     mlflow_uri: str = _f("", "MLflow tracking URI (sqlite:///path.db, http://host:5000, ...); empty means "
                          "sqlite:///<directory of run directories>/mlflow.db")  # fmt: skip
     mlflow_experiment: str = _f("liandan", "MLflow experiment the run is filed under")
+    plot: bool = _f(True, "draw training.png (loss, learning rate, throughput, incidents marked) when the run ends;"
+                    " `liandan report` draws the same curves from the run's files at any time")  # fmt: skip
 
     # the run store
     store: bool = _f(True, "index the run in its project's run store (<run.output_dir>/liandan.db) while it trains")

@@ -262,12 +262,14 @@ class ResumeOracle:
             "--checkpoint.dir=",
             "--checkpoint.resume=auto",
             "--resilience.supervise=false",  # one plain attempt: a restart would hide a crash of the resume
-            # scratch runs about resuming: no device preflight, task evaluation, run store or trackers of the
-            # user's run (each would cost every one of the runs time, and the trackers would get them all)
+            # scratch runs about resuming: no device preflight, task evaluation, run store, trackers or
+            # training.png of the user's run (each would cost every one of the runs time, and the trackers would
+            # get them all)
             "--doctor.preflight=false",
             "--eval.every=0",
             "--track.store=false",
             "--track.exporters=[]",
+            "--track.plot=false",
             *choice.overrides(),
         ]
 

@@ -545,8 +545,9 @@ class Trainer:
             "dtype": _dtype_name(self.dtype),
         }
         self.room.write_summary(result.summary)
-        with naming(self.room.plot()):
-            plot_run(self.run_dir)
+        if self.cfg.track.plot:
+            with naming(self.room.plot()):
+                plot_run(self.run_dir)
         if self.store_logger is not None:  # the summary came after the loggers closed
             self.store_logger.close()
 
