@@ -14,6 +14,7 @@ and gets the right thing whichever way its head was parallelised from outside.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -86,9 +87,19 @@ class _ShardedNormaliser(torch.autograd.Function):
         return grad, None, None, None
 
 
-# The collectives inside run eagerly under a compiled head: the logits' matmul around them still compiles.
-@torch.compiler.disable
 def _vocab_parallel_loss(logits, targets: torch.Tensor, z_loss: float) -> torch.Tensor:
+    return _eager_vocab_parallel_loss()(logits, targets, z_loss)
+
+
+@functools.cache
+def _eager_vocab_parallel_loss() -> Callable:
+    # The collectives inside run eagerly under a compiled head: the logits' matmul around them still compiles.
+    # Wrapped on first use, not at import: torch.compiler.disable imports dynamo, a third of a second in every
+    # process that never compiles.
+    return torch.compiler.disable(_vocab_parallel_loss_eager)
+
+
+def _vocab_parallel_loss_eager(logits, targets: torch.Tensor, z_loss: float) -> torch.Tensor:
     mesh = logits.device_mesh
     local = logits.to_local()
     width = local.shape[-1]
