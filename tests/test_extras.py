@@ -54,6 +54,7 @@ def test_only_the_pipeline_steps_the_sweep_and_the_lm_eval_bridge_need_an_extra_
         "liandan.evaluate.lm_eval_bridge lm_eval.api",  # [eval]
         "liandan.plan.pruner optuna",  # [sweep]
         "liandan.plan.sweep optuna",
+        "liandan.plan.sweep_replay optuna",  # pruners replayed on recorded trials: [sweep]
         "liandan.track.dash.app starlette.applications",  # the web application of `liandan dash`: [dash]
     ]
 
