@@ -45,6 +45,7 @@ def s3():
     """A moto S3 server on 127.0.0.1 for one test module, its bucket `helpers.S3_BUCKET`, and the variables that
     point boto at it (set here too, and returned for subprocesses)."""
     import logging
+    import urllib.request
 
     from helpers import S3_BUCKET
     from liandan.run.remote import locate
@@ -52,9 +53,12 @@ def s3():
     pytest.importorskip("s3fs")
     moto_server = pytest.importorskip("moto.server")
     logging.getLogger("werkzeug").setLevel(logging.WARNING)  # one line per request otherwise
+    forget_file_systems()  # one made for an earlier module's server would point at its closed port
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
+    # moto's buckets live in the process, not the server: an earlier module's would still be there
+    urllib.request.urlopen(urllib.request.Request(f"http://{host}:{port}/moto-api/reset", method="POST")).close()
     env = {"AWS_ENDPOINT_URL": f"http://{host}:{port}", "AWS_ACCESS_KEY_ID": "test",
            "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}  # fmt: skip
     with pytest.MonkeyPatch.context() as patch:
@@ -65,3 +69,15 @@ def s3():
         locate(f"s3://{S3_BUCKET}").fs.mkdir(S3_BUCKET)
         yield env
     server.stop()
+    forget_file_systems()
+
+
+def forget_file_systems() -> None:
+    """Drop the S3 file systems this process made: liandan keeps one per store and s3fs caches instances, both
+    keyed by URL, not by the endpoint in the environment."""
+    import s3fs
+
+    from liandan.run import remote
+
+    remote._filesystem.cache_clear()
+    s3fs.S3FileSystem.clear_instance_cache()
