@@ -99,34 +99,13 @@ def _edit(text: str, language: str, rng) -> str:
 
 
 def ground_truth(texts: list[str], threshold: float):
-    """All pairs (i, j, J) with J >= threshold, by prefix filtering: two sets with J >= t share one of the
-    first |A| - ceil(t|A|) + 1 shingles of A in a global rarest-first order."""
-    import numpy as np
+    """All pairs (i, j, J) with J >= threshold of liandan's shingle sets, exactly (prefix filtering, as
+    `liandan.data.dedup_eval.similar_pairs` does it)."""
+    from liandan.data.dedup_eval import all_shingle_sets, similar_pairs
+    from liandan.data.minhash import jaccard
 
-    from liandan.data.minhash import MinHasher, NearDedupParams, jaccard
-
-    hasher = MinHasher(NearDedupParams())
-    sets = [hasher.shingles(t) for t in texts]
-    values, counts = np.unique(np.concatenate(sets), return_counts=True)
-    rank_of = np.empty(len(values), np.int64)
-    rank_of[np.lexsort((values, counts))] = np.arange(len(values))
-    prefix_docs, prefix_tokens = [], []
-    for doc, shingles in enumerate(sets):
-        ranks = np.sort(rank_of[np.searchsorted(values, shingles)])
-        keep = len(ranks) - int(np.ceil(threshold * len(ranks))) + 1
-        prefix_tokens.append(ranks[:keep])
-        prefix_docs.append(np.full(keep, doc))
-    tokens, docs = np.concatenate(prefix_tokens), np.concatenate(prefix_docs)
-    order = np.lexsort((docs, tokens))
-    tokens, docs = tokens[order], docs[order]
-    bounds = np.flatnonzero(np.diff(tokens)) + 1
-    candidates = set()
-    for group in np.split(docs, bounds):
-        if len(group) > 1:
-            members = group.tolist()
-            candidates.update((a, b) for i, a in enumerate(members) for b in members[i + 1 :])
-    pairs = [(a, b, jaccard(sets[a], sets[b])) for a, b in sorted(candidates)]
-    return [(a, b, s) for a, b, s in pairs if s >= threshold]
+    sets = all_shingle_sets(texts)
+    return [(a, b, jaccard(sets[a], sets[b])) for a, b in similar_pairs(sets, threshold).tolist()]
 
 
 def score(cluster_of, pairs, chinese) -> dict[str, float]:

@@ -8,6 +8,7 @@ import json
 import math
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from liandan.config import ConfigError
@@ -122,6 +123,22 @@ def quantity(text: str, what: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"{what} = {text!r}: expected a positive number such as 7e9 or 7B")
     return value
+
+
+def runs_table(obs, law_label: str, fitted: Sequence[float], residuals: Sequence[float], title: str):
+    """One row per run: its size, data, compute, measured loss, the law's loss and the log residual."""
+    table = _table("run", "N", "D", "C", "loss", law_label, "residual", title=title)
+    for i in range(len(obs)):
+        table.add_row(
+            obs.names[i],
+            _num(obs.n[i]),
+            _num(obs.d[i]),
+            _num(obs.compute[i]),
+            f"{obs.loss[i]:.4f}",
+            f"{fitted[i]:.4f}",
+            f"{residuals[i]:+.2%}",
+        )
+    return table
 
 
 def _num(x: float | None) -> str:
@@ -261,19 +278,7 @@ def cmd_fit(args: argparse.Namespace, overrides: list[str]) -> int:
     else:
         console.print("L(C): not fitted, every run has the same compute")
 
-    table = _table("run", "N", "D", "C", "loss", "L(N, D)", "residual", title="Runs")
-    predicted = law.loss(obs.n, obs.d)
-    for i in range(len(obs)):
-        table.add_row(
-            obs.names[i],
-            _num(obs.n[i]),
-            _num(obs.d[i]),
-            _num(obs.compute[i]),
-            f"{obs.loss[i]:.4f}",
-            f"{predicted[i]:.4f}",
-            f"{residuals[i]:+.2%}",
-        )
-    console.print(table)
+    console.print(runs_table(obs, "L(N, D)", law.loss(obs.n, obs.d), residuals, title="Runs"))
 
     if predict:
         _print_prediction(console, result, predict, args, level)

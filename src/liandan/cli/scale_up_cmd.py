@@ -7,7 +7,7 @@ import argparse
 
 import numpy as np
 
-from liandan.cli.fit_cmd import _num, _table
+from liandan.cli.fit_cmd import _num, _table, runs_table
 from liandan.config import ConfigError
 
 
@@ -41,19 +41,8 @@ def print_scale_up(console, obs, args: argparse.Namespace) -> int:
             )
         ]
     console.print(f"{law.describe()}  (Huber on log loss, L-BFGS-B)")
-    table = _table("run", "N", "D", "C", "loss", "L(C)", "residual", title="Ladder")
     fitted = law.loss(obs.compute)
-    for i in range(len(obs)):
-        table.add_row(
-            obs.names[i],
-            _num(obs.n[i]),
-            _num(obs.d[i]),
-            _num(obs.compute[i]),
-            f"{obs.loss[i]:.4f}",
-            f"{fitted[i]:.4f}",
-            f"{np.log(obs.loss[i] / fitted[i]):+.2%}",
-        )
-    console.print(table)
+    console.print(runs_table(obs, "L(C)", fitted, np.log(obs.loss / fitted), title="Ladder"))
 
     table = _table(
         "planned run", "N", "D", "C", "× ladder's C", "law", "predicted loss", f"{level} interval",
