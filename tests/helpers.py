@@ -262,3 +262,20 @@ def faults_planned(fault: str = ""):
         os.environ.pop(faults.ENV, None)
         if previous is not None:
             os.environ[faults.ENV] = previous
+
+
+def dedup_phase_one(directory: Path, tasks: list[list[str]], params) -> tuple[list[Path], list[Path]]:
+    """The exact hashes and MinHash signatures of each task's texts, saved as the pipeline's clean stage saves
+    them: what `find_duplicates` reads."""
+    import numpy as np
+
+    from liandan.data.dedup import MinHasher, exact_hashes
+
+    hasher = MinHasher(params)
+    exact, signatures = [], []
+    for i, texts in enumerate(tasks):
+        exact.append(directory / f"task{i}.exact.npy")
+        signatures.append(directory / f"task{i}.minhash.npy")
+        np.save(exact[-1], exact_hashes(texts))
+        np.save(signatures[-1], hasher.signatures(texts))
+    return exact, signatures

@@ -13,7 +13,7 @@ import pytest
 import xxhash
 from scipy.integrate import quad
 
-from helpers import SHARED_DATA
+from helpers import SHARED_DATA, dedup_phase_one
 from liandan.config import ConfigError
 from liandan.data import dedup as dedup_module
 from liandan.data import dedup_bands
@@ -53,13 +53,7 @@ def _edited(text: str, edits: int, rng: random.Random, unit: str = "word") -> st
 
 def _run(tmp_path: Path, tasks: list[list[str]], params: NearDedupParams, **kwargs) -> dedup_module.DedupResult:
     """Phase 1 per task (as the pipeline does) then phase 2 over the saved files."""
-    hasher = MinHasher(params)
-    exact_files, signature_files = [], []
-    for i, texts in enumerate(tasks):
-        exact_files.append(tmp_path / f"task{i}.exact.npy")
-        signature_files.append(tmp_path / f"task{i}.minhash.npy")
-        np.save(exact_files[-1], exact_hashes(texts))
-        np.save(signature_files[-1], hasher.signatures(texts))
+    exact_files, signature_files = dedup_phase_one(tmp_path, tasks, params)
     kwargs.setdefault("texts", [t for texts in tasks for t in texts])
     return find_duplicates(exact_files, signature_files, params, tmp_path / "work", **kwargs)
 

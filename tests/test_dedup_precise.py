@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import zstandard
 
+from helpers import dedup_phase_one
 from liandan.data.dedup import MinHasher, NearDedupParams, ShardTexts, exact_hashes, find_duplicates
 from liandan.data.dedup_eval import all_shingle_sets, overlapping_pairs, score_removals, similar_pairs
 from liandan.data.executor import LocalExecutor, RayExecutor
@@ -59,17 +60,6 @@ def generated_corpus(seed: int, originals: int = 500, copies: int = 300) -> list
     return texts
 
 
-def _signature_files(tmp_path: Path, tasks: list[list[str]], params: NearDedupParams) -> tuple[list, list]:
-    hasher = MinHasher(params)
-    exact, sigs = [], []
-    for i, texts in enumerate(tasks):
-        exact.append(tmp_path / f"{i}.exact.npy")
-        sigs.append(tmp_path / f"{i}.minhash.npy")
-        np.save(exact[-1], exact_hashes(texts))
-        np.save(sigs[-1], hasher.signatures(texts))
-    return exact, sigs
-
-
 def _write_shard(path: Path, texts: list[str]) -> Path:
     lines = "".join(json.dumps({"id": str(i), "text": t}, ensure_ascii=False) + "\n" for i, t in enumerate(texts))
     path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode()))
@@ -82,7 +72,7 @@ def corpus(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("generated")
     texts = generated_corpus(seed=7)
     tasks = [texts[:300], texts[300:550], texts[550:]]
-    exact, sigs = _signature_files(root, tasks, NearDedupParams())
+    exact, sigs = dedup_phase_one(root, tasks, NearDedupParams())
     shards = [_write_shard(root / f"{i}.jsonl.zst", t) for i, t in enumerate(tasks)]
     sets = all_shingle_sets(texts)
     return {
