@@ -30,7 +30,7 @@ from liandan.plan.forecast import forecast_final_loss, schedule_fractions
 
 log = logging.getLogger(__name__)
 
-LIVE_SAMPLES = 16  # bootstrap refits per live forecast: about half a second each here, a third of the default 48
+LIVE_SAMPLES = 16  # accepted for configs of the earlier bootstrap interval; the interval is conformal now (one fit)
 
 
 @dataclass(frozen=True)
