@@ -99,7 +99,7 @@ BUILTIN: tuple[Plugin, ...] = (
         _L + "train.optimizers.adamw:ADAMW",
         _L + "train.optimizers.adamw_options:AdamWOptions",
         builtin=True,
-    ),  # fmt: skip
+    ),
     # callbacks, in the order they register (their `order` decides the order they run in)
     *(
         Plugin("callback", name, _L + target, builtin=True)
@@ -140,7 +140,7 @@ BUILTIN: tuple[Plugin, ...] = (
             f"{_L}track.exporters.to_{name}:{cls}Options",
             extra=name,
             builtin=True,
-        )  # fmt: skip
+        )
         for name, cls in (("tensorboard", "TensorBoard"), ("wandb", "WandB"), ("mlflow", "MLflow"))
     ),
     *(
