@@ -36,14 +36,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from liandan.checkpoint.restricted import load_state, read_metadata, reason
+from liandan.checkpoint.train_state import TrainState
 from liandan.checkpoint.verify import (
     MANIFEST,
     CheckpointError,
@@ -71,10 +67,6 @@ from liandan.run.remote import RemotePath, locate, remove_tree
 
 # DCP notes on every single-process save and load that it runs without a process group, which is intended.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-
-
-# Optimizer settings that choose how the update is computed, not what it is: each layout keeps its own.
-KERNEL_CHOICES = ("foreach", "fused")
 
 
 class SaveError(CheckpointError):
@@ -126,9 +118,10 @@ class CheckpointManager:
         self.failures_in_a_row = 0  # the same on every rank: ranks agree on each save's outcome
 
     # -- saving -------------------------------------------------------------------------------------------
-    def save(self, step: int, model: torch.nn.Module, optimizer, meta: dict[str, Any]) -> float:
-        """Start saving; returns the seconds training was blocked (waiting for the previous save included).
-        Errors are reported, never raised."""
+    def save(self, step: int, model: Any, optimizer: Any, meta: dict[str, Any]) -> float:
+        """Start saving the model parts and their optimizers (`model`, `optimizer`: see `TrainState.of`); returns
+        the seconds training was blocked (waiting for the previous save included). Errors are reported, never
+        raised."""
         started = time.perf_counter()
         self.wait()
         final = self.root / step_dir_name(step)
@@ -156,11 +149,7 @@ class CheckpointManager:
         if not self._all_ok(error is None):
             return self._report_failure(step, tmp, error or RuntimeError("another rank failed"), started).seconds
         try:
-            if optimizer is None:  # weights only (an imported model)
-                state = {"model": get_model_state_dict(model)}
-            else:
-                model_sd, optim_sd = get_state_dict(model, optimizer)
-                state = {"model": model_sd, "optim": optim_sd}
+            state = TrainState.of(model, optimizer).state_dict()  # weights only without optimizers (an import)
             where = {"storage_writer": FsspecWriter(str(tmp))} if self.remote else {"checkpoint_id": str(tmp)}
             if self.async_save:
                 future = dcp.async_save(state, **where, process_group=self.group, async_stager=self._staging_buffers())
@@ -345,7 +334,7 @@ class CheckpointManager:
             dist.broadcast_object_list(box, src=0, group=self.group)
         return locate(box[0]) if box[0] else None
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer=None, verified: bool = False) -> dict[str, Any]:
+    def load(self, path: Path, model: Any, optimizer: Any = None, verified: bool = False) -> dict[str, Any]:
         """Load model (and optimizer) state into whatever layout they have now; returns meta.json, with
         this rank's RNG states restored where the world size is unchanged. A checkpoint that cannot be
         loaded raises the same CheckpointError, naming the checkpoint and file, on every rank."""
@@ -360,20 +349,10 @@ class CheckpointManager:
         self._raise_agreed(error)
         meta: dict[str, Any] = {}
         try:
-            if optimizer is None:
-                state = {"model": get_model_state_dict(model)}
-                load_state(state, path, process_group=self.group)
-                set_model_state_dict(model, state["model"])
-            else:
-                model_sd, optim_sd = get_state_dict(model, optimizer)
-                state = {"model": model_sd, "optim": optim_sd}
-                load_state(state, path, process_group=self.group)
-                kernels = [{k: g[k] for k in KERNEL_CHOICES if k in g} for g in optimizer.param_groups]
-                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-                # The saved groups carry the saving layout's kernel choice: a fused or multi-tensor update
-                # that this layout's mix of DTensors and plain tensors cannot take (tensor parallelism).
-                for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
-                    group.update(kernel)
+            into = TrainState.of(model, optimizer)
+            state = into.state_dict()
+            load_state(state, path, process_group=self.group)
+            into.load_state_dict(state)
             meta = read_meta(path)
             rng_file = rank_file(path, self.rank, ".pt")
             if meta.get("world_size") == self.world_size and rng_file.is_file():
@@ -389,7 +368,7 @@ class CheckpointManager:
         self._raise_agreed(error)
         return meta
 
-    def load_newest(self, newest: Path, model: torch.nn.Module, optimizer=None) -> tuple[Path, dict[str, Any]]:
+    def load_newest(self, newest: Path, model: Any, optimizer: Any = None) -> tuple[Path, dict[str, Any]]:
         """Load `newest`, or where it cannot be loaded (verified as it is, it may still be refused or fail
         inside DCP) the newest older checkpoint that verifies and loads; each one that fails is reported.
         Returns (the checkpoint loaded, its meta.json). When none loads this raises instead of starting over:

@@ -11,14 +11,8 @@ from typing import Any
 
 import torch
 
-from liandan.checkpoint.snapshots import (
-    ensure_optimizer_state,
-    optimizer_hyperparameters,
-    python_rng,
-    set_optimizer_hyperparameters,
-    set_rng,
-    state_tensors,
-)
+from liandan.checkpoint.snapshots import python_rng, set_rng
+from liandan.checkpoint.train_state import TrainState
 
 
 @dataclass
@@ -40,20 +34,22 @@ class StateRing:
     def __init__(self, size: int):
         self.held: deque[HeldState] = deque(maxlen=size)
 
-    def keep(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> HeldState:
+    def keep(self, step: int, model: Any, optimizer: Any, state: dict) -> HeldState:
+        """Copy this rank's state at `step` (`model`, `optimizer`: see `TrainState.of`)."""
+        kept = TrainState.of(model, optimizer)
         self.held = deque((h for h in self.held if h.step < step), maxlen=self.held.maxlen)  # a rewound run's
         # The state about to drop out lends its buffers: a fresh allocation of the same size every few steps
         # costs page faults on top of the copy.
         spare = self.held[0].tensors if len(self.held) == self.held.maxlen else {}
         tensors = {}
         with torch.no_grad():
-            for name, t in state_tensors(model, optimizer):
+            for name, t in kept.tensors():
                 buffer = spare.get(name)
                 if buffer is not None and buffer.shape == t.shape and buffer.dtype == t.dtype:
                     tensors[name] = buffer.copy_(t.detach())
                 else:
                     tensors[name] = t.detach().to("cpu", copy=True)
-        held = HeldState(step, tensors, optimizer_hyperparameters(optimizer), python_rng(), state)
+        held = HeldState(step, tensors, kept.hyperparameters(), python_rng(), state)
         self.held.append(held)
         return held
 
@@ -68,18 +64,19 @@ class StateRing:
         return [h.step for h in self.held]
 
 
-def restore(held: HeldState, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def restore(held: HeldState, model: Any, optimizer: Any) -> dict[str, Any]:
     """Put `held` back into this rank's model and optimizer, in place; returns its JSON state."""
-    if not any(name.startswith("optim.") for name in held.tensors):
-        optimizer.state.clear()  # kept before the first update: AdamW had no state yet
-    elif not optimizer.state:
-        ensure_optimizer_state(optimizer)  # overwritten below
-    targets = dict(state_tensors(model, optimizer))
+    into = TrainState.of(model, optimizer)
+    if not any(name.startswith("optim") for name in held.tensors):
+        into.clear_optimizer_state()  # kept before the first update: AdamW had no state yet
+    elif into.optimizer_state_empty():
+        into.ensure_optimizer_state()  # overwritten below
+    targets = dict(into.tensors())
     with torch.no_grad():
         for name, saved in held.tensors.items():
             target = targets.get(name)
             if target is not None and name not in ("rng.torch", "rng.cuda"):
                 target.copy_(saved)
     set_rng(held.tensors["rng.torch"], held.tensors.get("rng.cuda"), held.rng)
-    set_optimizer_hyperparameters(optimizer, held.optimizer_groups)
+    into.set_hyperparameters(held.optimizer_groups)
     return held.state

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 import xxhash
 
+from liandan.checkpoint.train_state import TrainState
 from liandan.run import dumps_json
 from liandan.run.files import atomic_write
 from liandan.run.worker_env import WorkerEnv
@@ -150,69 +151,6 @@ def _open_existing(path: Path):
     return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A rank's own part of a (possibly distributed) tensor."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state (AdamW makes it lazily, on the first step) without changing any weight:
-    one step with zero gradients at a learning rate of zero. The state is overwritten right after."""
-    if optimizer.state:
-        return
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    saved = [(g, g["lr"]) for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = torch.zeros_like(g["lr"]) if isinstance(g["lr"], torch.Tensor) else 0.0
-    optimizer.step()
-    for g, lr in saved:
-        g["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-
-
-def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor a rank must get back to continue bit for bit, by a name stable across restarts."""
-    out = [(f"param.{n}", _local(p.detach())) for n, p in model.named_parameters()]
-    out += [(f"buffer.{n}", _local(b)) for n, b in model.named_buffers()]
-    if optimizer is not None:
-        for gi, group in enumerate(optimizer.param_groups):
-            for pi, p in enumerate(group["params"]):
-                for key, value in sorted(optimizer.state.get(p, {}).items()):
-                    if isinstance(value, torch.Tensor):
-                        out.append((f"optim.{gi}.{pi}.{key}", _local(value)))
-    out.append(("rng.torch", torch.get_rng_state()))
-    if torch.cuda.is_available():
-        out.append(("rng.cuda", torch.cuda.get_rng_state()))
-    return out
-
-
-def optimizer_hyperparameters(optimizer: torch.optim.Optimizer | None) -> list[dict[str, Any]]:
-    if optimizer is None:
-        return []
-    groups = []
-    for group in optimizer.param_groups:
-        entry = {}
-        for key, value in group.items():
-            if key == "params":
-                continue
-            entry[key] = float(value) if isinstance(value, torch.Tensor) else value
-        groups.append(entry)
-    return groups
-
-
-def set_optimizer_hyperparameters(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
-    """Put back what `optimizer_hyperparameters` read, group by group."""
-    for group, saved in zip(optimizer.param_groups, groups, strict=True):
-        for key, value in saved.items():
-            current = group.get(key)
-            if isinstance(current, torch.Tensor):
-                current.fill_(value)
-            else:
-                group[key] = tuple(value) if isinstance(current, tuple) else value
-
-
 def set_rng(torch_state: torch.Tensor, cuda_state: torch.Tensor | None, python_state: dict[str, Any]) -> None:
     """Every random-number state a rank uses: torch's, CUDA's (when there is one), Python's and numpy's."""
     torch.set_rng_state(torch_state)
@@ -257,14 +195,16 @@ class MemorySnapshots:
         return _slot_paths(self.directory, self.rank, slot)
 
     # -- saving -------------------------------------------------------------------------------------------
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict) -> None:
-        """Copy this rank's state at `step` into the older slot. `state` (JSON) rides along in the header."""
+    def save(self, step: int, model: Any, optimizer: Any, state: dict) -> None:
+        """Copy this rank's state at `step` into the older slot (`model`, `optimizer`: see `TrainState.of`).
+        `state` (JSON) rides along in the header."""
+        held = TrainState.of(model, optimizer)
         started = time.perf_counter()
         slot = self._next_slot
         self._next_slot = (slot + 1) % SLOTS
         data_path, header_path = self._paths(slot)
         header_path.unlink(missing_ok=True)  # from here until the new header, this slot holds nothing valid
-        tensors = state_tensors(model, optimizer)
+        tensors = held.tensors()
         table, offset = [], 0
         for name, t in tensors:
             nbytes = t.numel() * t.element_size()
@@ -278,7 +218,7 @@ class MemorySnapshots:
         header = {
             "format": FORMAT, "version": VERSION, "step": step, "owner": self.owner, "rank": self.rank,
             "world_size": self.world_size, "layout": self.layout, "bytes": offset, "tensors": table,
-            "optimizer_groups": optimizer_hyperparameters(optimizer), "rng": python_rng(), "state": state,
+            "optimizer_groups": held.hyperparameters(), "rng": python_rng(), "state": state,
             "checksum": _checksum(buffer[:offset]),
         }  # fmt: skip
         # Host memory, gone with the machine anyway: not flushed to disk. Private: the state is this user's.
@@ -331,16 +271,16 @@ class MemorySnapshots:
         return max(common) if common else None
 
     # -- loading ------------------------------------------------------------------------------------------
-    def load(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+    def load(self, step: int, model: Any, optimizer: Any) -> dict:
         """Put this rank's snapshot of `step` back into `model` and `optimizer`; returns its `state`."""
+        into = TrainState.of(model, optimizer)
         slot = self.steps().get(step)
         found = self._read(slot) if slot is not None else None
         if found is None:
             raise RuntimeError(f"rank {self.rank} has no sound memory snapshot of step {step} in {self.directory}")
         header, data = found
-        if optimizer is not None:
-            ensure_optimizer_state(optimizer)
-        tensors = dict(state_tensors(model, optimizer))
+        into.ensure_optimizer_state()
+        tensors = dict(into.tensors())
         source = torch.from_numpy(data)
         names = {entry["name"] for entry in header["tensors"]}
         missing = sorted(set(tensors) - names - {"rng.cuda"})
@@ -355,8 +295,7 @@ class MemorySnapshots:
                 target.copy_(raw.view(target.dtype).view(target.shape))
         rng_cuda = tensors["rng.cuda"] if "rng.cuda" in tensors and "rng.cuda" in names else None
         set_rng(tensors["rng.torch"], rng_cuda, header["rng"])  # the tensors were filled above like every other
-        if optimizer is not None:
-            set_optimizer_hyperparameters(optimizer, header["optimizer_groups"])
+        into.set_hyperparameters(header["optimizer_groups"])
         return header["state"]
 
 
