@@ -1,8 +1,9 @@
 """Typed run configuration: one TOML file describes a whole run, `--section.key=value` overrides it.
 
 Every field carries its type (``Literal`` for choices) and optional bounds in its metadata, so a bad value
-is rejected with a message that names the key, the value and what is allowed. This module is a leaf: it
-imports nothing else from liandan.
+is rejected with a message that names the key, the value and what is allowed. Plug-ins (`liandan.plugins`)
+own tables of their own: a model family's keys, an optimizer's, an exporter's. This module imports nothing
+else from liandan.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+from liandan import plugins
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -49,45 +52,75 @@ class RunSection:
     overwrite: bool = _f(False, "allow reusing a run directory that already holds a run")
 
 
+def plugin_options(kind: str, chosen_by: str = "") -> Any:
+    """A field holding the config table that a plug-in (`liandan.plugins`) owns: of the one plug-in of `kind`
+    that the section's key `chosen_by` names (`[model.<family>]`, `[optim.<name>]`), or, without `chosen_by`,
+    of every plug-in of `kind` that has one (`[track.<exporter>]`). Filled in when the section is made."""
+    meta = {"help": "", "min": None, "max": None, "plugin": kind, "chosen_by": chosen_by}
+    if chosen_by:
+        return field(default=None, metadata=meta)
+    return field(default_factory=dict, metadata=meta)
+
+
+class PluginTables:
+    """A section some of whose keys belong to plug-ins: `section.options` (or `section.<plug-in name>`) holds
+    the chosen plug-in's typed table; the section itself holds only the keys every plug-in shares."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            kind = f.metadata.get("plugin")
+            if kind is None:
+                continue
+            chosen_by = f.metadata["chosen_by"]
+            if chosen_by and getattr(self, f.name) is None:
+                options = _plugin_options_type(kind, getattr(self, chosen_by), f"{type(self).KEY}.{chosen_by}")
+                setattr(self, f.name, options() if options else None)
+            elif not chosen_by:
+                tables = getattr(self, f.name)
+                for name, options in _all_plugin_options(kind).items():
+                    if name not in tables:
+                        tables[name] = options()
+
+    def __getattr__(self, name: str) -> Any:
+        # only for names that are not attributes: a plug-in's table by the plug-in's name
+        if name.startswith("_") or name == "options":
+            raise AttributeError(name)
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if "plugin" not in f.metadata:
+                continue
+            value = self.__dict__.get(f.name)
+            chosen_by = f.metadata["chosen_by"]
+            if chosen_by and self.__dict__.get(chosen_by) == name and value is not None:
+                return value
+            if not chosen_by and isinstance(value, dict) and name in value:
+                return value[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+
 @dataclass
-class ModelSection:
-    # Checked where the family's spec is looked up (liandan.model.spec.get): this module imports no model code.
-    family: str = _f("llama", "model family registered in liandan.model.spec: llama (qk_norm gives Qwen3-style)")
+class ModelSection(PluginTables):
+    """The keys every model family shares; the family's own go in `[model.<family>]` (see
+    `liandan.model.llama_options` for Llama's), or flat in `[model]` as before there were several."""
+
+    KEY = "model"
+    # Checked against the registry of model families (liandan.plugins, kind "model_family").
+    family: str = _f("llama", "model family (liandan.plugins): llama (qk_norm gives Qwen3-style)")
     vocab_size: int = _f(0, "0 takes the tokenizer's size, rounded up to a multiple of 64", min=0)
-    dim: int = _f(256, "hidden size", min=8)
-    n_layers: int = _f(4, "transformer blocks", min=1)
-    n_heads: int = _f(4, "query heads", min=1)
-    n_kv_heads: int = _f(0, "key/value heads for grouped-query attention; 0 means n_heads", min=0)
-    ffn_dim: int = _f(0, "SwiGLU hidden size; 0 derives 8/3*dim rounded to ffn_multiple_of", min=0)
-    ffn_multiple_of: int = _f(64, "rounding of the derived SwiGLU hidden size", min=1)
-    head_dim: int = _f(0, "size of one attention head; 0 means dim / n_heads (Qwen3 sets it apart)", min=0)
-    norm_eps: float = _f(1e-5, "RMSNorm epsilon", min=0.0)
-    rope_theta: float = _f(10000.0, "rotary embedding base", min=1.0)
-    rope_scaling: Literal["none", "llama3"] = _f("none", "rotary rescaling for long context: llama3 (Llama 3.1+)")
-    rope_factor: float = _f(8.0, "llama3 rope_scaling: divisor of the slow frequencies", min=1.0)
-    rope_low_freq_factor: float = _f(1.0, "llama3 rope_scaling: below this many periods per context, rescaled", min=0.0)
-    rope_high_freq_factor: float = _f(4.0, "llama3 rope_scaling: above this many periods per context, kept", min=0.0)
-    rope_original_max_seq_len: int = _f(8192, "llama3 rope_scaling: the context the model was first trained at", min=1)
-    max_seq_len: int = _f(2048, "longest sequence the rotary table covers", min=1)
-    tie_embeddings: bool = _f(False, "share the input embedding with the output head")
-    qk_norm: bool = _f(False, "RMSNorm on queries and keys per head (attention-logit growth fix)")
-    qkv_bias: bool = _f(False, "biases on the query, key and value projections (Qwen2)")
-    z_loss: float = _f(0.0, "weight of the z-loss term log(Z)^2 on the output logits (PaLM uses 1e-4)", min=0.0)
-    init_std: float = _f(0.02, "std of the normal init; output projections are scaled by 1/sqrt(2*n_layers)", min=0.0)
-    attention: Literal["auto", "flex", "sdpa", "eager"] = _f(
-        "auto", "attention kernel: flex (FlexAttention block masks), sdpa, or eager (reference-style matmuls)"
-    )
+    max_seq_len: int = _f(2048, "longest sequence the model is built for (its rotary table covers)", min=1)
+    options: Any = plugin_options("model_family", "family")
 
 
 @dataclass
-class OptimSection:
+class OptimSection(PluginTables):
+    """The keys every optimizer shares; the optimizer's own go in `[optim.<name>]` (see
+    `liandan.train.optimizers.adamw_options` for AdamW's), or flat in `[optim]` as before there were several."""
+
+    KEY = "optim"
+    name: str = _f("adamw", "optimizer (liandan.plugins): adamw")
     lr: float = _f(3e-4, "peak learning rate", min=0.0)
-    beta1: float = _f(0.9, "AdamW beta1", min=0.0, max=1.0)
-    beta2: float = _f(0.95, "AdamW beta2", min=0.0, max=1.0)
-    eps: float = _f(1e-8, "AdamW epsilon", min=0.0)
-    weight_decay: float = _f(0.1, "decoupled weight decay", min=0.0)
-    decay_norms_and_embeddings: bool = _f(False, "also decay norm weights and embeddings")
-    grad_clip: float = _f(1.0, "global gradient-norm clip; 0 disables", min=0.0)
+    grad_clip: float = _f(1.0, "global gradient-norm clip over every model part and optimizer; 0 disables",
+                          min=0.0)  # fmt: skip
+    options: Any = plugin_options("optimizer", "name")
 
 
 @dataclass
@@ -344,27 +377,17 @@ class HealthSection:
 
 
 # The trackers `[track] exporters` may name (liandan.track.exporters builds them).
-EXPORTERS = ("tensorboard", "wandb", "mlflow")
 
 
 @dataclass
-class TrackSection:
+class TrackSection(PluginTables):
     """Where a run's metrics, events and config go besides its own files, which stay the source of truth
-    (docs/tracking.md)."""
+    (docs/tracking.md). Each exporter's own keys go in `[track.<exporter>]`."""
 
-    # exporters to TensorBoard, Weights & Biases and MLflow
+    KEY = "track"
+    # exporters to TensorBoard, Weights & Biases, MLflow and any other registered one (liandan.plugins)
     exporters: list[str] = _f([], "trackers that also get the run's metrics, incidents and config: tensorboard, "
                               "wandb, mlflow (each needs its extra: pip install 'liandan[wandb]')")  # fmt: skip
-    tensorboard_dir: str = _f("", "where TensorBoard event files go: <this>/<run name>; empty means "
-                              "<run directory>/tensorboard")  # fmt: skip
-    wandb_project: str = _f("liandan", "Weights & Biases project")
-    wandb_entity: str = _f("", "Weights & Biases entity (team or user); empty means the default of the login")
-    wandb_mode: Literal["offline", "online"] = _f(
-        "offline", "offline writes under <run directory>/wandb, for `wandb sync` later; online needs a login"
-    )
-    mlflow_uri: str = _f("", "MLflow tracking URI (sqlite:///path.db, http://host:5000, ...); empty means "
-                         "sqlite:///<directory of run directories>/mlflow.db")  # fmt: skip
-    mlflow_experiment: str = _f("liandan", "MLflow experiment the run is filed under")
     plot: bool = _f(True, "draw training.png (loss, learning rate, throughput, incidents marked) when the run ends;"
                     " `liandan report` draws the same curves from the run's files at any time")  # fmt: skip
 
@@ -372,6 +395,7 @@ class TrackSection:
     store: bool = _f(True, "index the run in its project's run store (<run.output_dir>/liandan.db) while it trains")
     store_every_s: float = _f(2.0, "seconds between the store's updates while training (at once after an incident)",
                               min=0.0)  # fmt: skip
+    options: dict[str, Any] = plugin_options("exporter")
 
 
 @dataclass
@@ -412,7 +436,8 @@ class Config:
     eval: EvalSection = field(default_factory=EvalSection)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """Every section as a table; a plug-in's table under the plug-in's name (`model.llama`, `track.wandb`)."""
+        return {f.name: section_dict(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
     def run_name(self, config_name: str) -> str:
         """`run.name`, or `<config name>-<timestamp>` when it is empty."""
@@ -435,13 +460,25 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     raw: dict[str, Any] = read_toml(path) if path is not None else {}
     for item in overrides:
         section, key, value = parse_override(item)
-        raw.setdefault(section, {})
-        if not isinstance(raw[section], dict):
-            raise ConfigError(f"'{section}' must be a [section] table")
-        raw[section][key] = value
+        _set_dotted(raw, section, key, value)
     cfg = from_dict(raw)
     check_config(cfg)
     return cfg
+
+
+def _set_dotted(raw: dict[str, Any], section: str, key: str, value: Any) -> None:
+    """`section.key = value`, where `key` may name a plug-in's table: `model.llama.dim`."""
+    table = raw.setdefault(section, {})
+    *tables, last = key.split(".")
+    where = section
+    for name in tables:
+        if not isinstance(table, dict):
+            raise ConfigError(f"'{where}' must be a [section] table")
+        table = table.setdefault(name, {})
+        where += f".{name}"
+    if not isinstance(table, dict):
+        raise ConfigError(f"'{where}' must be a [section] table")
+    table[last] = value
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
@@ -486,12 +523,126 @@ def from_dict(raw: dict[str, Any]) -> Config:
 def build_section(section: str, cls: type, values: dict[str, Any]) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
-    kwargs = {}
+    tables = {name: f for name, f in fields.items() if "plugin" in f.metadata}
+    kwargs, rest = {}, {}
     for key, value in values.items():
-        if key not in fields:
+        if key in fields and key not in tables:
+            kwargs[key] = _coerce(f"{section}.{key}", value, hints[key], fields[key].metadata)
+        else:
+            rest[key] = value
+    if not tables:
+        if rest:
+            key = next(iter(rest))
             raise ConfigError(_unknown("key", f"{section}.{key}", [f"{section}.{k}" for k in fields]))
-        kwargs[key] = _coerce(f"{section}.{key}", value, hints[key], fields[key].metadata)
+        return cls(**kwargs)
+    core = [f"{section}.{k}" for k in fields if k not in tables]
+    for name, f in tables.items():
+        kind, chosen_by = f.metadata["plugin"], f.metadata["chosen_by"]
+        if chosen_by:
+            chosen = kwargs.get(chosen_by, fields[chosen_by].default)
+            options = _plugin_options_type(kind, chosen, f"{section}.{chosen_by}")
+            kwargs[name] = _plugin_table(section, chosen, options, rest, kind, core)
+        else:
+            kwargs[name] = {
+                plugin: _plugin_table(section, plugin, options, rest, kind, core, flat=False)
+                for plugin, options in _all_plugin_options(kind).items()
+            }
+    if rest:  # keys no table took
+        key = next(iter(rest))
+        allowed = core + [f"{section}.{p}.{k}" for p, opts in _section_plugin_types(cls) for k in _field_names(opts)]
+        raise ConfigError(_moved(section, key, cls) or _unknown("key", f"{section}.{key}", allowed))
     return cls(**kwargs)
+
+
+def _plugin_table(section: str, plugin: str, options: type | None, rest: dict[str, Any], kind: str,
+                  core: list[str], flat: bool = True) -> Any:  # fmt: skip
+    """The typed table of `plugin` from `[section.<plugin>]` and, with `flat`, from the section's own keys that
+    are the plug-in's (as written before plug-ins had tables); what it takes leaves `rest`."""
+    own = rest.pop(plugin, {}) if isinstance(rest.get(plugin), dict) else {}
+    if options is None:
+        if own:
+            raise ConfigError(f"[{section}.{plugin}]: {kind.replace('_', ' ')} '{plugin}' has no keys of its own")
+        return None
+    names = _field_names(options)
+    if flat:
+        for key in [k for k in rest if k in names]:
+            if key in own:
+                raise ConfigError(f"{section}.{key} is given twice: in [{section}] and in [{section}.{plugin}]")
+            own[key] = rest.pop(key)
+    for key in own:
+        if key not in names:
+            allowed = core + [f"{section}.{plugin}.{k}" for k in names]
+            raise ConfigError(_unknown("key", f"{section}.{plugin}.{key}", allowed))
+    return build_section(f"{section}" if flat else f"{section}.{plugin}", options, own)
+
+
+def _plugin_options_type(kind: str, name: str, key: str) -> type | None:
+    try:
+        return plugins.find(kind, name, what=key).options_type()
+    except plugins.PluginError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _all_plugin_options(kind: str) -> dict[str, type]:
+    found = {}
+    for plugin in plugins.plugins(kind):
+        try:
+            options = plugin.options_type()
+        except plugins.PluginError as err:
+            raise ConfigError(str(err)) from None
+        if options is not None:
+            found[plugin.name] = options
+    return found
+
+
+def _section_plugin_types(cls: type) -> list[tuple[str, type]]:
+    out = []
+    for f in dataclasses.fields(cls):
+        if "plugin" in f.metadata:
+            kind = f.metadata["plugin"]
+            out += [(p.name, t) for p in plugins.plugins(kind) if (t := _safe_options(p)) is not None]
+    return out
+
+
+def _safe_options(plugin: plugins.Plugin) -> type | None:
+    try:
+        return plugin.options_type()
+    except plugins.PluginError:
+        return None
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _moved(section: str, key: str, cls: type) -> str:
+    """A key of an older config that now lives in a plug-in's table (`track.wandb_project`): where to write it."""
+    for plugin, options in _section_plugin_types(cls):
+        rest = key.removeprefix(f"{plugin}_")
+        if rest != key and rest in _field_names(options):
+            return (f"{section}.{key} is now {section}.{plugin}.{rest}: write `{rest} = ...` under [{section}.{plugin}]"
+                    f" or --{section}.{plugin}.{rest}=...")  # fmt: skip
+    return ""
+
+
+def section_dict(section: Any) -> dict[str, Any]:
+    """A section as a table: plug-in tables under their plug-in's name."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if "plugin" not in f.metadata:
+            out[f.name] = dataclasses.asdict(value) if dataclasses.is_dataclass(value) else _plain(value)
+        elif f.metadata["chosen_by"]:
+            if value is not None:
+                out[getattr(section, f.metadata["chosen_by"])] = dataclasses.asdict(value)
+        else:
+            for name, table in value.items():
+                out[name] = dataclasses.asdict(table)
+    return out
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, list) else value
 
 
 def _unknown(what: str, name: str, allowed: list[str]) -> str:
@@ -552,22 +703,10 @@ def check_config(cfg: Config) -> None:
     """Checks that involve more than one key."""
     check_run_name(cfg.run.name)
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    if m.head_dim and m.head_dim % 2:
-        raise ConfigError(f"model.head_dim = {m.head_dim} must be even for rotary embeddings")
-    if not m.head_dim and m.dim % m.n_heads:
-        raise ConfigError(f"model.dim = {m.dim} must be divisible by model.n_heads = {m.n_heads}")
-    if not m.head_dim and (m.dim // m.n_heads) % 2:
-        raise ConfigError(
-            f"head size model.dim / model.n_heads = {m.dim // m.n_heads} must be even for rotary embeddings"
-        )
-    if m.rope_scaling == "llama3" and m.rope_high_freq_factor <= m.rope_low_freq_factor:
-        raise ConfigError(
-            f"model.rope_high_freq_factor = {m.rope_high_freq_factor} must exceed "
-            f"model.rope_low_freq_factor = {m.rope_low_freq_factor}"
-        )
-    kv = m.n_kv_heads or m.n_heads
-    if m.n_heads % kv:
-        raise ConfigError(f"model.n_kv_heads = {kv} must divide model.n_heads = {m.n_heads}")
+    for section in (cfg.model, cfg.optim, *cfg.track.options.values()):  # what the plug-ins check themselves
+        options = getattr(section, "options", section)
+        if hasattr(options, "check"):
+            options.check()
     if t.seq_len > m.max_seq_len:
         raise ConfigError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}")
     if p.dp_shard == 0:
@@ -596,9 +735,10 @@ def check_config(cfg: Config) -> None:
 
 
 def check_exporters_named(names: list[str]) -> None:
+    known = plugins.names("exporter")
     for name in names:
-        if name not in EXPORTERS:
-            raise ConfigError("track.exporters: " + _unknown("exporter", name, list(EXPORTERS)))
+        if name not in known:
+            raise ConfigError("track.exporters: " + _unknown("exporter", name, known))
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:
         raise ConfigError(f"track.exporters names {', '.join(repeated)} more than once")
@@ -618,10 +758,18 @@ def check_run_name(name: str) -> None:
 
 
 def describe(cls: type = Config) -> list[tuple[str, Any, str]]:
-    """(key, default, help) for every key: the source of `liandan config --help-keys`."""
+    """(key, default, help) for every key, plug-ins' tables included (`model.llama.dim`): the source of
+    `liandan config --keys`."""
     rows = []
     for section in dataclasses.fields(cls):
-        for f in dataclasses.fields(section.default_factory):  # type: ignore[arg-type]
+        table = section.default_factory  # type: ignore[misc]
+        for f in dataclasses.fields(table):  # type: ignore[arg-type]
+            if "plugin" in f.metadata:
+                continue
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
             rows.append((f"{section.name}.{f.name}", default, f.metadata.get("help", "")))
+        for plugin, options in _section_plugin_types(table):  # type: ignore[arg-type]
+            for f in dataclasses.fields(options):
+                default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+                rows.append((f"{section.name}.{plugin}.{f.name}", default, f.metadata.get("help", "")))
     return rows

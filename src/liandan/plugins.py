@@ -136,12 +136,12 @@ BUILTIN: tuple[Plugin, ...] = (
         Plugin(
             "exporter",
             name,
-            f"{_L}track.exporters.to_{name}:{cls}",
+            f"{_L}track.exporters.to_{name}:{cls}Tracker",
             f"{_L}track.exporters.to_{name}:{cls}Options",
             extra=name,
             builtin=True,
         )
-        for name, cls in (("tensorboard", "TensorBoard"), ("wandb", "WandB"), ("mlflow", "MLflow"))
+        for name, cls in (("tensorboard", "TensorBoard"), ("wandb", "Wandb"), ("mlflow", "Mlflow"))
     ),
     *(
         Plugin("task", name, f"{_L}evaluate:tasks/{name}.toml", builtin=True)

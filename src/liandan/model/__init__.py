@@ -1,11 +1,25 @@
-"""The model: model families behind one spec each (Llama today), their masks and their counts."""
+"""The model: model families behind one spec each (Llama today), their masks and their counts. Names are
+imported on first use, so that a family's config keys (`llama_options`) can be read without torch."""
 
-from liandan.model import llama_spec  # registers the Llama family
-from liandan.model.attention import MaskSpec
-from liandan.model.kv_cache import KVCache
-from liandan.model.llama import ModelArgs, Transformer, lm_loss
-from liandan.model.spec import ModelSpec, ParamCounts, count_params, flops_per_token, spec_for
-from liandan.model.spec import get as get_model_spec
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "KVCache": "liandan.model.kv_cache",
+    "MaskSpec": "liandan.model.attention",
+    "ModelArgs": "liandan.model.llama",
+    "Transformer": "liandan.model.llama",
+    "lm_loss": "liandan.model.llama",
+    "ModelSpec": "liandan.model.spec",
+    "ParamCounts": "liandan.model.spec",
+    "count_params": "liandan.model.spec",
+    "flops_per_token": "liandan.model.spec",
+    "spec_for": "liandan.model.spec",
+    "get_model_spec": "liandan.model.spec:get",
+    "llama_spec": "liandan.model.llama_spec:",
+}
 
 __all__ = [
     "KVCache",
@@ -21,3 +35,12 @@ __all__ = [
     "lm_loss",
     "spec_for",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    where = _EXPORTS.get(name)
+    if where is None:
+        raise AttributeError(f"module 'liandan.model' has no attribute {name!r}")
+    module, _, attribute = where.partition(":")
+    loaded = importlib.import_module(module)
+    return loaded if where.endswith(":") else getattr(loaded, attribute or name)

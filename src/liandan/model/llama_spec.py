@@ -1,5 +1,6 @@
 """The Llama family's spec: how its args come from `[model]`, its state-dict shapes, its tensor-parallel plan,
-its counts and its Hugging Face adapter. Registered when `liandan.model` is imported."""
+its counts and its Hugging Face adapter. Registered as the model family "llama" in `liandan.plugins`; its
+config keys are `liandan.model.llama_options.LlamaOptions`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import dataclasses
 from liandan.config import ModelSection
 from liandan.model import counts, llama_hf
 from liandan.model.llama import ModelArgs, Transformer, block_attention_logit
-from liandan.model.spec import HFAdapter, ModelSpec, TensorParallelPlan, register
+from liandan.model.spec import HFAdapter, ModelSpec, TensorParallelPlan
 
 # ModelArgs fields that do not come from [model] under the same name: derived from the tokenizer.
 DERIVED_FIELDS = ("vocab_size",)
@@ -19,9 +20,10 @@ SHAPE_FIELDS = (
 
 
 def args_from_config(section: ModelSection, vocab_size: int) -> ModelArgs:
-    """Every other ModelArgs field is the [model] key of the same name (tests/test_model_spec.py checks that
-    they cannot drift apart)."""
-    fields = {f.name: getattr(section, f.name) for f in dataclasses.fields(ModelArgs) if f.name not in DERIVED_FIELDS}
+    """Every other ModelArgs field is the key of the same name in `[model.llama]` or, for `max_seq_len`, in
+    `[model]` (tests/test_model_spec.py checks that they cannot drift apart)."""
+    keys = {**dataclasses.asdict(section.options), "max_seq_len": section.max_seq_len}
+    fields = {f.name: keys[f.name] for f in dataclasses.fields(ModelArgs) if f.name not in DERIVED_FIELDS}
     return ModelArgs(vocab_size=vocab_size, **fields)
 
 
@@ -128,32 +130,30 @@ def tp_check(args: ModelArgs, tp: int) -> str | None:
     return None
 
 
-LLAMA = register(
-    ModelSpec(
-        name="llama",
-        args_type=ModelArgs,
-        args_from_config=args_from_config,
-        build=Transformer,
-        state_shapes=state_shapes,
-        count_params=counts.count_params,
-        flops_per_token=counts.flops_per_token,
-        param_split=counts.param_split,
-        shape_fields=SHAPE_FIELDS,
-        function_fields=function_fields,
-        tied=tied,
-        tie_setting="tie_embeddings",
-        tp_plan=tp_plan,
-        tp_check=tp_check,
-        blocks="layers",
-        compiled_methods=("head_loss",),
-        attention_logit=block_attention_logit,
-        hf=HFAdapter(
-            architectures=llama_hf.ARCHITECTURES,
-            to_hf_name=llama_hf.to_hf_name,
-            config=llama_hf.hf_config,
-            args_from_config=llama_hf.args_from_hf_config,
-            ignored_suffixes=("rotary_emb.inv_freq",),  # a buffer some older checkpoints store
-            notes=llama_hf.import_notes,
-        ),
-    )
+LLAMA = ModelSpec(
+    name="llama",
+    args_type=ModelArgs,
+    args_from_config=args_from_config,
+    build=Transformer,
+    state_shapes=state_shapes,
+    count_params=counts.count_params,
+    flops_per_token=counts.flops_per_token,
+    param_split=counts.param_split,
+    shape_fields=SHAPE_FIELDS,
+    function_fields=function_fields,
+    tied=tied,
+    tie_setting="tie_embeddings",
+    tp_plan=tp_plan,
+    tp_check=tp_check,
+    blocks="layers",
+    compiled_methods=("head_loss",),
+    attention_logit=block_attention_logit,
+    hf=HFAdapter(
+        architectures=llama_hf.ARCHITECTURES,
+        to_hf_name=llama_hf.to_hf_name,
+        config=llama_hf.hf_config,
+        args_from_config=llama_hf.args_from_hf_config,
+        ignored_suffixes=("rotary_emb.inv_freq",),  # a buffer some older checkpoints store
+        notes=llama_hf.import_notes,
+    ),
 )

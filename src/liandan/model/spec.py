@@ -3,8 +3,9 @@
 The trainer builds the model through the spec, `train/parallelize.py` takes its tensor-parallel plan and its
 block container from it, the planner its parameter and FLOP counts and its per-rank parameter split, and the
 Hugging Face interchange its names and config translation. None of them names a layer of a particular model.
-A family is chosen by `[model] family` and registered here with `register`; Llama is registered by
-`liandan.model` itself (Qwen3-style qk-norm is a Llama variant, told apart by the Hugging Face adapter).
+A family is chosen by `[model] family` and registered as a plug-in (`liandan.plugins`, kind "model_family"),
+with the dataclass of its own config keys (`[model.<family>]`); Llama is liandan's own (Qwen3-style qk-norm is
+a Llama variant, told apart by the Hugging Face adapter).
 
 A family's module is a plain `nn.Module` (no parallelism) that keeps its args as `.args`, returns logits from
 `forward(tokens)` and the mean loss from `forward(tokens, targets, doc_ids=...)`, keeps its repeated blocks as
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from liandan import plugins
 from liandan.config import Config, ConfigError, ModelSection
 
 
@@ -133,45 +135,45 @@ class ModelSpec:
 # ---------------------------------------------------------------------------------------------------------
 # the registry
 
-_REGISTRY: dict[str, ModelSpec] = {}
 
-
-def register(spec: ModelSpec) -> ModelSpec:
-    """Make a family available to `[model] family`. Each family has its own args type, by which functions
-    given only args (the planner's, the Hugging Face interchange's) find it."""
-    known = _REGISTRY.get(spec.name)
-    if known is not None and known is not spec:
-        raise ValueError(f"model family {spec.name!r} is already registered")
-    for other in _REGISTRY.values():
+def register(spec: ModelSpec, options: type | None = None) -> ModelSpec:
+    """Make a family available to `[model] family` from Python (a family in a package of its own registers
+    through an entry point instead: `liandan.plugins`). `options`: the dataclass of its `[model.<family>]` keys.
+    Each family has its own args type, by which functions given only args (the planner's, the Hugging Face
+    interchange's) find it."""
+    for other in specs():
         if other.args_type is spec.args_type and other.name != spec.name:
             raise ValueError(f"{spec.args_type.__name__} already belongs to model family {other.name!r}")
-    _REGISTRY[spec.name] = spec
+    try:
+        plugins.register_object("model_family", spec.name, spec, options=options)
+    except plugins.PluginError as err:
+        raise ValueError(str(err)) from None
     return spec
 
 
 def unregister(name: str) -> None:
-    _REGISTRY.pop(name, None)
+    plugins.unregister("model_family", name)
 
 
 def families() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(plugins.names("model_family"))
 
 
 def specs() -> list[ModelSpec]:
-    return [_REGISTRY[name] for name in families()]
+    return [get(name) for name in families()]
 
 
 def get(name: str) -> ModelSpec:
     """The spec of a family, or a one-line ConfigError listing the known ones."""
-    spec = _REGISTRY.get(name)
-    if spec is None:
-        raise ConfigError(f"model.family = {name!r} is not a known model family; known: {', '.join(families())}")
-    return spec
+    try:
+        return plugins.load("model_family", name, what="model.family")
+    except plugins.PluginError as err:
+        raise ConfigError(str(err)) from None
 
 
 def spec_for(args: Any) -> ModelSpec:
     """The family whose args type `args` is."""
-    for spec in _REGISTRY.values():
+    for spec in specs():
         if type(args) is spec.args_type:
             return spec
     raise ValueError(f"no registered model family takes {type(args).__name__}; known: {', '.join(families())}")

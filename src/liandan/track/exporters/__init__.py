@@ -22,14 +22,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from liandan import plugins
 from liandan.config import Config, TrackSection
 from liandan.run import JsonlTail, RunDir, atomic_write_json, parse_line, read_json
 from liandan.track.exporters.events import TrackedEvent, outcome_of, tracked_event
 from liandan.track.exporters.trackers import RunInfo, Tracker, open_tracker
 
-# The modules each exporter imports, its own first: a missing one is a missing extra (`liandan[<exporter>]`).
-MODULES = {"tensorboard": ("tensorboard",), "wandb": ("wandb",), "mlflow": ("mlflow",)}
-SQLITE_MODULES = ("sqlalchemy", "alembic")  # MLflow's SQLite store, the default
+
+def exporter_modules(track: TrackSection, name: str) -> tuple[str, ...]:
+    """The modules exporter `name` imports, its own first (those of its extra): a missing one is a missing
+    extra (`liandan[<exporter>]`). MLflow needs its SQLite store's only for a SQLite URI (the default)."""
+    modules = plugins.EXTRAS.get(plugins.find("exporter", name).extra, ())
+    uri = getattr(track.options.get(name), "uri", "")
+    if name == "mlflow" and uri and not uri.startswith("sqlite:"):
+        modules = modules[:1]
+    return modules
+
 
 __all__ = ["Exporters", "TrackedEvent", "check_exporters", "hand_on_events", "open_exporters"]
 
@@ -38,9 +46,7 @@ def check_exporters(track: TrackSection) -> None:
     """Raise ModuleNotFoundError, named after the exporter's own module (which the CLI reports as the extra to
     install, in one line), when a library of an exporter that `track` asks for is not installed."""
     for name in track.exporters:
-        modules = MODULES[name]
-        if name == "mlflow" and (not track.mlflow_uri or track.mlflow_uri.startswith("sqlite:")):
-            modules += SQLITE_MODULES
+        modules = exporter_modules(track, name)
         for module in modules:
             if importlib.util.find_spec(module) is None:
                 raise ModuleNotFoundError(f"No module named '{module}' (track.exporters: {name})", name=modules[0])
@@ -190,7 +196,9 @@ def open_exporters(room: RunDir, cfg: Config, first_step: int | None,
         try:
             trackers.append(open_tracker(name, info, own))
         except Exception as err:  # a tracker that cannot start (its server, its store) stops nothing
-            missing = isinstance(err, ModuleNotFoundError) and (err.name or "").split(".")[0] in MODULES[name]
+            missing = isinstance(err, ModuleNotFoundError) and (err.name or "").split(".")[0] in exporter_modules(
+                cfg.track, name
+            )
             if missing:  # its own library: a missing extra, said as such
                 raise
             say(f"the {name} exporter could not start ({one_line(err)}); training goes on without it")

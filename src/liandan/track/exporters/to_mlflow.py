@@ -15,15 +15,26 @@ import contextlib
 import logging
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from liandan.config import option
 from liandan.track.exporters.events import TrackedEvent
 from liandan.track.exporters.trackers import RunInfo, flat_config
 
 STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
 MAX_PARAM = 6000  # MLflow's longest parameter value
 MAX_TAG = 5000
+
+
+@dataclass
+class MlflowOptions:
+    """`[track.mlflow]`."""
+
+    uri: str = option("", "MLflow tracking URI (sqlite:///path.db, http://host:5000, ...); empty means "
+                      "sqlite:///<directory of run directories>/mlflow.db")  # fmt: skip
+    experiment: str = option("liandan", "MLflow experiment the run is filed under")
 
 
 class MlflowTracker:
@@ -36,7 +47,7 @@ class MlflowTracker:
 
         self.Metric = Metric
         self.room = info.room
-        uri = info.track.mlflow_uri or f"sqlite:///{info.room.path.parent.resolve() / 'mlflow.db'}"
+        uri = info.track.options["mlflow"].uri or f"sqlite:///{info.room.path.parent.resolve() / 'mlflow.db'}"
         with _quietly():  # its database migrations log at INFO and its ORM warns of its own deprecations
             self.client = MlflowClient(uri)
             run_id = state.get("run_id") if state.get("uri") == uri else None
@@ -62,7 +73,7 @@ class MlflowTracker:
         return True
 
     def _create_run(self, info: RunInfo, uri: str) -> str:
-        name = info.track.mlflow_experiment
+        name = info.track.options["mlflow"].experiment
         experiment = self.client.get_experiment_by_name(name)
         if experiment is not None:
             experiment_id = experiment.experiment_id

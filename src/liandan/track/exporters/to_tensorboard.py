@@ -8,23 +8,34 @@ run of their own so that such a record never hides an incident; each new process
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+from liandan.config import option
 from liandan.track.exporters.events import TrackedEvent
 from liandan.track.exporters.trackers import RunInfo, flat_config
 
 FLUSH_S = 5  # events: a crashed worker loses at most this many seconds of them (the next one hands them on)
 
 
+@dataclass
+class TensorBoardOptions:
+    """`[track.tensorboard]`."""
+
+    dir: str = option(
+        "", "where TensorBoard event files go: <this>/<run name>; empty means <run directory>/tensorboard"
+    )
+
+
 class TensorBoardTracker:
     name = "tensorboard"
     buffered = False  # its writers are flushed as metrics and events come
 
-    def __init__(self, info: RunInfo):
+    def __init__(self, info: RunInfo, state: dict):
         from torch.utils.tensorboard import SummaryWriter
 
-        t = info.track
-        directory = Path(t.tensorboard_dir) / info.name if t.tensorboard_dir else info.room.tensorboard
+        t: TensorBoardOptions = info.track.options["tensorboard"]
+        directory = Path(t.dir) / info.name if t.dir else info.room.tensorboard
         self.where = f"tensorboard ({directory})"
         self.metric_writer = None
         if info.worker:  # the supervisor writes events only

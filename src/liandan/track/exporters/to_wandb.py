@@ -9,10 +9,23 @@ the severe ones, an alert (sent on when the run is online or synced)."""
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
+from liandan.config import option
 from liandan.track.exporters.events import TrackedEvent
 from liandan.track.exporters.trackers import RunInfo
+
+
+@dataclass
+class WandbOptions:
+    """`[track.wandb]`."""
+
+    project: str = option("liandan", "Weights & Biases project")
+    entity: str = option("", "Weights & Biases entity (team or user); empty means the default of the login")
+    mode: Literal["offline", "online"] = option(
+        "offline", "offline writes under <run directory>/wandb, for `wandb sync` later; online needs a login"
+    )
 
 
 class WandbTracker:
@@ -23,20 +36,20 @@ class WandbTracker:
         import wandb
 
         self.wandb = wandb
-        t = info.track
+        t: WandbOptions = info.track.options["wandb"]
         state.setdefault("id", uuid.uuid4().hex[:16])
         self.state = state
         self.tags: set[str] = set(state.get("tags", []))
         info.room.path.mkdir(parents=True, exist_ok=True)
         self.run = wandb.init(
-            project=t.wandb_project, entity=t.wandb_entity or None, id=state["id"], name=info.name,
-            resume="allow", mode=t.wandb_mode, dir=str(info.room.path), config=info.config, allow_val_change=True,
+            project=t.project, entity=t.entity or None, id=state["id"], name=info.name,
+            resume="allow", mode=t.mode, dir=str(info.room.path), config=info.config, allow_val_change=True,
             tags=sorted(self.tags) or None,
             # its own console capture would wrap the streams the supervisor relays
             settings=wandb.Settings(console="off", silent=True),
         )  # fmt: skip
-        files = f", in {info.room.wandb}" if t.wandb_mode == "offline" else ""
-        self.where = f"wandb ({t.wandb_mode}, run {state['id']}{files})"
+        files = f", in {info.room.wandb}" if t.mode == "offline" else ""
+        self.where = f"wandb ({t.mode}, run {state['id']}{files})"
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from liandan import plugins
 from liandan.config import TrackSection
 from liandan.run import RunDir
 from liandan.track.exporters.events import TrackedEvent
@@ -46,20 +47,9 @@ class Tracker(Protocol):
 
 
 def open_tracker(name: str, info: RunInfo, state: dict[str, Any]) -> Tracker:
-    """Open the tracker `name`; `state` is its part of trackers.json (its run id), which it may update."""
-    if name == "tensorboard":
-        from liandan.track.exporters.to_tensorboard import TensorBoardTracker
-
-        return TensorBoardTracker(info)
-    if name == "wandb":
-        from liandan.track.exporters.to_wandb import WandbTracker
-
-        return WandbTracker(info, state)
-    if name == "mlflow":
-        from liandan.track.exporters.to_mlflow import MlflowTracker
-
-        return MlflowTracker(info, state)
-    raise ValueError(f"no exporter named {name!r}")
+    """Open the tracker `name` (an exporter plug-in: its class, called with the run and its state); `state` is
+    its part of trackers.json (its run id), which it may update."""
+    return plugins.load("exporter", name, what="track.exporters")(info, state)
 
 
 def flat_config(config: dict[str, dict[str, Any]]) -> dict[str, str | int | float | bool]:
@@ -67,5 +57,8 @@ def flat_config(config: dict[str, dict[str, Any]]) -> dict[str, str | int | floa
     flat: dict[str, str | int | float | bool] = {}
     for section, values in config.items():
         for key, value in values.items():
-            flat[f"{section}.{key}"] = value if isinstance(value, (str, int, float, bool)) else json.dumps(value)
+            if isinstance(value, dict):  # a plug-in's table: model.llama.dim
+                flat.update(flat_config({f"{section}.{key}": value}))
+            else:
+                flat[f"{section}.{key}"] = value if isinstance(value, (str, int, float, bool)) else json.dumps(value)
     return flat

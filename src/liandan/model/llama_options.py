@@ -1,0 +1,63 @@
+"""Llama's own keys of the run config, `[model.llama]` (or flat in `[model]`, as before there were other
+families): the shape, rotary embeddings, norms, attention kernel and initialisation. Imports no torch, so that
+checking a config stays cheap."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from liandan.config import ConfigError, option
+
+
+@dataclass
+class LlamaOptions:
+    dim: int = option(256, "hidden size", min=8)
+    n_layers: int = option(4, "transformer blocks", min=1)
+    n_heads: int = option(4, "query heads", min=1)
+    n_kv_heads: int = option(0, "key/value heads for grouped-query attention; 0 means n_heads", min=0)
+    ffn_dim: int = option(0, "SwiGLU hidden size; 0 derives 8/3*dim rounded to ffn_multiple_of", min=0)
+    ffn_multiple_of: int = option(64, "rounding of the derived SwiGLU hidden size", min=1)
+    head_dim: int = option(0, "size of one attention head; 0 means dim / n_heads (Qwen3 sets it apart)", min=0)
+    norm_eps: float = option(1e-5, "RMSNorm epsilon", min=0.0)
+    rope_theta: float = option(10000.0, "rotary embedding base", min=1.0)
+    rope_scaling: Literal["none", "llama3"] = option("none", "rotary rescaling for long context: llama3 (Llama 3.1+)")
+    rope_factor: float = option(8.0, "llama3 rope_scaling: divisor of the slow frequencies", min=1.0)
+    rope_low_freq_factor: float = option(
+        1.0, "llama3 rope_scaling: below this many periods per context, rescaled", min=0.0
+    )
+    rope_high_freq_factor: float = option(
+        4.0, "llama3 rope_scaling: above this many periods per context, kept", min=0.0
+    )
+    rope_original_max_seq_len: int = option(
+        8192, "llama3 rope_scaling: the context the model was first trained at", min=1
+    )
+    tie_embeddings: bool = option(False, "share the input embedding with the output head")
+    qk_norm: bool = option(False, "RMSNorm on queries and keys per head (attention-logit growth fix)")
+    qkv_bias: bool = option(False, "biases on the query, key and value projections (Qwen2)")
+    z_loss: float = option(0.0, "weight of the z-loss term log(Z)^2 on the output logits (PaLM uses 1e-4)", min=0.0)
+    init_std: float = option(
+        0.02, "std of the normal init; output projections are scaled by 1/sqrt(2*n_layers)", min=0.0
+    )
+    attention: Literal["auto", "flex", "sdpa", "eager"] = option(
+        "auto", "attention kernel: flex (FlexAttention block masks), sdpa, or eager (reference-style matmuls)"
+    )
+
+    def check(self) -> None:
+        """Checks that involve more than one key (a one-line ConfigError)."""
+        if self.head_dim and self.head_dim % 2:
+            raise ConfigError(f"model.head_dim = {self.head_dim} must be even for rotary embeddings")
+        if not self.head_dim and self.dim % self.n_heads:
+            raise ConfigError(f"model.dim = {self.dim} must be divisible by model.n_heads = {self.n_heads}")
+        if not self.head_dim and (self.dim // self.n_heads) % 2:
+            raise ConfigError(
+                f"head size model.dim / model.n_heads = {self.dim // self.n_heads} must be even for rotary embeddings"
+            )
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ConfigError(
+                f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must exceed "
+                f"model.rope_low_freq_factor = {self.rope_low_freq_factor}"
+            )
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise ConfigError(f"model.n_kv_heads = {kv} must divide model.n_heads = {self.n_heads}")
