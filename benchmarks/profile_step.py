@@ -26,7 +26,7 @@ from train_step import DTYPES, liandan_config, make_batches, model_args
 from liandan.data.loader import Batch
 from liandan.model import Transformer
 from liandan.spec.layout import Layout
-from liandan.train.module import TrainModule
+from liandan.train.causal_lm import CausalLMTrainModule
 
 PHASES = ("forward", "backward", "clip", "optimizer")
 
@@ -57,7 +57,7 @@ def profile_dtype(name: str, opts: argparse.Namespace) -> dict:
     state = Transformer(args).state_dict()
     settings = tuple(opts.settings)
     cfg = liandan_config(args, dtype, not opts.eager, settings)
-    module = TrainModule(cfg, args.vocab_size, None, Layout(1, 1, 1), torch.device("cpu"), dtype)
+    module = CausalLMTrainModule(cfg, args.vocab_size, None, Layout(1, 1, 1), torch.device("cpu"), dtype)
     module.model.load_state_dict(state)
     batches = make_batches(opts.warmup + opts.steps, opts.batch, opts.seq_len, args.vocab_size, opts.seed)
     times: dict[str, float] = defaultdict(float)
@@ -72,10 +72,10 @@ def profile_dtype(name: str, opts: argparse.Namespace) -> dict:
             loss.backward()
         marks.append(time.perf_counter())
         with record_function("clip"):
-            module.clip_gradients()
+            module.clip_grad_norm()
         marks.append(time.perf_counter())
         with record_function("optimizer"):
-            module.optimizer_step()
+            module.optim_step()
         marks.append(time.perf_counter())
         if timed:
             for phase, start, end in zip(PHASES, marks[:-1], marks[1:], strict=True):

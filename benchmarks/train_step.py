@@ -48,7 +48,7 @@ from liandan.data.loader import Batch
 from liandan.model import ModelArgs, Transformer, count_params, flops_per_token
 from liandan.spec.layout import Layout
 from liandan.train.hardware import cpu_supports_bf16, measure_matmul_flops
-from liandan.train.module import TrainModule
+from liandan.train.causal_lm import CausalLMTrainModule
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PEERS = ("hf", "plain")
@@ -231,16 +231,16 @@ def build_liandan(
     """liandan's `TrainModule` as `Trainer` builds it, stepped as `Trainer.train` steps it: forward and backward
     over the micro-batches, clip, optimizer and scheduler step."""
     cfg = liandan_config(args, dtype, compile, settings)
-    module = TrainModule(cfg, args.vocab_size, None, Layout(1, 1, 1), torch.device("cpu"), dtype)
+    module = CausalLMTrainModule(cfg, args.vocab_size, None, Layout(1, 1, 1), torch.device("cpu"), dtype)
     module.model.load_state_dict(state)
 
     def no_phase(*_args, **_kwargs) -> None:
         pass
 
     def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        loss = module.forward_backward([Batch(inputs, targets, torch.zeros_like(inputs))], no_phase)
-        module.clip_gradients()
-        module.optimizer_step()
+        loss = module.train_batch([Batch(inputs, targets, torch.zeros_like(inputs))], no_phase)
+        module.clip_grad_norm()
+        module.optim_step()
         return loss
 
     name = "liandan (compile)" if compile else "liandan (eager)"

@@ -18,7 +18,7 @@ from liandan.checkpoint.streaming import local_slice, stream_into, weight_source
 from liandan.config import load_config
 from liandan.data.loader import Batch
 from liandan.spec.layout import Layout
-from liandan.train.module import TrainModule
+from liandan.train.causal_lm import CausalLMTrainModule
 from liandan.train.parallelize import build_mesh
 
 SMALL = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=4", "--model.n_kv_heads=2",
@@ -45,8 +45,8 @@ def train(module: TrainModule, steps: int = 3) -> list[float]:
     for step in range(1, steps + 1):
         tokens = torch.randint(0, 257, (2, 33), generator=generator)
         batch = Batch(tokens[:, :-1], tokens[:, 1:], torch.zeros(2, 32, dtype=torch.int32))
-        loss = module.forward_backward([batch], lambda *a, **k: None, step)
-        module.optimizer_step()
+        loss = module.train_batch([batch], lambda *a, **k: None, step)
+        module.optim_step()
         dist.all_reduce(loss)
         losses.append(loss.item() / dist.get_world_size())
     return losses
@@ -62,12 +62,14 @@ def main(store: str, out: str) -> None:
     fsdp, tp = Layout(1, 2, 1), Layout(1, 1, 2)
     for name, layout in (("fsdp", fsdp), ("tp", tp), ("ddp", Layout(2, 1, 1))):
         for meta in (False, True):
-            module = TrainModule(config(SMALL, meta), 257, build_mesh(layout, "cpu"), layout, cpu, torch.float32)
+            module = CausalLMTrainModule(
+                config(SMALL, meta), 257, build_mesh(layout, "cpu"), layout, cpu, torch.float32
+            )
             result[f"{name}/{meta}/shards"] = shards(module)
             result[f"{name}/{meta}/losses"] = train(module)
             del module
     # Weights of another seed, written whole by rank 0, streamed into each layout's shards.
-    whole = TrainModule(config(SMALL, False), 257, None, Layout(1, 1, 1), cpu, torch.float32).model
+    whole = CausalLMTrainModule(config(SMALL, False), 257, None, Layout(1, 1, 1), cpu, torch.float32).model
     whole_state = {k: v for k, v in whole.state_dict().items()}
     if dist.get_rank() == 0:
         hf.save_consolidated(whole_state, whole.args, Path(out) / "whole.safetensors")
@@ -75,7 +77,7 @@ def main(store: str, out: str) -> None:
     dist.barrier()
     for name, layout in (("fsdp", fsdp), ("tp", tp)):
         for source in ("whole.safetensors", "hf"):
-            module = TrainModule(config(SMALL, True, seed=1), 257, build_mesh(layout, "cpu"), layout, cpu,
+            module = CausalLMTrainModule(config(SMALL, True, seed=1), 257, build_mesh(layout, "cpu"), layout, cpu,
                                  torch.float32)  # fmt: skip
             with weight_source(Path(out) / source) as weights:
                 read = stream_into(module.model, weights)
@@ -86,7 +88,7 @@ def main(store: str, out: str) -> None:
             }
             result[f"{name}/{source}/read"] = read
     # Measured last: the first sharded model also pays for code loaded on first use (tens of MB).
-    large = TrainModule(config(LARGE, True), 257, build_mesh(fsdp, "cpu"), fsdp, cpu, torch.float32)
+    large = CausalLMTrainModule(config(LARGE, True), 257, build_mesh(fsdp, "cpu"), fsdp, cpu, torch.float32)
     result["large_host_peak"] = large.init_peak.host_bytes
     torch.save(result, Path(out) / f"rank{dist.get_rank()}.pt")
     dist.destroy_process_group()

@@ -211,7 +211,7 @@ def test_train_module_takes_ce_chunks(tmp_path):
     """`train.ce_chunks` reaches the model through the train module: the same step loss and gradients."""
     from liandan.data.loader import Batch
     from liandan.spec.layout import Layout
-    from liandan.train.module import TrainModule
+    from liandan.train.causal_lm import CausalLMTrainModule
 
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 256, (2, 33), generator=generator)
@@ -219,13 +219,13 @@ def test_train_module_takes_ce_chunks(tmp_path):
     results = []
     for chunks in (1, 4):
         cfg = tiny_config(tmp_path, tmp_path / "corpus.jsonl", f"--train.ce_chunks={chunks}", "--model.z_loss=1e-3")
-        module = TrainModule(cfg, 256, None, Layout(1, 1, 1), torch.device("cpu"), torch.float32)
-        loss = module.forward_backward([batch], lambda *a, **k: None)
+        module = CausalLMTrainModule(cfg, 256, None, Layout(1, 1, 1), torch.device("cpu"), torch.float32)
+        loss = module.train_batch([batch], lambda *a, **k: None)
         results.append((float(loss), module.model.output.weight.grad.clone()))
     assert module.model.ce_chunks == 4
     cfg = tiny_config(tmp_path, tmp_path / "corpus.jsonl", "--train.ce_fused=true", "--model.z_loss=1e-3")
-    module = TrainModule(cfg, 256, None, Layout(1, 1, 1), torch.device("cpu"), torch.float32)
-    loss = module.forward_backward([batch], lambda *a, **k: None)
+    module = CausalLMTrainModule(cfg, 256, None, Layout(1, 1, 1), torch.device("cpu"), torch.float32)
+    loss = module.train_batch([batch], lambda *a, **k: None)
     assert module.model.ce_fused
     assert float(loss) == pytest.approx(results[0][0], rel=1e-6)
     assert torch.allclose(module.model.output.weight.grad, results[0][1], rtol=0, atol=1e-7)
@@ -235,8 +235,8 @@ def test_train_module_takes_ce_chunks(tmp_path):
 
 def test_a_vocabulary_tp_cannot_split_is_refused_before_sharding(tmp_path):
     from liandan.spec.layout import Layout
-    from liandan.train.module import TrainModule
+    from liandan.train.causal_lm import CausalLMTrainModule
 
     cfg = tiny_config(tmp_path, tmp_path / "corpus.jsonl", "--parallel.tp=2", "--model.vocab_size=321")
     with pytest.raises(ConfigError, match="vocabulary of 321 does not split evenly over parallel.tp = 2"):
-        TrainModule(cfg, 257, None, Layout(1, 1, 2), torch.device("cpu"), torch.float32)
+        CausalLMTrainModule(cfg, 257, None, Layout(1, 1, 2), torch.device("cpu"), torch.float32)

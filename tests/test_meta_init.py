@@ -16,7 +16,7 @@ from liandan.config import load_config
 from liandan.plan.memory import init_memory, plan_model_args
 from liandan.spec.layout import Layout
 from liandan.train.meta_init import build_on_meta, materialize, plan_init
-from liandan.train.module import TrainModule
+from liandan.train.causal_lm import CausalLMTrainModule
 
 WORKER = Path(__file__).with_name("meta_init_worker.py")
 
@@ -33,7 +33,7 @@ def test_one_process_meta_init_equals_the_model_built_whole(tied, recompute):
     for meta in (False, True):
         cfg = _config(f"--train.meta_init={str(meta).lower()}", f"--model.tie_embeddings={str(tied).lower()}",
                       f"--train.activation_checkpoint={recompute}")  # fmt: skip
-        module = TrainModule(cfg, 257, None, Layout(1, 1, 1), torch.device("cpu"), torch.float32)
+        module = CausalLMTrainModule(cfg, 257, None, Layout(1, 1, 1), torch.device("cpu"), torch.float32)
         states.append({**module.model.state_dict(), "rope": module.model.rope})
         after.append(torch.rand(4))  # the generator is left where building the model whole leaves it
     whole, meta = states
@@ -192,7 +192,7 @@ def test_a_hugging_face_directory_that_does_not_fit_the_model_is_refused(tmp_pat
     from liandan.checkpoint import hf
     from liandan.checkpoint.streaming import weight_source
 
-    module = TrainModule(_config(), 257, None, Layout(1, 1, 1), torch.device("cpu"), torch.float32)
+    module = CausalLMTrainModule(_config(), 257, None, Layout(1, 1, 1), torch.device("cpu"), torch.float32)
     hf.export_hf(module.model.state_dict(), module.model.args, tmp_path)
     tensors = load_file(tmp_path / "model.safetensors")
     if change == "drop":

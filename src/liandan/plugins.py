@@ -211,12 +211,11 @@ def unregister(kind: str, name: str) -> None:
 
 
 def plugins(kind: str) -> list[Plugin]:
-    """Every registered plug-in of `kind`: built-in ones in their order, then the others by name."""
+    """Every registered plug-in of `kind`: built-in ones in their order, then the others as they registered."""
     if kind not in KINDS:
         raise PluginError(_unknown("plug-in kind", kind, list(KINDS)))
     table = _registry()[kind]
-    builtin = [p for p in table.values() if p.builtin]
-    return builtin + sorted((p for p in table.values() if not p.builtin), key=lambda p: p.name)
+    return [p for p in table.values() if p.builtin] + [p for p in table.values() if not p.builtin]
 
 
 def names(kind: str) -> list[str]:

@@ -215,14 +215,13 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.nproc > 1 and not external:
         return _launch(args.config, cfg, name, args.nproc, overrides)
     from liandan.train import Trainer
-    from liandan.train.callbacks import build_callbacks
     from liandan.train.preemption import Preempted, PreemptionGuard
 
     # SIGTERM, SIGINT: save at the end of the step, then exit 128 + signal (the trainer attaches the guard's
     # callback, "preemption", while it is installed)
     guard = PreemptionGuard().install()
     try:
-        trainer = Trainer(cfg, config_name=name, callbacks=build_callbacks(cfg))
+        trainer = Trainer(cfg, config_name=name)
         try:
             result = trainer.train()
         except Exception as err:
@@ -244,13 +243,9 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def register_callbacks(modules: Sequence[str] = ()) -> None:
-    """Register liandan's own training callbacks, each in its module's layer (`liandan.train.callbacks`), and
-    those of the `modules` a run's config names (`[train] callbacks`). Every process that trains passes here:
-    `liandan train` alone, and each supervised or torchrun worker, which runs `python -m liandan.cli train`
-    with the same config."""
-    import liandan.doctor.preflight  # "doctor": the hardware preflight before the first step
-    import liandan.evaluate.callback  # "eval_tasks": tasks and held-out bits per byte during training
-    import liandan.plan.forecast_callback  # noqa: F401 - "forecast": the live loss forecast
+    """Register the callbacks of the `modules` a run's config names (`[train] callbacks`); liandan's own are
+    plug-ins every trainer attaches itself. Every process that trains passes here: `liandan train` alone, and
+    each supervised or torchrun worker, which runs `python -m liandan.cli train` with the same config."""
     from liandan.train.callbacks import import_callback_modules
 
     import_callback_modules(modules)

@@ -17,34 +17,31 @@ from liandan.config import Config
 from liandan.doctor.runner import DoctorFailed, event_fields, run_doctor
 from liandan.doctor.verdict import finding_line
 from liandan.run.remote import is_url
-from liandan.train.callbacks import Callback, register_callback
+from liandan.train.callbacks import Callback
 
 if TYPE_CHECKING:
-    from liandan.train.trainer import Trainer
+    from liandan.train.context import TrainContext
 
 
 class DoctorPreflight(Callback):
     order = 0  # before any other callback's on_train_start: nothing should happen on a machine that fails
 
-    def on_train_start(self, trainer: Trainer) -> None:
-        where = trainer.room.checkpoints
+    def on_train_start(self, ctx: TrainContext) -> None:
+        where = ctx.room.checkpoints
         if is_url(where):  # a store: the disk measured is the run directory's (see `checkpoint_dir`)
-            where = trainer.room.path
-        report = run_doctor(trainer.cfg, trainer.dist, where, trainer.step,
-                            trainer.module.params.total)  # fmt: skip
-        if trainer.dist.is_main:
-            trainer.room.write_doctor(report)
-            trainer.files.log_event(
-                "doctor", step=trainer.step, **event_fields(report), report=str(trainer.room.doctor)
-            )
+            where = ctx.room.path
+        report = run_doctor(ctx.cfg, ctx.dist, where, ctx.step,
+                            ctx.module.params.total)  # fmt: skip
+        if ctx.dist.is_main:
+            ctx.room.write_doctor(report)
+            ctx.files.log_event("doctor", step=ctx.step, **event_fields(report), report=str(ctx.room.doctor))
             for f in report["findings"]:
-                trainer.say(finding_line(f))
-            trainer.say(report["summary"])
+                ctx.say(finding_line(f))
+            ctx.say(report["summary"])
         if not report["ok"]:
-            raise DoctorFailed(f"{report['summary']}; the run stopped before step {trainer.step + 1}"
-                               f" (report: {trainer.room.doctor}; skip with --doctor.preflight=false)")  # fmt: skip
+            raise DoctorFailed(f"{report['summary']}; the run stopped before step {ctx.step + 1}"
+                               f" (report: {ctx.room.doctor}; skip with --doctor.preflight=false)")  # fmt: skip
 
 
-@register_callback("doctor")
 def doctor_callback(cfg: Config) -> Callback | None:
     return DoctorPreflight() if cfg.doctor.preflight else None

@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from liandan.config import Config
-from liandan.train.callbacks import Callback, register_callback
+from liandan.train.callbacks import Callback
 
 if TYPE_CHECKING:
-    from liandan.train.trainer import Trainer
+    from liandan.train.context import TrainContext
 
 
 class TaskEvalCallback(Callback):
@@ -33,65 +33,64 @@ class TaskEvalCallback(Callback):
         self.cfg = cfg
         self.tasks = load_tasks(cfg.eval.tasks, cfg.eval.data_dir)  # before the model is built: a bad file fails early
 
-    def on_train_start(self, trainer: Trainer) -> None:
+    def on_train_start(self, ctx: TrainContext) -> None:
         e = self.cfg.eval
-        if e.contamination and self.tasks and trainer.dist.is_main:
+        if e.contamination and self.tasks and ctx.dist.is_main:
             from liandan.evaluate.contamination import overlaps
 
-            for overlap in overlaps(self.tasks, trainer.stores, trainer.tokenizer, limit=e.limit, ngram=e.ngram):
-                trainer.logger.log_event("eval_contamination", step=trainer.step, **overlap.event())
-                trainer.say(overlap.line())
+            for overlap in overlaps(self.tasks, ctx.stores, ctx.tokenizer, limit=e.limit, ngram=e.ngram):
+                ctx.logger.log_event("eval_contamination", step=ctx.step, **overlap.event())
+                ctx.say(overlap.line())
 
-    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        if (step % self.cfg.eval.every and step != self.cfg.train.steps) or trainer.rolling_back:
+    def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
+        if (step % self.cfg.eval.every and step != self.cfg.train.steps) or ctx.rollback.pending:
             return
-        trainer.phase("eval")
-        tasks, heldout = evaluate_in_training(trainer, self.tasks, self.cfg)
-        if not trainer.dist.is_main:
+        ctx.phase("eval")
+        tasks, heldout = evaluate_in_training(ctx, self.tasks, self.cfg)
+        if not ctx.dist.is_main:
             return
         values: dict[str, float] = {}
         for result in tasks:
             for fields in result.events(step):
-                trainer.logger.log_event("eval_task", **fields)
+                ctx.logger.log_event("eval_task", **fields)
             values.update(result.metric_values())
-            trainer.say(f"step {step}: {result.spread_line()}")
+            ctx.say(f"step {step}: {result.spread_line()}")
         for source in heldout:
-            trainer.logger.log_event("eval_heldout", **source.event(step))
+            ctx.logger.log_event("eval_heldout", **source.event(step))
             values[f"eval/heldout/{source.source}/loss"] = source.loss
             values[f"eval/heldout/{source.source}/bits_per_byte"] = source.bits_per_byte
-            trainer.say(f"step {step}: {source.line()}")
+            ctx.say(f"step {step}: {source.line()}")
         if values:
-            trainer.logger.log_metrics(step, values)
+            ctx.logger.log_metrics(step, values)
 
 
-def evaluate_in_training(trainer: Trainer, tasks: list[Any], cfg: Config) -> tuple[list[Any], list[Any]]:
+def evaluate_in_training(ctx: TrainContext, tasks: list[Any], cfg: Config) -> tuple[list[Any], list[Any]]:
     """Every task and held-out source on the trainer's (sharded) model, the same on every rank."""
     from liandan.evaluate.heldout import heldout_losses
     from liandan.evaluate.runner import run_task
 
     e = cfg.eval
-    model = trainer.model
+    model = ctx.module.model
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), trainer.module.autocasting():
+        with torch.no_grad(), ctx.module.autocasting():
             results = [
-                run_task(model, trainer.tokenizer, task, limit=e.limit, max_len=cfg.model.max_seq_len,
+                run_task(model, ctx.tokenizer, task, limit=e.limit, max_len=cfg.model.max_seq_len,
                          batch_size=e.batch_size, formats=e.formats, max_new_tokens=e.max_new_tokens)
                 for task in tasks
             ]  # fmt: skip
         heldout = []
         if e.heldout_sequences:
             heldout = heldout_losses(
-                model, trainer.loader, trainer.tokenizer, sequences=e.heldout_sequences, batch_size=e.batch_size,
-                document_mask=cfg.train.mask == "document", device=trainer.device, autocast=trainer.module.autocasting,
+                model, ctx.loader, ctx.tokenizer, sequences=e.heldout_sequences, batch_size=e.batch_size,
+                document_mask=cfg.train.mask == "document", device=ctx.device, autocast=ctx.module.autocasting,
             )  # fmt: skip
     finally:
         model.train(was_training)
     return results, heldout
 
 
-@register_callback("eval_tasks")
 def eval_tasks_callback(cfg: Config) -> TaskEvalCallback | None:
     if not cfg.eval.every or not (cfg.eval.tasks or cfg.eval.heldout_sequences):
         return None

@@ -9,12 +9,12 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from liandan.config import Config
-from liandan.train.callbacks import Callback, register_callback
+from liandan.train.callbacks import Callback
 
 if TYPE_CHECKING:
     from liandan.plan.forecast_worker import ForecastWorker
     from liandan.plan.live_forecast import LiveForecast, LiveForecaster
-    from liandan.train.trainer import Trainer
+    from liandan.train.context import TrainContext
 
 
 class ForecastCallback(Callback):
@@ -30,58 +30,58 @@ class ForecastCallback(Callback):
         self.forecaster = forecaster
         self.worker: ForecastWorker | None = None
 
-    def on_train_start(self, trainer: Trainer) -> None:
-        if not trainer.dist.is_main:
+    def on_train_start(self, ctx: TrainContext) -> None:
+        if not ctx.dist.is_main:
             return
         from liandan.plan.forecast_worker import ForecastWorker
 
         self.worker = ForecastWorker(self.forecaster.compute)
-        if trainer.step > 0:  # resumed: the curve so far is in metrics.jsonl
+        if ctx.step > 0:  # resumed: the curve so far is in metrics.jsonl
             records = [
                 (r["step"], r["loss"])
-                for r in trainer.room.read_metrics()
-                if r["step"] <= trainer.step and isinstance(r.get("loss"), (int, float))
+                for r in ctx.room.read_metrics()
+                if r["step"] <= ctx.step and isinstance(r.get("loss"), (int, float))
             ]
             self.forecaster.resume([s for s, _ in records], [x for _, x in records])
 
-    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
         if self.worker is None:
             return
         for f in self.worker.poll():
-            self._publish(trainer, f, step)
+            self._publish(ctx, f, step)
         if not isinstance(metrics.get("loss"), (int, float)):
             return
         self.forecaster.observe(step, metrics["loss"])
         if self.forecaster.due():
             self.worker.submit(*self.forecaster.take_due())
 
-    def on_train_end(self, trainer: Trainer, result) -> None:
+    def on_train_end(self, ctx: TrainContext, result) -> None:
         if self.worker is None:
             return
         worker, self.worker = self.worker, None
         for f in worker.close(drain=True):  # the last forecasts of a short run are still worth writing
-            self._publish(trainer, f, trainer.step)
+            self._publish(ctx, f, ctx.step)
 
-    def on_error(self, trainer: Trainer, err: BaseException) -> None:
+    def on_error(self, ctx: TrainContext, err: BaseException) -> None:
         if self.worker is not None:
             self.worker.close(drain=False)  # the loggers may be what failed: write nothing more
             self.worker = None
 
-    def _publish(self, trainer: Trainer, f: LiveForecast, now: int) -> None:
+    def _publish(self, ctx: TrainContext, f: LiveForecast, now: int) -> None:
         f = dataclasses.replace(f, published_step=now)
-        trainer.logger.log_event("forecast", **f.to_event())
+        ctx.logger.log_event("forecast", **f.to_event())
         # metrics at the step the forecast saw, beside that step's training record: curves of the forecast
-        trainer.logger.log_metrics(
+        ctx.logger.log_metrics(
             f.step, {"forecast_final_loss": f.final_loss, "forecast_low": f.low, "forecast_high": f.high}
         )
         pct = round(100 * f.confidence)
-        trainer.say(
+        ctx.say(
             f"step {f.step}: forecast final loss {f.final_loss:.4f}, {pct}% interval [{f.low:.4f}, {f.high:.4f}]"
             f" at step {f.total_steps} ({f.seconds:.2f}s, ready at step {now})"
         )
         if self.forecaster.newly_flagged(f):
             ref = f.reference_loss
-            trainer.logger.log_event(
+            ctx.logger.log_event(
                 "forecast_worse_than_reference",
                 step=f.step,
                 final_loss=f.final_loss,
@@ -90,14 +90,13 @@ class ForecastCallback(Callback):
                 reference_loss=ref,
                 observed_fraction=f.observed_fraction,
             )
-            trainer.say(
+            ctx.say(
                 f"warning: step {f.step}: forecast final loss {f.final_loss:.4f} is worse than the reference"
                 f" {ref:.4f} even at the low end of its {pct}% interval ({f.low:.4f});"
                 f" from {100 * f.observed_fraction:.0f}% of the run"
             )
 
 
-@register_callback("forecast")
 def forecast_callback(cfg: Config) -> ForecastCallback | None:
     if not cfg.forecast.every:
         return None

@@ -10,11 +10,11 @@ import time
 from typing import TYPE_CHECKING
 
 from liandan.config import Config
-from liandan.train.callbacks import Callback, register_callback
+from liandan.train.callbacks import Callback
 from liandan.train.hardware import peak_memory_bytes
 
 if TYPE_CHECKING:
-    from liandan.train.trainer import Trainer, TrainResult
+    from liandan.train.context import TrainContext, TrainResult
 
 
 class HeartbeatCallback(Callback):
@@ -23,11 +23,11 @@ class HeartbeatCallback(Callback):
 
     order = 15
 
-    def on_phase(self, trainer: Trainer, step: int, phase: str, micro: int) -> None:
-        trainer.heartbeat.beat(step, phase, micro=micro)
+    def on_phase(self, ctx: TrainContext, step: int, phase: str, micro: int) -> None:
+        ctx.heartbeat.beat(step, phase, micro=micro)
 
-    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        trainer.heartbeat.beat(step, "step_end")
+    def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
+        ctx.heartbeat.beat(step, "step_end")
 
 
 class MetricsCallback(Callback):
@@ -40,37 +40,37 @@ class MetricsCallback(Callback):
     def __init__(self) -> None:
         self.step_started = 0.0
 
-    def before_step(self, trainer: Trainer, step: int) -> None:
+    def before_step(self, ctx: TrainContext, step: int) -> None:
         self.step_started = time.perf_counter()
 
-    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        t = trainer.cfg.train
+    def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
+        t = ctx.cfg.train
         if step % t.log_every and step != t.steps:
             return
-        trainer.phase("collective")
-        out = trainer.last_step
-        loss = trainer.mean_over_ranks(out.loss)
+        ctx.phase("collective")
+        out = ctx.last_step
+        loss = ctx.mean_over_ranks(out.loss)
         seconds = time.perf_counter() - self.step_started
-        tokens = trainer.tokens_per_step
+        tokens = ctx.tokens_per_step
         metrics.update(
             loss=loss,
             grad_norm=float(out.grad_norm),
             lr=out.lr,
             tokens_per_s=tokens / seconds,
-            mfu=trainer.module.flops_per_token * tokens / seconds / trainer.peak_flops,
-            peak_mem_gib=peak_memory_bytes(trainer.device) / 2**30,
+            mfu=ctx.module.flops_per_token * tokens / seconds / ctx.peak_flops,
+            peak_mem_gib=peak_memory_bytes(ctx.device) / 2**30,
             step_time_s=seconds,
         )
-        if trainer.module.fp8_share:  # against the compute dtype's peak alone: comparable with runs without fp8
-            metrics["mfu_dtype_peak"] = trainer.module.flops_per_token * tokens / seconds / trainer.peak_flops_dtype
+        if ctx.module.fp8_share:  # against the compute dtype's peak alone: comparable with runs without fp8
+            metrics["mfu_dtype_peak"] = ctx.module.flops_per_token * tokens / seconds / ctx.peak_flops_dtype
         if out.skipped:
             metrics["update_skipped"] = 1.0
-        if trainer.module.lr_scale != 1.0:  # the loss-spike guard lowered it after a rollback
-            metrics["lr_scale"] = trainer.module.lr_scale
-        trainer.result.losses.append(loss)
-        trainer.logger.log_metrics(step, metrics)
+        if ctx.module.lr_scale != 1.0:  # the loss-spike guard lowered it after a rollback
+            metrics["lr_scale"] = ctx.module.lr_scale
+        ctx.result.losses.append(loss)
+        ctx.logger.log_metrics(step, metrics)
         if not math.isfinite(loss):
-            trainer.logger.log_event("nonfinite_loss", step=step, loss=str(loss))
+            ctx.logger.log_event("nonfinite_loss", step=step, loss=str(loss))
 
 
 class EvalCallback(Callback):
@@ -78,15 +78,15 @@ class EvalCallback(Callback):
 
     order = 20
 
-    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        t = trainer.cfg.train
-        if (step % t.eval_every and step != t.steps) or trainer.rolling_back:
+    def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
+        t = ctx.cfg.train
+        if (step % t.eval_every and step != t.steps) or ctx.rollback.pending:
             return
-        trainer.phase("eval")
-        loss = trainer.evaluate()
-        trainer.result.val_loss = loss
-        trainer.logger.log_event("eval", step=step, loss=loss)
-        trainer.notify("on_eval", step, loss)
+        ctx.phase("eval")
+        loss = ctx.validation_loss()
+        ctx.result.val_loss = loss
+        ctx.logger.log_event("eval", step=step, loss=loss)
+        ctx.notify("on_eval", step, loss)
 
 
 class SnapshotCallback(Callback):
@@ -96,10 +96,10 @@ class SnapshotCallback(Callback):
 
     order = 80
 
-    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        every = trainer.cfg.checkpoint.memory_every
-        if trainer.snapshots and step % every == 0 and step < trainer.cfg.train.steps and not trainer.rolling_back:
-            trainer.snapshots.save(step, trainer.model, trainer.module.optimizer, trainer.resume_state())
+    def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
+        every = ctx.cfg.checkpoint.memory_every
+        if ctx.snapshots and step % every == 0 and step < ctx.cfg.train.steps and not ctx.rollback.pending:
+            ctx.snapshots.save(step, ctx.module.model_parts, ctx.module.optimizers, ctx.resume_state())
 
 
 class CheckpointCallback(Callback):
@@ -109,37 +109,32 @@ class CheckpointCallback(Callback):
 
     order = 90
 
-    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        every = trainer.cfg.checkpoint.every
-        if (step % every == 0 or step == trainer.cfg.train.steps) and not trainer.rolling_back:
-            trainer.phase("checkpoint")
-            trainer.save_checkpoint()
+    def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
+        every = ctx.cfg.checkpoint.every
+        if (step % every == 0 or step == ctx.cfg.train.steps) and not ctx.rollback.pending:
+            ctx.phase("checkpoint")
+            ctx.save_checkpoint()
 
-    def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
-        trainer.checkpoints.close()
-        trainer.stop_if_unsaved(final=True)
+    def on_train_end(self, ctx: TrainContext, result: TrainResult) -> None:
+        ctx.checkpoints.close()
+        ctx.stop_if_unsaved(final=True)
 
 
-@register_callback("heartbeat", builtin=True)
 def _heartbeat(cfg: Config) -> Callback:
     return HeartbeatCallback()
 
 
-@register_callback("metrics", builtin=True)
 def _metrics(cfg: Config) -> Callback:
     return MetricsCallback()
 
 
-@register_callback("eval", builtin=True)
 def _eval(cfg: Config) -> Callback | None:
     return EvalCallback() if cfg.train.eval_every else None
 
 
-@register_callback("memory_snapshots", builtin=True)
 def _snapshots(cfg: Config) -> Callback | None:
     return SnapshotCallback() if cfg.checkpoint.memory_every else None
 
 
-@register_callback("checkpoint", builtin=True)
 def _checkpoint(cfg: Config) -> Callback | None:
     return CheckpointCallback() if cfg.checkpoint.every else None

@@ -42,10 +42,10 @@ import torch.distributed as dist
 
 from liandan.config import Config
 from liandan.run.worker_env import WorkerEnv
-from liandan.train.callbacks import Callback, register_callback
+from liandan.train.callbacks import Callback
 
 if TYPE_CHECKING:
-    from liandan.train.trainer import Trainer, TrainResult
+    from liandan.train.context import TrainContext, TrainResult
 
 REQUEST = signal.SIGUSR2  # the supervisor's request: it forwards the SIGTERM or SIGINT that it received
 EXTERNAL = (signal.SIGTERM, signal.SIGINT)
@@ -186,88 +186,87 @@ class PreemptionCallback(Callback):
         self.step_started = 0.0
         self.planned = False  # this preemption's plan is made: no more agreeing in the middle of steps
 
-    def on_train_start(self, trainer: Trainer) -> None:
+    def on_train_start(self, ctx: TrainContext) -> None:
         grace = WorkerEnv.from_env().preempt_grace_s
-        self.guard.grace_s = trainer.cfg.resilience.preempt_grace_s if grace is None else grace
-        self.guard.start_loop(trainer.dist.distributed)
+        self.guard.grace_s = ctx.cfg.resilience.preempt_grace_s if grace is None else grace
+        self.guard.start_loop(ctx.dist.distributed)
 
-    def before_step(self, trainer: Trainer, step: int) -> None:
+    def before_step(self, ctx: TrainContext, step: int) -> None:
         self.step_started = time.perf_counter()
 
-    def on_phase(self, trainer: Trainer, step: int, phase: str, micro: int) -> None:
-        if phase not in MID_STEP or self.planned or step >= trainer.cfg.train.steps:
+    def on_phase(self, ctx: TrainContext, step: int, phase: str, micro: int) -> None:
+        if phase not in MID_STEP or self.planned or step >= ctx.cfg.train.steps:
             return
-        if not trainer.snapshots and trainer.cfg.checkpoint.every != 1:
+        if not ctx.snapshots and ctx.cfg.checkpoint.every != 1:
             return  # never anything to fall back on: finishing the step is the only plan (the same on every rank)
-        fallback_step, fallback_s = self._fallback(trainer, step)
+        fallback_step, fallback_s = self._fallback(ctx, step)
         elapsed = time.perf_counter() - self.step_started
         typical = statistics.median(self.step_seconds) if self.step_seconds else 0.0
-        plan = self.guard.agree_on_plan(max(0.0, typical - elapsed) + self._save_s(trainer), fallback_s, fallback_step)
+        plan = self.guard.agree_on_plan(max(0.0, typical - elapsed) + self._save_s(ctx), fallback_s, fallback_step)
         if not plan.signum:
             return
         self.planned = True
-        self._record(trainer, step + 1, plan, f"finishing step {step + 1} and saving it")
+        self._record(ctx, step + 1, plan, f"finishing step {step + 1} and saving it")
         if plan.choice == "fall back":
             raise StepAbandoned(plan.signum, plan.fallback_step)
 
-    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
         self.step_seconds.append(time.perf_counter() - self.step_started)
-        if step >= trainer.cfg.train.steps or trainer.rolling_back:  # stop after the step that replaces it
+        if step >= ctx.cfg.train.steps or ctx.rollback.pending:  # stop after the step that replaces it
             return
-        every = trainer.cfg.checkpoint.every
+        every = ctx.cfg.checkpoint.every
         saved = bool(every and step % every == 0)
-        plan = self.guard.agree_on_plan(0.0 if saved else self._save_s(trainer), math.inf, -1)
+        plan = self.guard.agree_on_plan(0.0 if saved else self._save_s(ctx), math.inf, -1)
         if not plan.signum:
             return
         if not self.planned:
-            self._record(trainer, step, plan, f"saving step {step}" if not saved else "stopping")
+            self._record(ctx, step, plan, f"saving step {step}" if not saved else "stopping")
         if not saved:
-            trainer.phase("checkpoint")
-            trainer.save_checkpoint()
-        trainer.stop_for_preemption(plan.signum)
+            ctx.phase("checkpoint")
+            ctx.save_checkpoint()
+        ctx.stop_for_preemption(plan.signum)
 
-    def on_train_end(self, trainer: Trainer, result: TrainResult) -> None:
+    def on_train_end(self, ctx: TrainContext, result: TrainResult) -> None:
         self.guard.end_loop()
 
     @staticmethod
-    def _save_s(trainer: Trainer) -> float:
+    def _save_s(ctx: TrainContext) -> float:
         """The newest save's time; before any, the newest snapshot's (a lower bound); else nothing known."""
-        measured = trainer.checkpoints.save_seconds()
-        if measured is None and trainer.snapshots is not None:
-            measured = trainer.snapshots.save_seconds
+        measured = ctx.checkpoints.save_seconds()
+        if measured is None and ctx.snapshots is not None:
+            measured = ctx.snapshots.save_seconds
         return measured or 0.0
 
-    def _fallback(self, trainer: Trainer, step: int) -> tuple[int, float]:
+    def _fallback(self, ctx: TrainContext, step: int) -> tuple[int, float]:
         """(the newest completed step whose end this rank can save, the seconds that takes) or (-1, inf): the
         checkpoint of `step`, the last completed one, saved or being saved costs nothing; the newest memory
         snapshot costs reading it back and a save. An older snapshot (`checkpoint.memory_every` > 1) loses
         the steps since, but fewer than the newest checkpoint would; one no newer than that is no fallback."""
-        saved = trainer.checkpoints.started_step
+        saved = ctx.checkpoints.started_step
         if saved == step:
             return step, 0.0
-        snapshots = trainer.snapshots
+        snapshots = ctx.snapshots
         if snapshots is not None and snapshots.newest is not None and snapshots.newest > (saved or 0):
-            return snapshots.newest, (snapshots.save_seconds or 0.0) + self._save_s(trainer)
+            return snapshots.newest, (snapshots.save_seconds or 0.0) + self._save_s(ctx)
         return -1, math.inf
 
-    def _record(self, trainer: Trainer, step: int, plan: Plan, finishing: str) -> None:
+    def _record(self, ctx: TrainContext, step: int, plan: Plan, finishing: str) -> None:
         """One line when the plan is no plain finish, and a `preemption_plan` event always. `step`: the step in
         progress, or just done."""
         name, choice, left = signal.Signals(plan.signum).name, plan.choice, max(0.0, plan.left_s)
         if not plan.fits:
             fallback = f"saving step {plan.fallback_step} ({plan.fallback_s:.1f}s)" if plan.fallback_step >= 0 else ""
-            trainer.say(f"preemption: {name}: {finishing} ({plan.finish_s:.1f}s)" + (f" or {fallback}" if fallback
+            ctx.say(f"preemption: {name}: {finishing} ({plan.finish_s:.1f}s)" + (f" or {fallback}" if fallback
                         else "") + f" does not fit in the {left:.1f}s of grace left; trying to {choice} all the same")  # fmt: skip
         elif choice == "fall back":
-            trainer.say(f"preemption: {name}: {finishing} would take {plan.finish_s:.1f}s of the {left:.1f}s of"
+            ctx.say(f"preemption: {name}: {finishing} would take {plan.finish_s:.1f}s of the {left:.1f}s of"
                         f" grace left: abandoning it, saving step {plan.fallback_step}")  # fmt: skip
-        trainer.files.log_event("preemption_plan", signal=name, step=step, plan=choice, fits=plan.fits,
+        ctx.files.log_event("preemption_plan", signal=name, step=step, plan=choice, fits=plan.fits,
                                 grace_left_s=round(plan.left_s, 2), finish_s=round(plan.finish_s, 2),
                                 fallback_s=round(plan.fallback_s, 2) if plan.fallback_step >= 0 else None,
                                 fallback_step=plan.fallback_step if plan.fallback_step >= 0 else None)  # fmt: skip
 
 
-@register_callback("preemption", builtin=True)
 def preemption_callback(cfg: Config) -> PreemptionCallback | None:
     """Attached by every trainer built while a guard is installed (`liandan train` installs one in each
     process that trains); a trainer of a program that catches no signals has none."""

@@ -20,16 +20,16 @@ import torch
 import torch.distributed as dist
 
 from liandan.checkpoint.manager import SaveOutcome
-from liandan.checkpoint.ring import HeldState, StateRing, restore
+from liandan.checkpoint.ring import HeldState
 from liandan.config import Config, GuardSection
 from liandan.run import RunStopped
-from liandan.train.callbacks import Callback, register_callback
+from liandan.train.callbacks import Callback
 from liandan.train.guard import diagnosis
 from liandan.train.guard.rules import Rule, SourceWatch, Streak
 from liandan.train.guard.stats import BlockProbe, HeadProbe, parameters_now, submodule, update_norms
 
 if TYPE_CHECKING:
-    from liandan.train.trainer import Trainer
+    from liandan.train.context import TrainContext
 
 SEVERITY = {"ok": 0, "warn": 1, "skip": 2, "rollback": 3, "stop": 4}
 
@@ -51,7 +51,6 @@ class GuardCallback(Callback):
         self.skips_in_row = 0
         self.rollbacks: list[dict[str, Any]] = []
         self.lr_scale, self.lr_until = 1.0, None
-        self.ring = StateRing(g.ring_size)
         self.pending: dict[str, Any] | None = None  # the rollback decided at this step
         self.head: HeadProbe | None = None
         self.blocks: BlockProbe | None = None
@@ -59,30 +58,32 @@ class GuardCallback(Callback):
         self.before_update: list[torch.Tensor] | None = None
 
     # -- the hooks ----------------------------------------------------------------------------------------
-    def on_train_start(self, trainer: Trainer) -> None:
-        spec = trainer.module.spec
+    def on_train_start(self, ctx: TrainContext) -> None:
+        spec = ctx.module.spec
         # A hook inside a compiled head would recompile it; a family may name no head module.
-        if not trainer.cfg.train.compile and _has_module(trainer.model, spec.head):
-            stores = trainer.loader.stores
+        if not ctx.cfg.train.compile and _has_module(ctx.module.model, spec.head):
+            stores = ctx.loader.stores
             watch = len(stores) > 1 and bool(self.cfg.source_floor or self.cfg.source_collapse)
             self.source_names = [s.name for s in stores] if watch else []
-            self.head = HeadProbe(trainer.model, spec, per_sequence=watch)
-        trainer.module.lr_scale = self._current_scale(trainer.step)
-        self._keep(trainer)
+            self.head = HeadProbe(ctx.module.model, spec, per_sequence=watch)
+        ctx.module.lr_scale = self._current_scale(ctx.step)
+        self.rollback = ctx.rollback
+        self.rollback.around_restore(self._across_restore)
+        self.rollback.keep()
 
-    def before_step(self, trainer: Trainer, step: int) -> None:
-        trainer.module.lr_scale = self._current_scale(step)
+    def before_step(self, ctx: TrainContext, step: int) -> None:
+        ctx.module.lr_scale = self._current_scale(step)
         if self._stats_step(step + 1):
-            self.blocks = BlockProbe(trainer.model, trainer.module.spec)
+            self.blocks = BlockProbe(ctx.module.model, ctx.module.spec)
 
-    def before_optimizer_step(self, trainer: Trainer, step: int, loss: Any, grad_norm: float) -> bool:
+    def before_optimizer_step(self, ctx: TrainContext, step: int, loss: Any, grad_norm: float) -> bool:
         n = step + 1
-        loss_value, grad_value, largest, z, parts = self._shared(trainer, loss, grad_norm)
+        loss_value, grad_value, largest, z, parts = self._shared(ctx, loss, grad_norm)
         findings = self._judge(n, loss_value, grad_value, largest, z)
         if parts and math.isfinite(loss_value):
             findings += [("drop", began, what) for began, what in self.sources.judge(n, parts)]
         if self.blocks is not None:
-            self.layer_record = self._layer_stats(trainer, n, grad_value)
+            self.layer_record = self._layer_stats(ctx, n, grad_value)
             attention = self.layer_record["attention_logit"]
             limit = self.cfg.attention_logit_limit
             if limit and attention and max(attention.values()) > limit:
@@ -98,69 +99,62 @@ class GuardCallback(Callback):
         else:
             self.skips_in_row = 0
         if action == "rollback":
-            action = self._plan_rollback(trainer, n, findings, loss_value)
-        self._record(trainer, n, action, findings, loss_value)
+            action = self._plan_rollback(ctx, n, findings, loss_value)
+        self._record(ctx, n, action, findings, loss_value)
         if action == "stop":
-            self._stop(trainer, n, findings)
+            self._stop(ctx, n, findings)
         return action in ("ok", "warn")
 
-    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
         if self.layer_record is not None:
             record, self.layer_record = self.layer_record, None
             if self.before_update is not None:
-                record["update"] = self._update_norms(trainer)
-            if trainer.dist.is_main:
-                diagnosis.append_layer_stats(trainer.room, record)
-        if not trainer.rolling_back and step % self.cfg.ring_every == 0 and not self.spike_streak.length:
-            self._keep(trainer)
+                record["update"] = self._update_norms(ctx)
+            if ctx.dist.is_main:
+                diagnosis.append_layer_stats(ctx.room, record)
+        if not ctx.rollback.pending and step % self.cfg.ring_every == 0 and not self.spike_streak.length:
+            self.rollback.keep()
 
-    def on_step_end(self, trainer: Trainer, step: int) -> None:
+    def on_step_end(self, ctx: TrainContext, step: int) -> None:
         if self.pending is None:
             return
         plan, self.pending = self.pending, None
         started = time.perf_counter()
-        bookkeeping = self._bookkeeping()
         target = plan["target"]
-        detected_at = trainer.loader.step  # the data step after the spike's last batch
-        skipped_before = list(trainer.loader.skipped)
+        detected_at = ctx.loader.step  # the data step after the spike's last batch
+        skipped_before = list(ctx.loader.skipped)
         source = "memory"
         if isinstance(target, SaveOutcome):  # read once, then kept in the ring for the passes below
-            meta = trainer.checkpoints.load(target.path, trainer.model, trainer.optimizer)
-            trainer.rewind(int(meta["step"]), meta)
-            target, source = (
-                self.ring.keep(trainer.step, trainer.model, trainer.optimizer, trainer.resume_state()),
-                str(target.path),
-            )
-        self._restore(trainer, target)
-        first_data = trainer.loader.step
-        found = diagnosis.diagnose(trainer, self, target, step, plan["began"], first_data, plan["losses"])
-        self._restore(trainer, target)  # the replay moved on: back again
-        self._load_bookkeeping(bookkeeping)
+            target, source = self.rollback.load_checkpoint(target.path), str(target.path)
+        self.rollback.restore(target)
+        first_data = ctx.loader.step
+        found = diagnosis.diagnose(ctx, self, target, step, plan["began"], first_data, plan["losses"])
+        self.rollback.restore(target)  # the replay moved on: back again
         skip = max(self.cfg.skip_batches, detected_at - first_data)
-        trainer.loader.skipped = sorted(set(skipped_before) | set(trainer.loader.skipped))
-        skipped = trainer.loader.skip(skip)
+        ctx.loader.skipped = sorted(set(skipped_before) | set(ctx.loader.skipped))
+        skipped = ctx.loader.skip(skip)
         if self.cfg.lr_factor != 1.0:
             self.lr_scale *= self.cfg.lr_factor
             self.lr_until = target.step + self.cfg.lr_steps if self.cfg.lr_steps else None
-        trainer.module.lr_scale = self._current_scale(target.step)
+        ctx.module.lr_scale = self._current_scale(target.step)
         rollback = {"at": step, "began": plan["began"], "to": target.step, "from": source, "skipped": list(skipped),
                     "lr_scale": self.lr_scale, "lr_until": self.lr_until,
                     "seconds": round(time.perf_counter() - started, 3), "steps_redone": step - target.step}  # fmt: skip
         self.rollbacks.append(rollback)
-        trainer.rolling_back = False
-        self._keep(trainer)  # the restored step, with its data skip, is the new place to come back to
-        if trainer.dist.is_main:
-            path = diagnosis.write_report(trainer, plan, rollback, found)
-            trainer.files.log_event("rollback", step=step, report=str(path), **_event_fields(plan, rollback, found))
-            trainer.say(diagnosis.one_line(plan, rollback, found, path))
+        ctx.rollback.pending = False
+        self.rollback.keep()  # the restored step, with its data skip, is the new place to come back to
+        if ctx.dist.is_main:
+            path = diagnosis.write_report(ctx, plan, rollback, found)
+            ctx.files.log_event("rollback", step=step, report=str(path), **_event_fields(plan, rollback, found))
+            ctx.say(diagnosis.one_line(plan, rollback, found, path))
 
-    def on_train_end(self, trainer: Trainer, result: Any) -> None:
+    def on_train_end(self, ctx: TrainContext, result: Any) -> None:
         for probe in (self.head, self.blocks):
             if probe is not None:
                 probe.close()
 
-    def on_error(self, trainer: Trainer, error: BaseException) -> None:
-        self.on_train_end(trainer, None)
+    def on_error(self, ctx: TrainContext, error: BaseException) -> None:
+        self.on_train_end(ctx, None)
 
     # -- state ----------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -192,17 +186,17 @@ class GuardCallback(Callback):
         self.lr_scale, self.lr_until = float(state["lr_scale"]), state["lr_until"]
 
     # -- judging ----------------------------------------------------------------------------------------------
-    def _shared(self, trainer: Trainer, loss: torch.Tensor, grad_norm: float) -> tuple:
+    def _shared(self, ctx: TrainContext, loss: torch.Tensor, grad_norm: float) -> tuple:
         """(mean loss, largest gradient norm, largest output logit, mean z) over all ranks, and each watched
         source's (sum of sampled losses, count) over all ranks: one collective."""
-        largest, z = self.head.take(trainer.device) if self.head else (torch.zeros(()), torch.zeros(()))
+        largest, z = self.head.take(ctx.device) if self.head else (torch.zeros(()), torch.zeros(()))
         values = [loss.detach().float().reshape(()), torch.tensor(float(grad_norm)).to(loss.device),
                   largest.float().to(loss.device), z.float().to(loss.device)]  # fmt: skip
         if self.source_names:
-            values.append(self._source_parts(trainer).to(loss.device))
+            values.append(self._source_parts(ctx).to(loss.device))
         local = torch.cat([v.reshape(-1) for v in values]).double()
-        if trainer.dist.distributed:
-            gathered = [torch.empty_like(local) for _ in range(trainer.dist.world_size)]
+        if ctx.dist.distributed:
+            gathered = [torch.empty_like(local) for _ in range(ctx.dist.world_size)]
             dist.all_gather(gathered, local)
             rows = torch.stack(gathered).cpu().tolist()
         else:
@@ -219,10 +213,10 @@ class GuardCallback(Callback):
         parts = {name: (totals[i], totals[count + i]) for i, name in enumerate(self.source_names)}
         return (*shared, parts)
 
-    def _source_parts(self, trainer: Trainer) -> torch.Tensor:
+    def _source_parts(self, ctx: TrainContext) -> torch.Tensor:
         """This rank's sums of sampled sequence losses by source, then their counts: zeros when the probe saw
         other sequences than the loader gave this rank (the same length on every rank either way)."""
-        loader, count = trainer.loader, len(self.source_names)
+        loader, count = ctx.loader, len(self.source_names)
         sequences = self.head.sequences if self.head else None
         per_rank = loader.global_batch // loader.dp_size
         if sequences is None or sequences[0].numel() != per_rank:
@@ -270,7 +264,7 @@ class GuardCallback(Callback):
         return {"nonfinite": c.on_nonfinite, "spike": c.on_spike, "grad": c.on_grad, "logits": c.on_logits,
                 "drop": c.on_drop, "skips": "rollback"}[kind]  # fmt: skip
 
-    def _plan_rollback(self, trainer: Trainer, n: int, findings: list, loss: float) -> str:
+    def _plan_rollback(self, ctx: TrainContext, n: int, findings: list, loss: float) -> str:
         """Decide the rollback of step `n`: "rollback", or "stop" past the limit, or "skip" with nothing old
         enough to go back to."""
         began = min(step for _, step, _ in findings)
@@ -280,62 +274,54 @@ class GuardCallback(Callback):
             findings.append(("limit", began, what))
             return "stop"
         limit = began - 1 - self.cfg.rollback_margin
-        target: HeldState | SaveOutcome | None = self.ring.newest_at_or_before(limit)
-        saved = [o for o in trainer.checkpoints.outcomes if o.ok and o.step <= limit and o.path.is_dir()]
+        target: HeldState | SaveOutcome | None = ctx.rollback.newest_at_or_before(limit)
+        saved = [o for o in ctx.checkpoints.outcomes if o.ok and o.step <= limit and o.path.is_dir()]
         if saved and (target is None or saved[-1].step > target.step):
             target = saved[-1]  # a durable checkpoint is newer (after a resume, the ring starts afresh)
         if target is None:
-            what = f"no state kept from before step {began - self.cfg.rollback_margin} (kept: {self.ring.steps})"
+            what = (
+                f"no state kept from before step {began - self.cfg.rollback_margin} (kept: {ctx.rollback.held_steps})"
+            )
             findings.append(("no_state", began, what + "; skipping the update instead"))
             return "skip"
         median = self.loss.history.center_and_spread()[0] if len(self.loss.history) else None
         self.pending = {"target": target, "began": began, "at": n, "findings": list(findings),
                         "losses": {"at": loss, "running_median": median}}  # fmt: skip
-        trainer.rolling_back = True
+        ctx.rollback.pending = True
         return "rollback"
 
-    def _record(self, trainer: Trainer, n: int, action: str, findings: list, loss: float) -> None:
+    def _record(self, ctx: TrainContext, n: int, action: str, findings: list, loss: float) -> None:
         if any(kind == "drop" for kind, _, _ in findings):
             described = "; ".join(what for kind, _, what in findings if kind == "drop")
-            diagnosis.report_drop(trainer, n, described, dict(self.sources.latest))
-        if not findings or not trainer.dist.is_main:
+            diagnosis.report_drop(ctx, n, described, dict(self.sources.latest))
+        if not findings or not ctx.dist.is_main:
             return
         described = "; ".join(f"{kind} (from step {began}): {what}" for kind, began, what in findings)
-        trainer.files.log_event("guard", step=n, action=action, detectors=sorted({k for k, _, _ in findings}),
+        ctx.files.log_event("guard", step=n, action=action, detectors=sorted({k for k, _, _ in findings}),
                                 began=min(b for _, b, _ in findings), detail=described)  # fmt: skip
         if action != "rollback":  # a rollback speaks for itself once it is done
             verb = {"warn": "warning", "skip": "update skipped", "stop": "stopping", "ok": "noted"}[action]
-            trainer.say(f"guard: step {n}: {verb}: {described}")
+            ctx.say(f"guard: step {n}: {verb}: {described}")
 
-    def _stop(self, trainer: Trainer, n: int, findings: list) -> None:
-        path = diagnosis.write_stop_report(trainer, n, findings, self.rollbacks) if trainer.dist.is_main else None
+    def _stop(self, ctx: TrainContext, n: int, findings: list) -> None:
+        path = diagnosis.write_stop_report(ctx, n, findings, self.rollbacks) if ctx.dist.is_main else None
         where = f"; report: {path}" if path else ""
         raise RunStopped(f"the loss-spike guard stopped the run at step {n}: "
                          + "; ".join(what for _, _, what in findings) + where)  # fmt: skip
 
     # -- states and the learning rate ---------------------------------------------------------------------------
-    def roll_back_to_verified(self, trainer: Trainer, at_or_before: int) -> HeldState | None:
-        """Put back the newest in-memory state kept at or before step `at_or_before`, without skipping data or
-        changing the learning rate (for a fault of the hardware, not of the data: the same batches are trained
-        again), and forget the states after it. Returns that state, or None when none is held. Any rollback
-        of the guard's own planned for this step is dropped: this one goes back at least as far."""
-        target = self.ring.newest_at_or_before(at_or_before)
-        if target is None:
-            return None
-        self.pending = None
+    def _across_restore(self) -> Any:
+        """Around every rollback, the guard's or another's: what the guard has learned of the run (its
+        rollbacks, the learning-rate scale they left) survives the restore of its older state, and a
+        rollback of its own planned for this step is dropped (the other goes back at least as far)."""
         bookkeeping = self._bookkeeping()
-        self._restore(trainer, target)
-        self._load_bookkeeping(bookkeeping)
-        trainer.module.lr_scale = self._current_scale(target.step)
-        self.ring.drop_after(target.step)
-        return target
 
-    def _keep(self, trainer: Trainer) -> None:
-        self.ring.keep(trainer.step, trainer.model, trainer.optimizer, trainer.resume_state())
+        def after(step: int) -> None:
+            self._load_bookkeeping(bookkeeping)
+            self.pending = None
+            self.rollback.module.lr_scale = self._current_scale(step)
 
-    def _restore(self, trainer: Trainer, held: HeldState) -> None:
-        restore(held, trainer.model, trainer.optimizer)
-        trainer.rewind(held.step, held.state)
+        return after
 
     def _current_scale(self, step: int) -> float:
         if self.lr_until is not None and step >= self.lr_until:
@@ -346,17 +332,17 @@ class GuardCallback(Callback):
     def _stats_step(self, n: int) -> bool:
         return bool(self.cfg.stats_every) and n % self.cfg.stats_every == 0
 
-    def _layer_stats(self, trainer: Trainer, n: int, grad_norm: float) -> dict[str, Any]:
+    def _layer_stats(self, ctx: TrainContext, n: int, grad_norm: float) -> dict[str, Any]:
         """Per-layer statistics of step `n` before its update (the blocks' probe is removed here)."""
         probe, self.blocks = self.blocks, None
         probe.close()
-        record = diagnosis.layer_stats(trainer, n, probe, grad_norm)
-        self.before_update = parameters_now(trainer.model)
+        record = diagnosis.layer_stats(ctx, n, probe, grad_norm)
+        self.before_update = parameters_now(ctx.module.model)
         return record
 
-    def _update_norms(self, trainer: Trainer) -> dict[str, float]:
+    def _update_norms(self, ctx: TrainContext) -> dict[str, float]:
         before, self.before_update = self.before_update, None
-        return update_norms(trainer.model, before)
+        return update_norms(ctx.module.model, before)
 
 
 def _has_module(model: torch.nn.Module, name: str) -> bool:
@@ -383,6 +369,5 @@ def _event_fields(plan: dict, rollback: dict, found: dict) -> dict[str, Any]:
     }  # fmt: skip
 
 
-@register_callback("guard", builtin=True)
 def _guard(cfg: Config) -> Callback | None:
     return GuardCallback(cfg.guard) if cfg.guard.enabled else None

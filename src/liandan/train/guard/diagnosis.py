@@ -25,8 +25,8 @@ from liandan.train.guard.stats import BlockProbe, norms_by_layer, parameters_now
 
 if TYPE_CHECKING:
     from liandan.checkpoint.ring import HeldState
+    from liandan.train.context import TrainContext
     from liandan.train.guard.callback import GuardCallback
-    from liandan.train.trainer import Trainer
 
 MOVED = math.log(2.0)  # a statistic has "moved" once it doubled or halved
 NEAR_ZERO_LOSS = 0.1  # nats: a token predicted this well is one the model has all but memorised
@@ -34,11 +34,11 @@ SHOWN_TOKENS = 10
 
 
 # -- layer statistics ---------------------------------------------------------------------------------------
-def layer_stats(trainer: Trainer, n: int, probe: BlockProbe, grad_norm: float) -> dict[str, Any]:
+def layer_stats(ctx: TrainContext, n: int, probe: BlockProbe, grad_norm: float) -> dict[str, Any]:
     """Per-layer statistics of step `n` once its gradients are clipped, before its update: weight and gradient
     norms (the gradient's before clipping), and the largest activation RMS and attention logit over ranks."""
-    named = list(trainer.model.named_parameters())
-    clip = trainer.cfg.optim.grad_clip
+    named = list(ctx.module.model.named_parameters())
+    clip = ctx.cfg.optim.grad_clip
     unclip = max(1.0, grad_norm / clip) if clip and math.isfinite(grad_norm) else 1.0
     grads = {k: v * unclip for k, v in norms_by_layer((name, p.grad) for name, p in named).items()}
     record = {
@@ -46,20 +46,20 @@ def layer_stats(trainer: Trainer, n: int, probe: BlockProbe, grad_norm: float) -
         "grad_norm": grad_norm,
         "weight": norms_by_layer((name, p) for name, p in named),
         "grad": grads,
-        "activation_rms": _largest_over_ranks(trainer, probe.rms),
-        "attention_logit": _largest_over_ranks(trainer, probe.attention),
+        "activation_rms": _largest_over_ranks(ctx, probe.rms),
+        "attention_logit": _largest_over_ranks(ctx, probe.attention),
     }
     if probe.failed:
         record["attention_logit_error"] = probe.failed
     return record
 
 
-def _largest_over_ranks(trainer: Trainer, values: dict[str, torch.Tensor]) -> dict[str, float]:
+def _largest_over_ranks(ctx: TrainContext, values: dict[str, torch.Tensor]) -> dict[str, float]:
     if not values:
         return {}
     names = sorted(values)
     stacked = torch.stack([values[name].float().reshape(()) for name in names])
-    if trainer.dist.distributed:
+    if ctx.dist.distributed:
         dist.all_reduce(stacked, op=dist.ReduceOp.MAX)
     return dict(zip(names, stacked.cpu().tolist(), strict=True))
 
@@ -70,22 +70,22 @@ def append_layer_stats(room: RunDir, record: dict[str, Any]) -> None:
 
 
 # -- after a rollback -------------------------------------------------------------------------------------------
-def diagnose(trainer: Trainer, guard: GuardCallback, target: HeldState, at: int, began: int, first_data: int,
+def diagnose(ctx: TrainContext, guard: GuardCallback, target: HeldState, at: int, began: int, first_data: int,
              losses: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
     """The batches of steps target.step + 1 .. `at` (data steps from `first_data`) judged on the model from
     before the spike, their culprits' documents, and (with `guard.replay`) a replay with layer statistics.
     Called on every rank with the restored state in place; leaves the model moved on by the replay."""
-    micro = trainer.micro_batch
+    micro = ctx.micro_batch
     count = at - target.step
     batches = []
     for i in range(count):
-        loss = trainer.mean_over_ranks(trainer.module.loss_over(trainer.loader.batch_at(first_data + i, micro)))
+        loss = ctx.mean_over_ranks(ctx.module.eval_batch(ctx.loader.batch_at(first_data + i, micro)))
         verdict = guard.loss.judge(loss)
         batches.append({"step": target.step + 1 + i, "data_step": first_data + i, "loss_before_spike": loss,
                         "culprit": bool(verdict is None and not math.isfinite(loss) or verdict and verdict.over)})  # fmt: skip
     culprits = [b["data_step"] for b in batches if b["culprit"]]
     found: dict[str, Any] = {"batches": batches, "culprit_data_steps": culprits}
-    if trainer.dist.is_main:
+    if ctx.dist.is_main:
         found["documents"] = [
             {
                 "data_step": d,
@@ -96,10 +96,10 @@ def diagnose(trainer: Trainer, guard: GuardCallback, target: HeldState, at: int,
                 "id": ref.doc_id,
             }
             for d in culprits
-            for ref in trainer.loader.documents_for_step(d)
+            for ref in ctx.loader.documents_for_step(d)
         ]
     if guard.cfg.replay:
-        records = replay(trainer, count)
+        records = replay(ctx, count)
         found["replay"] = records
         index = began - target.step - 1
         if 0 <= index < len(records):
@@ -109,28 +109,28 @@ def diagnose(trainer: Trainer, guard: GuardCallback, target: HeldState, at: int,
                 found["reproduced"] = not math.isfinite(replayed) or verdict.over
         found["layers_first"] = moved_first(records, began) if found.get("reproduced") else []
     if guard.head is not None:
-        guard.head.take(trainer.device)  # what the diagnosis measured is not the next step's
+        guard.head.take(ctx.device)  # what the diagnosis measured is not the next step's
     return found
 
 
-def replay(trainer: Trainer, count: int) -> list[dict[str, Any]]:
+def replay(ctx: TrainContext, count: int) -> list[dict[str, Any]]:
     """Train `count` steps from the current state with layer statistics on each (the run's position is put
     back by the caller)."""
-    module, records = trainer.module, []
+    module, records = ctx.module, []
     for i in range(count):
-        probe = BlockProbe(trainer.model, module.spec)
-        batches = trainer.loader.next_step(trainer.micro_batch)
-        loss = module.forward_backward(batches, lambda *args, step=i, **kwargs: trainer.phase("rollback", step))
-        grad_norm = module.clip_gradients()
+        probe = BlockProbe(ctx.module.model, module.spec)
+        batches = ctx.loader.next_step(ctx.micro_batch)
+        loss = module.train_batch(batches, lambda *args, step=i, **kwargs: ctx.phase("rollback", step))
+        grad_norm = module.clip_grad_norm()
         probe.close()
-        record = layer_stats(trainer, trainer.step + 1 + i, probe, grad_norm)
-        before = parameters_now(trainer.model)
+        record = layer_stats(ctx, ctx.step + 1 + i, probe, grad_norm)
+        before = parameters_now(ctx.module.model)
         if math.isfinite(grad_norm):
-            module.optimizer_step()
+            module.optim_step()
         else:
             module.skip_step()
-        record["update"] = update_norms(trainer.model, before)
-        record["loss"] = trainer.mean_over_ranks(loss)
+        record["update"] = update_norms(ctx.module.model, before)
+        record["loss"] = ctx.mean_over_ranks(loss)
         records.append(record)
     return records
 
@@ -169,8 +169,8 @@ def moved_first(records: list[dict[str, Any]], began: int) -> list[dict[str, Any
 
 
 # -- reports ----------------------------------------------------------------------------------------------------
-def write_report(trainer: Trainer, plan: dict[str, Any], rollback: dict[str, Any], found: dict[str, Any]) -> Path:
-    path = trainer.room.guard_report("spike", rollback["at"])
+def write_report(ctx: TrainContext, plan: dict[str, Any], rollback: dict[str, Any], found: dict[str, Any]) -> Path:
+    path = ctx.room.guard_report("spike", rollback["at"])
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "kind": "rollback",
@@ -207,8 +207,8 @@ def one_line(plan: dict[str, Any], rollback: dict[str, Any], found: dict[str, An
             f" {rollback['to']}, skipped data steps {first}..{end - 1}{lr}; {verdict(found)}{moved}; report {path}")  # fmt: skip
 
 
-def write_stop_report(trainer: Trainer, n: int, findings: list, rollbacks: list[dict[str, Any]]) -> Path:
-    path = trainer.room.guard_report("stop", n)
+def write_stop_report(ctx: TrainContext, n: int, findings: list, rollbacks: list[dict[str, Any]]) -> Path:
+    path = ctx.room.guard_report("stop", n)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, {"kind": "stop", "step": n, "rollbacks": rollbacks,
                              "findings": [{"detector": k, "began": b, "detail": d} for k, b, d in findings]})  # fmt: skip
@@ -217,18 +217,18 @@ def write_stop_report(trainer: Trainer, n: int, findings: list, rollbacks: list[
 
 # -- too good to be true ------------------------------------------------------------------------------------
 @torch.no_grad()
-def easiest_tokens(trainer: Trainer, data_step: int) -> list[dict[str, Any]]:
+def easiest_tokens(ctx: TrainContext, data_step: int) -> list[dict[str, Any]]:
     """The tokens that carry the most targets of the batch of `data_step` at near-zero loss: what a model
     that found a shortcut in the data (a flood of one character) predicts. Collective: every rank calls it."""
-    model, module = trainer.model, trainer.module
+    model, module = ctx.module.model, ctx.module
     vocab = module.args.vocab_size
     count = torch.zeros(vocab, dtype=torch.float64)
     loss_sum = torch.zeros(vocab, dtype=torch.float64)
     predicted = torch.zeros(vocab, dtype=torch.float64)
     model.eval()
     try:
-        for batch in trainer.loader.batch_at(data_step, trainer.micro_batch):
-            batch = batch.to(trainer.device)
+        for batch in ctx.loader.batch_at(data_step, ctx.micro_batch):
+            batch = batch.to(ctx.device)
             with module.autocasting():
                 logits = model(batch.inputs)
             logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).float().flatten(0, 1)
@@ -240,7 +240,7 @@ def easiest_tokens(trainer: Trainer, data_step: int) -> list[dict[str, Any]]:
             predicted.index_add_(0, logits.argmax(-1).cpu(), torch.ones_like(losses))
     finally:
         model.train()
-    if trainer.dist.distributed:
+    if ctx.dist.distributed:
         for t in (count, loss_sum, predicted):
             dist.all_reduce(t)
     total = float(count.sum()) or 1.0
@@ -250,7 +250,7 @@ def easiest_tokens(trainer: Trainer, data_step: int) -> list[dict[str, Any]]:
     return [
         {
             "id": i,
-            "text": trainer.tokenizer.decode([i]),
+            "text": ctx.tokenizer.decode([i]),
             "share": float(count[i]) / total,
             "mean_loss": float(mean[i]),
             "predicted_share": float(predicted[i]) / total,
@@ -259,22 +259,20 @@ def easiest_tokens(trainer: Trainer, data_step: int) -> list[dict[str, Any]]:
     ]
 
 
-def report_drop(trainer: Trainer, n: int, described: str, sources: dict[str, float] | None = None) -> None:
+def report_drop(ctx: TrainContext, n: int, described: str, sources: dict[str, float] | None = None) -> None:
     """A too-good-to-be-true warning's report: what was seen, each source's newest sampled loss (a mixture's)
     and the tokens the model finds easiest in the step's batch. Collective."""
-    tokens = easiest_tokens(trainer, trainer.loader.step - 1)
-    if not trainer.dist.is_main:
+    tokens = easiest_tokens(ctx, ctx.loader.step - 1)
+    if not ctx.dist.is_main:
         return
-    path = trainer.room.guard_report("drop", n)
+    path = ctx.room.guard_report("drop", n)
     path.parent.mkdir(parents=True, exist_ok=True)
-    documents = [ref.__dict__ for ref in trainer.loader.documents_for_step(trainer.loader.step - 1)]
+    documents = [ref.__dict__ for ref in ctx.loader.documents_for_step(ctx.loader.step - 1)]
     atomic_write_json(path, {"kind": "drop", "step": n, "detail": described, "source_losses": sources or {},
                              "easiest_tokens": tokens, "documents": documents})  # fmt: skip
     shown = ", ".join(
         f"{t['text']!r} {100 * t['share']:.1f}% of targets at loss {t['mean_loss']:.3f}" for t in tokens[:3]
     )
-    trainer.say(
-        f"guard: step {n}: too good to be true? easiest tokens: {shown or 'none near zero loss'}; report {path}"
-    )
-    trainer.files.log_event("too_good", step=n, report=str(path), detail=described,
+    ctx.say(f"guard: step {n}: too good to be true? easiest tokens: {shown or 'none near zero loss'}; report {path}")
+    ctx.files.log_event("too_good", step=n, report=str(path), detail=described,
                             tokens=[t["text"] for t in tokens[:5]])  # fmt: skip

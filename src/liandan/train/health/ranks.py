@@ -1,5 +1,5 @@
-"""What the health checks share: the host of every rank, gathering one small row from every rank of a group,
-and the golden matrix product run on every rank at once."""
+"""What the health checks share: gathering one small row from every rank of a group, and the golden matrix
+product run on every rank at once (the host of every rank is the context's `rank_hosts`)."""
 
 from __future__ import annotations
 
@@ -11,22 +11,7 @@ import torch.distributed as dist
 from liandan.train.health.golden import golden_matmul, odd_ones_out
 
 if TYPE_CHECKING:
-    from liandan.train.trainer import Trainer
-
-
-def hosts(trainer: Trainer) -> list[str]:
-    """The host of each rank, by global rank: one collective, the first time a health check asks in this
-    trainer (they all share its answer)."""
-    known = getattr(trainer, "_rank_hosts", None)
-    if known is None:
-        if trainer.dist.distributed:
-            gathered: list[Any] = [None] * trainer.dist.world_size
-            dist.all_gather_object(gathered, trainer.heartbeat.host)
-            known = [str(h) for h in gathered]
-        else:
-            known = [trainer.heartbeat.host]
-        trainer._rank_hosts = known
-    return known
+    from liandan.train.context import TrainContext
 
 
 def gather_rows(row: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
@@ -38,12 +23,12 @@ def gather_rows(row: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
     return [r.cpu() for r in rows]
 
 
-def golden_suspects(trainer: Trainer, step: int, size: int) -> tuple[list[int], list[dict]]:
+def golden_suspects(ctx: TrainContext, step: int, size: int) -> tuple[list[int], list[dict]]:
     """Every rank runs the golden matrix product (`golden.py`) in the run's dtype; returns the ranks that got
     it wrong against float64 or whose result's bits differ from the majority's, and every rank's result."""
-    result = golden_matmul(trainer.device, trainer.dtype, size=size, seed=step, step=step).as_dict()
-    if trainer.dist.distributed:
-        results: list[Any] = [None] * trainer.dist.world_size
+    result = golden_matmul(ctx.device, ctx.dtype, size=size, seed=step, step=step).as_dict()
+    if ctx.dist.distributed:
+        results: list[Any] = [None] * ctx.dist.world_size
         dist.all_gather_object(results, result)
     else:
         results = [result]

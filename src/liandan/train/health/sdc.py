@@ -15,7 +15,7 @@
 
 A mismatch is an incident: the update of the step is never applied (a veto before it, or, for fingerprints,
 a rollback past it), every rank runs the golden matrix product to tell a faulty device from a transient
-fault, and the run goes back through the loss-spike guard's rollback to the newest in-memory state that
+fault, and the run goes back through the rollback service to the newest in-memory state that
 predates the fault and was verified (this callback runs before the guard, so that the guard only keeps
 states whose fingerprints matched). The incident is an "sdc" event naming rank, host, what disagreed and the
 steps. A transient fault (a flipped bit, one corrupted all-reduce) is then trained past; a device that fails
@@ -32,12 +32,11 @@ import torch
 from liandan.config import Config, HealthSection
 from liandan.run import RunStopped
 from liandan.run.errors import DeviceFault
-from liandan.train.callbacks import Callback, register_callback
-from liandan.train.guard.callback import GuardCallback
-from liandan.train.health.ranks import gather_rows, golden_suspects, hosts
+from liandan.train.callbacks import Callback
+from liandan.train.health.ranks import gather_rows, golden_suspects
 
 if TYPE_CHECKING:
-    from liandan.train.trainer import Trainer
+    from liandan.train.context import TrainContext
 
 REPLAY_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e-3}
 ROUNDING_ULPS = 16  # how many units of rounding per rank a reduced sum may be off by before it is wrong
@@ -63,66 +62,64 @@ class SdcCallback(Callback):
         self.ring_every = ring_every  # 0: the guard is off
         self.hosts: list[str] = []
         self.replica_groups: list[list[int]] = []  # global ranks that hold the same weights; none: no replicas
-        self.guard: GuardCallback | None = None
         self.last_verified = 0  # the newest step whose weights passed the fingerprint check
         self.last_clean_replay = 0  # before the newest replay that agreed: a persistent fault began after it
         self.pending: dict[str, Any] | None = None
         self.incidents: list[dict[str, Any]] = []
 
     # -- the hooks ----------------------------------------------------------------------------------------
-    def on_train_start(self, trainer: Trainer) -> None:
-        self.hosts = hosts(trainer)
-        layout = trainer.layout
-        if trainer.mesh is not None and layout.dp_replicate > 1:
-            ranks = trainer.mesh.mesh  # (dp_replicate, dp_shard, tp): a group is one (dp_shard, tp) position
+    def on_train_start(self, ctx: TrainContext) -> None:
+        self.hosts = ctx.rank_hosts()
+        layout = ctx.layout
+        if ctx.mesh is not None and layout.dp_replicate > 1:
+            ranks = ctx.mesh.mesh  # (dp_replicate, dp_shard, tp): a group is one (dp_shard, tp) position
             self.replica_groups = [
                 ranks[:, s, t].tolist() for s in range(ranks.shape[1]) for t in range(ranks.shape[2])
             ]
-        elif trainer.dist.distributed:
-            trainer.say(f"sdc: layout {layout} keeps no replicas of the weights: their fingerprints are not compared")
-        if trainer.dist.distributed and trainer.dp_size < 2 and self.cfg.replay_every:
-            trainer.say("sdc: one data-parallel rank: no neighbour to replay its steps on")
-        self.guard = next((c for c in trainer.callbacks if isinstance(c, GuardCallback)), None)
+        elif ctx.dist.distributed:
+            ctx.say(f"sdc: layout {layout} keeps no replicas of the weights: their fingerprints are not compared")
+        if ctx.dist.distributed and ctx.dp_size < 2 and self.cfg.replay_every:
+            ctx.say("sdc: one data-parallel rank: no neighbour to replay its steps on")
         # A resumed state was verified when it was saved; what came before it is not in memory anyway.
-        self.last_verified = self.last_clean_replay = trainer.step
+        self.last_verified = self.last_clean_replay = ctx.step
 
-    def before_step(self, trainer: Trainer, step: int) -> None:
-        audit = trainer.module.allreduce_audit
+    def before_step(self, ctx: TrainContext, step: int) -> None:
+        audit = ctx.module.allreduce_audit
         if audit is not None:
             audit.start(record=self._check_step(step + 1))
 
-    def before_optimizer_step(self, trainer: Trainer, step: int, loss: Any, grad_norm: float) -> bool:
+    def before_optimizer_step(self, ctx: TrainContext, step: int, loss: Any, grad_norm: float) -> bool:
         n = step + 1
         findings = []
-        if self._check_step(n) and trainer.dist.distributed:
-            findings += self._cross_check(trainer, n, grad_norm)
-        if self._replay_step(n) and trainer.dp_size > 1:
-            findings += self._replay(trainer, n, loss)
+        if self._check_step(n) and ctx.dist.distributed:
+            findings += self._cross_check(ctx, n, grad_norm)
+        if self._replay_step(n) and ctx.dp_size > 1:
+            findings += self._replay(ctx, n, loss)
         if not findings:
             return True
         replayed = any(f["check"] == "replay" for f in findings)
-        self._incident(trainer, n, findings, self.last_clean_replay if replayed else n - 1)
+        self._incident(ctx, n, findings, self.last_clean_replay if replayed else n - 1)
         return False
 
-    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
-        if trainer.rolling_back or not self._check_step(step):
+    def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
+        if ctx.rollback.pending or not self._check_step(step):
             return
         if not self.replica_groups:
             self.last_verified = step
             return
-        found = self._fingerprints(trainer, step)
+        found = self._fingerprints(ctx, step)
         if found is None:
             self.last_verified = step
         else:
-            self._incident(trainer, step, [found], self.last_verified)
+            self._incident(ctx, step, [found], self.last_verified)
 
-    def on_step_end(self, trainer: Trainer, step: int) -> None:
+    def on_step_end(self, ctx: TrainContext, step: int) -> None:
         if self.pending is None:
             return
         plan, self.pending = self.pending, None
-        trainer.phase("rollback")
-        held = self.guard.roll_back_to_verified(trainer, plan["limit"]) if self.guard else None
-        trainer.rolling_back = False
+        ctx.phase("rollback")
+        held = ctx.rollback.to_verified(plan["limit"])
+        ctx.rollback.pending = False
         what = "; ".join(f["detail"] for f in plan["findings"])
         named = plan["ranks"]
         who = (", ".join(f"rank {r} on {self.hosts[r]}" for r in named) if named
@@ -132,10 +129,10 @@ class SdcCallback(Callback):
                  "verified": plan["limit"], "to": held.step if held else None, "persistent": plan["persistent"],
                  "golden": plan["golden"], "ambiguous": plan.get("ambiguous"), "reason": plan["reason"]}  # fmt: skip
         self.incidents.append(event)
-        if trainer.dist.is_main:
-            trainer.files.log_event("sdc", **event)
+        if ctx.dist.is_main:
+            ctx.files.log_event("sdc", **event)
         back = f"rolled back to step {held.step}" if held else "no verified state in memory to roll back to"
-        trainer.say(f"sdc: step {plan['step']}: {who}: {what}; {back}")
+        ctx.say(f"sdc: step {plan['step']}: {who}: {what}; {back}")
         if plan["persistent"]:
             rank = named[0]
             raise DeviceFault(
@@ -169,10 +166,10 @@ class SdcCallback(Callback):
     def _replay_step(self, n: int) -> bool:
         return bool(self.cfg.replay_every) and n % self.cfg.replay_every == 0
 
-    def _fingerprints(self, trainer: Trainer, step: int) -> dict[str, Any] | None:
+    def _fingerprints(self, ctx: TrainContext, step: int) -> dict[str, Any] | None:
         """Every rank's fingerprints in one collective over all ranks (so that every rank reaches the same
         verdict), compared within each group of replicas."""
-        rows = [tuple(r.tolist()) for r in gather_rows(fingerprint(trainer.model))]
+        rows = [tuple(r.tolist()) for r in gather_rows(fingerprint(ctx.module.model))]
         odd, disagree, tensors = [], [], set()
         for group in self.replica_groups:
             keys = [rows[r] for r in group]
@@ -197,11 +194,11 @@ class SdcCallback(Callback):
         return {"check": "fingerprint", "suspects": odd, "disagree": disagree,
                 "detail": f"weight fingerprints after step {step}: " + "; ".join(said)}  # fmt: skip
 
-    def _cross_check(self, trainer: Trainer, n: int, grad_norm: float) -> list[dict[str, Any]]:
+    def _cross_check(self, ctx: TrainContext, n: int, grad_norm: float) -> list[dict[str, Any]]:
         """The gradient norm and, under DDP, the all-reduce's sums, of every rank: one collective."""
-        audit = trainer.module.allreduce_audit
+        audit = ctx.module.allreduce_audit
         sums = audit.sums() if audit is not None else None
-        values = [torch.tensor([float(grad_norm)], dtype=torch.float64, device=trainer.device)]
+        values = [torch.tensor([float(grad_norm)], dtype=torch.float64, device=ctx.device)]
         if sums is not None:
             values.append(sums.reshape(-1))
         rows = gather_rows(torch.cat(values), None)
@@ -243,17 +240,17 @@ class SdcCallback(Callback):
             detail += "; every rank sent what backward gave it: corrupted on the way"
         return [{"check": "allreduce", "suspects": senders, "detail": detail}]
 
-    def _replay(self, trainer: Trainer, n: int, loss: torch.Tensor) -> list[dict[str, Any]]:
+    def _replay(self, ctx: TrainContext, n: int, loss: torch.Tensor) -> list[dict[str, Any]]:
         """Data-parallel rank d recomputes the loss of rank d+1's batch of this step and compares it with the
         loss rank d+1 reported; the rank common to every mismatching pair is the suspect."""
-        loader, size = trainer.loader, trainer.dp_size
-        neighbour = (trainer.dp_rank + 1) % size
-        batches = loader.batch_at(loader.step - 1, trainer.micro_batch, dp_rank=neighbour)
-        replayed = trainer.module.replay_loss(batches, n)
-        row = torch.stack([torch.tensor(float(trainer.dp_rank), dtype=torch.float64, device=trainer.device),
+        loader, size = ctx.loader, ctx.dp_size
+        neighbour = (ctx.dp_rank + 1) % size
+        batches = loader.batch_at(loader.step - 1, ctx.micro_batch, dp_rank=neighbour)
+        replayed = ctx.module.replay_loss(batches, n)
+        row = torch.stack([torch.tensor(float(ctx.dp_rank), dtype=torch.float64, device=ctx.device),
                            loss.detach().double().reshape(()), replayed.double().reshape(())])  # fmt: skip
         rows = [r.tolist() for r in gather_rows(row, None)]
-        tolerance = self.cfg.replay_tolerance or REPLAY_TOLERANCE.get(trainer.dtype, 1e-5)
+        tolerance = self.cfg.replay_tolerance or REPLAY_TOLERANCE.get(ctx.dtype, 1e-5)
         claimed = {int(d): value for d, value, _ in rows}  # tensor-parallel peers report the same loss
         pairs, lines = [], []
         for rank, (d, _, again) in enumerate(rows):
@@ -275,10 +272,10 @@ class SdcCallback(Callback):
         return [finding]
 
     # -- an incident --------------------------------------------------------------------------------------------
-    def _incident(self, trainer: Trainer, n: int, findings: list[dict[str, Any]], limit: int) -> None:
+    def _incident(self, ctx: TrainContext, n: int, findings: list[dict[str, Any]], limit: int) -> None:
         """Name the rank (the golden test first: it tells a device that computes wrong), and plan the rollback
         to a verified state at or before `limit`, carried out at the end of the step."""
-        wrong, results = golden_suspects(trainer, n, self.cfg.golden_size)
+        wrong, results = golden_suspects(ctx, n, self.cfg.golden_size)
         checks = {f["check"] for f in findings}
         recurs = any(checks & set(i["checks"]) for i in self.incidents)  # a transient fault does not come back
         if wrong:
@@ -300,9 +297,8 @@ class SdcCallback(Callback):
                 plan["ambiguous"] = (f"ranks {', '.join(map(str, disagree[:-1]))} and {disagree[-1]} disagree;"
                                      " no majority, and every golden test passed")  # fmt: skip
         self.pending = plan
-        trainer.rolling_back = True
+        ctx.rollback.pending = True
 
 
-@register_callback("sdc", builtin=True)
 def _sdc(cfg: Config) -> Callback | None:
     return SdcCallback(cfg.health, cfg.guard.ring_every if cfg.guard.enabled else 0) if cfg.health.sdc else None

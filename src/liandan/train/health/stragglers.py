@@ -26,11 +26,11 @@ import torch
 from liandan.config import Config, HealthSection
 from liandan.run import append_jsonl
 from liandan.spec.layout import uses_fsdp
-from liandan.train.callbacks import Callback, register_callback
-from liandan.train.health.ranks import gather_rows, hosts
+from liandan.train.callbacks import Callback
+from liandan.train.health.ranks import gather_rows
 
 if TYPE_CHECKING:
-    from liandan.train.trainer import Trainer
+    from liandan.train.context import TrainContext
 
 TIMED = ("data", "forward", "backward", "optimizer", "collective")
 NAMES = {"data": "data", "forward": "compute", "backward": "backward and gradient sync",
@@ -49,46 +49,46 @@ class StragglerCallback(Callback):
         self.current: tuple[str, float] | None = None
         self.streaks: dict[tuple[int, str], int] = {}
 
-    def on_train_start(self, trainer: Trainer) -> None:
-        self.hosts = hosts(trainer)
+    def on_train_start(self, ctx: TrainContext) -> None:
+        self.hosts = ctx.rank_hosts()
         # FSDP's all-gathers and tensor parallelism's collectives sit inside forward: peers wait there too.
-        if uses_fsdp(trainer.layout) or trainer.layout.tp > 1:
+        if uses_fsdp(ctx.layout) or ctx.layout.tp > 1:
             self.judged = ("data",)
-            trainer.say(f"stragglers: layout {trainer.layout} has collectives inside forward: only data loading "
+            ctx.say(f"stragglers: layout {ctx.layout} has collectives inside forward: only data loading "
                         "is compared across ranks")  # fmt: skip
 
-    def on_phase(self, trainer: Trainer, step: int, phase: str, micro: int) -> None:
+    def on_phase(self, ctx: TrainContext, step: int, phase: str, micro: int) -> None:
         now = time.perf_counter()
         if self.current is not None and self.current[0] in self.seconds:
             self.seconds[self.current[0]] += now - self.current[1]
         self.current = (phase, now)
 
-    def after_step(self, trainer: Trainer, step: int, metrics: dict[str, float]) -> None:
+    def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
         if self.current is not None and self.current[0] in self.seconds:  # the update ends with the step
-            self.on_phase(trainer, step, "step_end", 0)
+            self.on_phase(ctx, step, "step_end", 0)
         self.current = None
         self.steps += 1
-        if step % self.cfg.straggler_every or trainer.rolling_back:
+        if step % self.cfg.straggler_every or ctx.rollback.pending:
             return
         mine = [self.seconds[p] / self.steps for p in TIMED]
         self.seconds, self.steps = dict.fromkeys(TIMED, 0.0), 0
-        if trainer.dist.distributed:
-            rows = [r.tolist() for r in gather_rows(torch.tensor(mine, dtype=torch.float64, device=trainer.device))]
+        if ctx.dist.distributed:
+            rows = [r.tolist() for r in gather_rows(torch.tensor(mine, dtype=torch.float64, device=ctx.device))]
         else:
             rows = [mine]
-        if trainer.dist.is_main:
-            self._record(trainer, step, rows)
-        if trainer.dist.distributed:
-            self._judge(trainer, step, rows)
+        if ctx.dist.is_main:
+            self._record(ctx, step, rows)
+        if ctx.dist.distributed:
+            self._judge(ctx, step, rows)
 
-    def _record(self, trainer: Trainer, step: int, rows: list[list[float]]) -> None:
+    def _record(self, ctx: TrainContext, step: int, rows: list[list[float]]) -> None:
         """The window's times of every rank, for the dashboard's heat map: one short line per window."""
         record = {"step": step, "time": round(time.time(), 3), "window_steps": self.cfg.straggler_every,
                   "phases": list(TIMED), "hosts": self.hosts,
                   "seconds": [[round(v, 6) for v in row] for row in rows]}  # fmt: skip
-        append_jsonl(trainer.room.rank_times, record)
+        append_jsonl(ctx.room.rank_times, record)
 
-    def _judge(self, trainer: Trainer, step: int, rows: list[list[float]]) -> None:
+    def _judge(self, ctx: TrainContext, step: int, rows: list[list[float]]) -> None:
         c = self.cfg
         for phase in self.judged:
             column = TIMED.index(phase)
@@ -99,22 +99,21 @@ class StragglerCallback(Callback):
                 key = (rank, phase)
                 self.streaks[key] = self.streaks.get(key, 0) + 1 if over else 0
                 if self.streaks[key] == c.straggler_windows:
-                    self._report(trainer, step, rank, phase, mine, others, row)
+                    self._report(ctx, step, rank, phase, mine, others, row)
 
-    def _report(self, trainer: Trainer, step: int, rank: int, phase: str, mine: float, median: float,
+    def _report(self, ctx: TrainContext, step: int, rank: int, phase: str, mine: float, median: float,
                 row: list[float]) -> None:  # fmt: skip
         event = {"step": step, "rank": rank, "host": self.hosts[rank], "phase": NAMES[phase],
                  "seconds": round(mine, 6), "median_seconds": round(median, 6),
                  "ratio": round(mine / median, 2) if median > 0 else None, "windows": self.cfg.straggler_windows,
                  "window_steps": self.cfg.straggler_every,
                  "phases": {NAMES[p]: round(v, 6) for p, v in zip(TIMED, row, strict=True)}}  # fmt: skip
-        if trainer.dist.is_main:
-            trainer.files.log_event("straggler", **event)
+        if ctx.dist.is_main:
+            ctx.files.log_event("straggler", **event)
         times = f"{1000 * mine:.1f} ms per step against the others' median {1000 * median:.1f} ms"
-        trainer.say(f"stragglers: rank {rank} on {self.hosts[rank]} is slow in {NAMES[phase]}: {times}, "
+        ctx.say(f"stragglers: rank {rank} on {self.hosts[rank]} is slow in {NAMES[phase]}: {times}, "
                     f"{self.cfg.straggler_windows} windows of {self.cfg.straggler_every} steps in a row")  # fmt: skip
 
 
-@register_callback("stragglers", builtin=True)
 def _stragglers(cfg: Config) -> Callback | None:
     return StragglerCallback(cfg.health) if cfg.health.stragglers else None

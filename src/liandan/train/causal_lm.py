@@ -1,6 +1,7 @@
-"""The train module: what one step does to the model. It builds the model from its family's spec, applies
-parallelism from outside, and owns forward and backward over the micro-batches, clipping, and the optimizer
-and scheduler steps. The trainer's loop calls it; nothing here knows about runs, files or callbacks."""
+"""Dense causal-LM pretraining as a train module (`train_module.TrainModule`): one model built from its
+family's spec, parallelism applied from outside, forward and backward over packed micro-batches of next-token
+prediction, and the optimizers `[optim]` names. The trainer's loop calls it; nothing here knows about runs,
+files or callbacks."""
 
 from __future__ import annotations
 
@@ -21,10 +22,9 @@ from liandan.train.fp8 import Fp8, dims_refusal, fp8_param_count, fp8_refusal
 from liandan.train.hardware import PeakMemory
 from liandan.train.health.allreduce import AllReduceAudit
 from liandan.train.meta_init import build_on_meta, materialize, plan_init
-from liandan.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from liandan.train.optimizers import build_optimizers, schedule
 from liandan.train.parallelize import gradient_sync, parallelize, reshard
-
-PhaseHook = Callable[..., None]  # (phase, micro=0): where a step has got to, for heartbeats
+from liandan.train.train_module import PhaseHook, TrainModule
 
 
 def model_args(cfg: Config, tokenizer_vocab: int) -> Any:
@@ -36,7 +36,7 @@ def model_args(cfg: Config, tokenizer_vocab: int) -> Any:
     return get_model_spec(m.family).args_from_config(m, vocab)
 
 
-class TrainModule:
+class CausalLMTrainModule(TrainModule):
     def __init__(
         self,
         cfg: Config,
@@ -92,7 +92,7 @@ class TrainModule:
         # fault strikes there; elsewhere DDP keeps its own, with no Python on the path of every bucket.
         audited = cfg.health.sdc or planned_at("allreduce")
         self.allreduce_audit = AllReduceAudit() if audited and not fsdp and layout.dp_replicate > 1 else None
-        self.model = parallelize(
+        model = parallelize(
             model,
             mesh,
             layout,
@@ -109,9 +109,9 @@ class TrainModule:
         self.init_peak.stop()
         # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
         self.autocast = dtype != torch.float32 and not fsdp
-        self.optimizer = build_optimizer(self.model, cfg.optim, device, mixed_tensor_kinds=layout.tp > 1)
-        self.scheduler = build_scheduler(self.optimizer, t.steps, cfg.schedule)
-        self.lr_scale = 1.0  # on top of the schedule; the loss-spike guard lowers it after a rollback
+        self.model_parts = [model]
+        self.optimizers = build_optimizers(self.model_parts, cfg.optim, schedule(t.steps, cfg.schedule), device,
+                                           mixed_tensor_kinds=layout.tp > 1)  # fmt: skip
         self.params = self.spec.count_params(self.args)
         self.flops_per_token = self.spec.flops_per_token(self.args, t.seq_len)
         self.fp8_share = min(1.0, 6.0 * self.fp8_params / self.flops_per_token)  # of the FLOPs, run in fp8
@@ -125,11 +125,7 @@ class TrainModule:
             raise ConfigError(refusal)
         return Fp8(t.fp8, list(t.fp8_skip), t.fp8_emulate)
 
-    @property
-    def lr(self) -> float:
-        return self.scheduler.get_last_lr()[0] * self.lr_scale
-
-    def forward_backward(self, batches: list[Batch], phase: PhaseHook, step: int = 0) -> torch.Tensor:
+    def train_batch(self, batches: list[Batch], phase: PhaseHook, step: int = 0) -> torch.Tensor:
         """Forward and backward over the micro-batches of step `step` (counted from 1); returns the step's mean
         loss (detached). Gradients are synchronised on the last micro-batch only."""
         total = torch.zeros((), device=self.device)
@@ -153,7 +149,7 @@ class TrainModule:
 
     @torch.no_grad()
     def replay_loss(self, batches: list[Batch], step: int) -> torch.Tensor:
-        """The mean loss `forward_backward` would give on `batches` at step `step`, by forward passes alone and
+        """The mean loss `train_batch` would give on `batches` at step `step`, by forward passes alone and
         in the same arithmetic (a replay, for comparison with what another rank computed); gradients and
         weights are left as they are."""
         total = torch.zeros((), device=self.device)
@@ -165,29 +161,8 @@ class TrainModule:
         reshard(self.model)
         return total
 
-    def clip_gradients(self) -> float:
-        return clip_grad_norm(self.model.parameters(), self.cfg.optim.grad_clip or float("inf"))
-
-    def optimizer_step(self, factor: float = 1.0) -> None:
-        """The update at the scheduled learning rate times `lr_scale` (and `factor`, for this step only)."""
-        for group, scheduled in zip(self.optimizer.param_groups, self.scheduler.get_last_lr(), strict=True):
-            lr = scheduled * self.lr_scale * factor
-            if isinstance(group["lr"], torch.Tensor):
-                group["lr"].fill_(lr)
-            else:
-                group["lr"] = lr
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def skip_step(self) -> None:
-        """Throw this step's gradients away; the schedule moves on as if the update had been made, so the
-        learning rate of every later step stays what the config says."""
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
     @torch.no_grad()
-    def loss_over(self, batches: list[Batch]) -> torch.Tensor:
+    def eval_batch(self, batches: list[Batch]) -> torch.Tensor:
         """Mean loss over `batches` in eval mode (this rank's; the caller averages over ranks)."""
         self.model.eval()
         total = torch.zeros((), device=self.device)
