@@ -50,7 +50,7 @@ def test_only_the_pipeline_steps_the_sweep_and_the_lm_eval_bridge_need_an_extra_
     done = subprocess.run([sys.executable, "-c", code], env=without_extras, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(done.stdout.split("\n")[:-1]) == [
-        "liandan.data.normalize ftfy",  # a step of `liandan data run`: [data]
+        "liandan.data.steps.normalize ftfy",  # a step of `liandan data run`: [data]
         "liandan.evaluate.lm_eval_bridge lm_eval.api",  # [eval]
         "liandan.plan.pruner optuna",  # [sweep]
         "liandan.plan.sweep optuna",

@@ -30,8 +30,8 @@ from liandan.checkpoint.resume import can_resume, choose_resume
 from liandan.checkpoint.streaming import is_weight_source, load_weights
 from liandan.checkpoint.verify import step_of
 from liandan.config import Config, ConfigError
-from liandan.data.loader import PackedLoader
-from liandan.data.prepare import open_prepared, open_stores, prepare_store
+from liandan.data.pipeline.prepare import open_prepared, open_stores, prepare_store
+from liandan.data.tokens.loader import PackedLoader
 from liandan.faults import corrupt_gradients, flip_parameter_bit, learning_rate_burst, maybe_inject
 from liandan.run import META, RunDir, RunLock, holds_progress, lock_run_dir, naming
 from liandan.run.remote import locate
