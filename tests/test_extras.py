@@ -72,7 +72,7 @@ def test_a_command_that_needs_an_extra_says_which(without_extras, tmp_path):
     )
     done = run_liandan("data", "run", toml, env=without_extras)
     assert done.returncode == 2 and done.stdout == "", done.stderr
-    assert done.stderr == "liandan: error: liandan data needs the [data] extra: pip install 'liandan[data]'\n"
+    assert done.stderr == "liandan: error: data_step 'normalize' needs the [data] extra: pip install 'liandan[data]'\n"
     done = run_liandan("lm-eval", tmp_path, "--tasks", "hellaswag", env=without_extras)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == "liandan: error: liandan lm-eval needs the [eval] extra: pip install 'liandan[eval]'\n"
