@@ -272,8 +272,9 @@ def test_a_partial_download_is_resumed_and_a_corrupt_one_fetched_again(published
 def test_a_killed_downloader_leaves_a_partial_file_the_next_one_resumes(published, s3, tmp_path):
     """A real process, SIGKILLed after the third chunk of a shard's download; the next fetch continues it."""
     url, cache = published[1]["published"]["stores"]["docs"], tmp_path / "cache"
-    script = ("import sys; from pathlib import Path; from liandan.data.documents import storage; storage.CHUNK_BYTES = 4096;"
-              " from liandan.data.tokens.cache import fetch_store; fetch_store(sys.argv[1], Path(sys.argv[2]))")  # fmt: skip
+    script = ("import sys; from pathlib import Path; from liandan.data.documents import storage;"
+              " from liandan.data.tokens.cache import fetch_store; storage.CHUNK_BYTES = 4096;"
+              " fetch_store(sys.argv[1], Path(sys.argv[2]))")  # fmt: skip
     env = environment_without(**s3, LIANDAN_FAULTS="kill@fetch:2")
     command = [sys.executable, "-c", script, url, str(cache)]
     done = subprocess.run(command, env=env, capture_output=True, timeout=120, check=False)
