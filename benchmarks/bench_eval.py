@@ -50,7 +50,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from liandan.checkpoint.hf import export_hf
-from liandan.data.tokenizer import train_bpe
+from liandan.data.tokens.tokenizer import train_bpe
 from liandan.evaluate import scoring
 from liandan.model import ModelArgs, Transformer, count_params
 

@@ -14,7 +14,7 @@ Each corpus is split into tasks of 5,000 documents as the pipeline would: per ta
 from the shards (`ShardTexts`). The previous default (no verification, 11 bands of 10 rows) runs too, for
 comparison.
 
-Ground truth (`liandan.data.dedup_eval`): every pair with Jaccard >= 0.8 of liandan's shingle sets, by
+Ground truth (`liandan.data.dedup.dedup_eval`): every pair with Jaccard >= 0.8 of liandan's shingle sets, by
 prefix filtering (exact by the prefix-filter lemma), checked against a brute-force sparse product that counts
 the common shingles of every pair sharing at least one shingle; the script stops if the two differ. Scores
 are document-level, see `score_removals`.
@@ -40,7 +40,7 @@ def write_tasks(texts: list[str], work: Path) -> tuple[list[Path], list[Path], l
     import numpy as np
     import zstandard
 
-    from liandan.data.dedup import MinHasher, NearDedupParams, exact_hashes
+    from liandan.data.dedup.dedup import MinHasher, NearDedupParams, exact_hashes
 
     hasher = MinHasher(NearDedupParams())
     exact, sigs, shards, counts = [], [], [], []
@@ -60,8 +60,8 @@ def write_tasks(texts: list[str], work: Path) -> tuple[list[Path], list[Path], l
 def measure(name: str, texts: list[str]) -> dict:
     import numpy as np
 
-    from liandan.data.dedup import NearDedupParams, ShardTexts, find_duplicates
-    from liandan.data.dedup_eval import all_shingle_sets, overlapping_pairs, score_removals, similar_pairs
+    from liandan.data.dedup.dedup import NearDedupParams, ShardTexts, find_duplicates
+    from liandan.data.dedup.dedup_eval import all_shingle_sets, overlapping_pairs, score_removals, similar_pairs
 
     start = time.perf_counter()
     sets = all_shingle_sets(texts)

@@ -16,7 +16,7 @@ shards). Every method removes, in each of its clusters, all but the document tha
 
 Ground truth (`score`): every pair with Jaccard >= 0.8 of liandan's shingle sets, by prefix filtering in hash
 order (exact by the prefix-filter lemma, for any fixed global order of the shingles); scores as
-`liandan.data.dedup_eval.score_removals`, each method on the documents it was given.
+`liandan.data.dedup.dedup_eval.score_removals`, each method on the documents it was given.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def shards(corpus: Path, limit: int | None) -> list[Path]:
 
 
 def read_texts(path: Path) -> list[dict]:
-    from liandan.data.pipeline import read_jsonl_zst
+    from liandan.data.pipeline.pipeline import read_jsonl_zst
 
     return list(read_jsonl_zst(path))
 
@@ -77,7 +77,7 @@ def remove_all_but_first(cluster_of: np.ndarray) -> np.ndarray:
 
 # -- liandan ------------------------------------------------------------------------------------------------------
 def liandan_phase1(shard: str, out: str) -> int:
-    from liandan.data.dedup import MinHasher, NearDedupParams, exact_hashes
+    from liandan.data.dedup.dedup import MinHasher, NearDedupParams, exact_hashes
 
     texts = [r["text"] for r in read_texts(Path(shard))]
     stem = Path(out) / Path(shard).name.split(".")[0]
@@ -87,8 +87,8 @@ def liandan_phase1(shard: str, out: str) -> int:
 
 
 def run_liandan(corpus: Path, out: Path, limit: int | None, workers: int) -> None:
-    from liandan.data.dedup import NearDedupParams, ShardTexts, find_duplicates
-    from liandan.data.executor import LocalExecutor
+    from liandan.data.dedup.dedup import NearDedupParams, ShardTexts, find_duplicates
+    from liandan.data.pipeline.executor import LocalExecutor
 
     files = shards(corpus, limit)
     work = out / "work"
@@ -120,7 +120,7 @@ def run_datasketch(corpus: Path, out: Path, limit: int | None) -> None:
     from datasketch import MinHash, MinHashLSH
     from near_dedup import clusters_from_pairs
 
-    from liandan.data.text import normalize_for_matching, words
+    from liandan.data.documents.text import normalize_for_matching, words
 
     records = [r for f in shards(corpus, limit) for r in read_texts(f)]
     start = time.perf_counter()
@@ -218,8 +218,8 @@ def run_datatrove(corpus: Path, out: Path, limit: int | None, workers: int) -> N
 def exact_pairs(sets: list[np.ndarray], threshold: float) -> np.ndarray:
     """Every pair with Jaccard >= threshold: prefix filtering with the shingles in hash order (each set is
     sorted by hash, so its prefix is its first |A| - ceil(t|A|) + 1 values)."""
-    from liandan.data.dedup_bands import bucket_pairs
-    from liandan.data.minhash import jaccard
+    from liandan.data.dedup.dedup_bands import bucket_pairs
+    from liandan.data.dedup.minhash import jaccard
 
     sizes = np.array([len(s) for s in sets], np.int64)
     keep = np.where(sizes > 0, sizes - np.ceil(threshold * sizes - 1e-9).astype(np.int64) + 1, 0)
@@ -235,7 +235,7 @@ def exact_pairs(sets: list[np.ndarray], threshold: float) -> np.ndarray:
 
 
 def score(corpus: Path, outputs: list[Path]) -> None:
-    from liandan.data.dedup_eval import all_shingle_sets, score_removals
+    from liandan.data.dedup.dedup_eval import all_shingle_sets, score_removals
 
     results = [json.loads((o / "result.json").read_text()) for o in outputs]
     n = max(r["documents"] for r in results)

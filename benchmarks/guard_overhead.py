@@ -193,7 +193,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     from liandan.config import load_config
-    from liandan.data.prepare import prepare_store
+    from liandan.data.pipeline.prepare import prepare_store
 
     record = {"load_before": os.getloadavg(), "threads": os.environ.get("OMP_NUM_THREADS")}
     with tempfile.TemporaryDirectory() as tmp:

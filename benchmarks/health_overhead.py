@@ -129,7 +129,7 @@ def main() -> None:
         worker(args)
         return
     from liandan.config import load_config
-    from liandan.data.prepare import prepare_store
+    from liandan.data.pipeline.prepare import prepare_store
 
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:

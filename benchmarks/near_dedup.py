@@ -100,9 +100,9 @@ def _edit(text: str, language: str, rng) -> str:
 
 def ground_truth(texts: list[str], threshold: float):
     """All pairs (i, j, J) with J >= threshold of liandan's shingle sets, exactly (prefix filtering, as
-    `liandan.data.dedup_eval.similar_pairs` does it)."""
-    from liandan.data.dedup_eval import all_shingle_sets, similar_pairs
-    from liandan.data.minhash import jaccard
+    `liandan.data.dedup.dedup_eval.similar_pairs` does it)."""
+    from liandan.data.dedup.dedup_eval import all_shingle_sets, similar_pairs
+    from liandan.data.dedup.minhash import jaccard
 
     sets = all_shingle_sets(texts)
     return [(a, b, jaccard(sets[a], sets[b])) for a, b in similar_pairs(sets, threshold).tolist()]
@@ -146,7 +146,8 @@ def clusters_from_pairs(n: int, a, b):
 # -- the methods --------------------------------------------------------------------------------------------------
 def _forget_text_tables() -> None:
     """Drop the per-process lookup tables of liandan's text units (built on first use, under a second)."""
-    from liandan.data import minhash, text
+    from liandan.data.dedup import minhash
+    from liandan.data.documents import text
 
     minhash._code_point_tables.cache_clear()
     text._punctuation_table.cache_clear()
@@ -155,7 +156,7 @@ def _forget_text_tables() -> None:
 def run_liandan(texts: list[str], bands_rows: tuple[int, int] | None, work: Path) -> tuple[float, object]:
     import numpy as np
 
-    from liandan.data.dedup import MinHasher, NearDedupParams, exact_hashes, find_duplicates
+    from liandan.data.dedup.dedup import MinHasher, NearDedupParams, exact_hashes, find_duplicates
 
     bands, rows = bands_rows or (0, 0)
     params = NearDedupParams(threshold=THRESHOLD, num_perm=112, bands=bands, rows=rows)
@@ -177,7 +178,7 @@ def run_datasketch(texts: list[str], configs: dict[str, dict]) -> dict[str, tupl
     import numpy as np
     from datasketch import MinHash, MinHashLSH
 
-    from liandan.data.text import normalize_for_matching, words
+    from liandan.data.documents.text import normalize_for_matching, words
 
     _forget_text_tables()
     start = time.perf_counter()
@@ -350,7 +351,7 @@ def main() -> None:
         print(f"round {round_number + 1}: " + ", ".join(f"{k} {v[0]:.2f} s" for k, v in timed.items()))
     rows = {name: (statistics.median(seconds[name]), clusters[name]) for name in seconds}
 
-    from liandan.data.minhash import NearDedupParams
+    from liandan.data.dedup.minhash import NearDedupParams
 
     own = NearDedupParams(threshold=THRESHOLD).bands_rows
     print(f"\nliandan's own bands for 0.8 (verified): {own}; datasketch's: MinHashLSH(threshold=0.8)")

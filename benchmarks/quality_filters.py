@@ -68,8 +68,8 @@ def chinese_documents() -> list[tuple[str, str]]:
 
 # -- the two libraries behind one signature: text -> drop reason or None -------------------------------------------
 def liandan_filter(name: str) -> Callable[[str], str | None]:
-    from liandan.data.corpus import Document
-    from liandan.data.quality import C4Quality, GopherQuality, GopherRepetition
+    from liandan.data.documents.corpus import Document
+    from liandan.data.steps.quality import C4Quality, GopherQuality, GopherRepetition
 
     step = {"gopher_quality": GopherQuality, "c4_quality": C4Quality, "gopher_repetition": GopherRepetition}[name]()
     return lambda text: step.check(Document("bench", "", text))

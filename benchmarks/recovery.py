@@ -400,7 +400,7 @@ def main() -> int:
         base, settings = SCENARIOS[opts.scenario]
         data = [f'--data.paths=["{corpus}"]']
         if opts.scenario == "tiny":
-            from liandan.data.prepare import prepare_store
+            from liandan.data.pipeline.prepare import prepare_store
 
             prepare_store(load_config(base, data).data, work / "store", say=lambda m: None)
             data = [f'--data.stores=["{work / "store"}"]']

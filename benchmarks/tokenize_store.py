@@ -2,7 +2,7 @@
 
 The text is the shared corpora (English Wikipedia articles, Chinese classics, Shakespeare in ~4 KB pieces), or
 the Python documentation corpus where those are absent, and the tokenizer a byte-level BPE trained on it with
-`liandan.data.tokenizer.train_bpe`. Single process; the Hugging Face tokenizer uses its own thread pool in
+`liandan.data.tokens.tokenizer.train_bpe`. Single process; the Hugging Face tokenizer uses its own thread pool in
 every method alike.
 
     python benchmarks/tokenize_store.py                     # vocabulary 8192, 5 rounds
@@ -14,7 +14,7 @@ Methods, on the same documents in batches of 256:
 * encode_batch + ids: the same, plus `[e.ids for e in encodings]`, the least that yields the token ids.
 * encode_batch_fast + ids: `encode_batch_fast` (tokenizers >= 0.21: no character offsets), plus the ids: the
   fastest way to token ids that `tokenizers` offers, and what liandan's tokenizer calls.
-* write_shard: `liandan.data.store.write_shard` into a fresh directory: tokenize, convert to uint16, write the
+* write_shard: `liandan.data.tokens.store.write_shard` into a fresh directory: tokenize, convert to uint16, write the
   tokens, the document index and the provenance file, rename into place and checksum both files.
 
 The methods run in interleaved rounds, so load from other processes is shared rather than landing on one

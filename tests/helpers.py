@@ -269,7 +269,7 @@ def dedup_phase_one(directory: Path, tasks: list[list[str]], params) -> tuple[li
     them: what `find_duplicates` reads."""
     import numpy as np
 
-    from liandan.data.dedup import MinHasher, exact_hashes
+    from liandan.data.dedup.dedup import MinHasher, exact_hashes
 
     hasher = MinHasher(params)
     exact, signatures = [], []

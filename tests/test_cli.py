@@ -194,7 +194,7 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
 
 def test_demo_takes_a_directory_of_data_files(tmp_path):
     from liandan.cli.demo import prepare_data
-    from liandan.data.layout import PipelineLayout
+    from liandan.data.pipeline.layout import PipelineLayout
 
     data = tmp_path / "my-text"
     (data / "drafts").mkdir(parents=True)

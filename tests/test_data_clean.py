@@ -12,13 +12,13 @@ import zstandard
 
 from helpers import SHARED_DATA
 from liandan.config import ConfigError
-from liandan.data.corpus import DataError, Document, ReadStats
-from liandan.data.langid import Language
-from liandan.data.normalize import Normalize
-from liandan.data.quality import C4Quality, FineWebQuality, GopherQuality, GopherRepetition
-from liandan.data.readers import SUPPORTED_SUFFIXES, read_file
-from liandan.data.steps import build_step
-from liandan.data.text import words
+from liandan.data.documents.corpus import DataError, Document, ReadStats
+from liandan.data.documents.readers import SUPPORTED_SUFFIXES, read_file
+from liandan.data.documents.text import words
+from liandan.data.steps.base import build_step
+from liandan.data.steps.langid import Language
+from liandan.data.steps.normalize import Normalize
+from liandan.data.steps.quality import C4Quality, FineWebQuality, GopherQuality, GopherRepetition
 
 CORPUS = SHARED_DATA / "corpus"
 

@@ -7,11 +7,11 @@ import pytest
 
 from helpers import SHARED_DATA
 from liandan.config import ConfigError
-from liandan.data.badwords import BadWords, shipped_lists
-from liandan.data.corpus import Document
-from liandan.data.pii import RedactPII
-from liandan.data.pipeline_config import load_pipeline
-from liandan.data.steps import build_step
+from liandan.data.documents.corpus import Document
+from liandan.data.pipeline.pipeline_config import load_pipeline
+from liandan.data.steps.badwords import BadWords, shipped_lists
+from liandan.data.steps.base import build_step
+from liandan.data.steps.pii import RedactPII
 
 CORPUS = SHARED_DATA / "corpus"
 

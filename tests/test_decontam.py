@@ -10,9 +10,9 @@ import pytest
 
 from helpers import SHARED_DATA
 from liandan.config import ConfigError
-from liandan.data.corpus import DataError, Document
-from liandan.data.decontam import Decontaminate
-from liandan.data.steps import build_step
+from liandan.data.documents.corpus import DataError, Document
+from liandan.data.steps.base import build_step
+from liandan.data.steps.decontam import Decontaminate
 
 GSM8K = SHARED_DATA / "eval" / "gsm8k-test.jsonl"
 CORPUS = SHARED_DATA / "corpus"

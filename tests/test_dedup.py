@@ -15,12 +15,12 @@ from scipy.integrate import quad
 
 from helpers import SHARED_DATA, dedup_phase_one
 from liandan.config import ConfigError
-from liandan.data import dedup as dedup_module
-from liandan.data import dedup_bands
-from liandan.data.corpus import DataError
-from liandan.data.dedup import MinHasher, NearDedupParams, exact_hashes, find_duplicates
-from liandan.data.minhash import EMPTY, candidate_probability, jaccard, optimal_bands, word_hashes
-from liandan.data.text import normalize_for_matching, words
+from liandan.data.dedup import dedup as dedup_module
+from liandan.data.dedup import dedup_bands
+from liandan.data.dedup.dedup import MinHasher, NearDedupParams, exact_hashes, find_duplicates
+from liandan.data.dedup.minhash import EMPTY, candidate_probability, jaccard, optimal_bands, word_hashes
+from liandan.data.documents.corpus import DataError
+from liandan.data.documents.text import normalize_for_matching, words
 
 CORPUS = SHARED_DATA / "corpus"
 
@@ -142,7 +142,7 @@ def test_signatures_are_the_same_in_another_process(tmp_path):
     (tmp_path / "texts.json").write_text(json.dumps(texts))
     script = (
         "import json, sys, numpy as np\n"
-        "from liandan.data.dedup import MinHasher, NearDedupParams, exact_hashes\n"
+        "from liandan.data.dedup.dedup import MinHasher, NearDedupParams, exact_hashes\n"
         "texts = json.load(open(sys.argv[1]))\n"
         "np.save(sys.argv[2], MinHasher(NearDedupParams(seed=7)).signatures(texts))\n"
         "np.save(sys.argv[3], exact_hashes(texts))\n"

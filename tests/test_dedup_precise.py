@@ -12,10 +12,10 @@ import pytest
 import zstandard
 
 from helpers import dedup_phase_one
-from liandan.data.dedup import MinHasher, NearDedupParams, ShardTexts, exact_hashes, find_duplicates
-from liandan.data.dedup_eval import all_shingle_sets, overlapping_pairs, score_removals, similar_pairs
-from liandan.data.executor import LocalExecutor, RayExecutor
-from liandan.data.minhash import jaccard
+from liandan.data.dedup.dedup import MinHasher, NearDedupParams, ShardTexts, exact_hashes, find_duplicates
+from liandan.data.dedup.dedup_eval import all_shingle_sets, overlapping_pairs, score_removals, similar_pairs
+from liandan.data.dedup.minhash import jaccard
+from liandan.data.pipeline.executor import LocalExecutor, RayExecutor
 
 _LATIN = [f"w{i}" for i in range(3000)]
 _HAN = [chr(0x4E00 + i) for i in range(2500)]
@@ -197,8 +197,8 @@ def test_band_jobs_on_local_processes_and_ray_give_the_same_removals(corpus, one
 
 def test_dedup_workers_and_verification_are_pipeline_settings(tmp_path):
     from liandan.config import ConfigError
-    from liandan.data.pipeline import dedup_params
-    from liandan.data.pipeline_config import load_pipeline
+    from liandan.data.pipeline.pipeline import dedup_params
+    from liandan.data.pipeline.pipeline_config import load_pipeline
 
     toml = tmp_path / "pipeline.toml"
     toml.write_text('[[inputs]]\nname = "web"\npaths = ["web.jsonl"]\n\n[dedup]\nworkers = 4\n')

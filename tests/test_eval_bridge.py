@@ -148,7 +148,7 @@ def test_lm_eval_command_runs_a_local_task(run, tasks):
 def test_the_bridge_refuses_what_it_cannot_do():
     from lm_eval.api.instance import Instance
 
-    from liandan.data.tokenizer import ByteTokenizer
+    from liandan.data.tokens.tokenizer import ByteTokenizer
     from liandan.evaluate.lm_eval_bridge import LiandanLM
     from liandan.model import ModelArgs, Transformer
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from helpers import SHARED_DATA, read_run, run_liandan, tiny_config, write_corpus
 from liandan.config import ConfigError, DataSection
-from liandan.data.loader import PackedLoader
-from liandan.data.prepare import prepare_store
-from liandan.data.tokenizer import ByteTokenizer
+from liandan.data.pipeline.prepare import prepare_store
+from liandan.data.tokens.loader import PackedLoader
+from liandan.data.tokens.tokenizer import ByteTokenizer
 from liandan.evaluate.contamination import overlaps
 from liandan.evaluate.formats import BUILTIN_FORMATS
 from liandan.evaluate.heldout import heldout_losses

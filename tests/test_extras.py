@@ -50,7 +50,7 @@ def test_only_the_pipeline_steps_the_sweep_and_the_lm_eval_bridge_need_an_extra_
     done = subprocess.run([sys.executable, "-c", code], env=without_extras, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr[-2000:]
     assert sorted(done.stdout.split("\n")[:-1]) == [
-        "liandan.data.normalize ftfy",  # a step of `liandan data run`: [data]
+        "liandan.data.steps.normalize ftfy",  # a step of `liandan data run`: [data]
         "liandan.evaluate.lm_eval_bridge lm_eval.api",  # [eval]
         "liandan.plan.pruner optuna",  # [sweep]
         "liandan.plan.sweep optuna",
@@ -72,7 +72,7 @@ def test_a_command_that_needs_an_extra_says_which(without_extras, tmp_path):
     )
     done = run_liandan("data", "run", toml, env=without_extras)
     assert done.returncode == 2 and done.stdout == "", done.stderr
-    assert done.stderr == "liandan: error: liandan data needs the [data] extra: pip install 'liandan[data]'\n"
+    assert done.stderr == "liandan: error: data_step 'normalize' needs the [data] extra: pip install 'liandan[data]'\n"
     done = run_liandan("lm-eval", tmp_path, "--tasks", "hellaswag", env=without_extras)
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == "liandan: error: liandan lm-eval needs the [eval] extra: pip install 'liandan[eval]'\n"

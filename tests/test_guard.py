@@ -17,8 +17,8 @@ from helpers import faults_planned, liandan_here, read_run, run_liandan, tiny_co
 from liandan import faults
 from liandan.checkpoint.ring import StateRing, restore
 from liandan.config import load_config
-from liandan.data.loader import PackedLoader
-from liandan.data.prepare import prepare_store
+from liandan.data.pipeline.prepare import prepare_store
+from liandan.data.tokens.loader import PackedLoader
 from liandan.train import Trainer
 from liandan.train.guard.rules import Rule
 

@@ -139,7 +139,7 @@ def test_export_accepts_names_from_wrapped_blocks(tmp_path):
 def test_exported_tokenizer_loads_with_autotokenizer(tmp_path):
     from pydoc_data.topics import topics
 
-    from liandan.data.tokenizer import EOS, train_bpe
+    from liandan.data.tokens.tokenizer import EOS, train_bpe
 
     texts = [topics[name] for name in sorted(topics)[:12]]
     tok = train_bpe(texts, 400)

@@ -11,10 +11,11 @@ import pytest
 
 from helpers import SHARED_DATA, run_liandan
 from liandan.config import ConfigError
-from liandan.data.corpus import DataError, Document, read_documents
-from liandan.data.inspection import InspectionReport, Thresholds, inspect_sources
-from liandan.data.steps import StepStats
-from liandan.data.tokenizer import ByteTokenizer
+from liandan.data.documents.corpus import DataError, Document
+from liandan.data.documents.readers import read_documents
+from liandan.data.inspect.inspection import InspectionReport, Thresholds, inspect_sources
+from liandan.data.steps.base import StepStats
+from liandan.data.tokens.tokenizer import ByteTokenizer
 
 CORPUS = SHARED_DATA / "corpus"
 CLASS_KINDS = {"char_class", "char_class_vs_sources"}

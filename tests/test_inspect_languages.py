@@ -5,11 +5,11 @@ import json
 import pytest
 
 from helpers import run_liandan
-from liandan.data.corpus import Document
-from liandan.data.inspection import Thresholds, inspect_sources
-from liandan.data.langid import Language
-from liandan.data.pipeline import read_jsonl_zst, run_pipeline
-from liandan.data.pipeline_config import InputSpec, PipelineConfig, PipelineSection, expected_languages
+from liandan.data.documents.corpus import Document
+from liandan.data.inspect.inspection import Thresholds, inspect_sources
+from liandan.data.pipeline.pipeline import read_jsonl_zst, run_pipeline
+from liandan.data.pipeline.pipeline_config import InputSpec, PipelineConfig, PipelineSection, expected_languages
+from liandan.data.steps.langid import Language
 
 EN = (
     "The river town woke slowly in the grey light of the morning. Fishermen pulled their boats onto the shingle "

@@ -159,7 +159,7 @@ def test_export_hf_of_a_run_on_token_stores_includes_the_store_tokenizer(trained
 
     from liandan.config import load_config
     from liandan.data import HFTokenizer
-    from liandan.data.prepare import prepare_store
+    from liandan.data.pipeline.prepare import prepare_store
 
     config, _ = trained
     store = tmp_path / "store"

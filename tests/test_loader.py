@@ -16,8 +16,8 @@ from liandan.data import (
     write_manifest,
     write_shard,
 )
-from liandan.data.prepare import open_stores
-from liandan.data.store import HEADER_SIZE, ShardHeader
+from liandan.data.pipeline.prepare import open_stores
+from liandan.data.tokens.store import HEADER_SIZE, ShardHeader
 
 
 def _topics():

@@ -209,7 +209,7 @@ def test_planner_counts_the_logits_each_rank_holds():
 
 def test_train_module_takes_ce_chunks(tmp_path):
     """`train.ce_chunks` reaches the model through the train module: the same step loss and gradients."""
-    from liandan.data.loader import Batch
+    from liandan.data.tokens.loader import Batch
     from liandan.spec.layout import Layout
     from liandan.train.causal_lm import CausalLMTrainModule
 

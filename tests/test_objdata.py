@@ -14,14 +14,15 @@ import pytest
 import torch
 
 from helpers import MICRO_MODEL, S3_BUCKET, environment_without, faults_planned, read_metrics, run_liandan, tiny_config
-from liandan.data.corpus import DataError, ReadStats
-from liandan.data.loader import PackedLoader
-from liandan.data.pipeline import run_pipeline
-from liandan.data.pipeline_config import InputSpec, PipelineConfig, PipelineSection, expand_paths
-from liandan.data.prepare import open_stores
-from liandan.data.readers import read_file
-from liandan.data.storage import PENDING, fetch_store, publish
-from liandan.data.store import MANIFEST, TokenStore, verify_store
+from liandan.data.documents.corpus import DataError, ReadStats
+from liandan.data.documents.readers import read_file
+from liandan.data.pipeline.pipeline import run_pipeline
+from liandan.data.pipeline.pipeline_config import InputSpec, PipelineConfig, PipelineSection, expand_paths
+from liandan.data.pipeline.prepare import open_stores
+from liandan.data.pipeline.publish import PENDING, publish
+from liandan.data.tokens.cache import fetch_store
+from liandan.data.tokens.loader import PackedLoader
+from liandan.data.tokens.store import MANIFEST, TokenStore, verify_store
 from liandan.run.remote import locate
 
 pytest.importorskip("s3fs")
@@ -81,8 +82,8 @@ def test_inputs_stream_from_the_store_as_from_disk(s3, tmp_path):
 
 def test_a_run_config_and_a_pipeline_file_take_urls_as_they_are(s3, tmp_path):
     from liandan.config import DataSection
-    from liandan.data.pipeline_config import load_pipeline
-    from liandan.data.prepare import prepare_store
+    from liandan.data.pipeline.pipeline_config import load_pipeline
+    from liandan.data.pipeline.prepare import prepare_store
 
     files = _write_inputs(tmp_path)
     urls = _upload(files, f"{BUCKET}/run-inputs")
@@ -210,7 +211,7 @@ def test_a_store_published_to_a_directory_and_a_report_to_a_url(published, tmp_p
 
 
 def test_a_store_urls_tokenizer_is_fetched_alone(published, tmp_path):
-    from liandan.data.storage import store_tokenizer
+    from liandan.data.tokens.cache import store_tokenizer
 
     out, summary = published
     path = store_tokenizer(summary["published"]["stores"]["docs"], str(tmp_path / "cache"))
@@ -271,8 +272,9 @@ def test_a_partial_download_is_resumed_and_a_corrupt_one_fetched_again(published
 def test_a_killed_downloader_leaves_a_partial_file_the_next_one_resumes(published, s3, tmp_path):
     """A real process, SIGKILLed after the third chunk of a shard's download; the next fetch continues it."""
     url, cache = published[1]["published"]["stores"]["docs"], tmp_path / "cache"
-    script = ("import sys; from pathlib import Path; from liandan.data import storage; storage.CHUNK_BYTES = 4096;"
-              " storage.fetch_store(sys.argv[1], Path(sys.argv[2]))")  # fmt: skip
+    script = ("import sys; from pathlib import Path; from liandan.data.documents import storage;"
+              " from liandan.data.tokens.cache import fetch_store; storage.CHUNK_BYTES = 4096;"
+              " fetch_store(sys.argv[1], Path(sys.argv[2]))")  # fmt: skip
     env = environment_without(**s3, LIANDAN_FAULTS="kill@fetch:2")
     command = [sys.executable, "-c", script, url, str(cache)]
     done = subprocess.run(command, env=env, capture_output=True, timeout=120, check=False)

@@ -13,9 +13,9 @@ import pytest
 
 from helpers import run_liandan
 from liandan.config import ConfigError
-from liandan.data.corpus import DataError
-from liandan.data.pipeline import read_jsonl_zst, run_pipeline
-from liandan.data.pipeline_config import InputSpec, PipelineConfig, PipelineSection, load_pipeline
+from liandan.data.documents.corpus import DataError
+from liandan.data.pipeline.pipeline import read_jsonl_zst, run_pipeline
+from liandan.data.pipeline.pipeline_config import InputSpec, PipelineConfig, PipelineSection, load_pipeline
 
 PLANTED_COPIES = 6  # exact copies planted in the English input
 PLANTED_NEAR = 4  # near copies (a few words changed)
@@ -104,7 +104,7 @@ def test_every_stage_leaves_its_output(finished):
     for name in ("docs", "more"):
         assert (out / "stores" / name / "manifest.json").is_file()
     assert (out / "report" / "report.html").is_file()
-    from liandan.data.tokenizer import HFTokenizer
+    from liandan.data.tokens.tokenizer import HFTokenizer
 
     tokenizer = HFTokenizer.load(out / "tokenizer" / "tokenizer.json")
     assert tokenizer.vocab_size == 600
@@ -128,7 +128,7 @@ def test_malformed_records_are_rejected_with_reasons_not_lost(finished):
 
 
 def test_planted_duplicates_are_removed_and_nothing_else(finished):
-    from liandan.data.dedup import MinHasher, NearDedupParams
+    from liandan.data.dedup.dedup import MinHasher, NearDedupParams
 
     out, summary = finished
     docs = list(read_jsonl_zst(out / "clean" / "00000.jsonl.zst")) + list(
@@ -154,7 +154,7 @@ def test_planted_duplicates_are_removed_and_nothing_else(finished):
 
 
 def test_stores_feed_the_training_loader(finished):
-    from liandan.data.store import TokenStore
+    from liandan.data.tokens.store import TokenStore
 
     out, summary = finished
     store = TokenStore(out / "stores" / "docs", expect_tokenizer=summary["tokenizer"]["fingerprint"])
@@ -174,9 +174,9 @@ def test_stores_feed_the_training_loader(finished):
     ],
 )
 def test_resume_after_a_real_kill_redoes_nothing_finished(finished, tmp_path, fault, done_before):
-    from liandan.data.layout import PipelineLayout
-    from liandan.data.pipeline import pipeline_stages, plan_tasks
-    from liandan.data.stages import StageContext
+    from liandan.data.pipeline.layout import PipelineLayout
+    from liandan.data.pipeline.pipeline import pipeline_stages, plan_tasks
+    from liandan.data.pipeline.stages import StageContext
 
     reference, _ = finished
     toml = write_inputs(tmp_path)
@@ -229,7 +229,7 @@ def test_another_config_does_not_resume_into_old_output(finished, tmp_path):
 
 
 def test_pipeline_built_in_python(tmp_path):
-    from liandan.data.normalize import Normalize
+    from liandan.data.steps.normalize import Normalize
 
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for _, t in _topics()[:20]))
     cfg = PipelineConfig(
@@ -250,7 +250,7 @@ def test_pipeline_built_in_python(tmp_path):
         ('[[inputs]]\nname = "a"\npaths = ["missing.jsonl"]\n', "data file not found"),
         (
             '[[inputs]]\nname = "a"\npaths = ["x.jsonl"]\n[[steps]]\nname = "no_such_step"\n',
-            "unknown pipeline step 'no_such_step'",
+            "steps.name = 'no_such_step' is not a known data step; known: normalize, ",
         ),
         (
             '[[inputs]]\nname = "a"\npaths = ["x.jsonl"]\n[[steps]]\nname = "normalize"\nbogus = 1\n',

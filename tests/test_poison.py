@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from liandan.data import ByteTokenizer, DataError, Document, TokenStore, shard_path, write_manifest, write_shard
-from liandan.data.loader import PackedLoader
-from liandan.data.poison import poison_store
+from liandan.data.tokens.loader import PackedLoader
+from liandan.data.tokens.poison import poison_store
 
 LOADER = {"seq_len": 64, "global_batch": 4, "seed": 3, "val_fraction": 0.1}
 STEP = 6

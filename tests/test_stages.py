@@ -13,10 +13,10 @@ import pytest
 from helpers import write_corpus
 from liandan.cli.main import main
 from liandan.config import DataSection
-from liandan.data.layout import PipelineLayout
-from liandan.data.pipeline import pipeline_stages, plan_tasks, run_pipeline
-from liandan.data.pipeline_config import load_pipeline
-from liandan.data.stages import finished
+from liandan.data.pipeline.layout import PipelineLayout
+from liandan.data.pipeline.pipeline import pipeline_stages, plan_tasks, run_pipeline
+from liandan.data.pipeline.pipeline_config import load_pipeline
+from liandan.data.pipeline.stages import finished
 from liandan.run.files import temporary
 
 
@@ -111,9 +111,10 @@ def test_the_dry_run_lists_the_stages_and_what_is_done_without_running_any(tmp_p
 def old_road(cfg: DataSection, out: Path):
     """How a run made its store before it went through the stages: every document of every file, in order, into
     one shard, with a tokenizer trained on all of them."""
-    from liandan.data.corpus import ReadStats, python_docs_corpus, read_documents
-    from liandan.data.store import TokenStore, shard_path, write_manifest, write_shard
-    from liandan.data.tokenizer import make_tokenizer
+    from liandan.data.documents.corpus import ReadStats, python_docs_corpus
+    from liandan.data.documents.readers import read_documents
+    from liandan.data.tokens.store import TokenStore, shard_path, write_manifest, write_shard
+    from liandan.data.tokens.tokenizer import make_tokenizer
 
     stats = ReadStats()
     docs = list(read_documents(cfg.paths, cfg.text_field, stats) if cfg.paths else python_docs_corpus(stats))
@@ -132,7 +133,7 @@ def documents(store) -> list[tuple[tuple[str, str], list[int]]]:
 
 
 def test_a_runs_data_paths_go_through_the_stages_into_the_same_tokens(tmp_path):
-    from liandan.data.prepare import data_pipeline, prepare_store
+    from liandan.data.pipeline.prepare import data_pipeline, prepare_store
 
     corpus = write_corpus(tmp_path, n_docs=30)
     lines = corpus.read_text().splitlines()
@@ -160,7 +161,7 @@ def test_a_runs_data_paths_go_through_the_stages_into_the_same_tokens(tmp_path):
 
 @pytest.mark.slow  # reads the standard library's docstrings twice
 def test_the_python_documentation_corpus_goes_through_the_stages_into_the_same_tokens(tmp_path):
-    from liandan.data.prepare import prepare_store
+    from liandan.data.pipeline.prepare import prepare_store
 
     cfg = DataSection(tokenizer="byte")
     store, _ = prepare_store(cfg, tmp_path / "data", say=lambda m: None)

@@ -16,7 +16,7 @@ from liandan.data import (
     write_manifest,
     write_shard,
 )
-from liandan.data.store import HEADER_SIZE, MAGIC, ShardHeader, ShardInfo
+from liandan.data.tokens.store import HEADER_SIZE, MAGIC, ShardHeader, ShardInfo
 
 
 def _pydoc_documents(start=0, count=40, source="pydoc"):

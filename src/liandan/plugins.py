@@ -32,7 +32,7 @@ KINDS: dict[str, str] = {
     "model_family": "a liandan.model.spec.ModelSpec: `[model] family`",
     "optimizer": "a liandan.train.optimizers.OptimizerPlugin: `[optim] name`",
     "callback": "a factory (Config) -> liandan.train.callbacks.Callback | None, attached to every run",
-    "data_step": "a liandan.data Step class: `[[steps]] name` of a pipeline config",
+    "data_step": "a liandan.data.steps.base.Step class: `[[steps]] name` of a pipeline config",
     "exporter": "a liandan.track.exporters.trackers.Tracker class: `[track] exporters`",
     "task": "an evaluation task file (a path relative to the module named): `[eval] tasks`",
 }
@@ -119,7 +119,7 @@ BUILTIN: tuple[Plugin, ...] = (
         )
     ),
     *(
-        Plugin("data_step", name, f"{_L}data.{module}:{cls}", builtin=True)
+        Plugin("data_step", name, f"{_L}data.steps.{module}:{cls}", builtin=True)
         for name, module, cls in (
             ("normalize", "normalize", "Normalize"),
             ("language", "langid", "Language"),

@@ -78,7 +78,7 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
 
     from liandan.checkpoint import hf
     from liandan.checkpoint.manager import load_model, resolve_checkpoint
-    from liandan.data.tokenizer import ByteTokenizer
+    from liandan.data.tokens.tokenizer import ByteTokenizer
     from liandan.evaluate.loading import checkpoint_tokenizer
 
     given = locate(args.checkpoint)

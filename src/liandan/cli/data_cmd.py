@@ -48,8 +48,8 @@ def add_commands(sub) -> None:
 
 
 def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
-    from liandan.data.pipeline import plan, run_pipeline
-    from liandan.data.pipeline_config import load_pipeline
+    from liandan.data.pipeline.pipeline import plan, run_pipeline
+    from liandan.data.pipeline.pipeline_config import load_pipeline
 
     if args.executor:
         overrides = [*overrides, f"--pipeline.executor={args.executor}"]
@@ -109,10 +109,10 @@ def print_summary(s: dict) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
-    from liandan.data.corpus import ReadStats
-    from liandan.data.inspection import inspect_sources
-    from liandan.data.readers import read_file
-    from liandan.data.tokenizer import HFTokenizer
+    from liandan.data.documents.corpus import ReadStats
+    from liandan.data.documents.readers import read_file
+    from liandan.data.inspect.inspection import inspect_sources
+    from liandan.data.tokens.tokenizer import HFTokenizer
 
     if overrides:
         raise ConfigError(f"unrecognised argument '{overrides[0]}'")
@@ -155,7 +155,7 @@ def _report_dir(out: str):
     if not is_url(out):
         yield Path(out)
         return
-    from liandan.data.storage import REPORT_MARKER, publish
+    from liandan.data.pipeline.publish import REPORT_MARKER, publish
 
     with tempfile.TemporaryDirectory(prefix="liandan-report-") as local:
         yield Path(local)
@@ -163,8 +163,8 @@ def _report_dir(out: str):
 
 
 def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
-    from liandan.data.storage import local_store
-    from liandan.data.store import TokenStore, verify_store
+    from liandan.data.tokens.cache import local_store
+    from liandan.data.tokens.store import TokenStore, verify_store
 
     local = local_store(args.store, say=print)  # a store URL is checked against its manifest as it is fetched
     store = TokenStore(local)
@@ -182,9 +182,11 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_steps(args: argparse.Namespace, overrides: list[str]) -> int:
-    from liandan.data.steps import load_builtin_steps
+    from liandan.data.steps.base import step_class
+    from liandan.plugins import names
 
-    for name, cls in sorted(load_builtin_steps().items()):
+    for name in sorted(names("data_step")):
+        cls = step_class(name)
         doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
         print(f"{name:20s} {doc}")
         for param in list(inspect.signature(cls.__init__).parameters.values())[1:]:

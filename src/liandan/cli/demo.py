@@ -23,7 +23,7 @@ import torch
 from liandan.checkpoint.manager import load_model
 from liandan.cli.report_cmd import make_report
 from liandan.config import load_config
-from liandan.data.store import TokenStore
+from liandan.data.tokens.store import TokenStore
 from liandan.resilience.incidents import timeline
 from liandan.run import RunDir, step_dir_name
 from liandan.run.worker_env import WorkerEnv
@@ -57,10 +57,10 @@ NPROC = 2
 def prepare_data(data: list[str] | None, out: Path, vocab_size: int) -> dict:
     """The data pipeline over the user's files (or Python's documentation), into a token store at `out`."""
     from liandan.cli.data_cmd import print_summary
-    from liandan.data.corpus import write_python_docs
-    from liandan.data.layout import PipelineLayout
-    from liandan.data.pipeline import run_pipeline
-    from liandan.data.pipeline_config import InputSpec, PipelineConfig, PipelineSection, TokenizerSection
+    from liandan.data.documents.corpus import write_python_docs
+    from liandan.data.pipeline.layout import PipelineLayout
+    from liandan.data.pipeline.pipeline import run_pipeline
+    from liandan.data.pipeline.pipeline_config import InputSpec, PipelineConfig, PipelineSection, TokenizerSection
 
     if data:
         paths = data_files(data)
@@ -83,8 +83,8 @@ def prepare_data(data: list[str] | None, out: Path, vocab_size: int) -> dict:
 
 def data_files(given: list[str]) -> list[str]:
     """The files of `--data`: a directory stands for the data files directly in it, sorted by name."""
-    from liandan.data.corpus import DataError
-    from liandan.data.readers import SUPPORTED_SUFFIXES
+    from liandan.data.documents.corpus import DataError
+    from liandan.data.documents.readers import SUPPORTED_SUFFIXES
 
     files = []
     for name in given:
@@ -220,7 +220,7 @@ def train_supervised(cfg, run: Path) -> int:
 def poison_batch(cfg, store: Path, before: int) -> Path:
     """The store to train on: where the guard can judge a batch before the kill, a copy of `store` next to it
     with the documents of that batch turned into noise for the guard to roll back and name; else `store`."""
-    from liandan.data.poison import poison_store
+    from liandan.data.tokens.poison import poison_store
 
     data_step = poison_step(cfg, before)
     if data_step is None:

@@ -119,8 +119,8 @@ def _step_of(path: Path) -> int:
 
 def _loader(run_cfg: Any, run: Path) -> Any:
     """The run's own data loader, for its held-out windows (the same split training left out)."""
-    from liandan.data.loader import PackedLoader
-    from liandan.data.prepare import open_prepared, open_stores
+    from liandan.data.pipeline.prepare import open_prepared, open_stores
+    from liandan.data.tokens.loader import PackedLoader
     from liandan.run import RunDir
 
     if run_cfg.data.stores:

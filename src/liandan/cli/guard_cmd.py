@@ -11,8 +11,8 @@ from pathlib import Path
 from liandan.checkpoint.manager import run_checkpoint_root
 from liandan.checkpoint.verify import CheckpointError, complete_checkpoints
 from liandan.config import load_config
-from liandan.data.loader import DocumentRef, PackedLoader
-from liandan.data.prepare import open_prepared, open_stores
+from liandan.data.pipeline.prepare import open_prepared, open_stores
+from liandan.data.tokens.loader import DocumentRef, PackedLoader
 from liandan.run import META, RunDir, read_json
 
 

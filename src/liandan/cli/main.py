@@ -11,7 +11,7 @@ from pathlib import Path
 from liandan import __version__
 from liandan.checkpoint.verify import CheckpointError
 from liandan.config import ConfigError, describe, load_config
-from liandan.data.corpus import DataError
+from liandan.data.documents.corpus import DataError
 from liandan.run.errors import DEVICE_FAULT_EXIT, RunStopped
 from liandan.run.worker_env import WorkerEnv
 
@@ -291,7 +291,7 @@ def _check_launch(cfg, nproc: int) -> None:
         resolve_layout(cfg.parallel, nproc)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    from liandan.data.storage import is_file
+    from liandan.data.documents.storage import is_file
     from liandan.run.remote import locate
 
     for path in cfg.data.paths:

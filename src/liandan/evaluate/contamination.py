@@ -1,6 +1,6 @@
 """Contamination: which evaluation items appear in the training stores, by word n-gram overlap.
 
-The same test as the pipeline's decontamination step (`liandan.data.decontam.EvalIndex`: word 13-grams of
+The same test as the pipeline's decontamination step (`liandan.data.steps.decontam.EvalIndex`: word 13-grams of
 the normalised text, each CJK character a word; an item shorter than 13 words matches as a whole): an item
 is contaminated when its question or its reference answer shares an n-gram with any training document. The
 stores hold tokens, so documents are decoded back to text first. Reported beside the scores: a task whose
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from liandan.data.decontam import EvalIndex
+from liandan.data.steps.decontam import EvalIndex
 from liandan.evaluate.tasks import Task
 
 DOCUMENTS_PER_BATCH = 256

@@ -31,7 +31,7 @@ except ModuleNotFoundError as err:  # keeps `name`, by which the CLI names the e
 
 from torch import nn
 
-from liandan.data.tokenizer import Tokenizer
+from liandan.data.tokens.tokenizer import Tokenizer
 from liandan.evaluate import scoring
 
 

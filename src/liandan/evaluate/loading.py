@@ -13,9 +13,9 @@ from torch import nn
 from liandan.checkpoint.manager import load_model, resolve_checkpoint
 from liandan.checkpoint.verify import CheckpointError
 from liandan.config import Config, ConfigError, from_dict
-from liandan.data.corpus import DataError
-from liandan.data.store import TOKENIZER_FILE
-from liandan.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from liandan.data.documents.corpus import DataError
+from liandan.data.tokens.store import TOKENIZER_FILE
+from liandan.data.tokens.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 try:
     import tomllib
@@ -100,7 +100,7 @@ def _is_tokenizer(path: Path, fingerprint: str | None) -> bool:
 
 def _store_tokenizer(store: str) -> Path | None:
     """The tokenizer.json of a store, a store URL's fetched alone into the shard cache."""
-    from liandan.data.storage import store_tokenizer
+    from liandan.data.tokens.cache import store_tokenizer
 
     try:
         return store_tokenizer(store)

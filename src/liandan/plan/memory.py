@@ -516,7 +516,7 @@ def plan_model_args(cfg: Config) -> Any:
 
 
 def _store_url_vocab(url: str) -> int:
-    from liandan.data.storage import store_manifest
+    from liandan.data.tokens.cache import store_manifest
 
     return int(store_manifest(url)["vocab_size"])
 

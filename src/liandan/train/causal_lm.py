@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from liandan.config import Config, ConfigError
-from liandan.data.loader import Batch
+from liandan.data.tokens.loader import Batch
 from liandan.faults import faulty_matmuls, planned_at, slow_forward
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from liandan.data.loader import Batch
+from liandan.data.tokens.loader import Batch
 from liandan.train.optimizers.container import OptimizersContainer
 
 PhaseHook = Callable[..., None]  # (phase, micro=0): where a step has got to, for heartbeats

@@ -1,0 +1,111 @@
+"""Tokenizers behind one small interface: raw bytes, or byte-level BPE from Hugging Face `tokenizers`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import xxhash
+
+from liandan.data.documents.corpus import DataError
+from liandan.spec.tokens import EOS, eos_id
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def save(self, path: Path) -> None: ...
+
+    def fingerprint(self) -> str: ...
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, and 256 as end-of-document. Needs no training; fine for smoke tests."""
+
+    vocab_size = 257
+    eos_id = 256
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [list(t.encode("utf-8")) for t in texts]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text('{"liandan": "byte-tokenizer", "version": 1}\n')
+
+    def fingerprint(self) -> str:
+        return "byte-v1"
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers.Tokenizer` (a tokenizer.json), with `<|endoftext|>` as end-of-document."""
+
+    def __init__(self, tok):
+        self._tok = tok
+        try:
+            self.eos_id = eos_id(tok.token_to_id)
+        except ValueError as err:
+            raise DataError(str(err)) from None
+        self.vocab_size = tok.get_vocab_size()
+
+    @classmethod
+    def load(cls, path: str | Path) -> HFTokenizer:
+        from tokenizers import Tokenizer as _Tok
+
+        path = Path(path)
+        if not path.is_file():
+            raise DataError(f"tokenizer file not found: {path}")
+        try:
+            return cls(_Tok.from_file(str(path)))
+        except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception for malformed files
+            raise DataError(f"cannot read tokenizer {path}: {err}") from None
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # encode_batch_fast (tokenizers >= 0.21) skips computing character offsets, which nothing here needs
+        encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
+    def save(self, path: Path) -> None:
+        self._tok.save(str(path))
+
+    def fingerprint(self) -> str:
+        return xxhash.xxh64_hexdigest(self._tok.to_str().encode("utf-8"))
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str] = ()) -> HFTokenizer:
+    """Byte-level BPE (GPT-2 style pre-tokenisation, no unknown tokens), trained on `texts`. Deterministic for
+    the same texts in the same order. `<|endoftext|>` is id 0; `special_tokens` follow it, never split."""
+    from tokenizers import Tokenizer as _Tok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = _Tok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS, *(t for t in special_tokens if t != EOS)],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return HFTokenizer(tok)
+
+
+def load_tokenizer(spec: str | Path) -> Tokenizer:
+    """`byte`, or a path to a tokenizer.json."""
+    return ByteTokenizer() if spec == "byte" else HFTokenizer.load(spec)
+
+
+def make_tokenizer(spec: str, texts: Iterable[str], bpe_vocab_size: int) -> Tokenizer:
+    """`byte`, `bpe` (trained on `texts`), or a path to a tokenizer.json."""
+    return train_bpe(texts, bpe_vocab_size) if spec == "bpe" else load_tokenizer(spec)
