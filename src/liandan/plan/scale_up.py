@@ -51,7 +51,7 @@ def planned_run(path: str | Path, *, params: str = "non_embedding") -> PlannedRu
     """The run a config file describes, counted as `liandan train` will count it (summary.json's
     parameters, tokens = steps × global batch × sequence length, flops_per_token)."""
     from liandan.model import count_params, flops_per_token
-    from liandan.plan.memory import plan_model_args
+    from liandan.plan.run_plan import plan_model_args
 
     path = Path(path)
     if not path.is_file():
