@@ -16,7 +16,7 @@ from torch import nn
 
 from helpers import tiny_config, write_corpus
 from liandan.checkpoint.hf import export_hf, load_consolidated, save_consolidated
-from liandan.checkpoint.manager import load_model
+from liandan.checkpoint.loading import load_model
 from liandan.cli.main import main
 from liandan.config import ConfigError, ModelSection, load_config
 from liandan.model import ModelArgs, Transformer, count_params, flops_per_token, lm_loss, spec_for

@@ -25,8 +25,10 @@ import liandan.train.health.stragglers  # noqa: F401
 from liandan import __version__
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.handoff import newest_checkpoint
-from liandan.checkpoint.manager import CheckpointManager, SaveError, read_meta
+from liandan.checkpoint.loading import read_meta
+from liandan.checkpoint.manager import CheckpointManager
 from liandan.checkpoint.resume import can_resume, choose_resume
+from liandan.checkpoint.saving import SaveError
 from liandan.checkpoint.streaming import is_weight_source, load_weights
 from liandan.checkpoint.verify import step_of
 from liandan.config import Config, ConfigError

@@ -1,0 +1,234 @@
+"""Finding, verifying and loading checkpoints: CheckpointManager's half that reads them into the live model
+(`liandan.checkpoint.manager`), and what reads them outside training: the newest that verifies, a
+checkpoint's meta.json and description, and its model in one process. Model and optimizer state were saved
+under layout-independent names (get_state_dict), so a checkpoint loads into any other parallel layout and
+world size: DCP reshards on load."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from liandan.checkpoint.restricted import load_state, read_metadata, reason
+from liandan.checkpoint.rng import set_rng_state
+from liandan.checkpoint.verify import (
+    MANIFEST,
+    CheckpointError,
+    complete_checkpoints,
+    step_directories,
+    step_of,
+    total_bytes,
+    verify,
+)
+from liandan.run import META, RunDir, partial_of, rank_file, step_dirs
+from liandan.run.remote import RemotePath, locate
+
+# DCP notes on every single-process save and load that it runs without a process group, which is intended.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+# Optimizer settings that choose how the update is computed, not what it is: each layout keeps its own.
+KERNEL_CHOICES = ("foreach", "fused")
+
+
+class CheckpointLoading:
+    """Finding the newest checkpoint that verifies and loading one into the model and optimizer as they are
+    laid out now: the part of CheckpointManager that reads. The manager's constructor sets the attributes
+    below."""
+
+    root: Path
+    rank: int
+    world_size: int
+    distributed: bool
+    group: Any
+    verify_on_load: bool
+    on_event: Callable[..., None]
+
+    def latest_verified(self, before: Path | None = None) -> Path | None:
+        """The newest checkpoint (older than `before`, if given) that verifies; failures are reported as
+        events. Rank 0 decides for all."""
+        box: list[Any] = [None]
+        if self.rank == 0:
+            found = newest_verified(self.root, self.verify_on_load, self.on_event, before)
+            box[0] = str(found) if found else None
+        if self.distributed:
+            dist.broadcast_object_list(box, src=0, group=self.group)
+        return locate(box[0]) if box[0] else None
+
+    def load(self, path: Path, model: torch.nn.Module, optimizer=None, verified: bool = False) -> dict[str, Any]:
+        """Load model (and optimizer) state into whatever layout they have now; returns meta.json, with
+        this rank's RNG states restored where the world size is unchanged. A checkpoint that cannot be
+        loaded raises the same CheckpointError, naming the checkpoint and file, on every rank."""
+        path = locate(path)
+        error = None
+        try:  # refused before DCP's collectives start, so that no rank is left waiting in one of them
+            if not verified and self.rank == 0:
+                verify(path, checksums=self.verify_on_load)
+            read_metadata(path)
+        except CheckpointError as err:
+            error = str(err)
+        self._raise_agreed(error)
+        meta: dict[str, Any] = {}
+        try:
+            if optimizer is None:
+                state = {"model": get_model_state_dict(model)}
+                load_state(state, path, process_group=self.group)
+                set_model_state_dict(model, state["model"])
+            else:
+                model_sd, optim_sd = get_state_dict(model, optimizer)
+                state = {"model": model_sd, "optim": optim_sd}
+                load_state(state, path, process_group=self.group)
+                kernels = [{k: g[k] for k in KERNEL_CHOICES if k in g} for g in optimizer.param_groups]
+                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+                # The saved groups carry the saving layout's kernel choice: a fused or multi-tensor update
+                # that this layout's mix of DTensors and plain tensors cannot take (tensor parallelism).
+                for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
+                    group.update(kernel)
+            meta = read_meta(path)
+            rng_file = rank_file(path, self.rank, ".pt")
+            if meta.get("world_size") == self.world_size and rng_file.is_file():
+                try:
+                    with rng_file.open("rb") as f:
+                        set_rng_state(torch.load(f, weights_only=True))
+                except Exception as err:  # noqa: BLE001 - any failure to load names the checkpoint
+                    raise CheckpointError(f"{path}: file {rng_file.name} cannot be loaded: {reason(err)}") from None
+        except CheckpointError as err:
+            error = str(err)
+        except Exception as err:  # noqa: BLE001 - any failure to load names the checkpoint
+            error = f"{path}: cannot be loaded: {reason(err)}"
+        self._raise_agreed(error)
+        return meta
+
+    def load_newest(self, newest: Path, model: torch.nn.Module, optimizer=None) -> tuple[Path, dict[str, Any]]:
+        """Load `newest`, or where it cannot be loaded (verified as it is, it may still be refused or fail
+        inside DCP) the newest older checkpoint that verifies and loads; each one that fails is reported.
+        Returns (the checkpoint loaded, its meta.json). When none loads this raises instead of starting over:
+        a failed load may have left part of its state in the model."""
+        path: Path | None = locate(newest)
+        failure = None
+        while path is not None:
+            try:
+                return path, self.load(path, model, optimizer, verified=True)
+            except CheckpointError as err:
+                failure = err
+                if self.rank == 0:
+                    self.on_event("checkpoint_rejected", step=step_of(path), path=str(path), error=str(err))
+            path = self.latest_verified(before=path)
+        raise CheckpointError(
+            f"{failure}; no older checkpoint under {self.root} loads either, and the run does not start over "
+            "from a partly loaded model: move the checkpoints aside to start over"
+        )
+
+    def _raise_agreed(self, error: str | None) -> None:
+        """Raise CheckpointError on every rank if any rank had one (the first rank's message)."""
+        if self.distributed:
+            errors: list[str | None] = [None] * self.world_size
+            dist.all_gather_object(errors, error, group=self.group)
+            error = next((e for e in errors if e), None)
+        if error:
+            raise CheckpointError(error)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# checkpoints on disk or in a store, read outside a training run too
+
+
+def newest_verified(root: Path, checksums: bool = True, on_event=None, before: Path | None = None) -> Path | None:
+    """The newest complete checkpoint under `root` (older than `before`, if given) that verifies; each one
+    that fails is reported, and so is a step directory that lost its manifest."""
+    for path in reversed(step_directories(root)):
+        if before is not None and path.name >= locate(before).name:
+            continue
+        if not (path / MANIFEST).is_file() and (isinstance(path, RemotePath) or partial_of(path).exists()):
+            continue  # a save that never finished (in a store), or one of the same step replacing it right now
+        try:
+            verify(path, checksums=checksums)
+        except CheckpointError as err:
+            if on_event:
+                on_event("checkpoint_rejected", step=step_of(path), path=str(path), error=str(err))
+            continue
+        return path
+    return None
+
+
+def describe_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
+    """What `liandan ckpt info` shows: step, tokens, layout, size and whether it verifies."""
+    path = locate(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {path}")
+    info: dict[str, Any] = {"path": str(path), "bytes": total_bytes(path), "checksums": checksums}
+    if (path / META).is_file():
+        try:
+            meta = read_meta(path)
+        except CheckpointError:  # verification below names what is wrong with it
+            meta = {}
+        for key in ("step", "tokens", "world_size", "layout", "liandan_version", "tokenizer", "saved_at"):
+            info[key] = meta.get(key)
+    try:
+        verify(path, checksums=checksums)
+        info["verified"] = True
+    except CheckpointError as err:
+        info["verified"] = False
+        info["error"] = str(err)
+    return info
+
+
+def load_model(path: Path, verify_checksums: bool = True):
+    """A checkpoint's model on the CPU in one process, whatever layout saved it: (model, meta)."""
+    from liandan.model.spec import get as get_model_spec
+
+    path = locate(path)
+    verify(path, checksums=verify_checksums)
+    meta = read_meta(path)
+    if "model_args" not in meta:
+        raise CheckpointError(f"{path / META} does not describe the model (model_args missing)")
+    spec = get_model_spec(meta.get("model_family", "llama"))  # checkpoints from before families are Llama's
+    model = spec.build(spec.args_type(**meta["model_args"]))
+    state = {"model": get_model_state_dict(model)}
+    load_state(state, path, no_dist=True)
+    set_model_state_dict(model, state["model"])
+    return model, meta
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """A checkpoint's meta.json; CheckpointError, naming the checkpoint, when it is missing or not a JSON object."""
+    try:
+        meta = json.loads((locate(path) / META).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file {META} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: file {META} is not JSON: {err}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: file {META} is not a JSON object")
+    return meta
+
+
+def run_checkpoint_root(run_dir: Path) -> Path:
+    """Where a run directory's checkpoints are: `checkpoint.dir` of the config the run saved, else
+    `<run>/checkpoints`, just as training chose."""
+    return RunDir.from_saved_config(run_dir).checkpoints
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A step directory, or the newest complete one under a checkpoints directory or a run directory."""
+    path = locate(path)
+    if (path / MANIFEST).is_file() or (path / META).is_file():
+        return path
+    remote = isinstance(path, RemotePath)
+    for root in (path,) if remote else (path, run_checkpoint_root(path)):  # a store holds no run directory
+        steps = complete_checkpoints(root) if remote else step_dirs(root)  # in a store, one being saved has none
+        if steps:
+            return steps[-1]
+    raise CheckpointError(f"no checkpoint at {path}")
