@@ -25,7 +25,7 @@ import liandan.train.health.stragglers  # noqa: F401
 from liandan import __version__
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.handoff import newest_checkpoint
-from liandan.checkpoint.loading import read_meta
+from liandan.checkpoint.info import read_meta
 from liandan.checkpoint.manager import CheckpointManager
 from liandan.checkpoint.resume import can_resume, choose_resume
 from liandan.checkpoint.saving import SaveError
