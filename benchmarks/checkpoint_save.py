@@ -55,7 +55,7 @@ from liandan.checkpoint.manager import CheckpointManager
 from liandan.checkpoint.verify import fsync_path
 from liandan.config import OptimSection
 from liandan.model import ModelArgs, Transformer, count_params
-from liandan.train.optim import build_optimizer
+from liandan.train.optimizers.adamw import build_adamw
 
 TARGET = 0.10  # async blocking time at most this fraction of the synchronous save
 METHODS = ("torch.save", "dcp.save", "manager sync", "manager async")
@@ -79,7 +79,7 @@ def trained_state(args: ModelArgs, seed: int = 0) -> tuple[Transformer, torch.op
     """The model and its AdamW after one forward/backward/step, so the optimizer holds its moments."""
     torch.manual_seed(seed)
     model = Transformer(args)
-    optimizer = build_optimizer(model, OptimSection(), torch.device("cpu"))
+    optimizer = build_adamw(model, OptimSection(), torch.device("cpu"))
     tokens = torch.randint(0, args.vocab_size, (2, 65))
     loss = model(tokens[:, :-1], tokens[:, 1:])
     loss.backward()

@@ -20,7 +20,7 @@ import time
 import torch
 
 from liandan.model import ModelArgs, Transformer
-from liandan.plan.memory import activation_memory
+from liandan.plan.activations import activation_memory
 
 
 def measure(model: Transformer, hidden: torch.Tensor, targets: torch.Tensor, chunks: int, device) -> dict:

@@ -32,7 +32,7 @@ from liandan.spec.layout import Layout
 from liandan.spec.peaks import mixed_peak_flops
 from liandan.train.fp8 import Fp8, fp8_param_count, fp8_refusal
 from liandan.train.hardware import datasheet_fp8_peak_flops, device_peak_flops
-from liandan.train.optim import build_optimizer
+from liandan.train.optimizers.adamw import build_adamw
 from liandan.train.parallelize import parallelize
 
 SKIP = ["output"]
@@ -64,7 +64,7 @@ def train(base: Transformer, recipe: str, batches, a: argparse.Namespace, device
     fp8 = Fp8(recipe, SKIP, a.emulate) if recipe != "none" else None
     fp8_params = fp8_param_count(model, SKIP) if fp8 else 0
     model = parallelize(model, None, Layout(1, 1, 1), compile=a.compile, fp8=fp8)
-    optimizer = build_optimizer(model, OptimSection(), device)
+    optimizer = build_adamw(model, OptimSection(), device)
     losses, times = [], []
     for step in range(a.warmup + a.steps):
         inputs, targets = batches[step % len(batches)]

@@ -130,7 +130,7 @@ def main() -> int:
 
 def compare(ladder: list[Path], target: Path, fixture: Path | None) -> int:
     from liandan.plan.scale_up import planned_run, predict_scale_up
-    from liandan.plan.scaling import load_observations
+    from liandan.plan.scaling_runs import load_observations
 
     summary = json.loads((target / "summary.json").read_text())
     actual = summary["val_loss"]

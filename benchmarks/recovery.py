@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from liandan.checkpoint.manager import load_model
+from liandan.checkpoint.loading import load_model
 from liandan.config import load_config
 from liandan.resilience.processes import alive
 from liandan.resilience.supervisor import Supervisor

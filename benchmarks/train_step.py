@@ -47,8 +47,8 @@ from liandan.config import Config, load_config
 from liandan.data.tokens.loader import Batch
 from liandan.model import ModelArgs, Transformer, count_params, flops_per_token
 from liandan.spec.layout import Layout
-from liandan.train.hardware import cpu_supports_bf16, measure_matmul_flops
 from liandan.train.causal_lm import CausalLMTrainModule
+from liandan.train.hardware import cpu_supports_bf16, measure_matmul_flops
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PEERS = ("hf", "plain")

@@ -34,12 +34,12 @@ def config(shape: list[str], meta: bool, seed: int = 0):
                               "--train.steps=3", "--train.global_batch=4", "--schedule.warmup_steps=1"])  # fmt: skip
 
 
-def shards(module: TrainModule) -> dict[str, torch.Tensor]:
+def shards(module: CausalLMTrainModule) -> dict[str, torch.Tensor]:
     return {name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
             for name, p in module.model.named_parameters()}  # fmt: skip
 
 
-def train(module: TrainModule, steps: int = 3) -> list[float]:
+def train(module: CausalLMTrainModule, steps: int = 3) -> list[float]:
     generator = torch.Generator().manual_seed(7)
     losses = []
     for step in range(1, steps + 1):

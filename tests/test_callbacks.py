@@ -212,7 +212,7 @@ def test_a_callback_module_named_in_the_config_runs_in_the_supervised_worker(tmp
     import os
 
     from helpers import run_liandan, tiny_config, write_corpus
-    from liandan.checkpoint.manager import read_meta
+    from liandan.checkpoint.info import read_meta
     from liandan.run import RunDir
 
     (tmp_path / "users_callbacks.py").write_text(USER_CALLBACKS)

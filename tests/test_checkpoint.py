@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from helpers import fill_disk, read_run, run_liandan, tiny_config, write_corpus
-from liandan.checkpoint.manager import CheckpointManager, load_model, rng_state, set_rng_state
+from liandan.checkpoint.loading import load_model
+from liandan.checkpoint.manager import CheckpointManager
+from liandan.checkpoint.rng import rng_state, set_rng_state
 from liandan.checkpoint.verify import CheckpointError, verify
 
 STEPS = 8

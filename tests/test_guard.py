@@ -181,7 +181,7 @@ def test_a_gradient_corrupted_on_one_rank_and_nan_gradients_never_reach_the_weig
     after the gradient sync, so the other rank saw nothing wrong. The NaN update is skipped everywhere; the
     explosion, with `on_grad = "rollback"`, rolls both ranks back to step 30 and skips the batches since. The
     silent-data-corruption checks are off: they would see the ranks' gradient norms differ first."""
-    from liandan.checkpoint.manager import load_model
+    from liandan.checkpoint.loading import load_model
 
     args = ["train", config_file(tmp_path, corpus), "--nproc=2", "--parallel.dp_replicate=2",
             "--parallel.dp_shard=1", "--checkpoint.every=60", "--run.name=ranks", "--guard.on_grad=rollback",

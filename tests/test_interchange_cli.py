@@ -7,7 +7,7 @@ import torch
 
 from helpers import read_run, run_liandan, tiny_config, write_corpus
 from liandan.checkpoint.hf import load_consolidated
-from liandan.checkpoint.manager import load_model
+from liandan.checkpoint.loading import load_model
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from liandan.config import ConfigError
 from liandan.model import ModelArgs, Transformer
 from liandan.model.loss import chunked_lm_loss, fused_lm_loss, lm_loss
 from liandan.model.spec import get as get_model_spec
-from liandan.plan.memory import activation_memory
+from liandan.plan.activations import activation_memory
 
 TESTS = Path(__file__).resolve().parent
 VARIANTS = ("gathered", "loss_parallel", "sequence_parallel", "tied_qk_norm", "tied_z_loss")

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from liandan.config import load_config
-from liandan.plan.memory import init_memory, plan_model_args
+from liandan.plan.memory import init_memory
+from liandan.plan.run_plan import plan_model_args
 from liandan.spec.layout import Layout
-from liandan.train.meta_init import build_on_meta, materialize, plan_init
 from liandan.train.causal_lm import CausalLMTrainModule
+from liandan.train.meta_init import build_on_meta, materialize, plan_init
 
 WORKER = Path(__file__).with_name("meta_init_worker.py")
 
@@ -109,7 +110,7 @@ def test_the_planner_counts_initialisation_in_whether_a_run_fits():
     """Llama 8B on 64 devices of 32 GiB: each step fits, but the whole fp32 model (30 GiB) on every rank
     before sharding does not; under meta init it does."""
     from liandan.plan.devices import resolve_device
-    from liandan.plan.memory import plan_config
+    from liandan.plan.run_plan import plan_config
 
     config = Path(__file__).resolve().parents[1] / "configs" / "llama-8b.toml"
     device = resolve_device("h100", memory_gib=32)
@@ -152,7 +153,7 @@ TOLERANCE = 0.10
 
 @pytest.mark.slow
 def test_meta_init_peak_host_memory_matches_the_planner(two_ranks):
-    from liandan.plan.memory import count_params
+    from liandan.model import count_params
 
     cfg = load_config(None, ["--model.dim=512", "--model.n_layers=8", "--model.n_heads=8",
                              "--model.max_seq_len=32", "--train.seq_len=32", "--model.vocab_size=4096",

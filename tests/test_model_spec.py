@@ -16,7 +16,7 @@ from torch import nn
 
 from helpers import tiny_config, write_corpus
 from liandan.checkpoint.hf import export_hf, load_consolidated, save_consolidated
-from liandan.checkpoint.manager import load_model
+from liandan.checkpoint.loading import load_model
 from liandan.cli.main import main
 from liandan.config import ConfigError, ModelSection, load_config
 from liandan.model import ModelArgs, Transformer, count_params, flops_per_token, lm_loss, spec_for
@@ -24,7 +24,9 @@ from liandan.model import spec as model_spec
 from liandan.model.llama_spec import DERIVED_FIELDS, LLAMA
 from liandan.model.spec import ModelSpec, ParamCounts, ParamSplit, get, model_args, register
 from liandan.plan.devices import resolve_device
-from liandan.plan.memory import param_split, plan_config, tp_degrees
+from liandan.plan.layout_search import tp_degrees
+from liandan.plan.memory import param_split
+from liandan.plan.run_plan import plan_config
 from liandan.train import Trainer
 
 # ---------------------------------------------------------------------------------------------------------

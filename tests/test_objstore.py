@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from helpers import MICRO_MODEL, S3_BUCKET, environment_without, read_run, run_liandan, tiny_config, write_corpus
-from liandan.checkpoint.manager import CheckpointManager, load_model
+from liandan.checkpoint.loading import load_model
+from liandan.checkpoint.manager import CheckpointManager
 from liandan.checkpoint.verify import CheckpointError, verify
 from liandan.cli.main import main
 from liandan.config import ConfigError

@@ -7,6 +7,7 @@ glibc's default allocator settings instead of a fixed mmap threshold)."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import json
 import re
@@ -18,22 +19,14 @@ import pytest
 
 from helpers import start_liandan, tiny_config, write_corpus
 from liandan.cli.main import main
+from liandan.cli.plan_cmd import print_plan
 from liandan.config import ConfigError, load_config
 from liandan.model import ModelArgs, count_params, flops_per_token
+from liandan.plan.activations import activation_bytes_per_layer, activation_memory
 from liandan.plan.devices import resolve_device
-from liandan.plan.memory import (
-    GIB,
-    activation_bytes_per_layer,
-    activation_memory,
-    memory_per_device,
-    param_split,
-    plan_config,
-    plan_model_args,
-    run_time_estimate,
-    smallest_fitting_layout,
-    tp_degrees,
-    zero_stages,
-)
+from liandan.plan.layout_search import smallest_fitting_layout, tp_degrees
+from liandan.plan.memory import GIB, memory_per_device, optimizer_state_bytes, param_split, zero_stages
+from liandan.plan.run_plan import plan_config, plan_model_args, run_time_estimate
 from liandan.spec.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +111,39 @@ def test_peak_by_hand():
         small_args(), Layout(1, 1, 1), micro_batch=2, seq_len=128, dtype="fp32", accumulation_steps=2
     )
     assert acc.total == acc.sum == 4_019_200 + 5_431_296
+
+
+def test_optimizer_state_size_is_an_input(capsys):
+    # FSDP2 over 4, Ψ = 251,200: Adam's m and v are 8Ψ/4 = 502,400 bytes per device; an optimizer keeping one
+    # fp32 buffer per parameter (4 bytes) holds half, 251,200, and the peak, which holds the optimizer state
+    # throughout, is 251,200 lower. Nothing else moves.
+    args, layout = small_args(), Layout(1, 4, 1)
+    adam = memory_per_device(args, layout, micro_batch=2, seq_len=128)
+    momentum = memory_per_device(args, layout, micro_batch=2, seq_len=128, optimizer_state_bytes_per_param=4.0)
+    assert (adam.states.optimizer, momentum.states.optimizer) == (502_400, 251_200)
+    assert adam.total - momentum.total == 251_200
+    assert (momentum.states.params, momentum.states.grads, momentum.transient, momentum.activations) == (
+        adam.states.params, adam.states.grads, adam.transient, adam.activations,
+    )  # fmt: skip
+    # The ZeRO table in bf16 keeps the fp32 master copy besides the state: 4 + 8 = 12 bytes for Adam, 4 + 4 = 8.
+    assert [z.states.optimizer for z in adam.zero] == [12 * 251_200, 3 * 251_200, 3 * 251_200, 3 * 251_200]
+    assert [z.states.optimizer for z in momentum.zero] == [8 * 251_200, 2 * 251_200, 2 * 251_200, 2 * 251_200]
+    with pytest.raises(ConfigError, match="optimizer state of -1 bytes per parameter"):
+        memory_per_device(args, layout, micro_batch=2, seq_len=128, optimizer_state_bytes_per_param=-1.0)
+
+    # A config's optimizer is AdamW; the printed plan names another optimizer's state by its size.
+    cfg = load_config(None, ["--model.vocab_size=1000"])
+    assert optimizer_state_bytes(cfg) == 8.0
+    plan = plan_config(cfg, resolve_device("h100"))
+    assert plan.memory.states.optimizer == 8.0 * plan.memory.params_per_device
+    m = plan.memory
+    other = memory_per_device(
+        plan.model, m.layout, micro_batch=m.micro_batch, seq_len=m.seq_len, optimizer_state_bytes_per_param=4.0
+    )
+    print_plan(dataclasses.replace(plan, memory=other), cfg, "run.toml")
+    out = capsys.readouterr().out
+    assert re.search(r"optimizer +[\d.]+ MiB +4 bytes per parameter", out), out
+    assert "2 + 2 + 8 bytes per parameter" in out and "Adam" not in out
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from liandan.checkpoint.manager import newest_verified
+from liandan.checkpoint.loading import newest_verified
 from liandan.checkpoint.resume import ResumePoint, can_resume, choose_resume
 from liandan.checkpoint.verify import step_of, write_manifest
 from liandan.run import RunDir, step_dir_name

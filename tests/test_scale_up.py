@@ -12,7 +12,8 @@ import pytest
 from liandan.cli.main import main
 from liandan.config import ConfigError
 from liandan.plan import scale_up
-from liandan.plan.scaling import Observations, ScalingLaw, read_csv
+from liandan.plan.scaling import ScalingLaw
+from liandan.plan.scaling_runs import Observations, read_csv
 
 LADDER = Path(__file__).parent / "fixtures" / "ladder"
 

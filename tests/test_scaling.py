@@ -11,8 +11,9 @@ from helpers import run_liandan
 from liandan.cli.fit_cmd import _num as shown
 from liandan.cli.main import main
 from liandan.config import ConfigError
-from liandan.plan import scaling
-from liandan.plan.scaling import CHINCHILLA, ComputeLaw, Observations, ScalingLaw
+from liandan.plan import scaling, scaling_fit, scaling_runs
+from liandan.plan.scaling import CHINCHILLA, ComputeLaw, ScalingLaw
+from liandan.plan.scaling_runs import Observations
 
 TRUE = ScalingLaw(E=1.8, A=520.0, B=900.0, alpha=0.36, beta=0.32)
 
@@ -84,7 +85,7 @@ def test_tokens_for_a_size_inverts_the_optimum():
 
 def test_fit_recovers_a_known_law_and_the_bootstrap_covers_it():
     obs = synthetic_runs()
-    result = scaling.fit(obs, bootstrap=40, seed=1)
+    result = scaling_fit.fit(obs, bootstrap=40, seed=1)
     law = result.law
     assert law.alpha == pytest.approx(TRUE.alpha, abs=0.03)
     assert law.beta == pytest.approx(TRUE.beta, abs=0.03)
@@ -103,7 +104,7 @@ def test_fit_recovers_a_known_law_and_the_bootstrap_covers_it():
 
 
 def test_fit_without_noise_is_exact():
-    law, objective = scaling.fit_law(synthetic_runs(noise=0.0))
+    law, objective = scaling_fit.fit_law(synthetic_runs(noise=0.0))
     for name in ("E", "A", "B", "alpha", "beta"):
         assert getattr(law, name) == pytest.approx(getattr(TRUE, name), rel=1e-3), name
     assert objective < 1e-10
@@ -112,7 +113,7 @@ def test_fit_without_noise_is_exact():
 def test_fit_is_robust_to_an_outlier():
     obs = synthetic_runs(noise=0.0)
     obs.loss[7] *= 1.3  # one diverged run
-    law, _ = scaling.fit_law(obs)
+    law, _ = scaling_fit.fit_law(obs)
     assert law.alpha == pytest.approx(TRUE.alpha, abs=0.01) and law.beta == pytest.approx(TRUE.beta, abs=0.01)
 
 
@@ -122,29 +123,29 @@ def test_compute_law_recovers_known_constants():
     c = np.logspace(15, 21, 14)
     loss = truth.loss(c) * np.exp(rng.normal(0, 0.002, c.size))
     obs = Observations(np.ones_like(c), c / 6, loss, c)
-    law, _ = scaling.fit_compute_law(obs)
+    law, _ = scaling_fit.fit_compute_law(obs)
     assert law.b == pytest.approx(truth.b, abs=0.01)
     assert law.c == pytest.approx(truth.c, abs=0.1)
     assert law.loss(1e23) == pytest.approx(truth.loss(1e23), rel=0.02)
-    exact, _ = scaling.fit_compute_law(Observations(np.ones_like(c), c / 6, truth.loss(c), c))
+    exact, _ = scaling_fit.fit_compute_law(Observations(np.ones_like(c), c / 6, truth.loss(c), c))
     assert (exact.a, exact.b, exact.c) == pytest.approx((truth.a, truth.b, truth.c), rel=1e-3)
 
 
 def test_too_few_runs_or_one_size_is_a_user_error():
     obs = synthetic_runs()
     with pytest.raises(ConfigError, match="4 run.*5 parameters"):
-        scaling.fit_law(obs.take(np.arange(4)))
+        scaling_fit.fit_law(obs.take(np.arange(4)))
     with pytest.raises(ConfigError, match="2 run.*3 parameters"):
-        scaling.fit_compute_law(obs.take(np.arange(2)))
+        scaling_fit.fit_compute_law(obs.take(np.arange(2)))
     same_n = obs.take(np.flatnonzero(obs.n == obs.n[0]))
     with pytest.raises(ConfigError, match="same N"):
-        scaling.fit_law(same_n)
+        scaling_fit.fit_law(same_n)
 
 
 def test_huber_is_quadratic_then_linear():
     r = np.array([0.0, 5e-4, -1e-3, 0.01, -0.1])
     expected = [0.0, 0.5 * 25e-8, 0.5e-6, 1e-3 * (0.01 - 5e-4), 1e-3 * (0.1 - 5e-4)]
-    assert scaling.huber(r, 1e-3) == pytest.approx(expected)
+    assert scaling_fit.huber(r, 1e-3) == pytest.approx(expected)
 
 
 # ---------------------------------------------------------------------------------------------------- input
@@ -152,7 +153,7 @@ def test_huber_is_quadratic_then_linear():
 
 def test_csv_with_compute_instead_of_tokens(tmp_path):
     obs = synthetic_runs()
-    back = scaling.read_csv(write_csv(tmp_path / "runs.csv", obs, compute_column=True))
+    back = scaling_runs.read_csv(write_csv(tmp_path / "runs.csv", obs, compute_column=True))
     assert back.d == pytest.approx(obs.d, rel=1e-5) and back.loss == pytest.approx(obs.loss, rel=1e-5)
 
 
@@ -170,7 +171,7 @@ def test_malformed_csv(tmp_path, text, words):
     path = tmp_path / "bad.csv"
     path.write_text(text)
     with pytest.raises(ConfigError) as err:
-        scaling.read_csv(path)
+        scaling_runs.read_csv(path)
     for word in words:
         assert word in str(err.value)
 
@@ -198,17 +199,17 @@ def fake_runs(root, law=TRUE, seed=0):
 
 def test_read_runs_options(tmp_path):
     obs = fake_runs(tmp_path / "runs")
-    got = scaling.load_observations([tmp_path / "runs"])
+    got = scaling_runs.load_observations([tmp_path / "runs"])
     assert got.names[0] == "run-0" and len(got) == 9
     assert got.n == pytest.approx(obs.n, rel=1e-6) and got.loss == pytest.approx(obs.loss)
     assert got.compute == pytest.approx(6.5 * got.n * got.d)  # flops_per_token x tokens
     assert "final_loss_smoothed" in got.source  # auto: no run has a validation loss
-    total = scaling.load_observations([tmp_path / "runs"], params="total", loss="final")
+    total = scaling_runs.load_observations([tmp_path / "runs"], params="total", loss="final")
     assert total.n == pytest.approx(got.n + 5e6) and total.loss == pytest.approx(got.loss * 1.01)
     with pytest.raises(ConfigError, match="no positive val_loss.*--loss smoothed"):
-        scaling.load_observations([tmp_path / "runs"], loss="val")
+        scaling_runs.load_observations([tmp_path / "runs"], loss="val")
     with pytest.raises(ConfigError, match="no such file or directory"):
-        scaling.load_observations([tmp_path / "nowhere"])
+        scaling_runs.load_observations([tmp_path / "nowhere"])
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

@@ -64,16 +64,17 @@ def test_peak_flops_take_the_longest_matching_name():
 
 def test_lr_multiplier_is_the_trainers_schedule():
     torch = pytest.importorskip("torch")
-    from liandan.train.optim import build_scheduler
+    from liandan.train.optimizers import schedule
+    from liandan.train.optimizers.container import OptimizersContainer
 
     cfg = ScheduleSection(kind="cosine", warmup_steps=3, min_lr_ratio=0.1)
-    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    scheduler = build_scheduler(optimizer, 20, cfg)
+    weight = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    optimizers = OptimizersContainer([torch.nn.Module()], [[optimizer]], schedule(20, cfg))
     seen = []
     for _ in range(20):
-        seen.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
+        seen.append(optimizers.lr)
+        optimizers.step()
     assert seen == pytest.approx([lr_multiplier(s, 20, cfg) for s in range(20)])
 
 

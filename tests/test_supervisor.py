@@ -34,7 +34,7 @@ from helpers import (
     write_corpus,
 )
 from liandan.checkpoint import snapshots
-from liandan.checkpoint.manager import load_model
+from liandan.checkpoint.loading import load_model
 from liandan.checkpoint.verify import complete_checkpoints, step_of, verify
 from liandan.config import load_config
 from liandan.resilience.processes import alive

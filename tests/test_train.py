@@ -14,7 +14,8 @@ from liandan.model import ModelArgs, Transformer
 from liandan.spec.schedule import lr_multiplier
 from liandan.train import Trainer
 from liandan.train.hardware import cpu_supports_bf16
-from liandan.train.optim import clip_grad_norm, parameter_groups
+from liandan.train.optimizers.adamw import parameter_groups
+from liandan.train.optimizers.container import clip_grad_norm
 
 
 @pytest.fixture(scope="module")

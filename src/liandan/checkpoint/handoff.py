@@ -33,7 +33,7 @@ def stamp(directory: Path) -> dict[str, list[int]]:
 def verify_and_hand_over(root: Path, checksums: bool, handoff: Path, on_event) -> Path | None:
     """The newest checkpoint under `root` that verifies (reporting each one that fails), written down for
     the next workers; None (and nothing written) when none does."""
-    from liandan.checkpoint.manager import newest_verified
+    from liandan.checkpoint.loading import newest_verified
 
     rejected = []
 

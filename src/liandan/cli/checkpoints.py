@@ -41,7 +41,7 @@ def _user_error(err: Exception) -> CheckpointError:
 
 
 def cmd_ckpt_info(args: argparse.Namespace, overrides: list[str]) -> int:
-    from liandan.checkpoint.manager import describe_checkpoint, run_checkpoint_root
+    from liandan.checkpoint.info import describe_checkpoint, run_checkpoint_root
 
     path = locate(args.path)  # a local path, or a store's URL (`s3://bucket/prefix`)
     if not path.exists():
@@ -77,7 +77,8 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from liandan.checkpoint import hf
-    from liandan.checkpoint.manager import load_model, resolve_checkpoint
+    from liandan.checkpoint.info import resolve_checkpoint
+    from liandan.checkpoint.loading import load_model
     from liandan.data.tokens.tokenizer import ByteTokenizer
     from liandan.evaluate.loading import checkpoint_tokenizer
 

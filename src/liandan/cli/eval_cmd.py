@@ -112,7 +112,7 @@ def evaluate_here(path: Path, run: Path | None, cfg: Any, tasks: list[Any]) -> d
 
 
 def _step_of(path: Path) -> int:
-    from liandan.checkpoint.manager import read_meta, resolve_checkpoint
+    from liandan.checkpoint.info import read_meta, resolve_checkpoint
 
     return int(read_meta(resolve_checkpoint(path)).get("step", 0))
 

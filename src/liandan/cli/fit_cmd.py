@@ -1,5 +1,5 @@
 """`liandan fit` (a scaling law from a set of runs) and `liandan optimal` (compute-optimal model size and
-tokens under a law). The numerics live in liandan.plan.scaling."""
+tokens under a law). The numerics live in liandan.plan.scaling, scaling_fit and scaling_runs."""
 
 from __future__ import annotations
 
@@ -173,7 +173,7 @@ def _with_interval(x: float, replicas: list[float], confidence: float) -> str:
     """x, and under it the percentile interval of its bootstrap replicas when there are any."""
     if not replicas:
         return _num(x)
-    from liandan.plan.scaling import percentile_interval
+    from liandan.plan.scaling_fit import percentile_interval
 
     return f"{_num(x)}\n{_interval(percentile_interval(replicas, confidence))}"
 
@@ -195,7 +195,7 @@ def _no_overrides(overrides: list[str]) -> None:
 def cmd_fit(args: argparse.Namespace, overrides: list[str]) -> int:
     import numpy as np
 
-    from liandan.plan import scaling
+    from liandan.plan import scaling, scaling_fit, scaling_runs
 
     _no_overrides(overrides)
     _check_confidence(args.confidence)
@@ -213,7 +213,7 @@ def cmd_fit(args: argparse.Namespace, overrides: list[str]) -> int:
     if len(predict) == 3:
         raise ConfigError("give at most two of --predict-n, --predict-d and --predict-flops; the third is 6*N*D")
 
-    obs = scaling.load_observations(args.paths, params=args.param_count.replace("-", "_"), loss=args.loss)
+    obs = scaling_runs.load_observations(args.paths, params=args.param_count.replace("-", "_"), loss=args.loss)
     if args.compute == "6nd":
         obs.compute = 6.0 * obs.n * obs.d
     console = _console()
@@ -224,7 +224,7 @@ def cmd_fit(args: argparse.Namespace, overrides: list[str]) -> int:
 
         return print_scale_up(console, obs, args)
     with console.status(f"fitting {len(obs)} runs, {args.bootstrap} bootstrap resamples"):
-        result = scaling.fit(obs, bootstrap=args.bootstrap, seed=args.seed)
+        result = scaling_fit.fit(obs, bootstrap=args.bootstrap, seed=args.seed)
 
     level = f"{args.confidence:.0%}".replace(".0%", "%")
     ci = lambda fn: result.interval(fn, args.confidence)
@@ -240,7 +240,7 @@ def cmd_fit(args: argparse.Namespace, overrides: list[str]) -> int:
         "estimate",
         f"{level} interval",
         "Chinchilla (Epoch refit)",
-        title=f"L(N, D) = E + A/N^α + B/D^β  (Huber δ = {scaling.HUBER_DELTA:g} on log loss, L-BFGS-B; {boot})",
+        title=f"L(N, D) = E + A/N^α + B/D^β  (Huber δ = {scaling_fit.HUBER_DELTA:g} on log loss, L-BFGS-B; {boot})",
     )
     chin = scaling.EPOCH_REFIT
     rows = [
@@ -263,7 +263,7 @@ def cmd_fit(args: argparse.Namespace, overrides: list[str]) -> int:
         f"({obs.names[worst]}); objective {result.objective:.3e}"
     )
     for name in result.at_bound():
-        console.print(f"note: {name} sits on its bound {scaling.EXPONENT_BOUNDS}: these runs do not constrain it")
+        console.print(f"note: {name} sits on its bound {scaling_fit.EXPONENT_BOUNDS}: these runs do not constrain it")
 
     if result.compute_law is not None:
         cl = result.compute_law
@@ -285,13 +285,13 @@ def cmd_fit(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.save:
         path = Path(args.save)
-        path.write_text(json.dumps(scaling.fit_to_dict(result, args.confidence), indent=2) + "\n")
+        path.write_text(json.dumps(scaling_fit.fit_to_dict(result, args.confidence), indent=2) + "\n")
         console.print(f"saved: {path}")
     return 0
 
 
 def _print_prediction(console, result, predict: dict[str, float], args, level: str) -> None:
-    from liandan.plan import scaling
+    from liandan.plan import scaling, scaling_fit
 
     law = result.law
     n, d, c = scaling.proposed_run(law, **predict)
@@ -300,7 +300,7 @@ def _print_prediction(console, result, predict: dict[str, float], args, level: s
     runs = [scaling.proposed_run(s, **predict) for s in result.samples] if varies else []
 
     def spread(values: list[float], show: bool) -> str:
-        return _interval(scaling.percentile_interval(values, args.confidence)) if show and values else ""
+        return _interval(scaling_fit.percentile_interval(values, args.confidence)) if show and values else ""
 
     table = _table("proposed run", "value", f"{level} interval", title="Prediction")
     table.add_row("parameters N", _num(n), spread([r[0] for r in runs], "n" not in predict))

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from liandan.checkpoint.manager import run_checkpoint_root
+from liandan.checkpoint.info import run_checkpoint_root
 from liandan.checkpoint.verify import CheckpointError, complete_checkpoints
 from liandan.config import load_config
 from liandan.data.pipeline.prepare import open_prepared, open_stores

@@ -67,7 +67,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"--price-per-device-hour = {price:g} must not be negative")
 
     from liandan.plan.devices import resolve_device
-    from liandan.plan.memory import plan_config
+    from liandan.plan.run_plan import plan_config
 
     device = resolve_device(args.device, memory_gib)
     cfg = load_config(args.config, overrides)
@@ -140,7 +140,7 @@ def print_plan(plan, cfg, config_path: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from liandan.plan.memory import GIB, usable_bytes
+    from liandan.plan.memory import ADAMW_STATE_BYTES_PER_PARAM, GIB, usable_bytes, zero_bytes_per_param
 
     console = Console(width=None if sys.stdout.isatty() else 110, highlight=False)
     m, a, p, d, t = plan.memory, plan.model, plan.params, plan.device, cfg.train
@@ -185,7 +185,9 @@ def print_plan(plan, cfg, config_path: str) -> None:
         "parameters", _size(m.states.params), f"fp32, {_count(m.params_per_device)} per device ({shard}{tp_note})"
     )
     table.add_row("gradients", _size(m.states.grads), "fp32")
-    table.add_row("optimizer", _size(m.states.optimizer), "fp32 Adam m and v")
+    k = m.optimizer_state_bytes_per_param
+    optimizer_how = "fp32 Adam m and v" if k == ADAMW_STATE_BYTES_PER_PARAM else f"{k:g} bytes per parameter"
+    table.add_row("optimizer", _size(m.states.optimizer), optimizer_how)
     table.add_row("transient", _size(m.transient), m.transient_what)
     acts = m.activations
     table.add_row(
@@ -219,9 +221,10 @@ def print_plan(plan, cfg, config_path: str) -> None:
         tight = " [bold red]does NOT fit[/bold red]" if i.device > usable else ""
         console.print(f"initialisation: {_size(i.device)} per device, {_size(i.host)} host ({i.what}; {how}){tight}")
 
+    zero_bytes = " + ".join(f"{b:g}" for b in zero_bytes_per_param(m.dtype, k))
     title = (
         f"ZeRO paper accounting: Ψ = {_count(m.params_per_rank)} parameters per tensor-parallel rank,"
-        f" Nd = {m.layout.dp_size}, {'2 + 2 + 12' if m.dtype == 'bf16' else '4 + 4 + 8'} bytes per parameter"
+        f" Nd = {m.layout.dp_size}, {zero_bytes} bytes per parameter"
     )
     console.print(f"\n[bold]{title}[/bold]")
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)

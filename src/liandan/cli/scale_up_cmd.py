@@ -13,7 +13,7 @@ from liandan.config import ConfigError
 
 def print_scale_up(console, obs, args: argparse.Namespace) -> int:
     from liandan.plan import scale_up
-    from liandan.plan.scaling import fit_compute_law
+    from liandan.plan.scaling_fit import fit_compute_law
 
     if args.compute == "reported" and not np.all(obs.compute > 0):
         raise ConfigError("--compute reported needs C for every run")

@@ -332,7 +332,7 @@ class ResumeOracle:
                                  f" {self._expected(check)}): {theirs[step]!r} instead of {ours[step]!r}")  # fmt: skip
 
     def _compare_weights(self, check: Check, reference: Path, resumed: Path) -> None:
-        from liandan.checkpoint.manager import load_model
+        from liandan.checkpoint.loading import load_model
 
         ours, _ = load_model(reference)
         theirs, _ = load_model(resumed)

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from liandan.checkpoint.manager import load_model, resolve_checkpoint
+from liandan.checkpoint.info import resolve_checkpoint
+from liandan.checkpoint.loading import load_model
 from liandan.checkpoint.verify import CheckpointError
 from liandan.config import Config, ConfigError, from_dict
 from liandan.data.documents.corpus import DataError

@@ -4,7 +4,7 @@ compute, and give an interval that says how far the run itself may land from the
 
 The law. A ladder whose data grows with the model (a fixed number of tokens per parameter) lies on one line
 of (N, D): along it the loss is a function of compute alone, L(C) = a·C^b + c, fitted as
-`liandan.plan.scaling.fit_compute_law` fits it. When the runs also vary the tokens per parameter (at least
+`liandan.plan.scaling_fit.fit_compute_law` fits it. When the runs also vary the tokens per parameter (at least
 1.5-fold) and there are five or more, L(N, D) = E + A/N^α + B/D^β is fitted too and predicts at the planned
 run's own N and D, which L(C) cannot when the planned run leaves the ladder's line.
 
@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from liandan.config import ConfigError, load_config
-from liandan.plan.scaling import Observations, fit_compute_law, fit_law
+from liandan.plan.scaling_fit import fit_compute_law, fit_law
+from liandan.plan.scaling_runs import Observations
 
 NOISE_FLOOR = 0.005  # σ of log loss: half a percent, below what seeds of small runs ever scatter here
 RATIO_SPREAD = 1.5  # tokens per parameter must vary this much across the runs for L(N, D) to see N apart from D
@@ -51,7 +52,7 @@ def planned_run(path: str | Path, *, params: str = "non_embedding") -> PlannedRu
     """The run a config file describes, counted as `liandan train` will count it (summary.json's
     parameters, tokens = steps × global batch × sequence length, flops_per_token)."""
     from liandan.model import count_params, flops_per_token
-    from liandan.plan.memory import plan_model_args
+    from liandan.plan.run_plan import plan_model_args
 
     path = Path(path)
     if not path.is_file():

@@ -4,7 +4,7 @@
 writing, sizes, removal), carried out through fsspec, so that listings, manifests and verification are one code
 path for local and remote checkpoints. Object stores have no rename and no directories: a "directory" is a key
 prefix, and a save writes straight into its step directory, whose manifest, written last in one put, is what
-makes it complete (see `liandan.checkpoint.manager`).
+makes it complete (see `liandan.checkpoint.saving`).
 
 The backend is fsspec's for the URL's protocol (s3fs for `s3://`, from the `s3` extra); credentials and the
 endpoint come from the backend's usual environment (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,

@@ -19,8 +19,9 @@ import torch.distributed as dist
 
 from liandan import __version__
 from liandan.checkpoint.handoff import newest_checkpoint
-from liandan.checkpoint.manager import SaveError, read_meta
+from liandan.checkpoint.info import read_meta
 from liandan.checkpoint.resume import choose_resume
+from liandan.checkpoint.saving import SaveError
 from liandan.checkpoint.streaming import is_weight_source, load_weights
 from liandan.checkpoint.verify import step_of
 from liandan.config import Config, ConfigError

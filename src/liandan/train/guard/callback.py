@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from liandan.checkpoint.manager import SaveOutcome
 from liandan.checkpoint.ring import HeldState
+from liandan.checkpoint.saving import SaveOutcome
 from liandan.config import Config, GuardSection
 from liandan.run import RunStopped
 from liandan.train.callbacks import Callback

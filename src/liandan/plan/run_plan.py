@@ -1,0 +1,240 @@
+"""A run config's plan, everything `liandan plan` prints: the model, its FLOPs, memory per device in the
+config's layout (`liandan.plan.memory`), the smallest layout that fits (`liandan.plan.layout_search`), and
+the run's time and cost at an assumed MFU."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from liandan.config import Config, ConfigError
+from liandan.model.spec import ParamCounts, count_params, flops_per_token, model_args
+from liandan.model.spec import get as get_model_spec
+from liandan.plan.activations import BYTES, CHECKPOINT_MODES, activation_bytes_per_layer
+from liandan.plan.devices import Device
+from liandan.plan.fp8 import Fp8Count, plan_fp8
+from liandan.plan.layout_search import LayoutFit, micro_batch_for, smallest_fitting_layout
+from liandan.plan.memory import (
+    DEFAULT_HEADROOM,
+    InitMemory,
+    MemoryEstimate,
+    init_memory,
+    memory_per_device,
+    optimizer_state_bytes,
+    usable_bytes,
+)
+from liandan.run.remote import is_url
+from liandan.spec.layout import resolve_layout
+from liandan.spec.peaks import mixed_peak_flops
+
+# ---------------------------------------------------------------------------------------------------------
+# FLOPs, time and cost
+
+
+@dataclass(frozen=True)
+class RunFlops:
+    tokens: int  # steps x global batch x sequence length
+    per_token: float  # PaLM: 6N + 12·L·H·Q·T
+    total: float  # per_token x tokens
+    six_nd: float  # 6 x parameters used in matmuls x tokens, without the attention term
+
+
+def run_flops(args: Any, *, seq_len: int, steps: int, global_batch: int) -> RunFlops:
+    tokens = steps * global_batch * seq_len
+    per_token = flops_per_token(args, seq_len)
+    return RunFlops(tokens, per_token, per_token * tokens, 6.0 * count_params(args).matmul * tokens)
+
+
+@dataclass(frozen=True)
+class RunTime:
+    flops: float
+    nproc: int
+    peak_flops_per_device: float
+    mfu: float
+    seconds: float
+    device_hours: float
+    cost: float | None  # device hours x price, when a price is given
+
+
+def run_time_estimate(
+    flops: float, nproc: int, peak_flops_per_device: float, mfu: float = 0.4, price_per_device_hour: float | None = None
+) -> RunTime:
+    """Wall-clock time of `flops` model FLOPs on `nproc` devices at `mfu` of their peak (MFU counts model
+    FLOPs, so recomputation is part of what keeps it below 1), and its cost."""
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"--mfu = {mfu:g} must be in (0, 1]")
+    if nproc < 1:
+        raise ConfigError(f"--nproc = {nproc} must be at least 1")
+    if price_per_device_hour is not None and price_per_device_hour < 0:
+        raise ConfigError(f"--price-per-device-hour = {price_per_device_hour:g} must not be negative")
+    seconds = flops / (nproc * peak_flops_per_device * mfu)
+    hours = seconds / 3600 * nproc
+    cost = None if price_per_device_hour is None else hours * price_per_device_hour
+    return RunTime(flops, nproc, peak_flops_per_device, mfu, seconds, hours, cost)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# what the config says
+
+
+def plan_model_args(cfg: Config) -> Any:
+    """The model a config trains, in its family's args. With model.vocab_size = 0 the size comes from the
+    tokenizer the config names, rounded up to a multiple of 64 as the trainer does."""
+    m = cfg.model
+    get_model_spec(m.family)  # an unknown family is the first thing to report
+    tokenizer_vocab = 0
+    if not m.vocab_size:
+        spec = cfg.data.tokenizer
+        if cfg.data.stores and is_url(cfg.data.stores[0]):  # its manifest says, without fetching the store
+            tokenizer_vocab = _store_url_vocab(cfg.data.stores[0])
+        elif cfg.data.stores:  # a pipeline's store carries its tokenizer beside its manifest
+            tokenizer_vocab = _tokenizer_file_vocab(str(Path(cfg.data.stores[0]) / "tokenizer.json"))
+        elif spec == "byte":
+            tokenizer_vocab = 257
+        elif spec == "bpe":
+            tokenizer_vocab = cfg.data.bpe_vocab_size
+        else:
+            tokenizer_vocab = _tokenizer_file_vocab(spec)
+    return model_args(m, tokenizer_vocab)
+
+
+def _store_url_vocab(url: str) -> int:
+    from liandan.data.tokens.cache import store_manifest
+
+    return int(store_manifest(url)["vocab_size"])
+
+
+def _tokenizer_file_vocab(path: str) -> int:
+    if not Path(path).is_file():
+        raise ConfigError(f"tokenizer file not found: {path} (or set model.vocab_size to plan without it)")
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(path).get_vocab_size()
+    except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception for unreadable files
+        raise ConfigError(f"cannot read tokenizer {path}: {err}") from None
+
+
+def plan_dtype(cfg: Config) -> str:
+    """The compute dtype on a GPU: auto means bf16."""
+    return "fp32" if cfg.train.dtype == "fp32" else "bf16"
+
+
+def plan_attention(cfg: Config) -> str:
+    """What the attention kernel keeps on a GPU: FlexAttention (auto, flex) and SDPA with a causal mask keep
+    no s x s tensor; SDPA with document masks keeps the dense mask; eager keeps the scores."""
+    kind = cfg.model.attention
+    if kind == "eager":
+        return "eager"
+    if kind == "sdpa" and cfg.train.mask == "document":
+        return "dense-mask"
+    return "flash"
+
+
+def default_nproc(cfg: Config) -> int:
+    """The fewest processes the config's [parallel] section admits: the product of its fixed sizes."""
+    p = cfg.parallel
+    return p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the plan
+
+
+@dataclass(frozen=True)
+class ActivationVariant:
+    """One row of Korthikanti et al.'s table for this run's s, b, h, a and t."""
+
+    checkpoint: str
+    parallel: str  # none, tp=t, or tp=t + sp (sequence parallel)
+    formula: str
+    paper_bytes: float  # per layer, attention scores stored as the paper assumes
+    kernel_bytes: float  # per layer, with this run's attention kernel
+    used: bool  # the variant this run trains with
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: Any
+    params: ParamCounts
+    flops: RunFlops
+    nproc: int
+    device: Device
+    headroom: float
+    memory: MemoryEstimate
+    fits: bool
+    smallest: LayoutFit | None
+    time: RunTime
+    variants: tuple[ActivationVariant, ...]
+    init: InitMemory | None = None  # building and initialising the model, before the first step
+    fp8: Fp8Count | None = None
+
+
+def plan_config(
+    cfg: Config,
+    device: Device,
+    *,
+    nproc: int | None = None,
+    mfu: float = 0.4,
+    price_per_device_hour: float | None = None,
+    headroom: float = DEFAULT_HEADROOM,
+) -> Plan:
+    """Everything `liandan plan` prints, for a config on `nproc` devices (default: the fewest it admits)."""
+    if not 0 <= headroom < 1:
+        raise ConfigError(f"--headroom = {headroom:g} must be in [0, 1)")
+    nproc = default_nproc(cfg) if nproc is None else nproc
+    if nproc < 1:
+        raise ConfigError(f"--nproc = {nproc} must be at least 1")
+    try:
+        layout = resolve_layout(cfg.parallel, nproc)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    t = cfg.train
+    b = micro_batch_for(t.global_batch, t.micro_batch, layout)
+    if b is None:
+        raise ConfigError(
+            f"train.global_batch = {t.global_batch} must split into {layout.dp_size} data-parallel ranks"
+            f" of whole micro-batches of train.micro_batch = {t.micro_batch}"
+        )
+    args = plan_model_args(cfg)
+    refusal = get_model_spec(cfg.model.family).tp_refusal(args, layout.tp)
+    if refusal:
+        raise ConfigError(refusal)
+    dtype, attention = plan_dtype(cfg), plan_attention(cfg)
+    p = cfg.parallel
+    fp8 = plan_fp8(cfg, args)
+    settings = {"sequence_parallel": p.sequence_parallel, "loss_parallel": p.loss_parallel, "ce_chunks": t.ce_chunks,
+                "fp8_params": fp8.params, "optimizer_state_bytes_per_param": optimizer_state_bytes(cfg)}  # fmt: skip
+    memory = memory_per_device(
+        args, layout, micro_batch=b, seq_len=t.seq_len, activation_checkpoint=t.activation_checkpoint,
+        dtype=dtype, attention=attention, accumulation_steps=t.global_batch // layout.dp_size // b, **settings,
+    )  # fmt: skip
+    smallest = smallest_fitting_layout(
+        args, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
+        device_memory_gib=device.memory_gib, headroom=headroom, dtype=dtype, attention=attention,
+        max_tp=1 if fp8.params else 8, **settings,  # fp8 runs without tensor parallel
+    )  # fmt: skip
+    flops = run_flops(args, seq_len=t.seq_len, steps=t.steps, global_batch=t.global_batch)
+    share = min(1.0, 6.0 * fp8.params / flops.per_token)
+    peak = mixed_peak_flops(device.peak_flops(dtype), device.peak_flops_fp8(dtype), share)
+    time = run_time_estimate(flops.total, nproc, peak, mfu, price_per_device_hour)
+    variants = []
+    for mode in CHECKPOINT_MODES:
+        for sp in (False, True):
+            if sp and layout.tp == 1:
+                continue
+            kw = {"tp": layout.tp, "sequence_parallel": sp, "checkpoint": mode, "bytes_per_value": BYTES[dtype]}
+            paper, formula = activation_bytes_per_layer(t.seq_len, b, args.dim, args.n_heads, **kw)
+            kernel, _ = activation_bytes_per_layer(
+                t.seq_len, b, args.dim, args.n_heads, attention_scores=attention == "eager", **kw
+            )
+            parallel = "none" if layout.tp == 1 else f"tp={layout.tp}" + (" + sp" if sp else "")
+            used = mode == t.activation_checkpoint and sp == p.sequence_parallel
+            variants.append(ActivationVariant(mode, parallel, formula, paper, kernel, used))
+    init = init_memory(args, layout, t.meta_init)
+    fits = memory.fits(device.memory_gib, headroom) and init.device <= usable_bytes(device.memory_gib, headroom)
+    return Plan(
+        args, count_params(args), flops, nproc, device, headroom, memory, fits, smallest, time, tuple(variants), init,
+        fp8,
+    )  # fmt: skip
