@@ -97,7 +97,8 @@ def loglikelihoods(
     alone.sort(key=lambda i: -len(windows[i][0]))
     shared.sort(key=lambda members: -len(windows[members[0]][0]))
     batches = [(alone[i : i + batch_size], _score_batch) for i in range(0, len(alone), batch_size)]
-    batches += [(batch, _score_shared_batch) for batch in _context_batches(shared, batch_size)]
+    positions = model_args(model).max_seq_len
+    batches += [(batch, _score_shared_batch) for batch in _context_batches(shared, windows, batch_size, positions)]
     device = _device(model)
     with scoring_mode(model):
         for batch, score in batches:
@@ -106,16 +107,29 @@ def loglikelihoods(
     return results
 
 
-def _context_batches(groups: list[list[int]], batch_size: int) -> list[list[int]]:
+def _context_batches(
+    groups: list[list[int]], windows: list[tuple[list[int], int]], batch_size: int, positions: int
+) -> list[list[int]]:
     """Groups of requests with one context, packed whole (or split, when larger than a batch) into batches
-    of at most `batch_size` requests."""
+    of at most `batch_size` requests. A batch reads every continuation slot against every context: the
+    longest context plus the longest continuation must stay within the model's `positions` (its rotary
+    table), although each request alone was cut to fit, so a group that would pass it starts a new batch."""
     chunks = [group[i : i + batch_size] for group in groups for i in range(0, len(group), batch_size)]
     batches: list[list[int]] = []
+    longest_context = longest_continuation = 0
     for chunk in chunks:
-        if batches and len(batches[-1]) + len(chunk) <= batch_size:
+        context = len(windows[chunk[0]][0]) - windows[chunk[0]][1]
+        continuation = max(windows[i][1] for i in chunk)
+        fits = max(longest_context, context) + max(longest_continuation, continuation) - 1 <= positions
+        if batches and len(batches[-1]) + len(chunk) <= batch_size and fits:
             batches[-1].extend(chunk)
+            longest_context, longest_continuation = (
+                max(longest_context, context),
+                max(longest_continuation, continuation),
+            )
         else:
             batches.append(list(chunk))
+            longest_context, longest_continuation = context, continuation
     return batches
 
 
