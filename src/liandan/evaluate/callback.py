@@ -32,6 +32,7 @@ class TaskEvalCallback(Callback):
 
         self.cfg = cfg
         self.tasks = load_tasks(cfg.eval.tasks, cfg.eval.data_dir)  # before the model is built: a bad file fails early
+        self.said: set[str] = set()  # what was cut to fit the window is the same at every evaluation: said once
 
     def on_train_start(self, trainer: Trainer) -> None:
         e = self.cfg.eval
@@ -55,6 +56,9 @@ class TaskEvalCallback(Callback):
                 trainer.logger.log_event("eval_task", **fields)
             values.update(result.metric_values())
             trainer.say(f"step {step}: {result.spread_line()}")
+            for note in set(result.notes) - self.said:
+                trainer.say(f"note: {note}")
+                self.said.add(note)
         for source in heldout:
             trainer.logger.log_event("eval_heldout", **source.event(step))
             values[f"eval/heldout/{source.source}/loss"] = source.loss
