@@ -214,3 +214,11 @@ def test_a_relative_data_dir_is_found_beside_the_config_then_here_then_in_the_ch
         assert resolve_data_dir("../shared/data") == SHARED_DATA
         (task,) = load_tasks(["gsm8k"])
         assert task.data_path == SHARED_DATA / "eval" / "gsm8k-test.jsonl"
+
+
+def test_a_cloze_corpus_that_is_not_text_is_one_line(tmp_path):
+    (tmp_path / "corpus.txt").write_bytes(b"first line of verse\n\xff\xfe not text\n")
+    path = tmp_path / "cloze.toml"
+    path.write_text('name = "c"\nkind = "multiple_choice"\n[generate]\ncorpus = "corpus.txt"\n')
+    with pytest.raises(ConfigError, match=r"corpus.txt \(task .*cloze.toml\): not valid UTF-8 \(byte 20\)"):
+        load_task(path)

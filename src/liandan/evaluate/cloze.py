@@ -92,7 +92,10 @@ def _nearest(sorted_lengths: list[int], length: int, count: int) -> list[int]:
 
 def _documents(corpus: Path, text_field: str, task_file: Path) -> list[str]:
     if corpus.suffix == ".txt":
-        return [corpus.read_text(encoding="utf-8")]
+        try:
+            return [corpus.read_text(encoding="utf-8")]
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{corpus} (task {task_file}): not valid UTF-8 (byte {err.start})") from None
     docs = [r.get(text_field) for _, r in read_jsonl(corpus, task_file)]
     return [d for d in docs if isinstance(d, str)]
 
