@@ -129,7 +129,7 @@ def resolve_data_dir(data_dir: str, config_dir: Path | None = None) -> Path:
     """What `{data_dir}` stands for. A relative `[eval] data_dir` is taken from the first of these where it
     is a directory: the directory of the config file that holds it (`config_dir`, when known), the working
     directory, and the root of a source checkout of liandan (whose ../shared/data is the default); where
-    it is in none of them, from the first (a path that is not there, named by the error that follows)."""
+    it is in none of them, from the working directory, as it always was (the error that follows names it)."""
     given = Path(data_dir).expanduser()
     if given.is_absolute():
         return given
@@ -137,7 +137,7 @@ def resolve_data_dir(data_dir: str, config_dir: Path | None = None) -> Path:
     if (SOURCE_ROOT / "pyproject.toml").is_file():
         bases.append(SOURCE_ROOT)
     candidates = [(base / given).resolve() for base in bases if base is not None]
-    return next((c for c in candidates if c.is_dir()), candidates[0])
+    return next((c for c in candidates if c.is_dir()), (Path.cwd() / given).resolve())
 
 
 def load_task(path: str | Path, data_dir: str = DEFAULT_DATA_DIR, config_dir: Path | None = None) -> Task:
