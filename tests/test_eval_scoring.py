@@ -76,6 +76,20 @@ def test_loglikelihoods_equal_a_direct_forward(model, batch_size, max_len, share
         assert greedy == want_greedy
 
 
+def test_shared_contexts_near_max_seq_len_with_long_continuations_beside_them(model):
+    """Each request fits alone, but a batch that read the longest context's cache slots against the longest
+    continuation of another question would run past the model's positions: the batches must keep apart."""
+    g = torch.Generator().manual_seed(4)
+    long_context, short_context = _random_tokens(g, 37, 38), _random_tokens(g, 5, 6)
+    requests = [(long_context, _random_tokens(g, 1, 2)), (long_context, _random_tokens(g, 2, 3)),
+                (short_context, _random_tokens(g, 8, 9)), (short_context, _random_tokens(g, 3, 4))]  # fmt: skip
+    got = scoring.loglikelihoods(model, requests, batch_size=16)
+    for (context, continuation), (logprob, greedy) in zip(requests, got, strict=True):
+        want, want_greedy = direct_loglikelihood(model, context, continuation, ARGS["max_seq_len"])
+        assert logprob == pytest.approx(want, rel=1e-5, abs=1e-5)
+        assert greedy == want_greedy
+
+
 def test_the_models_own_greedy_continuation_is_greedy(model):
     prompt = _requests(2, 1)[0][0]
     continuation = scoring.generate(model, [prompt], max_new_tokens=5)[0]

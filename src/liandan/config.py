@@ -408,7 +408,9 @@ class EvalSection:
                     " the last step); 0 disables", min=0)  # fmt: skip
     limit: int = _f(50, "items of each task evaluated (the first ones of its file); 0 takes every item", min=0)
     formats: list[str] = _f([], "prompt formats to run each task under; empty runs every format the task lists")
-    data_dir: str = _f("../shared/data", "what {data_dir} stands for in task files' paths")
+    data_dir: str = _f("../shared/data", "what {data_dir} stands for in task files' paths; a relative one is"
+                       " looked for beside the run's config, in the working directory, then in a source checkout"
+                       " (docs/evaluation.md)")  # fmt: skip
     batch_size: int = _f(16, "sequences per forward pass when scoring", min=1)
     max_new_tokens: int = _f(0, "cap on generated tokens per answer; 0 keeps each task's own", min=0)
     heldout_sequences: int = _f(16, "held-out sequences scored per data source (bits per byte); 0 disables",

@@ -2,7 +2,8 @@
 spread), the held-out loss of each data source of its run in bits per byte, and each task's contamination in
 the run's training stores. One process, or `--nproc N` local processes that split the items between them
 (each holds the whole model; the counts are gathered, so the scores are the same). `[eval]` keys of the run's
-config apply, and `--eval.key=value` overrides them.
+config apply, and `--eval.key=value` overrides them. A progress bar (plain lines where stderr is not a
+terminal) goes to stderr while it works; the results go to stdout.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ def add_commands(sub) -> None:
     p.add_argument("--tasks", help="comma-separated task names (gsm8k, cloze_en, cloze_zh) or task files;"
                    " default: [eval] tasks of the run's config")  # fmt: skip
     p.add_argument("--limit", type=int, help="items per task (default: [eval] limit); 0 takes all")
+    p.add_argument("--data-dir", help="what {data_dir} stands for in task files (default: [eval] data_dir)")
     p.add_argument("--nproc", type=int, default=1, help="local processes to split the items over")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     p.add_argument("--record", action="store_true", help="also append the results to the run's events.jsonl")
@@ -49,7 +51,12 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(run / "config.toml" if run else None, [*overrides, *extra])
     from liandan.evaluate.tasks import load_tasks
 
-    tasks = load_tasks(cfg.eval.tasks, cfg.eval.data_dir)  # bad task files fail here, before any worker starts
+    if args.data_dir is not None:
+        if not Path(args.data_dir).is_dir():
+            raise ConfigError(f"--data-dir: no such directory: {args.data_dir}")
+        cfg.eval.data_dir = str(Path(args.data_dir).resolve())
+    # bad task files fail here, before any worker starts; a relative data_dir may be the run config's
+    tasks = load_tasks(cfg.eval.tasks, cfg.eval.data_dir, run)
     if args.nproc > 1 and "WORLD_SIZE" not in os.environ:
         return _launch(args, overrides)
     report = evaluate_here(path, run, cfg, tasks)
@@ -68,7 +75,8 @@ def evaluate_here(path: Path, run: Path | None, cfg: Any, tasks: list[Any]) -> d
 
     from liandan.evaluate.heldout import heldout_losses
     from liandan.evaluate.loading import load_for_eval
-    from liandan.evaluate.runner import Split, run_task
+    from liandan.evaluate.progress import EvalProgress
+    from liandan.evaluate.runner import Split, run_task, task_requests
     from liandan.train.distributed import init_distributed, shutdown_distributed
 
     info = init_distributed(cfg.run.device, cfg.parallel.backend, cfg.resilience.collective_timeout_s)
@@ -84,26 +92,33 @@ def evaluate_here(path: Path, run: Path | None, cfg: Any, tasks: list[Any]) -> d
             split = Split(info.rank, info.world_size, gather)
         model, tokenizer, run_cfg = load_for_eval(path, device=info.device)
         e = cfg.eval
-        with torch.no_grad():
-            results = [run_task(model, tokenizer, task, limit=e.limit, max_len=model.args.max_seq_len,
-                                batch_size=e.batch_size, split=split, formats=e.formats,
-                                max_new_tokens=e.max_new_tokens) for task in tasks]  # fmt: skip
-        heldout, contamination, step = [], [], _step_of(path)
-        # an imported checkpoint has no run config, and so no training stores to hold out from or compare with
-        loader = _loader(run_cfg, run) if run is not None and run_cfg is not None else None
-        if loader is not None and e.heldout_sequences:
-            heldout = heldout_losses(model, loader, tokenizer, sequences=e.heldout_sequences, batch_size=e.batch_size,
-                                     document_mask=run_cfg.train.mask == "document", device=info.device,
-                                     split=split)  # fmt: skip
-        if loader is not None and e.contamination and info.rank == 0:
-            from liandan.evaluate.contamination import overlaps
+        total = sum(task_requests(task, e.limit, e.formats, split) for task in tasks)
+        progress = EvalProgress(total, show=info.rank == 0)
+        try:
+            with torch.no_grad():
+                results = [run_task(model, tokenizer, task, limit=e.limit, max_len=model.args.max_seq_len,
+                                    batch_size=e.batch_size, split=split, formats=e.formats,
+                                    max_new_tokens=e.max_new_tokens, progress=progress) for task in tasks]  # fmt: skip
+            heldout, contamination, step = [], [], _step_of(path)
+            # an imported checkpoint has no run config, and so no training stores to hold out from or compare with
+            loader = _loader(run_cfg, run) if run is not None and run_cfg is not None else None
+            if loader is not None and e.heldout_sequences:
+                progress.stage("held-out loss per source")
+                heldout = heldout_losses(model, loader, tokenizer, sequences=e.heldout_sequences,
+                                         batch_size=e.batch_size, document_mask=run_cfg.train.mask == "document",
+                                         device=info.device, split=split)  # fmt: skip
+            if loader is not None and e.contamination and tasks and info.rank == 0:
+                from liandan.evaluate.contamination import overlaps
 
-            contamination = overlaps(tasks, loader.stores, tokenizer, limit=e.limit, ngram=e.ngram)
+                progress.stage("contamination in the training stores")
+                contamination = overlaps(tasks, loader.stores, tokenizer, limit=e.limit, ngram=e.ngram)
+        finally:
+            progress.close()
         return {
             "checkpoint": str(path), "step": step,
             "tasks": [{"task": r.task, "kind": r.kind, "n": r.n, "scores": r.scores,
                        "summary": {m: r.summary(m) for m in r.metrics}, "line": r.spread_line(),
-                       "events": r.events(step)} for r in results],
+                       "notes": r.notes, "events": r.events(step)} for r in results],
             "heldout": [{**h.event(step), "line": h.line()} for h in heldout],
             "contamination": [{**c.event(), "line": c.line()} for c in contamination],
         }  # fmt: skip
@@ -143,6 +158,7 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         worker = ["eval", args.path, f"--report-to={report_path}", *overrides]
         worker += [f"--tasks={args.tasks}"] if args.tasks else []
         worker += [f"--limit={args.limit}"] if args.limit is not None else []
+        worker += [f"--data-dir={args.data_dir}"] if args.data_dir is not None else []
         code, message = launch_local(args.nproc, "liandan.cli", worker)
         if message or code:
             _error(message or f"liandan eval: a worker failed (exit {code})")
@@ -156,6 +172,8 @@ def _tell(report: dict[str, Any], args: argparse.Namespace, run: Path | None) ->
         for fmt, by_metric in task["scores"].items():
             print(f"  {task['task']} [{fmt}]: " + ", ".join(f"{m} {v:.3f}" for m, v in by_metric.items()))
         print(task["line"])
+        for note in task.get("notes", []):
+            print(f"  note: {note}")
     for line in [h["line"] for h in report["heldout"]] + [c["line"] for c in report["contamination"]]:
         print(line)
     if args.json:

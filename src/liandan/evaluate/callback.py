@@ -32,6 +32,7 @@ class TaskEvalCallback(Callback):
 
         self.cfg = cfg
         self.tasks = load_tasks(cfg.eval.tasks, cfg.eval.data_dir)  # before the model is built: a bad file fails early
+        self.said: set[str] = set()  # what was cut to fit the window is the same at every evaluation: said once
 
     def on_train_start(self, ctx: TrainContext) -> None:
         e = self.cfg.eval
@@ -55,6 +56,9 @@ class TaskEvalCallback(Callback):
                 ctx.logger.log_event("eval_task", **fields)
             values.update(result.metric_values())
             ctx.say(f"step {step}: {result.spread_line()}")
+            for note in set(result.notes) - self.said:
+                ctx.say(f"note: {note}")
+                self.said.add(note)
         for source in heldout:
             ctx.logger.log_event("eval_heldout", **source.event(step))
             values[f"eval/heldout/{source.source}/loss"] = source.loss

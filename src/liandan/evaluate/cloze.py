@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from liandan.config import ConfigError
-from liandan.evaluate.tasks import Item, read_jsonl, resolve_data_path
+from liandan.evaluate.tasks import Item, missing_data_hint, read_jsonl, resolve_data_path
 
 _DEFAULTS: dict[str, Any] = {
     "text_field": "text", "items": 200, "choices": 4, "context_lines": 2, "min_chars": 20, "max_chars": 120,
@@ -54,7 +54,9 @@ def cloze_items(task_file: Path, table: dict[str, Any], data_dir: str) -> tuple[
         raise ConfigError(f"{task_file}: generate needs choices >= 2, context_lines >= 1 and items >= 1")
     corpus = resolve_data_path(task_file, s["corpus"], data_dir)
     if not corpus.is_file():
-        raise ConfigError(f"{task_file}: field 'generate.corpus': file not found: {corpus}")
+        raise ConfigError(
+            f"{task_file}: field 'generate.corpus': file not found: {corpus}{missing_data_hint(s['corpus'])}"
+        )
     documents = _documents(corpus, s["text_field"], task_file)
     lines_of = [[ln for ln in _lines(doc) if s["min_chars"] <= len(ln) <= s["max_chars"] and _textual(ln)]
                 for doc in documents]  # fmt: skip
@@ -90,7 +92,10 @@ def _nearest(sorted_lengths: list[int], length: int, count: int) -> list[int]:
 
 def _documents(corpus: Path, text_field: str, task_file: Path) -> list[str]:
     if corpus.suffix == ".txt":
-        return [corpus.read_text(encoding="utf-8")]
+        try:
+            return [corpus.read_text(encoding="utf-8")]
+        except UnicodeDecodeError as err:
+            raise ConfigError(f"{corpus} (task {task_file}): not valid UTF-8 (byte {err.start})") from None
     docs = [r.get(text_field) for _, r in read_jsonl(corpus, task_file)]
     return [d for d in docs if isinstance(d, str)]
 

@@ -45,7 +45,10 @@ def load_for_eval(
                               f"{model.args.vocab_size}: not the tokenizer it was trained with")  # fmt: skip
     device = torch.device(device)
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
-    model.configure_attention(device, training=False)
+    if model.configure_attention(device, training=False) == "flex" and device.type != "cuda":
+        # FlexAttention is compiled on CUDA only: elsewhere it builds the whole score matrix, as SDPA with an
+        # explicit mask does, and warns (nine lines) in every process that evaluates
+        model.attention_backend = "sdpa"
     return model.eval(), tok, saved_config(meta, checkpoint)
 
 

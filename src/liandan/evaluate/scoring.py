@@ -14,7 +14,7 @@ answers. Nothing here is a collective of its own.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -67,11 +67,13 @@ def loglikelihoods(
     *,
     batch_size: int = 16,
     max_len: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> list[tuple[float, bool]]:
     """For each (context, continuation) of token ids: (sum of log p(continuation | context), whether every
     continuation token is the model's greedy choice). The context must have at least one token (lm-eval
     starts an empty one with the end-of-document token); (context + continuation) is cut from the left to
-    `max_len + 1` tokens (default: the model's max_seq_len)."""
+    `max_len + 1` tokens (default: the model's max_seq_len). `progress` is called with the number of
+    requests of each batch scored."""
     max_len = _max_len(model, max_len)
     windows: list[tuple[list[int], int]] = []
     for i, (context, continuation) in enumerate(requests):
@@ -97,25 +99,41 @@ def loglikelihoods(
     alone.sort(key=lambda i: -len(windows[i][0]))
     shared.sort(key=lambda members: -len(windows[members[0]][0]))
     batches = [(alone[i : i + batch_size], _score_batch) for i in range(0, len(alone), batch_size)]
-    batches += [(batch, _score_shared_batch) for batch in _context_batches(shared, batch_size)]
+    positions = model_args(model).max_seq_len
+    batches += [(batch, _score_shared_batch) for batch in _context_batches(shared, windows, batch_size, positions)]
     device = _device(model)
     with scoring_mode(model):
         for batch, score in batches:
             for i, result in zip(batch, score(model, [windows[i] for i in batch], device), strict=True):
                 results[i] = result
+            if progress is not None:
+                progress(len(batch))
     return results
 
 
-def _context_batches(groups: list[list[int]], batch_size: int) -> list[list[int]]:
+def _context_batches(
+    groups: list[list[int]], windows: list[tuple[list[int], int]], batch_size: int, positions: int
+) -> list[list[int]]:
     """Groups of requests with one context, packed whole (or split, when larger than a batch) into batches
-    of at most `batch_size` requests."""
+    of at most `batch_size` requests. A batch reads every continuation slot against every context: the
+    longest context plus the longest continuation must stay within the model's `positions` (its rotary
+    table), although each request alone was cut to fit, so a group that would pass it starts a new batch."""
     chunks = [group[i : i + batch_size] for group in groups for i in range(0, len(group), batch_size)]
     batches: list[list[int]] = []
+    longest_context = longest_continuation = 0
     for chunk in chunks:
-        if batches and len(batches[-1]) + len(chunk) <= batch_size:
+        context = len(windows[chunk[0]][0]) - windows[chunk[0]][1]
+        continuation = max(windows[i][1] for i in chunk)
+        fits = max(longest_context, context) + max(longest_continuation, continuation) - 1 <= positions
+        if batches and len(batches[-1]) + len(chunk) <= batch_size and fits:
             batches[-1].extend(chunk)
+            longest_context, longest_continuation = (
+                max(longest_context, context),
+                max(longest_continuation, continuation),
+            )
         else:
             batches.append(list(chunk))
+            longest_context, longest_continuation = context, continuation
     return batches
 
 
@@ -277,6 +295,7 @@ def generate(
     use_cache: bool = True,
     batch_size: int = 8,
     keep_stop: bool = False,
+    progress: Callable[[int], None] | None = None,
 ) -> list[list[int]]:
     """Greedy continuations of each prompt: at most `max_new_tokens` tokens, ending before the first stop
     sequence (or `eos_id`) that appears in them; with `keep_stop`, ending with the stop sequence that ended
@@ -284,7 +303,8 @@ def generate(
     before the stop). Prompts are cut from the left to leave room for the new tokens within the model's
     max_seq_len. With `use_cache` the prompts of a batch are run once and each new
     token reads the cached keys and values; without it every token reruns its whole prompt alone (the
-    reference the cache must equal, token for token)."""
+    reference the cache must equal, token for token). `progress` is called with the number of prompts of
+    each batch done."""
     limit = model_args(model).max_seq_len
     if not 1 <= max_new_tokens < limit:
         raise ValueError(f"max_new_tokens = {max_new_tokens} must be between 1 and max_seq_len - 1 = {limit - 1}")
@@ -307,10 +327,14 @@ def generate(
                 _generate_cached(
                     model, [trimmed[i] for i in chunk], [outputs[i] for i in chunk], max_new_tokens, device
                 )
+                if progress is not None:
+                    progress(len(chunk))
         else:
             # without the cache: also under sequence parallelism, whose splits one new position cannot take
             for prompt, output in zip(trimmed, outputs, strict=True):
                 _generate_uncached(model, prompt, output, max_new_tokens, device, split)
+                if progress is not None:
+                    progress(1)
     return [output.result() for output in outputs]
 
 

@@ -14,19 +14,23 @@
 
 Multiple choice reads `choices_field` (a list of strings) and `label_field` (the index of the right one), or
 builds its items from a corpus with `[generate]` (`liandan.evaluate.cloze`). `{data_dir}` in a path is
-`[eval] data_dir`; a relative path is taken from the task file's directory. Formats are names of
-`BUILTIN_FORMATS` or `[[format]]` tables in the task file. Every mistake is one ConfigError naming the file
-and the field (or the jsonl line).
+`[eval] data_dir` (`resolve_data_dir`); a relative path is taken from the task file's directory. Formats are
+names of `BUILTIN_FORMATS` or `[[format]]` tables in the task file. Every mistake is one ConfigError naming the
+file and the field (or the jsonl line).
+
+`answer_regex` runs on the `regex` engine with a time limit (REGEX_TIMEOUT_S per search): a pattern that
+backtracks catastrophically is one ConfigError naming the task and the item, never a hang.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import regex
 
 from liandan.config import ConfigError
 from liandan.evaluate.formats import BUILTIN_FORMATS, PromptFormat, format_from_table
@@ -34,6 +38,10 @@ from liandan.evaluate.formats import BUILTIN_FORMATS, PromptFormat, format_from_
 SHIPPED_DIR = Path(__file__).parent / "tasks"
 KINDS = ("multiple_choice", "generation")
 DEFAULT_DATA_DIR = "../shared/data"
+# A source checkout's root (src/liandan/evaluate/tasks.py is three folders down): its ../shared/data is the
+# default data directory wherever liandan runs from; an installed liandan has none.
+SOURCE_ROOT = Path(__file__).resolve().parents[3]
+REGEX_TIMEOUT_S = 1.0  # per search of answer_regex; a sane pattern takes microseconds on an answer
 
 
 @dataclass
@@ -54,7 +62,7 @@ class Task:
     n_shot: int = 0
     seed: int = 1234
     stop: list[str] = field(default_factory=list)
-    answer_regex: re.Pattern | None = None
+    answer_regex: regex.Pattern | None = None
     max_new_tokens: int = 256
     description: str = ""
     data_path: Path | None = None  # the jsonl or corpus the items come from (contamination checks read it)
@@ -67,12 +75,20 @@ class Task:
         picked = random.Random(f"{self.seed}:{index}").sample(others, min(self.n_shot, len(others)))
         return [self.items[i] for i in picked]
 
-    def extract(self, text: str) -> str | None:
+    def extract(self, text: str, what: str = "a text") -> str | None:
         """The compared answer in a generated or reference text: the regex's first group at its first match,
-        without thousands commas or a trailing full stop; the stripped text when the task has no regex."""
+        without thousands commas or a trailing full stop; the stripped text when the task has no regex. A
+        search that runs past REGEX_TIMEOUT_S is a ConfigError naming `what` was searched."""
         if self.answer_regex is None:
             return text.strip()
-        match = self.answer_regex.search(text)
+        try:
+            match = self.answer_regex.search(text, timeout=REGEX_TIMEOUT_S)
+        except TimeoutError:
+            raise ConfigError(
+                f"{self.file}: task {self.name}: answer_regex {self.answer_regex.pattern!r} ran over"
+                f" {REGEX_TIMEOUT_S:g}s on {what} ({len(text)} characters): it backtracks without end; simplify"
+                " it"
+            ) from None
         if match is None:
             return None
         found = match.group(1) if match.groups() else match.group(0)
@@ -104,14 +120,31 @@ def resolve_task_files(names: list[str]) -> list[Path]:
     return files
 
 
-def load_tasks(names: list[str], data_dir: str = DEFAULT_DATA_DIR) -> list[Task]:
-    return [load_task(path, data_dir) for path in resolve_task_files(names)]
+def load_tasks(names: list[str], data_dir: str = DEFAULT_DATA_DIR, config_dir: Path | None = None) -> list[Task]:
+    """The tasks named; a relative `data_dir` is looked for as `resolve_data_dir` says."""
+    return [load_task(path, data_dir, config_dir) for path in resolve_task_files(names)]
 
 
-def load_task(path: str | Path, data_dir: str = DEFAULT_DATA_DIR) -> Task:
+def resolve_data_dir(data_dir: str, config_dir: Path | None = None) -> Path:
+    """What `{data_dir}` stands for. A relative `[eval] data_dir` is taken from the first of these where it
+    is a directory: the directory of the config file that holds it (`config_dir`, when known), the working
+    directory, and the root of a source checkout of liandan (whose ../shared/data is the default); where
+    it is in none of them, from the working directory, as it always was (the error that follows names it)."""
+    given = Path(data_dir).expanduser()
+    if given.is_absolute():
+        return given
+    bases = [config_dir, Path.cwd()]
+    if (SOURCE_ROOT / "pyproject.toml").is_file():
+        bases.append(SOURCE_ROOT)
+    candidates = [(base / given).resolve() for base in bases if base is not None]
+    return next((c for c in candidates if c.is_dir()), (Path.cwd() / given).resolve())
+
+
+def load_task(path: str | Path, data_dir: str = DEFAULT_DATA_DIR, config_dir: Path | None = None) -> Task:
     import tomllib
 
     path = Path(path)
+    data_dir = str(resolve_data_dir(data_dir, config_dir))
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -129,29 +162,37 @@ def load_task(path: str | Path, data_dir: str = DEFAULT_DATA_DIR) -> Task:
     kind = raw["kind"]
     if kind not in KINDS:
         raise ConfigError(f"{path}: kind = {kind!r} is not allowed; choose one of {', '.join(KINDS)}")
-    for key in ("n_shot", "seed", "max_new_tokens"):
+    for key in ("n_shot", "seed"):
         if raw.get(key, 0) < 0:
             raise ConfigError(f"{path}: field '{key}' must be >= 0, got {raw[key]}")
+    if raw.get("max_new_tokens", 1) < 1:
+        raise ConfigError(f"{path}: field 'max_new_tokens' must be >= 1, got {raw['max_new_tokens']}")
     if not all(isinstance(s, str) and s for s in raw.get("stop", [])):
         raise ConfigError(f"{path}: field 'stop' must be a list of non-empty strings")
-    regex = None
+    pattern = None
     if "answer_regex" in raw:
         try:
-            regex = re.compile(raw["answer_regex"])
-        except re.error as err:
+            pattern = regex.compile(raw["answer_regex"])
+        except regex.error as err:
             raise ConfigError(f"{path}: field 'answer_regex' = {raw['answer_regex']!r} is not a valid regular"
                               f" expression: {err}") from None  # fmt: skip
     formats = _formats(path, raw)
     items, data_path = _items(path, raw, data_dir)
-    return Task(
+    task = Task(
         name=raw["name"], kind=kind, file=path, items=items, formats=formats, n_shot=raw.get("n_shot", 0),
-        seed=raw.get("seed", 1234), stop=list(raw.get("stop", [])), answer_regex=regex,
+        seed=raw.get("seed", 1234), stop=list(raw.get("stop", [])), answer_regex=pattern,
         max_new_tokens=raw.get("max_new_tokens", 256), description=raw.get("description", ""), data_path=data_path,
     )  # fmt: skip
+    if task.kind == "generation":  # a pattern that hangs on a reference answer fails here, before any model loads
+        for number, item in enumerate(task.items, 1):
+            task.extract(item.answer, f"the reference answer of item {number}")
+    return task
 
 
 def _formats(path: Path, raw: dict[str, Any]) -> list[PromptFormat]:
     inline = {}
+    if not all(isinstance(name, str) for name in raw.get("formats", [])):
+        raise ConfigError(f"{path}: field 'formats' must be a list of format names (strings), got {raw['formats']!r}")
     for number, table in enumerate(raw.get("format", []), 1):
         if not isinstance(table, dict):
             raise ConfigError(f"{path}: [[format]] number {number} must be a table")
@@ -173,6 +214,13 @@ def resolve_data_path(task_file: Path, text: str, data_dir: str) -> Path:
     return data if data.is_absolute() or "{data_dir}" in text else task_file.parent / data
 
 
+def missing_data_hint(text: str) -> str:
+    """What to do about a missing file whose path was written with {data_dir}."""
+    if "{data_dir}" not in text:
+        return ""
+    return " ({data_dir} is [eval] data_dir: give the data's directory with --data-dir or [eval] data_dir)"
+
+
 def _items(path: Path, raw: dict[str, Any], data_dir: str) -> tuple[list[Item], Path]:
     if "generate" in raw:
         if raw["kind"] != "multiple_choice":
@@ -184,7 +232,7 @@ def _items(path: Path, raw: dict[str, Any], data_dir: str) -> tuple[list[Item], 
         raise ConfigError(f"{path}: missing field 'path' (the jsonl of the task's items)")
     data = resolve_data_path(path, raw["path"], data_dir)
     if not data.is_file():
-        raise ConfigError(f"{path}: field 'path': jsonl not found: {data}")
+        raise ConfigError(f"{path}: field 'path': jsonl not found: {data}{missing_data_hint(raw['path'])}")
     needed = ["question_field", "answer_field"] if raw["kind"] == "generation" else ["question_field", "choices_field",
                                                                                      "label_field"]  # fmt: skip
     for key in needed:
