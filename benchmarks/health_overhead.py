@@ -37,28 +37,30 @@ def worker(args: argparse.Namespace) -> None:
     from liandan.config import load_config
     from liandan.train import Trainer
     from liandan.train.callbacks import Callback
+    from liandan.train.components import build_components
     from liandan.train.health.sdc import SdcCallback
     from liandan.train.health.stragglers import StragglerCallback
 
     class Turns(Callback):
         order = 99  # last: a turn holds every other callback's work of its steps
 
-        def on_train_start(self, trainer) -> None:
-            self.full = list(trainer.callbacks)
+        def on_train_start(self, ctx) -> None:
+            self.full = list(self.components.callbacks)
             self.bare = [c for c in self.full if not isinstance(c, (SdcCallback, StragglerCallback))]
             self.seconds: dict[bool, list[float]] = {False: [], True: []}
             self.on = False
-            self._switch(trainer)
+            self._switch(ctx)
 
-        def on_step_end(self, trainer, step: int) -> None:
-            if step % args.turn == 0 and not trainer.rolling_back:
+        def on_step_end(self, ctx, step: int) -> None:
+            if step % args.turn == 0 and not ctx.rollback.pending:
                 self.seconds[self.on].append(time.perf_counter() - self.started)
                 self.on = not self.on
-                self._switch(trainer)
+                self._switch(ctx)
 
-        def _switch(self, trainer) -> None:
-            trainer.callbacks = self.full if self.on else self.bare
-            audit = trainer.module.allreduce_audit
+        def _switch(self, ctx) -> None:
+            # the trainer runs the components' list of callbacks: changed in place, it runs the other set
+            self.components.callbacks[:] = self.full if self.on else self.bare
+            audit = ctx.module.allreduce_audit
             if audit is not None:
                 audit.start(record=False)  # the sdc callback turns recording on at its check steps only
             self.started = time.perf_counter()
@@ -96,7 +98,8 @@ def worker(args: argparse.Namespace) -> None:
                                   "--schedule.warmup_steps=10", f"--run.output_dir={args.out}",
                                   "--run.name=health"])  # fmt: skip
     turns = Turns()
-    trainer = Trainer(cfg, callbacks=[turns], say=lambda message: None)
+    turns.components = build_components(cfg, callbacks=[turns], say=lambda message: None)
+    trainer = Trainer(turns.components)
     try:
         trainer.train()
     finally:

@@ -62,6 +62,8 @@ def tiny_config(run_dir: Path, corpus: Path, *overrides: str) -> Config:
             f'--data.paths=["{corpus}"]',
             # drawing training.png takes a run about a CPU second; the tests of the picture ask for it
             "--track.plot=false",
+            # every trainer runs the doctor first (about a CPU second); the tests of the doctor ask for it
+            "--doctor.preflight=false",
             *overrides,
         ],
     )

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from liandan import plugins
 from liandan.config import load_config
 from liandan.train import Callback
 from liandan.train import callbacks as registry
@@ -18,26 +19,34 @@ class Recorder(Callback):
 
 
 @pytest.fixture
-def empty_registry(monkeypatch):
-    monkeypatch.setattr(registry, "_FACTORIES", {})
+def registered():
+    """Names registered by a test, forgotten afterwards."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        plugins.unregister("callback", name)
 
 
-def test_factories_decide_from_the_config_in_registration_order(empty_registry):
+def test_factories_decide_from_the_config_in_registration_order(registered):
     @registry.register_callback("always")
     def always(cfg):
         return Recorder("always")
 
     @registry.register_callback("when_forecasting")
     def when_forecasting(cfg):
-        return Recorder("forecast") if cfg.forecast.every else None
+        return Recorder("forecasting") if cfg.forecast.every else None
 
-    assert registry.registered_callbacks() == ["always", "when_forecasting"]
-    assert [c.name for c in registry.build_callbacks(load_config(None, []))] == ["always"]
-    on = load_config(None, ["--forecast.every=5"])
-    assert [c.name for c in registry.build_callbacks(on)] == ["always", "forecast"]
+    registered += ["always", "when_forecasting"]
+    names = registry.registered_callbacks()
+    assert names[-2:] == ["always", "when_forecasting"] and names[0] == "heartbeat"  # liandan's own first
+    built = [c.name for c in registry.build_callbacks(load_config(None, []))]
+    assert "always" in built and "forecasting" not in built and "forecast" not in built
+    on = [c.name for c in registry.build_callbacks(load_config(None, ["--forecast.every=5"]))]
+    assert {"always", "forecasting", "forecast"} <= set(on)
+    assert on.index("always") < on.index("forecasting")  # same order: registration order
 
 
-def test_a_name_registered_twice_is_refused(empty_registry):
+def test_a_name_registered_twice_is_refused(registered):
     def first(cfg):
         return None
 
@@ -45,22 +54,26 @@ def test_a_name_registered_twice_is_refused(empty_registry):
         return Recorder("second")
 
     registry.register_callback("twice")(first)
+    registered.append("twice")
     registry.register_callback("twice")(first)  # the same factory again (a module imported twice): fine
     with pytest.raises(ValueError, match="callback 'twice' is registered twice"):
         registry.register_callback("twice")(second)
+    with pytest.raises(ValueError, match="callback 'guard' is registered twice"):
+        registry.register_callback("guard")(second)  # a built-in is never replaced
 
 
-def test_the_cli_registers_the_doctor_forecast_and_task_evaluation_and_the_trainer_imports_none():
+def test_every_trainer_attaches_liandans_callbacks_and_imports_them_only_then():
+    """The doctor, task evaluation and the live forecast sit above the trainer in the layers: the trainer
+    imports none of them, yet a trainer built from Python, with no command line, attaches them all."""
     code = (
         "import sys\n"
         "import liandan.train.trainer, liandan.train.callbacks as c\n"
         "assert not [m for m in sys.modules if m.startswith('liandan.plan')], 'the trainer imported plan'\n"
         "assert not [m for m in sys.modules if m.startswith('liandan.doctor')], 'the trainer imported doctor'\n"
         "assert not [m for m in sys.modules if m.startswith('liandan.evaluate')], 'the trainer imported evaluate'\n"
-        "assert c.registered_callbacks() == []\n"
-        "from liandan.cli.main import register_callbacks\n"
-        "register_callbacks()\n"
-        "print(c.registered_callbacks())\n"
+        "from liandan.config import load_config\n"
+        "cfg = load_config(None, ['--forecast.every=5', '--eval.every=5', '--eval.tasks=cloze_en'])\n"
+        "print(sorted({x.name for x in c.build_callbacks(cfg)} & {'doctor', 'eval_tasks', 'forecast'}))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['doctor', 'eval_tasks', 'forecast']"
@@ -129,12 +142,12 @@ class VetoOnRank(Callback):
 
     def before_optimizer_step(self, trainer, step, loss, grad_norm):
         if step + 1 == self.step:
-            self.before = [p.detach().clone() for p in trainer.model.parameters()]
+            self.before = [p.detach().clone() for p in trainer.module.model.parameters()]
         return not (step + 1 == self.step and trainer.dist.rank == self.rank)
 
     def after_step(self, trainer, step, metrics):
         if step == self.step:
-            after = [p.detach() for p in trainer.model.parameters()]
+            after = [p.detach() for p in trainer.module.model.parameters()]
             self.unchanged = all(torch.equal(a, b) for a, b in zip(self.before, after))
 
 

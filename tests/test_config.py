@@ -11,7 +11,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 @pytest.mark.parametrize("name", ["tiny", "gpt2-124m", "llama-1b", "llama-8b"])
 def test_shipped_configs_load(name):
     cfg = load_config(CONFIGS / f"{name}.toml")
-    assert cfg.model.dim % cfg.model.n_heads == 0
+    assert cfg.model.llama.dim % cfg.model.llama.n_heads == 0
 
 
 def test_overrides_are_typed_and_applied(tmp_path):
@@ -19,7 +19,7 @@ def test_overrides_are_typed_and_applied(tmp_path):
         CONFIGS / "tiny.toml",
         ["--model.dim=96", "--optim.lr=1e-3", "--train.compile=true", '--data.paths=["a.txt", "b.jsonl"]'],
     )
-    assert cfg.model.dim == 96 and isinstance(cfg.model.dim, int)
+    assert cfg.model.llama.dim == 96 and isinstance(cfg.model.llama.dim, int)
     assert cfg.optim.lr == pytest.approx(1e-3)
     assert cfg.train.compile is True
     assert cfg.data.paths == ["a.txt", "b.jsonl"]
@@ -42,7 +42,7 @@ def test_resolved_config_round_trips(tmp_path):
 @pytest.mark.parametrize(
     "override, words",
     [
-        ("--model.dimm=3", ["unknown key 'model.dimm'", "did you mean 'model.dim'"]),
+        ("--model.dimm=3", ["unknown key 'model.dimm'", "did you mean 'model.llama.dim'"]),
         ("--modle.dim=3", ["unknown section 'modle'", "did you mean 'model'"]),
         ("--model.dim=big", ["model.dim", "'big'", "must be an integer"]),
         ("--model.dim=2", ["model.dim", "2", "must be >= 8"]),
@@ -68,7 +68,7 @@ def test_bad_values_name_key_value_and_what_is_allowed(override, words):
 def test_tensor_parallel_splits_are_left_to_the_model_family():
     # config.py knows no family: whether tp can split tied embeddings is Llama's spec's to say (test_model_spec)
     cfg = load_config(None, ["--parallel.tp=2", "--model.tie_embeddings=true"])
-    assert cfg.parallel.tp == 2 and cfg.model.tie_embeddings
+    assert cfg.parallel.tp == 2 and cfg.model.llama.tie_embeddings
 
 
 def test_callback_modules_must_be_module_names():
@@ -97,7 +97,14 @@ def test_missing_and_malformed_files(tmp_path):
 def test_defaults_are_valid_and_documented():
     assert from_dict({}) == Config()
     rows = describe()
-    assert {key for key, _, _ in rows} >= {"model.dim", "train.steps", "parallel.tp", "data.paths"}
+    assert {key for key, _, _ in rows} >= {
+        "model.llama.dim",
+        "optim.adamw.beta2",
+        "track.wandb.project",
+        "train.steps",
+        "parallel.tp",
+        "data.paths",
+    }
     assert all(help_text for _, _, help_text in rows)
 
 

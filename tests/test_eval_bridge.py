@@ -84,7 +84,7 @@ def evaluated(run, tasks):
         tasks=["local_choice", "local_generation", "local_rolling"], task_manager=TaskManager(include_path=str(tasks)),
     )  # fmt: skip
     model, tokenizer, cfg = load_for_eval(run)
-    assert cfg.model.dim == 32 and cfg.data.tokenizer == "byte"  # the config the run trained with
+    assert cfg.model.llama.dim == 32 and cfg.data.tokenizer == "byte"  # the config the run trained with
     return results, model, tokenizer
 
 

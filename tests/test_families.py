@@ -16,7 +16,7 @@ import torch
 
 from liandan.checkpoint.hf import export_hf, import_hf, import_notes
 from liandan.cli.main import main as liandan_main
-from liandan.config import ModelSection
+from liandan.config import ModelSection, build_section
 from liandan.model import Transformer
 from liandan.model.llama_spec import LLAMA
 from liandan.model.spec import model_args
@@ -152,13 +152,13 @@ def test_import_prints_the_model_block_that_init_from_accepts(saved, tmp_path, c
     assert liandan_main(["import", str(path), str(tmp_path / "ckpt"), "--hf"]) == 0
     printed = capsys.readouterr().out
     block = printed[printed.index("[model]") : printed.index("\n\n", printed.index("[model]"))]
-    section = ModelSection(**tomllib.loads(block)["model"])
+    section = build_section("model", ModelSection, tomllib.loads(block)["model"])
     meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
     assert LLAMA.differences(model_args(section, 0), meta["model_args"]) == []
 
 
 def test_init_from_compares_what_the_shapes_do_not_show():
-    ours = model_args(ModelSection(dim=64, n_heads=4, vocab_size=VOCAB, rope_theta=500000.0), 0)
+    ours = model_args(_section(dim=64, n_heads=4, vocab_size=VOCAB, rope_theta=500000.0), 0)
     saved = dataclasses.asdict(ours)
     assert LLAMA.differences(ours, saved) == []
     for field, value in [("rope_theta", 10000.0), ("norm_eps", 1e-6), ("rope_scaling", "llama3"),
@@ -220,7 +220,7 @@ def test_counts_and_the_planner_s_split_follow_biases_and_head_size(variant):
     from liandan.model import count_params
     from liandan.plan.memory import param_split
 
-    args = model_args(ModelSection(dim=64, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, **variant), 0)
+    args = model_args(_section(dim=64, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, **variant), 0)
     model = Transformer(args)
     assert count_params(args).total == sum(p.numel() for p in model.parameters())
     assert param_split(args).total == count_params(args).total
@@ -231,7 +231,7 @@ def test_counts_and_the_planner_s_split_follow_biases_and_head_size(variant):
 def test_llama3_rescaling_keeps_fast_divides_slow_and_blends_between():
     from liandan.model.llama import rope_frequencies
 
-    args = model_args(ModelSection(dim=64, n_heads=2, rope_theta=10000.0, rope_scaling="llama3", rope_factor=8.0,
+    args = model_args(_section(dim=64, n_heads=2, rope_theta=10000.0, rope_scaling="llama3", rope_factor=8.0,
                                    rope_original_max_seq_len=64), 0)  # fmt: skip
     plain = rope_frequencies(dataclasses.replace(args, rope_scaling="none"))
     scaled = rope_frequencies(args)
@@ -292,3 +292,8 @@ def test_published_configs_give_the_published_parameter_counts(name):
     expected = {"Llama-3.1-8B": ("llama3", 131072), "Llama-3.2-1B": ("llama3", 131072), "Qwen2.5-0.5B": ("none", 32768),
                 "Qwen3-0.6B": ("none", 40960), "Mistral-7B-v0.1": ("none", 4096)}[name]  # fmt: skip
     assert (args.rope_scaling, args.max_seq_len) == expected
+
+
+def _section(**keys) -> ModelSection:
+    """A [model] section from flat keys, as a config file writes them."""
+    return build_section("model", ModelSection, keys)

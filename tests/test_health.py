@@ -168,12 +168,12 @@ def test_a_clean_run_of_500_steps_raises_no_alarm(config):
 def test_a_fingerprint_sees_one_flipped_bit_in_one_tensor():
     torch.manual_seed(0)
     model = Transformer(ModelArgs(vocab_size=64, dim=16, n_layers=1, n_heads=2, max_seq_len=8))
-    before = fingerprint(model)
-    assert torch.equal(before, fingerprint(model))
+    before = fingerprint([model])
+    assert torch.equal(before, fingerprint([model]))
     with torch.no_grad():
         flat = next(model.parameters()).view(-1)
         flat[3:4].view(torch.int32).bitwise_xor_(1)  # the lowest mantissa bit: a change of one part in 2^23
-    after = fingerprint(model)
+    after = fingerprint([model])
     assert torch.nonzero(after != before).flatten().tolist() == [0]
 
 

@@ -7,27 +7,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from helpers import tiny_config, write_corpus
+from liandan import plugins
 from liandan.checkpoint.hf import export_hf, load_consolidated, save_consolidated
 from liandan.checkpoint.loading import load_model
 from liandan.cli.main import main
 from liandan.config import ConfigError, ModelSection, load_config
-from liandan.model import ModelArgs, Transformer, count_params, flops_per_token, lm_loss, spec_for
+from liandan.model import ModelArgs, Transformer, count_params, flops_per_token, spec_for
 from liandan.model import spec as model_spec
+from liandan.model.llama_options import LlamaOptions
 from liandan.model.llama_spec import DERIVED_FIELDS, LLAMA
-from liandan.model.spec import ModelSpec, ParamCounts, ParamSplit, get, model_args, register
+from liandan.model.spec import get, model_args, register
 from liandan.plan.devices import resolve_device
 from liandan.plan.layout_search import tp_degrees
 from liandan.plan.memory import param_split
 from liandan.plan.run_plan import plan_config
+from liandan.plugins import Plugin
 from liandan.train import Trainer
+from toy_family import TOY, ToyArgs, ToyModel, toy_counts, toy_shapes
 
 # ---------------------------------------------------------------------------------------------------------
 # the registry and [model] family
@@ -41,7 +42,7 @@ def test_llama_is_registered_and_unknown_families_are_one_line():
 
 
 def test_a_family_name_or_args_type_is_registered_once():
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(ValueError, match="'llama' is registered twice"):
         register(dataclasses.replace(LLAMA))
     with pytest.raises(ValueError, match="ModelArgs already belongs to model family 'llama'"):
         register(dataclasses.replace(LLAMA, name="llama-again"))
@@ -62,10 +63,12 @@ def test_unknown_family_on_the_command_line_exits_2_with_one_line(capsys, tmp_pa
 
 
 def test_model_section_and_model_args_cannot_drift():
-    """Every ModelArgs field is a [model] key of the same name, type and default, or derived (vocab_size, from
-    the tokenizer); [model] keys that are not ModelArgs fields are the family itself."""
-    section = {f.name: f for f in dataclasses.fields(ModelSection)}
-    section_types = typing.get_type_hints(ModelSection)
+    """Every ModelArgs field is a key of the same name, type and default in [model.llama] or [model]
+    (max_seq_len), or derived (vocab_size, from the tokenizer); no other keys."""
+    section = {f.name: f for f in dataclasses.fields(LlamaOptions)} | {
+        "max_seq_len": ModelSection.__dataclass_fields__["max_seq_len"]
+    }
+    section_types = typing.get_type_hints(LlamaOptions) | {"max_seq_len": int}
     args_types = typing.get_type_hints(ModelArgs)
     for f in dataclasses.fields(ModelArgs):
         if f.name in DERIVED_FIELDS:
@@ -73,7 +76,7 @@ def test_model_section_and_model_args_cannot_drift():
         assert f.name in section, f"ModelArgs.{f.name} has no [model] key"
         assert section_types[f.name] == args_types[f.name] or typing.get_origin(section_types[f.name]) is typing.Literal
         assert section[f.name].default == f.default, f.name
-    assert set(section) - {f.name for f in dataclasses.fields(ModelArgs)} == {"family"}
+    assert set(section) - {f.name for f in dataclasses.fields(ModelArgs)} == set()
 
 
 def test_args_from_config_takes_every_key():
@@ -114,83 +117,24 @@ def test_the_family_refuses_a_config_it_cannot_split_in_one_line(overrides, mess
 
 
 # ---------------------------------------------------------------------------------------------------------
-# a toy family: token embedding, residual MLP blocks in a container named "stack", a head. No attention,
-# no tensor-parallel plan, no Hugging Face adapter.
-
-
-@dataclass
-class ToyArgs:
-    vocab_size: int = 320
-    dim: int = 32
-    n_layers: int = 2
-    n_heads: int = 1  # read by the planner's activation formulas
-    hidden: int = 64
-
-
-class ToyBlock(nn.Module):
-    def __init__(self, args: ToyArgs):
-        super().__init__()
-        self.up = nn.Linear(args.dim, args.hidden, bias=False)
-        self.down = nn.Linear(args.hidden, args.dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(F.gelu(self.up(x)))
-
-
-class ToyModel(nn.Module):
-    def __init__(self, args: ToyArgs):
-        super().__init__()
-        self.args = args
-        self.embed = nn.Embedding(args.vocab_size, args.dim)
-        self.stack = nn.ModuleList([ToyBlock(args) for _ in range(args.n_layers)])
-        self.head = nn.Linear(args.dim, args.vocab_size, bias=False)
-
-    def forward(self, tokens, targets=None, doc_ids=None, prefix=None, positions=None):
-        h = self.embed(tokens)
-        for block in self.stack:
-            h = block(h)
-        logits = self.head(h)
-        return logits if targets is None else lm_loss(logits, targets)
-
-
-def toy_shapes(a: ToyArgs) -> dict[str, tuple[int, ...]]:
-    shapes = {"embed.weight": (a.vocab_size, a.dim)}
-    for i in range(a.n_layers):
-        shapes[f"stack.{i}.up.weight"] = (a.hidden, a.dim)
-        shapes[f"stack.{i}.down.weight"] = (a.dim, a.hidden)
-    shapes["head.weight"] = (a.vocab_size, a.dim)
-    return shapes
-
-
-def toy_counts(a: ToyArgs) -> ParamCounts:
-    embedding, blocks, head = a.vocab_size * a.dim, a.n_layers * 2 * a.dim * a.hidden, a.vocab_size * a.dim
-    return ParamCounts(embedding + blocks + head, embedding, blocks + head, blocks + head)
-
-
-def toy_split(a: ToyArgs, tp: int) -> ParamSplit:
-    assert tp == 1
-    return ParamSplit(a.n_layers, 2 * a.dim * a.hidden, 2 * a.vocab_size * a.dim, toy_counts(a).matmul)
-
-
-TOY = ModelSpec(
-    name="toy",
-    args_type=ToyArgs,
-    args_from_config=lambda m, vocab: ToyArgs(vocab, m.dim, m.n_layers, m.n_heads, 2 * m.dim),
-    build=ToyModel,
-    state_shapes=toy_shapes,
-    count_params=toy_counts,
-    flops_per_token=lambda a, seq_len: 6.0 * toy_counts(a).matmul,
-    param_split=toy_split,
-    shape_fields=("vocab_size", "dim", "n_layers", "hidden"),
-    blocks="stack",
-)
+# a toy family in a file of its own (tests/toy_family.py), registered as a plug-in: the planner, the trainer,
+# checkpoints and the consolidated format pick it up without any other file knowing of it.
 
 
 @pytest.fixture
 def toy():
-    register(TOY)
+    plugins.register(Plugin("model_family", "toy", "toy_family:TOY", options="toy_family:ToyOptions"))
     yield TOY
-    model_spec.unregister("toy")
+    plugins.unregister("model_family", "toy")
+
+
+def toy_config(run_dir, corpus, *overrides: str):
+    """tiny_config's run with the toy family: its keys in [model.toy], Llama's absent."""
+    return load_config(None, [f"--run.output_dir={run_dir}", "--run.name=run", "--model.family=toy",
+                              "--model.toy.dim=64", "--model.toy.n_heads=4", "--model.max_seq_len=64",
+                              "--train.steps=6", "--train.global_batch=4", "--train.seq_len=64", "--train.dtype=fp32",
+                              "--schedule.warmup_steps=2", "--data.tokenizer=byte", f'--data.paths=["{corpus}"]',
+                              "--track.plot=false", *overrides])  # fmt: skip
 
 
 def test_toy_family_counts_and_build(toy):
@@ -207,8 +151,8 @@ def test_toy_family_counts_and_build(toy):
 
 
 def test_planner_reads_the_toy_family(toy):
-    cfg = load_config(None, ["--model.family=toy", "--model.vocab_size=512", "--model.dim=128", "--model.n_layers=3",
-                             "--model.n_heads=4", "--train.seq_len=256", "--train.global_batch=8"])  # fmt: skip
+    cfg = load_config(None, ["--model.family=toy", "--model.vocab_size=512", "--model.toy.dim=128",
+                             "--model.n_layers=3", "--model.n_heads=4", "--train.seq_len=256", "--train.global_batch=8"])  # fmt: skip
     plan = plan_config(cfg, resolve_device("h100"), nproc=2)
     args = ToyArgs(512, 128, 3, 4, 256)
     assert plan.model == args
@@ -221,14 +165,14 @@ def test_planner_reads_the_toy_family(toy):
 
 def test_trainer_checkpoints_and_consolidated_files_take_the_toy_family(toy, tmp_path):
     corpus = write_corpus(tmp_path)
-    cfg = tiny_config(tmp_path / "runs", corpus, "--model.family=toy", "--train.steps=2", "--checkpoint.every=2",
-                      "--checkpoint.async_save=false", "--train.activation_checkpoint=full")  # fmt: skip
+    cfg = toy_config(tmp_path / "runs", corpus, "--train.steps=2", "--checkpoint.every=2",
+                     "--checkpoint.async_save=false", "--train.activation_checkpoint=full")  # fmt: skip
     trainer = Trainer(cfg, say=lambda msg: None)
     try:
-        args = trainer.model_args
+        args = trainer.module.args
         assert args == ToyArgs(320, 64, 2, 4, 128)
-        assert isinstance(trainer.model, ToyModel)
-        assert all(type(b).__name__ == "CheckpointWrapper" for b in trainer.model.stack)  # recomputed per block
+        assert isinstance(trainer.module.model, ToyModel)
+        assert all(type(b).__name__ == "CheckpointWrapper" for b in trainer.module.model.stack)  # recomputed per block
         result = trainer.train()
     finally:
         trainer.close()
@@ -252,8 +196,8 @@ def test_trainer_checkpoints_and_consolidated_files_take_the_toy_family(toy, tmp
 def test_init_from_refuses_a_checkpoint_of_another_family(toy, tmp_path):
     """A Llama model cannot start from a toy checkpoint: the family is part of the shape check."""
     corpus = write_corpus(tmp_path)
-    cfg = tiny_config(tmp_path / "runs", corpus, "--model.family=toy", "--train.steps=2", "--run.name=toy",
-                      "--checkpoint.every=2", "--checkpoint.async_save=false")  # fmt: skip
+    cfg = toy_config(tmp_path / "runs", corpus, "--train.steps=2", "--run.name=toy",
+                     "--checkpoint.every=2", "--checkpoint.async_save=false")  # fmt: skip
     trainer = Trainer(cfg, say=lambda msg: None)
     try:
         result = trainer.train()

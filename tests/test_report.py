@@ -22,7 +22,6 @@ from liandan.track.marks import incident_marks
 from liandan.track.plot import MARKS_KEY, draw_run, plot_run
 from liandan.track.report import write_report
 from liandan.train import Trainer
-from liandan.train.callbacks import build_callbacks
 
 STEPS = 30
 # A byte-level model that learns in a few steps; the guard judges from step 8 and keeps a state every 5.
@@ -36,7 +35,7 @@ def train(out: Path, corpus: Path, *overrides: str, fault: str = "", name: str =
     """An in-process run with `fault` in $LIANDAN_FAULTS; returns its run directory."""
     with faults_planned(fault):
         cfg = tiny_config(out, corpus, f"--run.name={name}", *overrides)
-        trainer = Trainer(cfg, say=lambda m: None, callbacks=build_callbacks(cfg))  # the live forecast's, say
+        trainer = Trainer(cfg, say=lambda m: None)  # with every callback the config asks for (the live forecast's)
         try:
             return trainer.train().run_dir
         finally:

@@ -152,8 +152,8 @@ def test_document_mask_changes_training(tmp_path):
 def test_bf16_autocast_tracks_fp32(tmp_path, corpus):
     trainer, bf16 = run(tmp_path, corpus, "--train.dtype=bf16", name="bf16")
     _, fp32 = run(tmp_path, corpus, name="fp32")
-    assert trainer.autocast and trainer.dtype == torch.bfloat16
-    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
+    assert trainer.module.autocast and trainer.env.dtype == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in trainer.module.model.parameters())  # fp32 master weights
     assert bf16.losses[0] == pytest.approx(fp32.losses[0], abs=2e-2)
     assert bf16.losses[-1] < bf16.losses[0]
 

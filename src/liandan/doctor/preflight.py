@@ -30,8 +30,9 @@ class DoctorPreflight(Callback):
         where = ctx.room.checkpoints
         if is_url(where):  # a store: the disk measured is the run directory's (see `checkpoint_dir`)
             where = ctx.room.path
-        report = run_doctor(ctx.cfg, ctx.dist, where, ctx.step,
-                            ctx.module.params.total)  # fmt: skip
+        params = ctx.module.params
+        total = params.total if params else sum(p.numel() for part in ctx.module.model_parts for p in part.parameters())
+        report = run_doctor(ctx.cfg, ctx.dist, where, ctx.step, total)
         if ctx.dist.is_main:
             ctx.room.write_doctor(report)
             ctx.files.log_event("doctor", step=ctx.step, **event_fields(report), report=str(ctx.room.doctor))

@@ -32,10 +32,16 @@ class TaskEvalCallback(Callback):
 
         self.cfg = cfg
         self.tasks = load_tasks(cfg.eval.tasks, cfg.eval.data_dir)  # before the model is built: a bad file fails early
+        self.off = False  # the train module is not one model this evaluation can score
         self.said: set[str] = set()  # what was cut to fit the window is the same at every evaluation: said once
 
     def on_train_start(self, ctx: TrainContext) -> None:
         e = self.cfg.eval
+        self.off = ctx.module.whole_model() is None or not hasattr(ctx.loader, "validation")
+        if self.off:
+            ctx.say(f"eval: {type(ctx.module).__name__} with {type(ctx.loader).__name__} is not one model of a known"
+                    " family reading token stores: [eval] is left out")  # fmt: skip
+            return
         if e.contamination and self.tasks and ctx.dist.is_main:
             from liandan.evaluate.contamination import overlaps
 
@@ -44,7 +50,7 @@ class TaskEvalCallback(Callback):
                 ctx.say(overlap.line())
 
     def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
-        if (step % self.cfg.eval.every and step != self.cfg.train.steps) or ctx.rollback.pending:
+        if self.off or (step % self.cfg.eval.every and step != self.cfg.train.steps) or ctx.rollback.pending:
             return
         ctx.phase("eval")
         tasks, heldout = evaluate_in_training(ctx, self.tasks, self.cfg)

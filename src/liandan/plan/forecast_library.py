@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from liandan.config import ConfigError, ScheduleSection, load_config
+from liandan.config import Config, ConfigError, ScheduleSection, load_config
 from liandan.plan.forecast_law import Curve, LawPriors, fit_power
 from liandan.run import RunDir
 
@@ -107,9 +107,7 @@ def read_run(run_dir: str | Path) -> RunCurve:
             diverged_at = step
     total = cfg.train.steps
     data = f"{cfg.data.tokenizer}:" + ",".join(sorted(Path(p).name for p in cfg.data.paths))
-    features = RunFeatures(
-        12.0 * cfg.model.n_layers * cfg.model.dim**2, cfg.train.global_batch * cfg.train.seq_len, cfg.optim.lr, data
-    )
+    features = RunFeatures(_block_params(cfg), cfg.train.global_batch * cfg.train.seq_len, cfg.optim.lr, data)
     return RunCurve(
         run_dir,
         np.array(steps, dtype=np.int64),
@@ -539,3 +537,10 @@ def with_project(directories: Sequence[str | Path], exclude: Iterable[str | Path
     everyone = tuple(shipped + theirs)
     priors = replace(priors_from(everyone), **base.law_settings)
     return Library(priors, Calibration(tuple(scores)), names, everyone, settings)
+
+
+def _block_params(cfg: Config) -> float:
+    """The likeness measure of model size: 12 n_layers dim^2, a dense transformer's block parameters (0 for
+    a family whose keys do not say)."""
+    options = cfg.model.options
+    return 12.0 * getattr(options, "n_layers", 0) * getattr(options, "dim", 0) ** 2

@@ -44,9 +44,11 @@ ADAMW_STATE_BYTES_PER_PARAM = 8.0  # m and v, fp32
 
 
 def optimizer_state_bytes(cfg: Config) -> float:
-    """Bytes of state per parameter that the config's optimizer keeps: AdamW's m and v, the only optimizer
-    the trainer runs."""
-    return ADAMW_STATE_BYTES_PER_PARAM
+    """Bytes of state per parameter that the config's optimizer keeps, as its plug-in declares (AdamW: m and
+    v in fp32)."""
+    from liandan.train.optimizers import optimizer_plugin
+
+    return optimizer_plugin(cfg.optim.name).state_bytes_per_param
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -124,7 +124,7 @@ def plan_dtype(cfg: Config) -> str:
 def plan_attention(cfg: Config) -> str:
     """What the attention kernel keeps on a GPU: FlexAttention (auto, flex) and SDPA with a causal mask keep
     no s x s tensor; SDPA with document masks keeps the dense mask; eager keeps the scores."""
-    kind = cfg.model.attention
+    kind = getattr(cfg.model.options, "attention", "auto")
     if kind == "eager":
         return "eager"
     if kind == "sdpa" and cfg.train.mask == "document":

@@ -97,6 +97,11 @@ class TrainModule(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.optimizers.load_scheduler_state(state["scheduler"])
 
+    def whole_model(self) -> torch.nn.Module | None:
+        """The one model part when the module has one and its family is known: what layer statistics, probes
+        and evaluation need; None otherwise (they are then left out, said once by whoever leaves them out)."""
+        return self.model_parts[0] if len(self.model_parts) == 1 and self.spec is not None else None
+
     @property
     def model(self) -> torch.nn.Module:
         """The one model part, for what needs a whole model (evaluation, layer statistics); a ValueError for a

@@ -56,16 +56,20 @@ class GuardCallback(Callback):
         self.blocks: BlockProbe | None = None
         self.layer_record: dict[str, Any] | None = None
         self.before_update: list[torch.Tensor] | None = None
+        self.whole: torch.nn.Module | None = None  # the one model of a known family, for probes and statistics
 
     # -- the hooks ----------------------------------------------------------------------------------------
     def on_train_start(self, ctx: TrainContext) -> None:
-        spec = ctx.module.spec
+        spec, self.whole = ctx.module.spec, ctx.module.whole_model()
+        if self.whole is None and ctx.dist.is_main:
+            ctx.say(f"guard: {type(ctx.module).__name__} is not one model of a known family: no logit or layer"
+                    " statistics, losses and gradient norms only")  # fmt: skip
         # A hook inside a compiled head would recompile it; a family may name no head module.
-        if not ctx.cfg.train.compile and _has_module(ctx.module.model, spec.head):
+        if self.whole is not None and not ctx.cfg.train.compile and _has_module(self.whole, spec.head):
             stores = ctx.loader.stores
             watch = len(stores) > 1 and bool(self.cfg.source_floor or self.cfg.source_collapse)
             self.source_names = [s.name for s in stores] if watch else []
-            self.head = HeadProbe(ctx.module.model, spec, per_sequence=watch)
+            self.head = HeadProbe(self.whole, spec, per_sequence=watch)
         ctx.module.lr_scale = self._current_scale(ctx.step)
         self.rollback = ctx.rollback
         self.rollback.around_restore(self._across_restore)
@@ -74,7 +78,7 @@ class GuardCallback(Callback):
     def before_step(self, ctx: TrainContext, step: int) -> None:
         ctx.module.lr_scale = self._current_scale(step)
         if self._stats_step(step + 1):
-            self.blocks = BlockProbe(ctx.module.model, ctx.module.spec)
+            self.blocks = BlockProbe(self.whole, ctx.module.spec)
 
     def before_optimizer_step(self, ctx: TrainContext, step: int, loss: Any, grad_norm: float) -> bool:
         n = step + 1
@@ -330,19 +334,19 @@ class GuardCallback(Callback):
 
     # -- layer statistics --------------------------------------------------------------------------------------
     def _stats_step(self, n: int) -> bool:
-        return bool(self.cfg.stats_every) and n % self.cfg.stats_every == 0
+        return bool(self.cfg.stats_every) and n % self.cfg.stats_every == 0 and self.whole is not None
 
     def _layer_stats(self, ctx: TrainContext, n: int, grad_norm: float) -> dict[str, Any]:
         """Per-layer statistics of step `n` before its update (the blocks' probe is removed here)."""
         probe, self.blocks = self.blocks, None
         probe.close()
         record = diagnosis.layer_stats(ctx, n, probe, grad_norm)
-        self.before_update = parameters_now(ctx.module.model)
+        self.before_update = parameters_now(self.whole)
         return record
 
     def _update_norms(self, ctx: TrainContext) -> dict[str, float]:
         before, self.before_update = self.before_update, None
-        return update_norms(ctx.module.model, before)
+        return update_norms(self.whole, before)
 
 
 def _has_module(model: torch.nn.Module, name: str) -> bool:

@@ -98,7 +98,7 @@ def diagnose(ctx: TrainContext, guard: GuardCallback, target: HeldState, at: int
             for d in culprits
             for ref in ctx.loader.documents_for_step(d)
         ]
-    if guard.cfg.replay:
+    if guard.cfg.replay and guard.whole is not None:
         records = replay(ctx, count)
         found["replay"] = records
         index = began - target.step - 1
@@ -118,18 +118,18 @@ def replay(ctx: TrainContext, count: int) -> list[dict[str, Any]]:
     back by the caller)."""
     module, records = ctx.module, []
     for i in range(count):
-        probe = BlockProbe(ctx.module.model, module.spec)
+        probe = BlockProbe(module.model, module.spec)
         batches = ctx.loader.next_step(ctx.micro_batch)
         loss = module.train_batch(batches, lambda *args, step=i, **kwargs: ctx.phase("rollback", step))
         grad_norm = module.clip_grad_norm()
         probe.close()
         record = layer_stats(ctx, ctx.step + 1 + i, probe, grad_norm)
-        before = parameters_now(ctx.module.model)
+        before = parameters_now(module.model)
         if math.isfinite(grad_norm):
             module.optim_step()
         else:
             module.skip_step()
-        record["update"] = update_norms(ctx.module.model, before)
+        record["update"] = update_norms(module.model, before)
         record["loss"] = ctx.mean_over_ranks(loss)
         records.append(record)
     return records

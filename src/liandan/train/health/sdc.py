@@ -42,12 +42,12 @@ REPLAY_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 5e
 ROUNDING_ULPS = 16  # how many units of rounding per rank a reduced sum may be off by before it is wrong
 
 
-def fingerprint(model: torch.nn.Module) -> torch.Tensor:
+def fingerprint(parts: list[torch.nn.Module]) -> torch.Tensor:
     """One int64 per parameter tensor of this rank (its local shard): the sum of its elements' bits read as
     integers. Exact: equal weights give equal fingerprints on any device, and one flipped bit changes it."""
     sums = []
     with torch.no_grad():
-        for p in model.parameters():
+        for p in (p for part in parts for p in part.parameters()):
             local = p.to_local() if hasattr(p, "to_local") else p
             ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[local.element_size()]
             sums.append(local.detach().reshape(-1).view(ints).sum(dtype=torch.int64))
@@ -169,7 +169,7 @@ class SdcCallback(Callback):
     def _fingerprints(self, ctx: TrainContext, step: int) -> dict[str, Any] | None:
         """Every rank's fingerprints in one collective over all ranks (so that every rank reaches the same
         verdict), compared within each group of replicas."""
-        rows = [tuple(r.tolist()) for r in gather_rows(fingerprint(ctx.module.model))]
+        rows = [tuple(r.tolist()) for r in gather_rows(fingerprint(ctx.module.model_parts))]
         odd, disagree, tensors = [], [], set()
         for group in self.replica_groups:
             keys = [rows[r] for r in group]
