@@ -14,7 +14,7 @@ imports nothing heavy. Third-party packages register theirs without changing lia
   or `register_object("optimizer", "lion", LION)` for an object at hand.
 
 A plug-in may own a typed table of the run config (`options`, a dataclass built like the core sections of
-`liandan.config`): a model family's keys go under `[model.<family>]`, an optimizer's under `[optim.<name>]`,
+`liandan.config`, named in its registration or held by the registered object as its `options` attribute): a model family's keys go under `[model.<family>]`, an optimizer's under `[optim.<name>]`,
 an exporter's under `[track.<name>]`. It may need an extra of pyproject.toml (`extra`), named in the error a
 missing package gives. What the loaded object must be is the kind's business (see `KINDS`).
 
@@ -76,9 +76,11 @@ class Plugin:
         return self.loaded["target"]
 
     def options_type(self) -> type | None:
-        """The dataclass of the config table this plug-in owns, or None."""
+        """The dataclass of the config table this plug-in owns, or None: named by `options`, or else the
+        registered object's own `options` attribute (how a plug-in found through an entry point says it)."""
         if not self.options:
-            return None
+            own = getattr(self.load(), "options", None)
+            return own if isinstance(own, type) else None
         if "options" not in self.loaded:
             self.loaded["options"] = _resolve(self.options, f"the options of {self.kind} '{self.name}'", "")
         return self.loaded["options"]

@@ -108,6 +108,8 @@ class ModelSpec:
     # (block, its input activations, the rest of its forward's arguments) -> the largest attention logit of
     # the block's first sequence, for the guard's layer statistics; None: the family does not say
     attention_logit: Callable[[Any, Any, tuple], Any] | None = None
+    # the dataclass of its `[model.<family>]` keys, when its registration does not name one (an entry point)
+    options: type | None = None
 
     def differences(self, ours: Any, theirs: dict[str, Any], source: str = "checkpoint") -> list[str]:
         """How a checkpoint's args (`theirs`, as saved in its metadata; fields it lacks take their defaults)

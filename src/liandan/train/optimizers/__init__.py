@@ -21,11 +21,12 @@ class OptimizerPlugin:
     optimizers of its trainable parameters (every parameter in exactly one); `section.options` is the plug-in's
     own config table. `mixed_tensor_kinds`: the parameters mix DTensors of different meshes and plain tensors
     (tensor parallelism), which multi-tensor kernels cannot take in one call. `state_bytes_per_param`: the
-    optimizer state it keeps per parameter, for `liandan plan`."""
+    optimizer state it keeps per parameter, for `liandan plan`. `options`: the dataclass of its config table."""
 
     name: str
     build: Callable[[list[Any], OptimSection, Any, bool], list[list[Any]]]
     state_bytes_per_param: float
+    options: type | None = None  # its `[optim.<name>]` table, when its registration does not name one
 
 
 def optimizer_plugin(name: str) -> OptimizerPlugin:
