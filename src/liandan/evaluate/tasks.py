@@ -32,10 +32,10 @@ from typing import Any
 
 import regex
 
+from liandan import plugins
 from liandan.config import ConfigError
 from liandan.evaluate.formats import BUILTIN_FORMATS, PromptFormat, format_from_table
 
-SHIPPED_DIR = Path(__file__).parent / "tasks"
 KINDS = ("multiple_choice", "generation")
 DEFAULT_DATA_DIR = "../shared/data"
 # A source checkout's root (src/liandan/evaluate/tasks.py is three folders down): its ../shared/data is the
@@ -103,7 +103,8 @@ _KEYS = {
 
 
 def resolve_task_files(names: list[str]) -> list[Path]:
-    """Task names (shipped under liandan/evaluate/tasks) or paths of task files."""
+    """Task names (task plug-ins: liandan's own, shipped under liandan/evaluate/tasks, and any a package
+    registers) or paths of task files."""
     files = []
     for name in names:
         path = Path(name)
@@ -112,11 +113,11 @@ def resolve_task_files(names: list[str]) -> list[Path]:
                 raise ConfigError(f"task file not found: {path}")
             files.append(path)
             continue
-        shipped = SHIPPED_DIR / f"{name}.toml"
-        if not shipped.is_file():
-            known = ", ".join(sorted(p.stem for p in SHIPPED_DIR.glob("*.toml")))
-            raise ConfigError(f"unknown task '{name}'; shipped tasks: {known}; or give a path to a .toml task file")
-        files.append(shipped)
+        try:
+            files.append(Path(plugins.load("task", name)))
+        except plugins.PluginError:
+            known = ", ".join(plugins.names("task"))
+            raise ConfigError(f"unknown task '{name}'; known tasks: {known}; or give a path to a .toml task file") from None
     return files
 
 
