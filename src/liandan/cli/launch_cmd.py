@@ -41,13 +41,14 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
 
     cfg = load_config(args.config, overrides)
     _check_launch(cfg, args.nodes * args.gpus_per_node)  # the layout fits the world size, the data is there
-    name = cfg.run_name(Path(args.config).stem)
+    run_dir = cfg.run_dir(Path(args.config).stem)
+    name = run_dir.name  # every node joins this one run directory
     plan = LaunchPlan(str(Path(args.config).resolve()), name, args.nodes, args.gpus_per_node,
                       tuple(o for o in overrides if not o.startswith("--run.name=")), args.port, args.min_nodes)  # fmt: skip
     if args.hosts is not None:
         print("\n".join(plan.node_commands([h.strip() for h in args.hosts.split(",") if h.strip()])))
         return 0
-    room = RunDir.of(Path(cfg.run.output_dir) / name, cfg.checkpoint.dir)
+    room = RunDir.of(run_dir, cfg.checkpoint.dir)
     excluded = room.excluded_hostlist.read_text().strip() if room.excluded_hostlist.is_file() else ""
     script = plan.sbatch_script(str(Path(cfg.run.output_dir).resolve()), exclude=excluded)
     if not args.submit:
