@@ -19,7 +19,6 @@ into any other parallel layout and world size: DCP reshards on load.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import shutil
@@ -43,6 +42,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
+from liandan.checkpoint.info import (  # noqa: F401 - their callers' old address
+    describe_checkpoint,
+    read_meta,
+    resolve_checkpoint,
+    run_checkpoint_root,
+)
 from liandan.checkpoint.restricted import load_state, read_metadata, reason
 from liandan.checkpoint.verify import (
     MANIFEST,
@@ -52,14 +57,12 @@ from liandan.checkpoint.verify import (
     step_dir_name,
     step_directories,
     step_of,
-    total_bytes,
     verify,
     write_manifest,
 )
 from liandan.faults import maybe_inject
 from liandan.run import (
     META,
-    RunDir,
     dumps_json,
     parse_partial_step_dir,
     partial_of,
@@ -500,28 +503,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def describe_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
-    """What `liandan ckpt info` shows: step, tokens, layout, size and whether it verifies."""
-    path = locate(path)
-    if not path.is_dir():
-        raise CheckpointError(f"no checkpoint directory at {path}")
-    info: dict[str, Any] = {"path": str(path), "bytes": total_bytes(path), "checksums": checksums}
-    if (path / META).is_file():
-        try:
-            meta = read_meta(path)
-        except CheckpointError:  # verification below names what is wrong with it
-            meta = {}
-        for key in ("step", "tokens", "world_size", "layout", "liandan_version", "tokenizer", "saved_at"):
-            info[key] = meta.get(key)
-    try:
-        verify(path, checksums=checksums)
-        info["verified"] = True
-    except CheckpointError as err:
-        info["verified"] = False
-        info["error"] = str(err)
-    return info
-
-
 def load_model(path: Path, verify_checksums: bool = True):
     """A checkpoint's model on the CPU in one process, whatever layout saved it: (model, meta)."""
     from liandan.model.spec import get as get_model_spec
@@ -537,35 +518,3 @@ def load_model(path: Path, verify_checksums: bool = True):
     load_state(state, path, no_dist=True)
     set_model_state_dict(model, state["model"])
     return model, meta
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    """A checkpoint's meta.json; CheckpointError, naming the checkpoint, when it is missing or not a JSON object."""
-    try:
-        meta = json.loads((locate(path) / META).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file {META} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: file {META} is not JSON: {err}") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: file {META} is not a JSON object")
-    return meta
-
-
-def run_checkpoint_root(run_dir: Path) -> Path:
-    """Where a run directory's checkpoints are: `checkpoint.dir` of the config the run saved, else
-    `<run>/checkpoints`, just as training chose."""
-    return RunDir.from_saved_config(run_dir).checkpoints
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """A step directory, or the newest complete one under a checkpoints directory or a run directory."""
-    path = locate(path)
-    if (path / MANIFEST).is_file() or (path / META).is_file():
-        return path
-    remote = isinstance(path, RemotePath)
-    for root in (path,) if remote else (path, run_checkpoint_root(path)):  # a store holds no run directory
-        steps = complete_checkpoints(root) if remote else step_dirs(root)  # in a store, one being saved has none
-        if steps:
-            return steps[-1]
-    raise CheckpointError(f"no checkpoint at {path}")

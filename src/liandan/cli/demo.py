@@ -270,7 +270,7 @@ def evaluate_briefly(model, tokenizer, run: Path, data_dir: str, items: int = 10
 
 
 def show_checkpoints(run: Path) -> None:
-    from liandan.checkpoint.manager import describe_checkpoint
+    from liandan.checkpoint.info import describe_checkpoint
 
     print("checkpoints:")
     for path in RunDir(run).checkpoint_steps():

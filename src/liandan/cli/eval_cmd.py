@@ -19,8 +19,7 @@ from liandan.run.files import atomic_write_json
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("eval", help="score a checkpoint on tasks under several prompt formats, held-out bits per"
-                       " byte per source, and contamination")  # fmt: skip
+    p = sub.add_parser("eval")
     p.add_argument("path", help="a run directory (its newest checkpoint), a checkpoints directory or a step directory")
     p.add_argument("--tasks", help="comma-separated task names (gsm8k, cloze_en, cloze_zh) or task files;"
                    " default: [eval] tasks of the run's config")  # fmt: skip
@@ -112,7 +111,7 @@ def evaluate_here(path: Path, run: Path | None, cfg: Any, tasks: list[Any]) -> d
 
 
 def _step_of(path: Path) -> int:
-    from liandan.checkpoint.manager import read_meta, resolve_checkpoint
+    from liandan.checkpoint.info import read_meta, resolve_checkpoint
 
     return int(read_meta(resolve_checkpoint(path)).get("step", 0))
 
@@ -135,7 +134,7 @@ def _loader(run_cfg: Any, run: Path) -> Any:
 
 
 def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
-    from liandan.cli.main import _error
+    from liandan.resilience.roles import report_error
     from liandan.train.distributed import launch_local
 
     with tempfile.TemporaryDirectory(prefix="liandan-eval-") as scratch:
@@ -145,7 +144,7 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         worker += [f"--limit={args.limit}"] if args.limit is not None else []
         code, message = launch_local(args.nproc, "liandan.cli", worker)
         if message or code:
-            _error(message or f"liandan eval: a worker failed (exit {code})")
+            report_error(message or f"liandan eval: a worker failed (exit {code})")
             return 2 if code == 2 else 1
         return _tell(json.loads(report_path.read_text()), args, run_dir_of(Path(args.path)))
 

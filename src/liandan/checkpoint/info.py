@@ -1,0 +1,66 @@
+"""What a checkpoint says about itself, read without torch: its meta.json, where a run's checkpoints are, the
+newest one, and what `liandan ckpt info` shows. The manager (`manager.py`) saves and loads them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from liandan.checkpoint.verify import MANIFEST, CheckpointError, complete_checkpoints, total_bytes, verify
+from liandan.run import META, RunDir, step_dirs
+from liandan.run.remote import RemotePath, locate
+
+
+def describe_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
+    """What `liandan ckpt info` shows: step, tokens, layout, size and whether it verifies."""
+    path = locate(path)
+    if not path.is_dir():
+        raise CheckpointError(f"no checkpoint directory at {path}")
+    info: dict[str, Any] = {"path": str(path), "bytes": total_bytes(path), "checksums": checksums}
+    if (path / META).is_file():
+        try:
+            meta = read_meta(path)
+        except CheckpointError:  # verification below names what is wrong with it
+            meta = {}
+        for key in ("step", "tokens", "world_size", "layout", "liandan_version", "tokenizer", "saved_at"):
+            info[key] = meta.get(key)
+    try:
+        verify(path, checksums=checksums)
+        info["verified"] = True
+    except CheckpointError as err:
+        info["verified"] = False
+        info["error"] = str(err)
+    return info
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """A checkpoint's meta.json; CheckpointError, naming the checkpoint, when it is missing or not a JSON object."""
+    try:
+        meta = json.loads((locate(path) / META).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file {META} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: file {META} is not JSON: {err}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: file {META} is not a JSON object")
+    return meta
+
+
+def run_checkpoint_root(run_dir: Path) -> Path:
+    """Where a run directory's checkpoints are: `checkpoint.dir` of the config the run saved, else
+    `<run>/checkpoints`, just as training chose."""
+    return RunDir.from_saved_config(run_dir).checkpoints
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A step directory, or the newest complete one under a checkpoints directory or a run directory."""
+    path = locate(path)
+    if (path / MANIFEST).is_file() or (path / META).is_file():
+        return path
+    remote = isinstance(path, RemotePath)
+    for root in (path,) if remote else (path, run_checkpoint_root(path)):  # a store holds no run directory
+        steps = complete_checkpoints(root) if remote else step_dirs(root)  # in a store, one being saved has none
+        if steps:
+            return steps[-1]
+    raise CheckpointError(f"no checkpoint at {path}")
