@@ -358,3 +358,20 @@ def test_incidents_tell_the_doctor_in_one_line(tmp_path):
     )
     assert lines[1].endswith("doctor warning (liandan doctor): all 2 rank(s) ..., with warnings: x")
     assert lines[2].endswith("DOCTOR BISECTION: bisection names rank 3 on host n7 after 3 round(s)")
+
+
+def test_the_doctor_records_in_the_run_directory_a_run_of_its_config_uses(tmp_path):
+    from liandan.doctor.runner import record_in_run
+    from liandan.run import RunDir
+
+    report = {"mode": "check", "ok": True, "summary": "doctor: all 1 rank(s) passed", "findings": [], "seconds": 1.0}
+    project = tmp_path / "runs"
+    named = load_config(None, [f"--run.output_dir={project}", "--run.name=r1"])
+    named.run_dir("tiny").mkdir(parents=True)  # as the run of this config made it
+    assert record_in_run(named, report) == RunDir.of(project / "r1").doctor
+    assert [e["kind"] for e in RunDir.of(project / "r1").read_events()] == ["doctor"]
+    # An empty run.name stands for a new timestamped run: no run directory of it exists yet, and the project
+    # directory (output_dir itself) is no run directory to write into.
+    unnamed = load_config(None, [f"--run.output_dir={project}"])
+    assert record_in_run(unnamed, report) is None
+    assert not RunDir.of(project).doctor.exists() and not RunDir.of(project).events.exists()

@@ -1,6 +1,7 @@
 """`liandan launch` (a Slurm script or per-node commands, one supervisor per node) and what `liandan train`
 does when torchrun, srun or a Slurm allocation started it."""
 
+import os
 import shlex
 import socket
 import subprocess
@@ -139,3 +140,37 @@ def test_two_nodes_started_from_the_printed_commands(config):
     assert [r["step"] for r in run.metrics] == [1, 2]  # the override reached both nodes
     assert {e["world_size"] for e in run.of_kind("train_start")} == {2}
     assert "unsupervised" not in outputs[0][1] + outputs[1][1]
+
+
+@pytest.mark.parametrize(
+    "how, supervise, nproc, role",
+    [
+        ("here", True, 1, "supervise"),
+        ("here", True, 4, "supervise"),
+        ("here", False, 4, "launch"),
+        ("here", False, 1, "train"),
+        ("worker", True, 4, "train"),
+        ("torchrun", True, 1, "train"),
+        ("srun", False, 4, "train"),
+    ],
+)
+def test_only_a_process_a_person_started_supervises_or_launches(how, supervise, nproc, role):
+    from liandan.config import load_config
+    from liandan.resilience.launch import Start
+    from liandan.resilience.roles import choose_role
+
+    cfg = load_config(None, [f"--resilience.supervise={str(supervise).lower()}"])
+    assert choose_role(cfg, nproc, Start(how)) == role
+
+
+def test_python_starts_a_supervised_run_of_two_ranks_as_the_command_does(config, monkeypatch, capsys):
+    from liandan.cli.main import prepare_training
+    from liandan.resilience.roles import run_training
+
+    for name in [k for k in os.environ if k.startswith("LIANDAN_")]:
+        monkeypatch.delenv(name)
+    code = run_training(str(config), 2, ["--run.name=from-python"], prepare=prepare_training)
+    assert code == 0, capsys.readouterr().err[-3000:]
+    run = read_run(config.parent / "runs" / "from-python")
+    assert run.summary["steps"] == STEPS and run.summary["restarts"] == 0  # the supervisor's summary
+    assert {e["kind"] for e in run.events} >= {"supervisor_start", "supervisor_end"}

@@ -151,3 +151,15 @@ def test_whole_file_readers_skip_a_half_written_last_line(tmp_path):
     assert len(timeline(tmp_path)) == 1
     run.metrics.write_text('{"step": 1, "loss": 2.5}\n{"step": 2, "loss": 2.25}')
     assert [r["step"] for r in run.read_metrics()] == [1, 2]
+
+
+def test_the_run_directory_is_output_dir_and_the_run_name(tmp_path):
+    from liandan.config import load_config
+
+    named = load_config(None, [f"--run.output_dir={tmp_path}", "--run.name=r1"])
+    assert named.run_dir("tiny") == tmp_path / "r1"
+    unnamed = load_config(None, [f"--run.output_dir={tmp_path}"])
+    drawn = unnamed.run_dir("tiny")
+    assert (
+        drawn.parent == tmp_path and drawn.name.startswith("tiny-") and len(drawn.name) == len("tiny-20260101-120000")
+    )

@@ -14,13 +14,13 @@ from liandan.run.remote import is_url, locate
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("ckpt", help="inspect checkpoints")
+    p = sub.add_parser("ckpt")
     p.add_argument("action", choices=["info"], help="info: step, tokens, layout, size and verification")
     p.add_argument("path", help="a checkpoint, a checkpoints directory or a run directory")
     p.add_argument("--no-checksums", action="store_true", help="check sizes only (fast)")
     p.set_defaults(command=cmd_ckpt_info)
 
-    p = sub.add_parser("export", help="write a checkpoint's model as Hugging Face Llama or one safetensors file")
+    p = sub.add_parser("export")
     p.add_argument("checkpoint", help="a checkpoint, or a run directory (its newest checkpoint)")
     p.add_argument("out", help="output directory (--hf) or .safetensors file (--consolidated)")
     kind = p.add_mutually_exclusive_group(required=True)
@@ -29,7 +29,7 @@ def add_commands(sub) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weight dtype of an --hf export")
     p.set_defaults(command=cmd_export)
 
-    p = sub.add_parser("import", help="turn Hugging Face Llama weights into a checkpoint to train from")
+    p = sub.add_parser("import")
     p.add_argument("source", help="a directory with config.json and *.safetensors")
     p.add_argument("out", help="checkpoint directory to create; train with --checkpoint.init_from=OUT")
     p.add_argument("--hf", action="store_true", required=True, help="the source is in Hugging Face format")

@@ -8,7 +8,6 @@ import argparse
 def add_commands(sub) -> None:
     p = sub.add_parser(
         "dash",
-        help="a live web dashboard of the runs in a project directory (needs the [dash] extra)",
         description="Serve the runs under DIR (the directory that holds the run directories, run.output_dir) as a"
         " web page: runs, curves with incidents marked, their evidence, per-rank health, comparisons. Bound to"
         " 127.0.0.1 unless --host says otherwise; elsewhere every API request needs a token.",

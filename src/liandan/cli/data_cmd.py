@@ -14,7 +14,7 @@ from liandan.run.remote import is_url
 
 
 def add_commands(sub) -> None:
-    data = sub.add_parser("data", help="clean, deduplicate, inspect and tokenize raw text into token stores")
+    data = sub.add_parser("data")
     actions = data.add_subparsers(title="actions", metavar="ACTION")
     data.set_defaults(command=lambda args, overrides: (data.print_help(), 0)[1])
 

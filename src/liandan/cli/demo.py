@@ -118,7 +118,7 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     cfg = load_config(None, settings + overrides)
     trained_on = poison_batch(cfg, store, kill_step(cfg))
     cfg = load_config(None, [*settings, "--data.stores=" + json.dumps([str(trained_on)]), *overrides])
-    run = Path(cfg.run.output_dir) / name
+    run = cfg.run_dir(name)  # run.name is set: the run directory is the demo's name
     code = train_supervised(cfg, run)
     if code != 0:
         return code

@@ -24,9 +24,7 @@ HIDDEN = argparse.SUPPRESS
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser(
-        "doctor", help="check every rank's devices, collectives, disk and environment; name a bad rank and its host"
-    )
+    p = sub.add_parser("doctor")
     doctor_options(p)
     p.set_defaults(command=cmd_doctor)
 
@@ -86,7 +84,7 @@ def _run_here(cfg, suspects: list[str] | None) -> dict:
 
 def _launch(args: argparse.Namespace, cfg, overrides: list[str], suspects: list[str] | None) -> int:
     """`nproc` local workers under torchrun; rank 0 hands the report back through a file."""
-    from liandan.cli.main import _error
+    from liandan.resilience.roles import report_error
     from liandan.train.distributed import launch_local
 
     for item in suspects or []:  # what can be told before anything starts
@@ -99,7 +97,7 @@ def _launch(args: argparse.Namespace, cfg, overrides: list[str], suspects: list[
             worker.append(f"--bisect={args.bisect}")
         code, message = launch_local(args.nproc, "liandan.cli", worker)
         if message:
-            _error(message)
+            report_error(message)
             return 2 if code == 2 else 1
         return _tell(json.loads(path.read_text()), args.json, cfg)
 

@@ -20,8 +20,7 @@ from liandan.run.files import atomic_write_json
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("eval", help="score a checkpoint on tasks under several prompt formats, held-out bits per"
-                       " byte per source, and contamination")  # fmt: skip
+    p = sub.add_parser("eval")
     p.add_argument("path", help="a run directory (its newest checkpoint), a checkpoints directory or a step directory")
     p.add_argument("--tasks", help="comma-separated task names (gsm8k, cloze_en, cloze_zh) or task files;"
                    " default: [eval] tasks of the run's config")  # fmt: skip
@@ -150,7 +149,7 @@ def _loader(run_cfg: Any, run: Path) -> Any:
 
 
 def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
-    from liandan.cli.main import _error
+    from liandan.resilience.roles import report_error
     from liandan.train.distributed import launch_local
 
     with tempfile.TemporaryDirectory(prefix="liandan-eval-") as scratch:
@@ -161,7 +160,7 @@ def _launch(args: argparse.Namespace, overrides: list[str]) -> int:
         worker += [f"--data-dir={args.data_dir}"] if args.data_dir is not None else []
         code, message = launch_local(args.nproc, "liandan.cli", worker)
         if message or code:
-            _error(message or f"liandan eval: a worker failed (exit {code})")
+            report_error(message or f"liandan eval: a worker failed (exit {code})")
             return 2 if code == 2 else 1
         return _tell(json.loads(report_path.read_text()), args, run_dir_of(Path(args.path)))
 

@@ -19,7 +19,6 @@ _SUFFIX = {"k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e1
 def add_commands(sub) -> None:
     p = sub.add_parser(
         "fit",
-        help="fit a scaling law L(N, D) = E + A/N^α + B/D^β (and L(C)) to runs, with bootstrap intervals",
         description="Fit L(N, D) = E + A/N^alpha + B/D^beta (Hoffmann et al. 2022, approach 3: Huber loss on log "
         "residuals, L-BFGS-B from a grid of starts) and L(C) = a*C^b + c to a set of runs, with bootstrap "
         "percentile intervals, and predict the loss of a proposed run.",
@@ -83,7 +82,6 @@ def add_commands(sub) -> None:
 
     p = sub.add_parser(
         "optimal",
-        help="compute-optimal parameters and tokens for a FLOP budget (or tokens for a size) under a scaling law",
         description="Compute-optimal allocation under L(N, D) = E + A/N^alpha + B/D^beta with C = 6*N*D: "
         "N_opt = G*(C/6)^a, D_opt = (C/6)^b/G. The default law is Chinchilla's as refitted by Besiroglu et al. 2024 "
         "(Epoch AI), which agrees with the paper's ~20 tokens per parameter; `--law hoffmann` gives the published "

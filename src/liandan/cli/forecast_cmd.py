@@ -14,7 +14,6 @@ FRACTIONS = "0.1,0.2,0.5"
 def add_commands(sub) -> None:
     p = sub.add_parser(
         "forecast",
-        help="forecast a run's final loss from its partial loss curve (learning-rate-annealing scaling law)",
         description=(
             "Forecast the final training loss of RUN from the loss records so far and the learning-rate"
             " schedule in its config.toml, with priors and a calibrated interval learned from finished runs:"

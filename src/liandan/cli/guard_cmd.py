@@ -17,7 +17,7 @@ from liandan.run import META, RunDir, read_json
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser("skipped", help="the batches the loss-spike guard skipped in a run, and their documents")
+    p = sub.add_parser("skipped")
     p.add_argument("run", help="a run directory")
     p.add_argument("--export", metavar="FILE.jsonl", help="write the skipped documents' text, one JSON record each")
     p.set_defaults(command=cmd_skipped)

@@ -15,7 +15,6 @@ from liandan.config import ConfigError, load_config
 def add_commands(sub) -> None:
     p = sub.add_parser(
         "launch",
-        help="a Slurm script or per-node commands that run one liandan supervisor per node",
         description="Write what starts a run on several nodes with one liandan supervisor per node, which starts "
         "that node's ranks and restarts them after a crash or hang. Config overrides (--section.key=value) are "
         "passed on to every node.",
@@ -35,19 +34,20 @@ def add_commands(sub) -> None:
 
 
 def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
-    from liandan.cli.main import _check_launch
     from liandan.resilience.launch import LaunchPlan
+    from liandan.resilience.roles import check_launch
     from liandan.run import RunDir
 
     cfg = load_config(args.config, overrides)
-    _check_launch(cfg, args.nodes * args.gpus_per_node)  # the layout fits the world size, the data is there
-    name = cfg.run_name(Path(args.config).stem)
+    check_launch(cfg, args.nodes * args.gpus_per_node)  # the layout fits the world size, the data is there
+    run_dir = cfg.run_dir(Path(args.config).stem)
+    name = run_dir.name  # every node joins this one run directory
     plan = LaunchPlan(str(Path(args.config).resolve()), name, args.nodes, args.gpus_per_node,
                       tuple(o for o in overrides if not o.startswith("--run.name=")), args.port, args.min_nodes)  # fmt: skip
     if args.hosts is not None:
         print("\n".join(plan.node_commands([h.strip() for h in args.hosts.split(",") if h.strip()])))
         return 0
-    room = RunDir.of(Path(cfg.run.output_dir) / name, cfg.checkpoint.dir)
+    room = RunDir.of(run_dir, cfg.checkpoint.dir)
     excluded = room.excluded_hostlist.read_text().strip() if room.excluded_hostlist.is_file() else ""
     script = plan.sbatch_script(str(Path(cfg.run.output_dir).resolve()), exclude=excluded)
     if not args.submit:

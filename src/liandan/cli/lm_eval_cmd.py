@@ -13,7 +13,6 @@ from liandan.checkpoint.verify import CheckpointError
 def add_commands(sub) -> None:
     p = sub.add_parser(
         "lm-eval",
-        help="run lm-evaluation-harness tasks on a checkpoint (lm-eval's own arguments follow the checkpoint)",
         description="Every argument after the checkpoint goes to lm-eval's `run` as given, e.g. --tasks "
         "hellaswag --include_path my_tasks --limit 100 --batch_size 16 --device cuda; `--model liandan` and "
         "`checkpoint=` in --model_args are set here.",

@@ -1,21 +1,26 @@
-"""`liandan` command line. User mistakes end as one line on stderr and a non-zero exit, never a traceback."""
+"""`liandan` command line. User mistakes end as one line on stderr and a non-zero exit, never a traceback.
+
+The parser knows every command, but imports a command's module only when that command runs: `liandan --help`
+and the read-only commands start without importing what the others need (torch above all). Training itself
+is `liandan.resilience.roles.run_training`; the `train` command parses its arguments and calls it."""
 
 from __future__ import annotations
 
 import argparse
-import os
+import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from liandan import __version__
-from liandan.checkpoint.verify import CheckpointError
 from liandan.config import ConfigError, describe, load_config
-from liandan.data.documents.corpus import DataError
-from liandan.run.errors import DEVICE_FAULT_EXIT, RunStopped
-from liandan.run.worker_env import WorkerEnv
+from liandan.resilience.roles import leave_process_group, report_error, user_errors
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError, RunStopped)
+if TYPE_CHECKING:
+    from liandan.config import Config
+    from liandan.resilience.launch import Start
+
 # The optional extras of pyproject.toml, by the top-level modules they install: a command that needs one it
 # lacks says which to install, in one line.
 EXTRAS = {
@@ -33,9 +38,33 @@ EXTRAS = {
     "fp8": ("torchao",),
 }
 
+# The commands of the modules beside this one (`liandan.cli.<module>`, each with `add_commands(sub)`), in the
+# order `liandan --help` lists them after train, demo, config and incidents, with the line it shows for each.
+# A module's commands follow one another.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "doctor": ("doctor_cmd", "check every rank's devices, collectives, disk and environment; name a bad rank and its host"),
+    "skipped": ("guard_cmd", "the batches the loss-spike guard skipped in a run, and their documents"),
+    "launch": ("launch_cmd", "a Slurm script or per-node commands that run one liandan supervisor per node"),
+    "report": ("report_cmd", "one self-contained HTML file (and PNGs) of runs: curves with incidents marked, timelines"),
+    "data": ("data_cmd", "clean, deduplicate, inspect and tokenize raw text into token stores"),
+    "ckpt": ("checkpoints", "inspect checkpoints"),
+    "export": ("checkpoints", "write a checkpoint's model as Hugging Face Llama or one safetensors file"),
+    "import": ("checkpoints", "turn Hugging Face Llama weights into a checkpoint to train from"),
+    "eval": ("eval_cmd", "score a checkpoint on tasks under several prompt formats, held-out bits per byte per source, and contamination"),
+    "plan": ("plan_cmd", "parameters, FLOPs, memory per device, the smallest layout that fits, run time and cost"),
+    "fit": ("fit_cmd", "fit a scaling law L(N, D) = E + A/N^α + B/D^β (and L(C)) to runs, with bootstrap intervals"),
+    "optimal": ("fit_cmd", "compute-optimal parameters and tokens for a FLOP budget (or tokens for a size) under a scaling law"),
+    "forecast": ("forecast_cmd", "forecast a run's final loss from its partial loss curve (learning-rate-annealing scaling law)"),
+    "sweep": ("sweep_cmd", "search hyperparameters with Optuna: each trial a training run, bad ones pruned early"),
+    "runs": ("runs_cmd", "list the runs of a project directory (status, tokens, losses, goodput, incidents, forecast)"),
+    "dash": ("dash_cmd", "a live web dashboard of the runs in a project directory (needs the [dash] extra)"),
+    "lm-eval": ("lm_eval_cmd", "run lm-evaluation-harness tasks on a checkpoint (lm-eval's own arguments follow the checkpoint)"),
+}  # fmt: skip
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = _parser(_command_word(argv))
     args, extra = parser.parse_known_args(argv)
     if not hasattr(args, "command"):
         parser.print_help()
@@ -43,22 +72,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = _overrides(extra)
         return args.command(args, overrides)
-    except USER_ERRORS as err:
-        _error(describe_error(err))
-        _leave_process_group()  # a worker that exits inside a live gloo group aborts noisily
+    except user_errors() as err:
+        report_error(describe_error(err))
+        leave_process_group()  # a worker that exits inside a live gloo group aborts noisily
         return getattr(err, "exit_code", 2)
     except ModuleNotFoundError as err:
         extra = next((e for e, modules in EXTRAS.items() if (err.name or "").split(".")[0] in modules), None)
         if extra is None:
             raise
-        _error(f"liandan {args.command_name} needs the [{extra}] extra: pip install 'liandan[{extra}]'")
-        _leave_process_group()
+        report_error(f"liandan {args.command_name} needs the [{extra}] extra: pip install 'liandan[{extra}]'")
+        leave_process_group()
         return 2
     except OSError as err:  # full disk, permissions, unreadable files: the user's environment, not a bug
-        _error(describe_error(err))
+        report_error(describe_error(err))
         return 1
     except KeyboardInterrupt:
-        _error("interrupted")
+        report_error("interrupted")
         return 130
 
 
@@ -72,23 +101,6 @@ def describe_error(err: BaseException) -> str:
     return str(err).strip() or f"{type(err).__name__} (no message)"
 
 
-def _leave_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-def _error(message: str) -> None:
-    from liandan.train.distributed import report_worker_error
-
-    if report_worker_error(message):  # a worker under `--nproc`: the launcher prints it once
-        return
-    # Rank 0 speaks for all, unless the launcher's file had no room for this rank's message (a full disk).
-    if int(os.environ.get("RANK", "0")) == 0 or WorkerEnv.from_env().error_dir is not None:
-        print(f"liandan: error: {message}", file=sys.stderr)
-
-
 def _overrides(extra: list[str]) -> list[str]:
     for item in extra:
         if not (item.startswith("--") and "=" in item and "." in item.split("=", 1)[0]):
@@ -96,7 +108,23 @@ def _overrides(extra: list[str]) -> list[str]:
     return extra
 
 
-def _parser() -> argparse.ArgumentParser:
+def _command_word(argv: Sequence[str]) -> str | None:
+    """The command `argv` names: its first word that is no option (liandan's own options take no value)."""
+    return next((word for word in argv if not word.startswith("-")), None)
+
+
+class _Commands:
+    """The subparsers, as a command module sees them: each command gets its line of the list from COMMANDS."""
+
+    def __init__(self, sub: argparse._SubParsersAction):
+        self.sub = sub
+
+    def add_parser(self, name: str, **kwargs) -> argparse.ArgumentParser:
+        return self.sub.add_parser(name, help=COMMANDS[name][1], **kwargs)
+
+
+def _parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command, with the arguments of `command`'s: its module is the only one imported."""
     parser = argparse.ArgumentParser(
         prog="liandan",
         description="Pretrain a language model from raw text. Config keys can be overridden as --section.key=value.",
@@ -131,41 +159,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("run", help="a run directory")
     p.set_defaults(command=cmd_incidents)
 
-    from liandan.cli import (
-        checkpoints,
-        dash_cmd,
-        data_cmd,
-        doctor_cmd,
-        eval_cmd,
-        fit_cmd,
-        forecast_cmd,
-        guard_cmd,
-        launch_cmd,
-        plan_cmd,
-        report_cmd,
-        runs_cmd,
-        sweep_cmd,
-    )
-
-    for module in (
-        doctor_cmd,
-        guard_cmd,
-        launch_cmd,
-        report_cmd,
-        data_cmd,
-        checkpoints,
-        eval_cmd,
-        plan_cmd,
-        fit_cmd,
-        forecast_cmd,
-        sweep_cmd,
-        runs_cmd,
-        dash_cmd,
-    ):
-        module.add_commands(sub)
-    from liandan.cli import lm_eval_cmd
-
-    lm_eval_cmd.add_commands(sub)
+    chosen = COMMANDS[command][0] if command in COMMANDS else None
+    for name, (module, help_line) in COMMANDS.items():
+        if module != chosen:
+            sub.add_parser(name, help=help_line, add_help=False)  # listed; never parsed in this process
+        elif name not in sub.choices:  # the chosen module's first command: it adds them all
+            importlib.import_module(f"liandan.cli.{module}").add_commands(_Commands(sub))
     return parser
 
 
@@ -187,59 +186,20 @@ def cmd_config(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
-    cfg = load_config(args.config, overrides)
-    name = Path(args.config).stem
-    from liandan.model.spec import check_model_config
+    from liandan.resilience.roles import run_training
 
-    check_model_config(cfg)  # the family and its tensor-parallel split, before anything starts
-    from liandan.track.exporters import check_exporters
+    return run_training(args.config, args.nproc, overrides, prepare=prepare_training)
 
-    check_exporters(cfg.track)  # a tracker's library that is missing: the extra to install
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
-    from liandan.resilience.launch import how_started
 
-    # torchrun or srun started one process per rank, or the supervisor started this worker; with $LIANDAN_NNODES
-    # srun starts one supervisor per node instead
-    start = how_started(args.nproc, os.environ)
-    external, supervised = start.how != "here", start.how == "worker"
-    if start.note and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        print(start.note, file=sys.stderr)
-    register_callbacks(cfg.train.callbacks)  # here too: a module that cannot be imported fails before any worker
-    if cfg.eval.every and cfg.eval.tasks and not external and not supervised:
+def prepare_training(cfg: Config, start: Start) -> None:
+    """What `liandan train` does in every process that trains before any worker starts: register the
+    callbacks (a module that cannot be imported fails before any worker) and, in the process that starts the
+    others or trains alone, check the evaluation task files (so does a bad task file)."""
+    register_callbacks(cfg.train.callbacks)
+    if cfg.eval.every and cfg.eval.tasks and start.how == "here":
         from liandan.evaluate.tasks import load_tasks
 
-        load_tasks(cfg.eval.tasks, cfg.eval.data_dir)  # and so does a bad task file
-    if cfg.resilience.supervise and not external and not supervised:
-        return _supervise(args.config, cfg, name, args.nproc, overrides)
-    if args.nproc > 1 and not external:
-        return _launch(args.config, cfg, name, args.nproc, overrides)
-    from liandan.train import Trainer
-    from liandan.train.preemption import Preempted, PreemptionGuard
-
-    # SIGTERM, SIGINT: save at the end of the step, then exit 128 + signal (the trainer attaches the guard's
-    # callback, "preemption", while it is installed)
-    guard = PreemptionGuard().install()
-    try:
-        trainer = Trainer(cfg, config_name=name)
-        try:
-            result = trainer.train()
-        except Exception as err:
-            if supervised and not isinstance(err, (*USER_ERRORS, OSError)):
-                _crash_now()
-            raise
-        finally:
-            trainer.close()
-    except Preempted as stop:
-        _leave_process_group()
-        if int(os.environ.get("RANK", "0")) == 0 and not supervised:  # it says so itself
-            resumes = "there" if stop.checkpoint else "from the newest checkpoint"
-            print(f"liandan: {stop}; the next run resumes {resumes}", file=sys.stderr)
-        return stop.exit_code
-    finally:
-        guard.close()
-    _report(result)
-    return 0
+        load_tasks(cfg.eval.tasks, cfg.eval.data_dir)
 
 
 def register_callbacks(modules: Sequence[str] = ()) -> None:
@@ -249,83 +209,6 @@ def register_callbacks(modules: Sequence[str] = ()) -> None:
     from liandan.train.callbacks import import_callback_modules
 
     import_callback_modules(modules)
-
-
-def _crash_now() -> None:
-    """A supervised worker that hit a bug: print the traceback and end at once. An orderly exit would wait for
-    its peers in a process group that is about to be torn down anyway (a second or more), and the supervisor
-    restarts the ranks only when it sees this one end."""
-    import traceback
-
-    traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(1)
-
-
-def _supervise(config: str, cfg, name: str, nproc: int, overrides: list[str]) -> int:
-    """Run the workers under the supervisor, which restarts them after crashes and hangs."""
-    from liandan.resilience.supervisor import Supervisor
-
-    _check_launch(cfg, nproc)
-    run_name = cfg.run_name(name)
-    worker = [
-        sys.executable,
-        "-m",
-        "liandan.cli",
-        "train",
-        config,
-        f"--nproc={nproc}",
-        *overrides,
-        f"--run.name={run_name}",
-    ]
-    run_dir = Path(cfg.run.output_dir) / run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return Supervisor(cfg, worker, run_dir, nproc=nproc).run()
-
-
-def _check_launch(cfg, nproc: int) -> None:
-    from liandan.spec.layout import resolve_layout
-
-    try:
-        resolve_layout(cfg.parallel, nproc)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
-    from liandan.data.documents.storage import is_file
-    from liandan.run.remote import locate
-
-    for path in cfg.data.paths:
-        if not is_file(locate(path)):  # a URL's object too, so a missing one stops the launch, not the workers
-            raise DataError(f"data file not found: {path}")
-
-
-def _launch(config: str, cfg, name: str, nproc: int, overrides: list[str]) -> int:
-    """Check what can be checked here, then start `nproc` workers under torchrun with one agreed run name."""
-    from liandan.train.distributed import launch_local
-
-    _check_launch(cfg, nproc)
-    if not cfg.run.name:
-        overrides = [*overrides, f"--run.name={cfg.run_name(name)}"]
-    code, message = launch_local(nproc, "liandan.cli", ["train", config, *overrides])
-    if message:
-        _error(message)
-    return 0 if code == 0 else (code if code in (2, DEVICE_FAULT_EXIT) else 1)
-
-
-def _report(result) -> None:
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    s = result.summary
-    if s.get("final_loss") is None:  # resumed from a checkpoint of the last step: nothing left to train
-        print(f"nothing to train: the run is complete at step {s.get('steps')}")
-    else:
-        this_launch = f"; steps {s['first_step'] + 1}-{s['steps']} in" if s.get("first_step") else " in"  # resumed
-        print(
-            f"done: {s['steps']} steps, {s['tokens']:,} tokens{this_launch} {s['seconds']:.1f}s"
-            f" ({s['tokens_per_s'] or 0:,.0f} tokens/s); final loss {s['final_loss']:.4f}"
-            + (f", validation loss {s['val_loss']:.4f}" if s.get("val_loss") is not None else "")
-        )
-    print(f"run directory: {result.run_dir}")
 
 
 def cmd_demo(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -15,7 +15,6 @@ def add_commands(sub) -> None:
     """Register this module's subcommands on the `liandan` subparsers object."""
     p = sub.add_parser(
         "plan",
-        help="parameters, FLOPs, memory per device, the smallest layout that fits, run time and cost",
         description="Plan a run from its config alone: no data, no weights, no devices. Numbers are estimates;"
         " docs/planning.md says how they are made and how far they were off on measured runs.",
     )

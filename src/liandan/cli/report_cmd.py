@@ -7,9 +7,7 @@ from pathlib import Path
 
 
 def add_commands(sub) -> None:
-    p = sub.add_parser(
-        "report", help="one self-contained HTML file (and PNGs) of runs: curves with incidents marked, timelines"
-    )
+    p = sub.add_parser("report")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories")
     p.add_argument(
         "-o", "--output", metavar="FILE.html", help="where to write it (default: RUN/report.html for one run, "

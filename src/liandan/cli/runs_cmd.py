@@ -17,7 +17,6 @@ from liandan.config import ConfigError
 def add_commands(sub) -> None:
     p = sub.add_parser(
         "runs",
-        help="list the runs of a project directory (status, tokens, losses, goodput, incidents, forecast)",
         description=(
             "Bring the project's run store (DIR/liandan.db) up to date with its run directories and list their"
             " runs, newest first; --compare sets chosen runs side by side with the config keys that differ."

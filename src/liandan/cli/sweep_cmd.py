@@ -21,7 +21,6 @@ if TYPE_CHECKING:
 def add_commands(sub) -> None:
     p = sub.add_parser(
         "sweep",
-        help="search hyperparameters with Optuna: each trial a training run, bad ones pruned early",
         description=(
             "Run the trials of the sweep file SWEEP (TOML: base config, overrides, [params] to search, pruner)"
             " until its study holds `trials` completed or pruned ones. Running it again continues the study."

@@ -369,6 +369,12 @@ class Config:
 
         return self.run.name or f"{config_name}-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
 
+    def run_dir(self, config_name: str) -> Path:
+        """The run directory: `<run.output_dir>/<run_name(config_name)>`. Every place that needs it asks here;
+        where the name must be handed on too (to workers, to other nodes), it is this path's `.name`, so that a
+        timestamped name is drawn once."""
+        return Path(self.run.output_dir) / self.run_name(config_name)
+
     def to_toml(self) -> str:
         import tomli_w
 

@@ -55,7 +55,7 @@ def record_in_run(cfg: Config, report: dict) -> Path | None:
     report's path there (None: no such run directory)."""
     if not cfg.run.name:
         return None
-    room = RunDir.of(Path(cfg.run.output_dir) / cfg.run.name, cfg.checkpoint.dir)
+    room = RunDir.of(cfg.run_dir(""), cfg.checkpoint.dir)  # run.name is set: the config's name is not used
     if not room.exists():
         return None
     bisection = report.get("mode") == "bisect"

@@ -22,7 +22,7 @@ from liandan.run import RunDir
 from liandan.train.preemption import EXTERNAL, REQUEST
 
 if TYPE_CHECKING:
-    from liandan.resilience.supervisor import Attempt
+    from liandan.resilience.attempts import Attempt
 
 POLL_S = 0.2
 

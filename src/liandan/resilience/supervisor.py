@@ -13,71 +13,42 @@ start-up and the teardown after the last step. The supervisor then asks every ra
 (SIGUSR1, faulthandler), records them, and kills every process of the attempt. Every failure is an incident
 in events.jsonl with its evidence and the steps and seconds it cost; the run's goodput (the share of wall
 time spent on steps that were kept, over every launch of the run) goes into summary.json.
+
+The watch over an attempt (exits, hangs, their stacks) is in watch.py, the record of an attempt and of its
+failure in attempts.py, and preemption in preempt.py: bases of Supervisor that share its state.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from liandan.checkpoint import handoff, snapshots
-from liandan.checkpoint.resume import choose_resume
-from liandan.checkpoint.verify import complete_checkpoints, step_of
+from liandan.checkpoint import snapshots
 from liandan.config import Config
 from liandan.resilience import incidents, nodes, suspects
+from liandan.resilience.attempts import Attempt, FailureRecords, trailing_repeats
 from liandan.resilience.preempt import Preemption, SignalLatch
 from liandan.resilience.processes import DeathClock, StandbyPool, alive, end_processes, module_command
 from liandan.resilience.relay import Relay
-from liandan.run import RunDir, append_jsonl, atomic_write_json, lock_run_dir, rank_files, read_json, temporary
+from liandan.resilience.watch import SLOW_PHASES, WorkerWatch
+from liandan.run import RunDir, append_jsonl, atomic_write_json, lock_run_dir, temporary
 from liandan.run.errors import DEVICE_FAULT_EXIT
 from liandan.run.worker_env import WORKER_NAMES, NodeEnv, WorkerEnv, node_name
 from liandan.track.store import ingest_quietly
 from liandan.train import stores
-from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
 
-POLL_S = 0.2
-PEER_EXIT_S = 2.0  # after a rank fails, how long its peers have to fail on their own before they are ended
-STACKS_WAIT_S = 2.0  # faulthandler writes from a signal handler: it is there in milliseconds, or never
-ATTRIBUTION_GRACE_S = 5.0  # how long a node waits for the other nodes' view of a failure
-SLOW_PHASES = ("checkpoint", "eval")
 EXCLUDED_EXIT = 3  # this node is excluded from the run: it does not join (the other nodes carry on)
 ERROR_PREFIX = "liandan: error: "
 
 
-@dataclass
-class Attempt:
-    number: int
-    started: float
-    token: str
-    procs: list[tuple[int | None, subprocess.Popen]] = field(default_factory=list)  # (rank or None, process)
-    exit_code: int | None = None
-    failed_rank: int | None = None
-    failed_at: float | None = None
-    user_error: str | None = None
-    device_fault: bool = False  # the workers stopped on a device that computes wrong (`DeviceFault`)
-    hang: bool = False
-    stalled: float = 0.0
-    timeout: float = 0.0
-    beats: list[dict] = field(default_factory=list)
-    stacks: dict = field(default_factory=dict)
-    exits: dict[int, tuple[float, int]] = field(default_factory=dict)  # rank -> (time, exit code)
-    survivors: list[int] = field(default_factory=list)
-    ended: bool = False
-    last_lines: collections.deque = field(default_factory=lambda: collections.deque(maxlen=30))
-
-
-class Supervisor(Preemption):
+class Supervisor(WorkerWatch, FailureRecords, Preemption):
     def __init__(self, cfg: Config, worker_cmd: list[str], run_dir: Path, nproc: int = 1, say=print,
                  attempt_env: Callable[[int], dict[str, str]] | None = None):  # fmt: skip
         self.cfg, self.r, self.nproc = cfg, cfg.resilience, nproc
@@ -177,7 +148,7 @@ class Supervisor(Preemption):
                 reason = None
                 if ours:  # a failure that began on another node is that node's to count
                     failures.append((incident["cause"], incident["step"]))
-                    repeats = _trailing_repeats(failures)
+                    repeats = trailing_repeats(failures)
                     if repeats >= self.r.same_failure_limit:
                         reason = f"the same failure ({incident['cause']}) recurred {repeats} times at step {incident['step']}"
                 if reason is None and restarts >= self.r.max_restarts:
@@ -294,136 +265,6 @@ class Supervisor(Preemption):
         if self.use_standby and self.standby.number != number:
             self.standby.prepare(number, self._env(number), self.module[0])
 
-    # -- watching -----------------------------------------------------------------------------------------
-    def _watch(self, attempt: Attempt) -> None:
-        last_key, last_change, last_step_time, top_step, progressed = None, time.time(), None, -1, False
-        seen: dict[int, dict] = {}
-        while True:
-            self.clock.wait(POLL_S)
-            if self._exited(attempt) or self.signals.first:
-                break
-            beats = self._beats(attempt)
-            now = time.time()
-            for beat in beats:
-                if self.rendezvous and beat["host"] == self.node:
-                    self.clock.watch(beat["pid"])  # the local workers' exact death times, for attribution
-                before = seen.get(beat["rank"])
-                moved = before and (before["step"], before["phase"]) != (beat["step"], beat["phase"])
-                if moved and before["phase"] in SLOW_PHASES:
-                    self.phase_seconds[before["phase"]].append(beat["time"] - before["time"])
-                seen[beat["rank"]] = beat
-            key = tuple((b["rank"], b["step"], b["phase"]) for b in beats)
-            if key != last_key:
-                last_key, last_change = key, now
-                step = max((b["step"] for b in beats if b["phase"] != "startup"), default=-1)
-                if step > top_step:
-                    if last_step_time is not None:
-                        self.step_seconds.append((now - last_step_time) / (step - top_step))
-                        progressed = True
-                        self._prepare_standby(attempt.number + 1)
-                    top_step, last_step_time = step, now
-                    self._note_recovery(step)
-            timeout = self.hang_timeout([b["phase"] for b in beats], progressed)
-            first = self.first_stopped_timeout(beats, progressed)
-            timeout = min(timeout, first) if first is not None else timeout
-            if now - last_change > timeout:
-                attempt.hang, attempt.timeout, attempt.stalled = True, timeout, now - last_change
-                self._handle_hang(attempt, beats)
-                break
-        final = max((b["step"] for b in self._beats(attempt)), default=-1)
-        self._note_recovery(final)  # the last steps may have run between two polls
-
-    def _let_peers_fail(self, attempt: Attempt) -> None:
-        """A rank failed: its peers fail in their next collective within moments, each printing that a peer went
-        away (one line on the console, the traceback in the log and the incident). Wait up to PEER_EXIT_S for
-        them to end so, rather than end them before they could say it."""
-        if attempt.exit_code in (0, None) or attempt.hang:
-            return
-        until = time.time() + PEER_EXIT_S
-        while not self.signals.first and (left := until - time.time()) > 0:
-            if all(proc.poll() is not None for _, proc in attempt.procs):
-                return
-            self.clock.wait(min(POLL_S, left))
-
-    def _exited(self, attempt: Attempt) -> bool:
-        """Whether the attempt is over: every rank done, or one failed (whose exit is then recorded)."""
-        for rank, proc in attempt.procs:
-            code = proc.poll()
-            if code is not None and (rank or 0) not in attempt.exits:
-                attempt.exits[rank or 0] = (self.clock.deaths.get(proc.pid, time.time()), code)
-        failed = sorted((when, rank, code) for rank, (when, code) in attempt.exits.items() if code != 0)
-        if failed:
-            attempt.failed_at, attempt.failed_rank, attempt.exit_code = failed[0]
-            if self.rendezvous:  # the agent names the rank that failed first
-                report = read_json(self.failure_report, {})
-                attempt.failed_rank = report.get("rank")
-                local = [self.clock.deaths[p] for p in self.clock.deaths if p != attempt.procs[0][1].pid]
-                attempt.failed_at = min(local, default=attempt.failed_at)
-            reports = rank_files(self.errors, ".txt")
-            if reports or attempt.exit_code in (2, DEVICE_FAULT_EXIT):  # whichever rank was seen to end first
-                attempt.device_fault = any(code == DEVICE_FAULT_EXIT for _, code in attempt.exits.values())
-                attempt.exit_code = DEVICE_FAULT_EXIT if attempt.device_fault else 2
-                attempt.user_error = _read(reports[0]).strip() if reports else ""
-            return True
-        if len(attempt.exits) == len(attempt.procs):
-            attempt.exit_code = 0
-            return True
-        return False
-
-    def _beats(self, attempt: Attempt) -> list[dict]:
-        """This attempt's heartbeats (older files of other nodes' earlier attempts left out)."""
-        return [b for b in read_heartbeats(self.room) if b["time"] >= attempt.started]
-
-    def _clear_heartbeats(self) -> None:
-        for stale in self.room.heartbeat_files():
-            beat = read_json(stale, {})
-            if not self.rendezvous or beat.get("host") in (None, self.node):  # other nodes clear their own
-                stale.unlink(missing_ok=True)
-
-    def hang_timeout(self, phases: list[str], progressed: bool = True) -> float:
-        """No progress for longer than this is a hang: the most generous timeout of the ranks' phases."""
-        return max((self._phase_timeout(p, progressed) for p in phases), default=self.r.startup_timeout_s)
-
-    def first_stopped_timeout(self, beats: list[dict], progressed: bool = True) -> float | None:
-        """The timeout of the rank that stopped first (`stopped_first`: its peers then wait for it in a
-        collective) when it is in a part of a step whose recent durations it reported: hang_factor x the
-        longest of them, at least hang_floor_s. A rank stuck loading a batch, which takes milliseconds, is
-        then found sooner than after hang_factor whole steps. None when that does not apply."""
-        if not beats or not progressed:
-            return None
-        first = stopped_first(beats)
-        longest = first.get("longest", {}).get(first["phase"])
-        if first["phase"] not in STEP_PHASES or not longest:
-            return None
-        return max(self.r.hang_floor_s, self.r.hang_factor * longest)
-
-    def _phase_timeout(self, phase: str, progressed: bool) -> float:
-        r = self.r
-        if phase in STEP_PHASES and self.step_seconds and (progressed or not self.cfg.train.compile):
-            return max(r.hang_floor_s, r.hang_factor * statistics.median(self.step_seconds[-50:]))
-        if phase in SLOW_PHASES and self.phase_seconds[phase]:
-            return max(r.hang_floor_s, r.hang_factor * max(self.phase_seconds[phase][-20:]))
-        return r.startup_timeout_s  # start-up, the teardown after the last step, a first checkpoint or eval
-
-    # -- failures -----------------------------------------------------------------------------------------
-    def _handle_hang(self, attempt: Attempt, beats: list[dict]) -> None:
-        local = [b for b in beats if not self.rendezvous or b["host"] == self.node]
-        paths = {b["rank"]: self.room.stack_dump(b["rank"]) for b in beats}
-        before = {rank: _size(path) for rank, path in paths.items()}
-        for beat in local:
-            try:
-                os.kill(beat["pid"], signal.SIGUSR1)
-            except (ProcessLookupError, PermissionError):
-                pass
-        deadline = time.time() + STACKS_WAIT_S
-        while time.time() < deadline and any(_size(paths[b["rank"]]) <= before[b["rank"]] for b in local):
-            time.sleep(0.02)
-        attempt.stacks = {rank: _read(path) for rank, path in paths.items()}
-        attempt.beats = beats
-        attempt.failed_at = max((b["time"] for b in beats), default=attempt.started)  # the last progress
-        attempt.exit_code = -signal.SIGKILL
-        self._end(attempt)
-
     def _end(self, attempt: Attempt) -> None:
         """Kill whatever is left of the attempt, its workers' own sessions and children included."""
         if attempt.ended:
@@ -438,103 +279,6 @@ class Supervisor(Preemption):
         self.store = None
         if attempt.exit_code is None:
             attempt.exit_code = -signal.SIGKILL
-
-    def _record_failure(self, attempt: Attempt) -> dict:
-        beats = attempt.beats or self._beats(attempt)
-        step = max((b["step"] for b in beats), default=0)
-        resume_step = self._resume_step()
-        failed_at = attempt.failed_at or time.time()
-        host, attribution = self.node, None
-        if attempt.hang:
-            stuck = stopped_first(beats) if beats else {"phase": "startup", "host": self.node}
-            cause = f"hang in {stuck['phase']}"
-            rank, host = stuck.get("rank"), stuck["host"]
-            evidence = {"stalled_seconds": round(attempt.stalled, 1), "timeout_seconds": round(attempt.timeout, 1),
-                        "ranks": beats, "stacks": attempt.stacks,
-                        "nccl_traces": [str(p) for p in self.room.nccl_traces(self.log_node)]}  # fmt: skip
-            summary = (
-                f"hang: no progress for {attempt.stalled:.0f}s, rank {rank} stuck in {stuck['phase']} at step {step}"
-            )
-            kind, since = "hang", stuck.get("time", attempt.started)
-        else:
-            code = attempt.exit_code
-            cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            if self.rendezvous:
-                report = read_json(self.failure_report, {})
-                if report.get("exitcode") is not None:
-                    code = report["exitcode"]
-                    cause = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            rank = attempt.failed_rank
-            pids = {rank: proc.pid for rank, proc in attempt.procs}
-            exits = {
-                r: {"code": c, "after_s": round(t - failed_at, 3), "pid": pids.get(r)}
-                for r, (t, c) in attempt.exits.items()
-            }
-            evidence = {"exit_code": code, "last_lines": list(attempt.last_lines), "exits": exits,
-                        "tracebacks": dict(self.relay.tracebacks)}  # fmt: skip
-            summary = f"crash: rank {rank} ended with {cause} at step {step}"
-            kind, since = "crash", failed_at
-        if self.rendezvous:
-            output = _read(self.room.attempt_log(attempt.number, self.log_node), 1 << 20)
-            secondary = kind == "crash" and nodes.lost_a_peer(output)
-            nodes.write_report(
-                self.run_dir, self.node, {"since": since, "origin": host, "cause": cause, "secondary": secondary}
-            )
-            participants = {}
-            for b in beats:
-                participants[b["host"]] = max(participants.get(b["host"], 0.0), b["time"])
-            host, attribution = nodes.attribute(self.run_dir, attempt.started, participants, ATTRIBUTION_GRACE_S)
-            summary += f" (attributed to node {host})"
-            rank = rank if host == self.node or attempt.hang else None  # a local rank means nothing there
-        incident = {"failure": kind, "cause": cause, "step": step, "rank": rank, "host": host, "attempt": attempt.number,
-                    "resume_step": resume_step, "steps_lost": max(0, step - resume_step),
-                    "seconds_lost": round(self._redone_seconds(attempt, resume_step, failed_at), 2),
-                    "workers_left_alive": attempt.survivors, "evidence": evidence, "summary": summary}  # fmt: skip
-        if self.rendezvous:
-            incident.update(reported_by=self.node, attribution=attribution)
-        incident["time"] = self._event("incident", **incident)
-        self.pending_recovery = {"failed_at": time.time(), "step": resume_step}
-        self.failure_report.unlink(missing_ok=True)
-        return incident
-
-    def _resume_step(self) -> int:
-        """The step the next attempt resumes from: the newest memory snapshot that every rank holds or the
-        newest checkpoint that verifies, as the workers will find them (0 when there is neither). The
-        checkpoint verdict is handed to the workers, who then need not verify again."""
-        c = self.cfg.checkpoint
-        root = self.room.checkpoints
-        in_memory = None
-        if self.snapshots and not self.rendezvous:  # on several nodes, the ranks agree among themselves
-            in_memory = snapshots.newest_common_step(self.snapshots, self.nproc, self.id)
-        complete = complete_checkpoints(root)
-        point = choose_resume(
-            in_memory,
-            step_of(complete[-1]) if complete else None,
-            lambda: handoff.verify_and_hand_over(root, c.verify, self.verdict, self._event),
-        )
-        if point.source == "memory":  # the workers will read no checkpoint: none is handed over
-            self.verdict.unlink(missing_ok=True)
-        return point.step
-
-    def _redone_seconds(self, attempt: Attempt, resume_step: int, failed_at: float) -> float:
-        """Seconds of this attempt's work that the next one does again: from when this attempt stood at the
-        resumed checkpoint (its start of training, or the last record at or before that step) to the failure."""
-        began = None
-        for e in self.room.read_events():
-            if e["kind"] == "train_start" and e["time"] >= attempt.started and e["step"] >= resume_step:
-                began = e["time"]
-                break
-        if began is None:
-            records = [r for r in self.room.read_metrics() if r["time"] >= attempt.started and r["step"] <= resume_step]
-            began = records[-1]["time"] if records else None
-        return max(0.0, failed_at - began) if began is not None else 0.0
-
-    def _note_recovery(self, step: int) -> None:
-        """The first completed step after a restart: how long recovery took."""
-        if self.pending_recovery and step > self.pending_recovery["step"]:
-            seconds = time.time() - self.pending_recovery["failed_at"]
-            self._event("recovered", step=step, seconds=round(seconds, 2))
-            self.pending_recovery = None
 
     # -- nodes --------------------------------------------------------------------------------------------
     def _refuse(self, entry: dict) -> int:
@@ -611,32 +355,3 @@ class Supervisor(Preemption):
         over = f" over {launches} launches" if launches > 1 else ""
         self.say(f"supervisor: {restarts} restart(s); goodput {100 * goodput:.1f}% "
                  f"({kept:.1f}s of kept steps in {wall:.1f}s{over})")  # fmt: skip
-
-
-def _trailing_repeats(failures: list[tuple[str, int]]) -> int:
-    n = 0
-    for failure in reversed(failures):
-        if failure != failures[-1]:
-            break
-        n += 1
-    return n
-
-
-def _close_quietly(file) -> None:
-    """Close a file whose buffered data may not fit on the disk any more (the file is closed all the same)."""
-    with contextlib.suppress(OSError):
-        file.close()
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def _read(path: Path, tail: int = 20000) -> str:
-    try:
-        return path.read_text(errors="replace")[-tail:]
-    except OSError:
-        return ""

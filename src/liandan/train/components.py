@@ -269,7 +269,7 @@ def claim_run_dir(cfg: Config, run_dir: Path | None, config_name: str) -> tuple[
     run's steps and nothing to resume from is refused unless `run.overwrite` is set; one in use by another
     run is refused. A supervised worker takes no lock: its supervisor holds it."""
     if run_dir is None:
-        run_dir = Path(cfg.run.output_dir) / cfg.run_name(config_name)
+        run_dir = cfg.run_dir(config_name)
     room = RunDir.of(run_dir, cfg.checkpoint.dir)
     run_dir = room.path
     env = WorkerEnv.from_env()
