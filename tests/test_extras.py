@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers import MICRO_MODEL, run_liandan, write_corpus
-from liandan.cli.main import EXTRAS
+from liandan.plugins import EXTRAS
 
 ROOT = Path(__file__).resolve().parents[1]
 

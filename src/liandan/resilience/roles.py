@@ -34,18 +34,14 @@ ERROR_PREFIX = "liandan: error: "
 
 
 def user_errors() -> tuple[type[BaseException], ...]:
-    """The errors that are the user's, not bugs (a bad config, a missing file or checkpoint, a run that stopped
-    by its own rules): one line, no traceback. A DataError can only have been raised by a module of
-    `liandan.data`, so its class is looked up only when that package is loaded: a command that reads no data
-    does not import it (and torch, which it imports) to report a config error."""
+    """The errors that are the user's, not bugs (a bad config, a missing file or checkpoint, an unknown or
+    uninstallable plug-in, a run that stopped by its own rules): one line, no traceback. None of their modules
+    imports torch."""
     from liandan.checkpoint.verify import CheckpointError
+    from liandan.data.documents.corpus import DataError
+    from liandan.plugins import PluginError
 
-    errors: tuple[type[BaseException], ...] = (ConfigError, CheckpointError, RunStopped)
-    if "liandan.data" in sys.modules:
-        from liandan.data.documents.corpus import DataError
-
-        errors += (DataError,)
-    return errors
+    return (ConfigError, DataError, CheckpointError, PluginError, RunStopped)
 
 
 def choose_role(cfg: Config, nproc: int, start: Start) -> Role:
