@@ -121,7 +121,7 @@ def test_wandb_offline_files_hold_the_metrics_the_incidents_and_the_config(track
     starts = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert {s.run_id for s in starts} == {state["id"]}  # every process resumed the one W&B run
     config = {item.key: json.loads(item.value_json) for item in starts[0].config.update}
-    assert config["train"]["steps"] == 8 and config["track"]["wandb_mode"] == "offline"
+    assert config["train"]["steps"] == 8 and config["track"]["wandb"]["mode"] == "offline"
     rows = _wandb_rows(records)
     last = {}
     for row in rows:
@@ -162,8 +162,8 @@ def test_an_unknown_exporter_is_a_config_error():
         load_config(None, ['--track.exporters=["tensorbord"]'])
     with pytest.raises(ConfigError, match="track.exporters names wandb more than once"):
         load_config(None, ["--track.exporters=wandb,wandb"])
-    with pytest.raises(ConfigError, match="track.wandb_mode = 'cloud' is not allowed"):
-        load_config(None, ["--track.wandb_mode=cloud"])
+    with pytest.raises(ConfigError, match="track.wandb.mode = 'cloud' is not allowed"):
+        load_config(None, ["--track.wandb.mode=cloud"])
 
 
 def test_a_missing_library_names_its_extra(tmp_path, monkeypatch, capsys):

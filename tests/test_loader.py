@@ -289,7 +289,7 @@ def test_trainer_trains_on_a_mixture_of_stores_and_resumes(stores, tmp_path):
               "--checkpoint.async_save=false", "--data.val_fraction=0.1", "--train.eval_every=4"]  # fmt: skip
     unused = write_corpus(tmp_path)  # [data] paths is ignored when stores are given
     trainer = Trainer(tiny_config(tmp_path, unused, *common, "--run.name=straight"), say=lambda m: None)
-    assert trainer.tokenizer.fingerprint() == "byte-v1" and not (trainer.run_dir / "data").exists()
+    assert trainer.parts.data.tokenizer.fingerprint() == "byte-v1" and not (trainer.run_dir / "data").exists()
     straight = trainer.train()
     meta = json.loads((trainer.run_dir / "checkpoints" / "step-00000004" / "meta.json").read_text())
     assert meta["tokenizer"] == "byte-v1" and meta["loader"]["step"] == 4

@@ -153,7 +153,8 @@ def build_components(
     say: Callable[[str], None] = print,
 ) -> Components:
     """Every component of a run from its config; `loader` and `module` (objects, or factories called once the
-    processes and the mesh exist) replace liandan's own; `callbacks` join the registered ones."""
+    processes and the mesh exist) replace liandan's own; `callbacks` join the registered ones, each replacing
+    a registered one of its class."""
     env = build_environment(cfg, say)
     holder: list[RunLock | None] = [None]
 
@@ -176,7 +177,9 @@ def build_components(
     parts = Components(cfg, env, room, resuming, holder[0], files, store_logger, heartbeat, data, module,
                        None, None, [], env.say)  # type: ignore[arg-type]  # fmt: skip
     parts.checkpoints, parts.snapshots = build_checkpointer(cfg, room, env, parts.event)
-    parts.callbacks = in_order([*build_callbacks(cfg), *callbacks])
+    # A callback handed in replaces a registered one of its class (a caller's own forecast, configured otherwise).
+    registered = [c for c in build_callbacks(cfg) if not any(type(c) is type(own) for own in callbacks)]
+    parts.callbacks = in_order([*registered, *callbacks])
     for callback in parts.callbacks:
         callback.name = callback.name or type(callback).__name__
     return parts
