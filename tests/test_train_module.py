@@ -5,10 +5,12 @@ checkpoints and resumes bit for bit."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,3 +245,29 @@ def test_flat_and_plug_in_tables_are_one_config_and_old_keys_say_where_they_went
     with pytest.raises(Exception) as err:
         load_config(None, ["--model.dim=96", "--model.llama.dim=96"])
     assert "given twice" in str(err.value)
+
+
+def test_a_checkpoint_written_before_the_train_module_protocol_resumes_exactly(tmp_path):
+    """tests/fixtures/checkpoint-v0: the step-2 checkpoint and the token store of a 4-step run written by liandan
+    before the protocol (one model, one AdamW, `[model]` and `[optim]` flat), with the losses that run logged. Resumed
+    now, steps 3 and 4 give the same losses, bit for bit."""
+    fixture = Path(__file__).parent / "fixtures" / "checkpoint-v0"
+    expected = {int(k): v for k, v in json.loads((fixture / "expected.json").read_text())["losses"].items()}
+    corpus = write_corpus(tmp_path, n_docs=8)
+    cfg = load_config(None, [f"--run.output_dir={tmp_path / 'runs'}", "--run.name=old", "--model.dim=16",
+                             "--model.n_layers=1", "--model.n_heads=2", "--model.n_kv_heads=1",
+                             "--model.max_seq_len=32", "--train.steps=4", "--train.global_batch=2",
+                             "--train.seq_len=32", "--train.dtype=fp32", "--schedule.warmup_steps=1",
+                             "--data.tokenizer=byte", f'--data.paths=["{corpus}"]', "--track.plot=false",
+                             "--checkpoint.every=2", "--checkpoint.async_save=false", "--track.store=false",
+                             "--doctor.preflight=false"])  # fmt: skip
+    run = tmp_path / "runs" / "old"
+    shutil.copytree(fixture / "step-00000002", run / "checkpoints" / "step-00000002")
+    shutil.copytree(fixture / "data", run / "data")  # the run's own token store, as it wrote it
+    trainer = Trainer(cfg, say=lambda m: None)
+    try:
+        assert trainer.step == 2
+        result = trainer.train()
+    finally:
+        trainer.close()
+    assert dict(_losses(result.run_dir)) == {3: expected[3], 4: expected[4]}
