@@ -239,6 +239,8 @@ def test_flat_and_plug_in_tables_are_one_config_and_old_keys_say_where_they_went
     path = tmp_path / "run.toml"
     path.write_text(flat.to_toml())
     assert load_config(path) == flat and "[model.llama]" in path.read_text()  # written with tables, read back
+    assert load_config(path, ["--model.dim=128", "--model.n_heads=8"]).model.llama.dim == 128  # overrides win
+    assert load_config(None, ["--model.dim=64", "--model.llama.dim=128"]).model.llama.dim == 128
     with pytest.raises(Exception) as err:
         load_config(None, ["--track.wandb_project=x"])
     assert str(err.value).startswith("track.wandb_project is now track.wandb.project")

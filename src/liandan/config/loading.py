@@ -38,9 +38,18 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
 
 def _set_dotted(raw: dict[str, Any], section: str, key: str, value: Any) -> None:
-    """`section.key = value`, where `key` may name a plug-in's table: `model.llama.dim`."""
+    """`section.key = value`, where `key` may name a plug-in's table: `model.llama.dim`. An override wins over
+    the file whichever spelling either uses: `--model.dim` replaces `[model.llama] dim`, and
+    `--model.llama.dim` replaces `[model] dim`."""
     table = raw.setdefault(section, {})
     *tables, last = key.split(".")
+    if isinstance(table, dict) and len(tables) <= 1:  # the other spelling of the same key goes
+        if tables:
+            table.pop(last, None)
+        else:
+            for sub in table.values():
+                if isinstance(sub, dict):
+                    sub.pop(last, None)
     where = section
     for name in tables:
         if not isinstance(table, dict):
