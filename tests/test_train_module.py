@@ -244,8 +244,10 @@ def test_flat_and_plug_in_tables_are_one_config_and_old_keys_say_where_they_went
     with pytest.raises(Exception) as err:
         load_config(None, ["--track.wandb_project=x"])
     assert str(err.value).startswith("track.wandb_project is now track.wandb.project")
+    both = tmp_path / "both.toml"
+    both.write_text("[model]\ndim = 96\n[model.llama]\ndim = 96\n")
     with pytest.raises(Exception) as err:
-        load_config(None, ["--model.dim=96", "--model.llama.dim=96"])
+        load_config(both)
     assert "given twice" in str(err.value)
 
 
