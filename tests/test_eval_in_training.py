@@ -36,7 +36,7 @@ def mixture_run(tmp_path_factory):
                       "--data.weights=[3, 1]", "--data.paths=[]", "--data.val_fraction=0.1", "--train.eval_every=3",
                       "--eval.every=3", "--eval.heldout_sequences=0", "--eval.contamination=false",
                       f"--eval.samples={json.dumps(SAMPLES)}", "--eval.sample_tokens=12", "--checkpoint.every=6",
-                      "--checkpoint.async_save=false")  # fmt: skip
+                      "--checkpoint.async_save=false", '--track.exporters=["tensorboard"]')  # fmt: skip
     trainer = Trainer(cfg, say=lambda m: None)
     try:
         trainer.train()
@@ -64,6 +64,19 @@ def test_each_source_of_the_mixture_has_its_validation_curve(mixture_run):
         assert scrape < prose  # the backslashes are learnt at once
         mixture = next(e["loss"] for e in run.of_kind("eval") if e["step"] == step)
         assert scrape < mixture < prose  # the mixture's windows are the two sources' together
+
+
+def test_the_exporters_get_the_curves_of_the_sources(mixture_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from liandan.run import RunDir
+
+    logged = EventAccumulator(str(RunDir(mixture_run).tensorboard), size_guidance={"scalars": 0}).Reload()
+    metrics = read_run(mixture_run).metrics
+    for source in ("prose", "scrape"):
+        curve = {e.step: e.value for e in logged.Scalars(f"val/{source}/loss")}
+        expected = {r["step"]: r[f"val/{source}/loss"] for r in metrics if f"val/{source}/loss" in r}
+        assert list(curve) == [3, 6] and curve == pytest.approx(expected, rel=1e-6)
 
 
 def test_the_report_names_the_mixture_and_shows_the_samples(mixture_run, tmp_path):
