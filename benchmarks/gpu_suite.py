@@ -26,6 +26,7 @@ commands it would run (anywhere).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     nproc = args.nproc or (torch.cuda.device_count() if gpu else 1)
     capability = torch.cuda.get_device_capability() if gpu else (9, 0)
-    fp8 = capability >= (8, 9)
+    fp8 = capability >= (8, 9) and (args.dry_run or importlib.util.find_spec("torchao") is not None)
     device = args.device_name or (_planner_name(torch.cuda.get_device_name()) if gpu else "h100")
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="gpu-suite-"))
     data_dir = Path(args.data_dir) if args.data_dir else next(
@@ -269,15 +270,15 @@ def judge(results: dict, out: Path, args: argparse.Namespace, nproc: int, fp8: b
         return phases_run.get(name, {}).get("rc", -1)
 
     verdicts: dict[str, str] = {}
-    doctor = out / "doctor.json"
+    doctor, report = out / "doctor.json", {}
     if doctor.is_file():
         report = json.loads(doctor.read_text())
-        verdicts["doctor"] = "ok" if report.get("ok") else f"FAIL: {report.get('findings', report)}"[:300]
+        verdicts["doctor"] = ("ok: " if report.get("ok") else "FAIL: ") + str(report.get("summary", ""))[:300]
     else:
         verdicts["doctor"] = f"FAIL: exit {rc('doctor')}, no report"
     for name, run, plan in (("bf16", "bf16", "plan bf16"), ("fp8", "fp8", "plan fp8")):
         if name == "fp8" and not fp8:
-            verdicts[name] = "n/a: fp8 needs compute capability 8.9 or more"
+            verdicts[name] = "n/a: fp8 needs compute capability 8.9 or more and torchao (the [fp8] extra)"
             continue
         numbers = figures(runs / run, planned_gib(phases_run.get(plan, {}).get("stdout", "")))
         results[f"figures {name}"] = numbers
@@ -292,8 +293,13 @@ def judge(results: dict, out: Path, args: argparse.Namespace, nproc: int, fp8: b
     verdicts["fsdp2"] = verdicts["fsdp2"].format(nproc=nproc)
     verdicts["kill + resume"] = resume_verdict(runs / "bf16", runs / "bf16-killed", args.kill_at)
     sdc = [e for run in ("bf16", "bf16-killed", "fp8") for e in events(runs / run, "sdc")]
-    if sdc:
-        verdicts["sdc"] = f"FAIL: {len(sdc)} sdc incidents: {sdc[0]}"[:300]
+    golden = [f for f in report.get("findings", []) if isinstance(f, dict) and f.get("check") == "golden"]
+    if sdc or golden:
+        verdicts["sdc"] = (
+            f"FAIL: {len(sdc)} sdc incidents, {len(golden)} golden-product findings: {[*sdc, *golden][0]}"[:300]
+        )
+    elif not report:
+        verdicts["sdc"] = "FAIL: no doctor report, no golden matrix products"
     elif nproc > 1:
         verdicts["sdc"] = "ok: fingerprints, gradient norms and replays agreed every 5 and 10 steps"
     else:
@@ -308,8 +314,11 @@ def judge(results: dict, out: Path, args: argparse.Namespace, nproc: int, fp8: b
 
 
 def _eval_line(path: Path) -> str:
+    """Each task's spread line and each source's held-out line, from `liandan eval --json`."""
     report = json.loads(path.read_text())
-    return json.dumps(report, default=str)[:160]
+    lines = [t.get("line", t.get("task", "?")) for t in report.get("tasks", [])]
+    lines += [h.get("line", h.get("source", "?")) for h in report.get("heldout", [])]
+    return "; ".join(lines) or "nothing scored"
 
 
 def _planner_name(device_name: str) -> str:
