@@ -89,3 +89,18 @@ def test_train_and_plan_need_no_extra(without_extras, tmp_path):
     assert (tmp_path / "runs" / "core" / "checkpoints" / "step-00000002" / "manifest.json").is_file()
     done = run_liandan("plan", ROOT / "configs" / "tiny.toml", env=without_extras)
     assert done.returncode == 0 and "Memory per device" in done.stdout, done.stderr[-3000:]
+
+
+def test_readme_gives_a_user_install_beside_the_one_ci_runs():
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", readme, re.DOTALL) for line in block.splitlines()]
+    user = [c for c in commands if c.startswith("pip install -e '.[")]
+    assert len(user) == 1, commands
+    extras = set(re.fullmatch(r"pip install -e '\.\[([a-z0-9,-]+)\]'", user[0]).group(1).split(","))
+    assert extras <= set(EXTRAS)  # each a real extra, none of the test tools'
+    assert {"data", "dash", "hf"} <= extras  # the demo, `liandan dash`, exports loaded in transformers
+    ci = (ROOT / ".ci" / "run").read_text()
+    for said in re.findall(r"^(.+?)\s+# README: (?:install|test)$", ci, re.MULTILINE):
+        assert said.strip() in commands  # the commands CI runs are README's, unchanged

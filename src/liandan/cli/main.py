@@ -34,6 +34,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("checkpoints", "write a checkpoint's model as Hugging Face Llama or one safetensors file"),
     "import": ("checkpoints", "turn Hugging Face Llama weights into a checkpoint to train from"),
     "eval": ("eval_cmd", "score a checkpoint on tasks under several prompt formats, held-out bits per byte per source, and contamination"),
+    "generate": ("generate_cmd", "continue a prompt with a checkpoint's model: sampled (temperature, top-k, seed) or greedy"),
     "plan": ("plan_cmd", "parameters, FLOPs, memory per device, the smallest layout that fits, run time and cost"),
     "fit": ("fit_cmd", "fit a scaling law L(N, D) = E + A/N^α + B/D^β (and L(C)) to runs, with bootstrap intervals"),
     "optimal": ("fit_cmd", "compute-optimal parameters and tokens for a FLOP budget (or tokens for a size) under a scaling law"),

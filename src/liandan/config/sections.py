@@ -338,6 +338,9 @@ class EvalSection:
     max_new_tokens: int = _f(0, "cap on generated tokens per answer; 0 keeps each task's own", min=0)
     heldout_sequences: int = _f(16, "held-out sequences scored per data source (bits per byte); 0 disables",
                                 min=0)  # fmt: skip
+    samples: list[str] = _f([], "prompts continued greedily at each evaluation during training: eval_sample events")
+    sample_tokens: int = _f(32, "tokens generated for each prompt of eval.samples (at most the window less one)",
+                            min=1)  # fmt: skip
     contamination: bool = _f(True, "report the n-gram overlap of each task's items with the training stores")
     ngram: int = _f(13, "word n-gram length of the contamination check", min=1)
 

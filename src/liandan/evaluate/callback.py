@@ -1,7 +1,8 @@
 """Evaluation inside the training loop, registered as "eval_tasks" (`--eval.every=N --eval.tasks=...`).
 
 Every `eval.every` steps and at the last, on every rank that trains and with the model sharded as it trains
-(FSDP2, tensor parallel): the tasks under each of their formats and the held-out loss of each data source.
+(FSDP2, tensor parallel): the tasks under each of their formats, the held-out loss of each data source and
+the greedy continuations of `[eval] samples` ("eval_sample" events).
 Every rank passes the same requests, so each forward of the sharded model has all its ranks, and every rank
 gets the same answers; the main rank writes them as "eval_task" and "eval_heldout" events and as one metrics
 record of eval/... keys at the step (beside the step's training record, which keeps its own timing). The
@@ -54,6 +55,7 @@ class TaskEvalCallback(Callback):
             return
         ctx.phase("eval")
         tasks, heldout = evaluate_in_training(ctx, self.tasks, self.cfg)
+        samples = samples_in_training(ctx, self.cfg)
         if not ctx.dist.is_main:
             return
         values: dict[str, float] = {}
@@ -65,6 +67,9 @@ class TaskEvalCallback(Callback):
             for note in set(result.notes) - self.said:
                 ctx.say(f"note: {note}")
                 self.said.add(note)
+        for prompt, text in samples:
+            ctx.logger.log_event("eval_sample", step=step, prompt=prompt, text=text)
+            ctx.say(f"step {step}: sample {_cut(prompt + text, 100)!r}")
         for source in heldout:
             ctx.logger.log_event("eval_heldout", **source.event(step))
             values[f"eval/heldout/{source.source}/loss"] = source.loss
@@ -101,7 +106,29 @@ def evaluate_in_training(ctx: TrainContext, tasks: list[Any], cfg: Config) -> tu
     return results, heldout
 
 
+def samples_in_training(ctx: TrainContext, cfg: Config) -> list[tuple[str, str]]:
+    """(prompt, greedy continuation) of each of `[eval] samples`, on the trainer's (sharded) model: every rank
+    generates the same tokens, so each forward has all its ranks. A prompt longer than the window is cut from
+    the left (the text logged is the prompt as given); one that encodes to nothing starts at end-of-document."""
+    from liandan.evaluate.scoring import generate
+
+    prompts = cfg.eval.samples
+    if not prompts:
+        return []
+    tokenizer = ctx.tokenizer
+    new_tokens = min(cfg.eval.sample_tokens, cfg.model.max_seq_len - 1)
+    encoded = [ids or [tokenizer.eos_id] for ids in tokenizer.encode_batch(list(prompts))]
+    with ctx.module.autocasting():
+        outputs = generate(ctx.module.model, encoded, max_new_tokens=new_tokens, eos_id=tokenizer.eos_id,
+                           batch_size=cfg.eval.batch_size)  # fmt: skip
+    return [(prompt, tokenizer.decode(output)) for prompt, output in zip(prompts, outputs, strict=True)]
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def eval_tasks_callback(cfg: Config) -> TaskEvalCallback | None:
-    if not cfg.eval.every or not (cfg.eval.tasks or cfg.eval.heldout_sequences):
+    if not cfg.eval.every or not (cfg.eval.tasks or cfg.eval.heldout_sequences or cfg.eval.samples):
         return None
     return TaskEvalCallback(cfg)

@@ -1,5 +1,5 @@
 """Scoring a liandan model: log-likelihoods of continuations, rolling log-likelihoods of whole documents and
-greedy generation, on token ids.
+greedy or sampled generation, on token ids.
 
 The semantics are lm-evaluation-harness's, so that its tasks and liandan's give the same numbers: a request
 (context, continuation) is scored on (context + continuation) cut from the left to `max_len + 1` tokens, the
@@ -296,8 +296,9 @@ def generate(
     batch_size: int = 8,
     keep_stop: bool = False,
     progress: Callable[[int], None] | None = None,
+    sampler: Sampler | None = None,
 ) -> list[list[int]]:
-    """Greedy continuations of each prompt: at most `max_new_tokens` tokens, ending before the first stop
+    """Continuations of each prompt, greedy unless a `sampler` draws the tokens: at most `max_new_tokens` tokens, ending before the first stop
     sequence (or `eos_id`) that appears in them; with `keep_stop`, ending with the stop sequence that ended
     the generation (for callers that cut decoded text themselves, when a stop token also carries text
     before the stop). Prompts are cut from the left to leave room for the new tokens within the model's
@@ -319,27 +320,61 @@ def generate(
     outputs = [_Output(stops, keep_stop) for _ in trimmed]
     device = _device(model)
     split = sequence_split(model)
+    choose = _greedy if sampler is None else sampler.choose
     with scoring_mode(model):
         if use_cache and split == 1:
             order = sorted(range(len(trimmed)), key=lambda i: -len(trimmed[i]))
             for start in range(0, len(order), batch_size):
                 chunk = order[start : start + batch_size]
                 _generate_cached(
-                    model, [trimmed[i] for i in chunk], [outputs[i] for i in chunk], max_new_tokens, device
+                    model, [trimmed[i] for i in chunk], [outputs[i] for i in chunk], max_new_tokens, device, choose
                 )
                 if progress is not None:
                     progress(len(chunk))
         else:
             # without the cache: also under sequence parallelism, whose splits one new position cannot take
             for prompt, output in zip(trimmed, outputs, strict=True):
-                _generate_uncached(model, prompt, output, max_new_tokens, device, split)
+                _generate_uncached(model, prompt, output, max_new_tokens, device, split, choose)
                 if progress is not None:
                     progress(1)
     return [output.result() for output in outputs]
 
 
+def _greedy(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
+
+
+class Sampler:
+    """Draws the next token of each row from its logits (rows, V): softmax(logits / temperature) over the
+    `top_k` most likely tokens (all when None), from a generator seeded with `seed`, so that one seed gives
+    one text. A temperature of 0 is greedy."""
+
+    def __init__(self, temperature: float = 1.0, top_k: int | None = None, seed: int = 0):
+        if temperature < 0:
+            raise ValueError(f"temperature = {temperature} must be at least 0")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k = {top_k} must be at least 1")
+        self.temperature, self.top_k = temperature, top_k
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.temperature == 0:
+            return _greedy(logits)
+        logits = logits.float().cpu() / self.temperature  # drawn on the CPU: the same text on every device
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        drawn = torch.multinomial(logits.softmax(-1), 1, generator=self.generator)[:, 0]
+        return drawn
+
+
 def _generate_cached(
-    model: nn.Module, prompts: list[list[int]], outputs: list[_Output], max_new_tokens: int, device: torch.device
+    model: nn.Module,
+    prompts: list[list[int]],
+    outputs: list[_Output],
+    max_new_tokens: int,
+    device: torch.device,
+    choose: Callable[[torch.Tensor], torch.Tensor] = _greedy,
 ) -> None:
     width = max(len(p) for p in prompts)
     pads = [width - len(p) for p in prompts]
@@ -351,7 +386,7 @@ def _generate_cached(
     logits = model(tokens.to(device), cache=cache, logits_at=last)[:, -1]
     active = list(range(len(prompts)))  # rows of `outputs` still in the batch, in batch order
     for step in range(max_new_tokens):
-        chosen = logits.argmax(-1)
+        chosen = choose(logits).to(device)
         keep = [row for row, token in enumerate(chosen.tolist()) if not outputs[active[row]].push(token)]
         if not keep or step == max_new_tokens - 1:
             return
@@ -364,12 +399,18 @@ def _generate_cached(
 
 
 def _generate_uncached(
-    model: nn.Module, prompt: list[int], output: _Output, max_new_tokens: int, device: torch.device, split: int = 1
+    model: nn.Module,
+    prompt: list[int],
+    output: _Output,
+    max_new_tokens: int,
+    device: torch.device,
+    split: int = 1,
+    choose: Callable[[torch.Tensor], torch.Tensor] = _greedy,
 ) -> None:
     sequence = list(prompt)
     for _ in range(max_new_tokens):
         padded = sequence + [0] * (_padded(len(sequence), split) - len(sequence))
-        token = int(model(torch.tensor([padded], device=device))[0, len(sequence) - 1].argmax())
+        token = int(choose(model(torch.tensor([padded], device=device))[:, len(sequence) - 1])[0])
         if output.push(token):
             return
         sequence.append(token)

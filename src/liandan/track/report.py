@@ -244,11 +244,15 @@ def _comparison(data: Sequence[RunData]) -> tuple[dict[str, tuple[list, list]], 
 
 def _summary_table(run: RunData) -> str:
     row, summary = run.row, run.row.get("summary") or {}
-    planned = _planned_steps(row.get("config") or "")
-    steps = _n(row.get("step")) + (f" of {planned:,}" if planned and row.get("step") is not None else "")
+    config = _config_tables(row.get("config") or "")
+    planned = config.get("train", {}).get("steps")
+    steps = _n(row.get("step")) + (
+        f" of {planned:,}" if isinstance(planned, int) and row.get("step") is not None else ""
+    )
     items = [
         ("status", row.get("status")),
         ("steps", steps),
+        ("mixture", _mixture(config.get("data", {}))),
         ("tokens", _n(row.get("tokens"))),
         ("loss (last)", _n(_loss(run))),
         ("validation loss", _n(_val_loss(run))),
@@ -277,14 +281,25 @@ def _val_loss(run: RunData) -> Any:
     return losses[-1] if losses else None
 
 
-def _planned_steps(config: str) -> int | None:
+def _config_tables(config: str) -> dict[str, Any]:
     import tomllib
 
     try:
-        steps = tomllib.loads(config).get("train", {}).get("steps")
-    except (tomllib.TOMLDecodeError, AttributeError):
+        return {k: v for k, v in tomllib.loads(config).items() if isinstance(v, dict)}
+    except tomllib.TOMLDecodeError:
+        return {}
+
+
+def _mixture(data: dict[str, Any]) -> str | None:
+    """The sources a run trained on and their weights: "web 75%, code 25%" (by size when none were given)."""
+    sources = data.get("stores") or data.get("paths") or []
+    names = [str(s).rstrip("/").rsplit("/", 1)[-1] for s in sources if isinstance(s, str)]
+    weights = data.get("weights") or []
+    if not names:
         return None
-    return steps if isinstance(steps, int) else None
+    if len(weights) != len(names) or not all(isinstance(w, (int, float)) for w in weights) or not sum(weights):
+        return ", ".join(names) + (" (weighted by size)" if len(names) > 1 else "")
+    return ", ".join(f"{n} {w / sum(weights):.0%}" for n, w in zip(names, weights, strict=True))
 
 
 def _table(events: list[dict]) -> str:

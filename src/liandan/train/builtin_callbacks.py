@@ -86,7 +86,20 @@ class EvalCallback(Callback):
         loss = ctx.validation_loss()
         ctx.result.val_loss = loss
         ctx.logger.log_event("eval", step=step, loss=loss)
+        by_source = self.losses_by_source(ctx)
+        if by_source and ctx.dist.is_main:
+            ctx.logger.log_metrics(step, {f"val/{source}/loss": value for source, value in by_source.items()})
         ctx.notify("on_eval", step, loss)
+
+    @staticmethod
+    def losses_by_source(ctx: TrainContext) -> dict[str, float]:
+        """The validation loss of each source of a mixture (a loader of several token stores), over the
+        windows of it that the mixture's validation loss reads: nothing for one source, whose loss that is."""
+        split = getattr(ctx.loader, "validation_by_store", None)
+        if split is None or len(ctx.loader.stores) < 2:
+            return {}
+        return {source: ctx.mean_over_ranks(ctx.module.eval_batch(batches))
+                for source, batches in split(ctx.cfg.train.eval_batches, ctx.micro_batch)}  # fmt: skip
 
 
 class SnapshotCallback(Callback):

@@ -325,6 +325,24 @@ class PackedLoader:
             for i in range(0, len(windows), batch_size)
         ]
 
+    def validation_by_store(self, n_batches: int, batch_size: int) -> list[tuple[str, list[Batch]]]:
+        """The windows `validation` draws, store by store: (store name, this rank's batches of them). A store
+        keeps as many windows as split evenly over the ranks (every rank runs as many batches: the forwards of
+        a sharded model pair up); one with fewer windows than ranks is left out, on every rank alike."""
+        available = np.array([len(s.val_windows) for s in self.streams])
+        counts = np.minimum(self.schedule.split(n_batches * batch_size * self.dp_size), available)
+        found = []
+        for index, (stream, count) in enumerate(zip(self.streams, counts)):
+            even = int(count) // self.dp_size * self.dp_size
+            if not even:
+                continue
+            windows = stream.val_windows[:even].astype(np.int64)[self.dp_rank :: self.dp_size]
+            stores = np.full(len(windows), index)
+            batches = [self._batch(stores[i : i + batch_size], windows[i : i + batch_size])
+                       for i in range(0, len(windows), batch_size)]  # fmt: skip
+            found.append((self.stores[index].name, batches))
+        return found
+
     def heldout_of_store(self, index: int, n_sequences: int) -> Batch | None:
         """The first `n_sequences` held-out windows of store `index` (all of them when it has fewer), the same on
         every rank; None when the store holds none out (`val_fraction` 0)."""

@@ -162,6 +162,11 @@ async function drawRunCharts(name, run, incidents, evaluations) {
   const evals = evaluations.filter((e) => e.kind === "eval" && typeof e.loss === "number");
   if (evals.length) lossTraces.push({ name: "validation loss", x: evals.map((e) => e.step), y: evals.map((e) => e.loss),
                                       mode: "lines+markers", type: "scatter", line: { color: COLORS[2], width: 2 } });
+  // a mixture's validation loss per source (val/<source>/loss), beside the mixture's
+  const sourceKeys = [...keys].filter((k) => /^val\/.+\/loss$/.test(k)).sort();
+  const sources = await Promise.all(sourceKeys.map((k) => curve(name, k)));
+  sources.forEach((c, i) => lossTraces.push(line(c, `validation loss: ${sourceKeys[i].slice(4, -5)}`,
+    COLORS[(i + 6) % COLORS.length], { mode: "lines+markers" })));
   const f = run.forecast;
   if (f && typeof f.final_loss === "number" && f.total_steps) {
     lossTraces.push({ name: "forecast (final loss)", x: [f.total_steps], y: [f.final_loss], mode: "markers",
