@@ -25,11 +25,11 @@ import time
 
 import torch
 
+from liandan.common.layout import Layout
+from liandan.common.peaks import mixed_peak_flops
 from liandan.config import OptimSection
 from liandan.model import ModelArgs, Transformer
 from liandan.model.spec import flops_per_token
-from liandan.spec.layout import Layout
-from liandan.spec.peaks import mixed_peak_flops
 from liandan.train.fp8 import Fp8, fp8_param_count, fp8_refusal
 from liandan.train.hardware import datasheet_fp8_peak_flops, device_peak_flops
 from liandan.train.optimizers.adamw import build_adamw

@@ -23,9 +23,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 from train_step import DTYPES, liandan_config, make_batches, model_args
 
+from liandan.common.layout import Layout
 from liandan.data.tokens.loader import Batch
 from liandan.model import Transformer
-from liandan.spec.layout import Layout
 from liandan.train.causal_lm import CausalLMTrainModule
 
 PHASES = ("forward", "backward", "clip", "optimizer")

@@ -43,10 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from liandan.common.layout import Layout
 from liandan.config import Config, load_config
 from liandan.data.tokens.loader import Batch
 from liandan.model import ModelArgs, Transformer, count_params, flops_per_token
-from liandan.spec.layout import Layout
 from liandan.train.causal_lm import CausalLMTrainModule
 from liandan.train.hardware import cpu_supports_bf16, measure_matmul_flops
 

@@ -34,7 +34,7 @@ def score_case(model, case: dict) -> dict:
 def main(case_path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from liandan.spec.layout import Layout
+    from liandan.common.layout import Layout
     from liandan.train.parallelize import build_mesh, parallelize
 
     torch.set_num_threads(1)  # two ranks share the machine's cores: threads that wait on each other cost most

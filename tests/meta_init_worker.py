@@ -15,9 +15,9 @@ import torch.distributed as dist
 
 from liandan.checkpoint import hf
 from liandan.checkpoint.streaming import local_slice, stream_into, weight_source
+from liandan.common.layout import Layout
 from liandan.config import load_config
 from liandan.data.tokens.loader import Batch
-from liandan.spec.layout import Layout
 from liandan.train.causal_lm import CausalLMTrainModule
 from liandan.train.parallelize import build_mesh
 

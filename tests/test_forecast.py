@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import run_liandan, tiny_config, write_corpus
+from liandan.common.schedule import lr_multiplier
 from liandan.config import ConfigError, ScheduleSection
 from liandan.plan.forecast import (
     annealing_areas,
@@ -32,7 +33,6 @@ from liandan.plan.forecast_library import (
     project_runs,
     with_project,
 )
-from liandan.spec.schedule import lr_multiplier
 from liandan.train import Trainer
 
 # --------------------------------------------------------------------------------------------------------

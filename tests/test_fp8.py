@@ -9,13 +9,13 @@ import torch
 pytest.importorskip("torchao.float8")
 
 from helpers import environment_without, read_metrics, run_liandan, tiny_config, write_corpus
+from liandan.common.layout import Layout
+from liandan.common.peaks import gpu_peak_flops_fp8, mixed_peak_flops
 from liandan.config import ConfigError, load_config
 from liandan.model import ModelArgs, Transformer
 from liandan.plan.devices import resolve_device
 from liandan.plan.memory import memory_per_device
 from liandan.plan.run_plan import plan_config
-from liandan.spec.layout import Layout
-from liandan.spec.peaks import gpu_peak_flops_fp8, mixed_peak_flops
 from liandan.train import Trainer
 from liandan.train.fp8 import Fp8, convert_to_fp8, fp8_refusal
 

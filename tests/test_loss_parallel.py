@@ -209,8 +209,8 @@ def test_planner_counts_the_logits_each_rank_holds():
 
 def test_train_module_takes_ce_chunks(tmp_path):
     """`train.ce_chunks` reaches the model through the train module: the same step loss and gradients."""
+    from liandan.common.layout import Layout
     from liandan.data.tokens.loader import Batch
-    from liandan.spec.layout import Layout
     from liandan.train.causal_lm import CausalLMTrainModule
 
     generator = torch.Generator().manual_seed(0)
@@ -234,7 +234,7 @@ def test_train_module_takes_ce_chunks(tmp_path):
 
 
 def test_a_vocabulary_tp_cannot_split_is_refused_before_sharding(tmp_path):
-    from liandan.spec.layout import Layout
+    from liandan.common.layout import Layout
     from liandan.train.causal_lm import CausalLMTrainModule
 
     cfg = tiny_config(tmp_path, tmp_path / "corpus.jsonl", "--parallel.tp=2", "--model.vocab_size=321")

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from liandan.common.layout import Layout
 from liandan.config import load_config
 from liandan.plan.memory import init_memory
 from liandan.plan.run_plan import plan_model_args
-from liandan.spec.layout import Layout
 from liandan.train.causal_lm import CausalLMTrainModule
 from liandan.train.meta_init import build_on_meta, materialize, plan_init
 

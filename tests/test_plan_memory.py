@@ -20,6 +20,7 @@ import pytest
 from helpers import start_liandan, tiny_config, write_corpus
 from liandan.cli.main import main
 from liandan.cli.plan_cmd import print_plan
+from liandan.common.layout import Layout
 from liandan.config import ConfigError, load_config
 from liandan.model import ModelArgs, count_params, flops_per_token
 from liandan.plan.activations import activation_bytes_per_layer, activation_memory
@@ -27,7 +28,6 @@ from liandan.plan.devices import resolve_device
 from liandan.plan.layout_search import smallest_fitting_layout, tp_degrees
 from liandan.plan.memory import GIB, memory_per_device, optimizer_state_bytes, param_split, zero_stages
 from liandan.plan.run_plan import plan_config, plan_model_args, run_time_estimate
-from liandan.spec.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,8 @@ import pytest
 
 from helpers import MICRO_MODEL, run_liandan, tiny_config, write_corpus
 from liandan.cli.main import main
+from liandan.common.layout import Layout
 from liandan.doctor.resume import RELATIVE_TOLERANCE, default_layouts, parse_layout
-from liandan.spec.layout import Layout
 
 
 @pytest.fixture(scope="module")

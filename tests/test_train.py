@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from helpers import environment_without, read_metrics, read_run, start_liandan, tiny_config, write_corpus
+from liandan.common.schedule import lr_multiplier
 from liandan.config import ConfigError, ScheduleSection
 from liandan.data import DataError
 from liandan.model import ModelArgs, Transformer
-from liandan.spec.schedule import lr_multiplier
 from liandan.train import Trainer
 from liandan.train.hardware import cpu_supports_bf16
 from liandan.train.optimizers.adamw import parameter_groups

@@ -58,7 +58,7 @@ def loss_checks(mesh) -> dict:
 
 
 def train(model_fields: dict, options: dict, mesh) -> dict:
-    from liandan.spec.layout import Layout
+    from liandan.common.layout import Layout
     from liandan.train.parallelize import parallelize
 
     args = ModelArgs(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=SEQ, **model_fields)
@@ -107,7 +107,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def main(out_dir: str) -> None:
-    from liandan.spec.layout import Layout
+    from liandan.common.layout import Layout
     from liandan.train.parallelize import build_mesh
 
     dist.init_process_group("gloo")

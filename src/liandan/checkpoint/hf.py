@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from liandan.common import tokens
 from liandan.model.spec import HFAdapter, ModelSpec, spec_for, specs
 from liandan.model.spec import get as get_model_spec
 from liandan.run import atomic_write, replacing
-from liandan.spec import tokens
 
 ARGS_METADATA_KEY = "liandan_model_args"
 FAMILY_METADATA_KEY = "liandan_model_family"  # absent in files written before families: llama
@@ -221,7 +221,7 @@ def export_hf(
 
 def _tokenizer_eos(path: Path) -> tuple[str, int, int]:
     """(end-of-document token, its id, vocabulary size) of a tokenizer.json, found by the same rule the
-    trainer uses (`liandan.spec.tokens.eos_id`)."""
+    trainer uses (`liandan.common.tokens.eos_id`)."""
     from tokenizers import Tokenizer
 
     try:

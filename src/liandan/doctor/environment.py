@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from liandan.checkpoint.snapshots import SLOTS, default_base
+from liandan.common.layout import resolve_layout
 from liandan.config import Config
-from liandan.spec.layout import resolve_layout
 from liandan.train.hardware import cpu_model_name, cpu_supports_bf16
 
 # fp32 parameters and AdamW's two fp32 moments: what a checkpoint and a memory snapshot hold per parameter

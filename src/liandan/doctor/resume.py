@@ -33,9 +33,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from liandan.common.layout import Layout
 from liandan.config import Config, ConfigError, load_config
 from liandan.run import RunDir, atomic_write_json, step_dir_name
-from liandan.spec.layout import Layout
 
 RELATIVE_TOLERANCE = 1e-5
 DEFAULT_STEPS = 8

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from liandan.common.peaks import GPU_PEAK_TFLOPS_BF16, gpu_peak_flops, gpu_peak_flops_fp8
 from liandan.config import ConfigError
-from liandan.spec.peaks import GPU_PEAK_TFLOPS_BF16, gpu_peak_flops, gpu_peak_flops_fp8
 
 # Memory per device in GiB, from the vendors' data sheets. HBM capacities are binary in practice (an "80GB"
 # H100 has 80 GiB); the H200's 141 GB is what NVIDIA advertises (about 140 GiB is visible to CUDA). A bare

@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from liandan.common.schedule import lr_multiplier
 from liandan.config import ConfigError, ScheduleSection
-from liandan.spec.schedule import lr_multiplier
 
 MIN_POINTS = 8  # loss records in the fit window below which no forecast is made
 MAX_BINS = 256  # longer curves are averaged into this many bins of consecutive records

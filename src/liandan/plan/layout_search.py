@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from liandan.common.layout import Layout
 from liandan.model.spec import spec_for
 from liandan.plan.activations import CHECKPOINT_MODES
 from liandan.plan.memory import DEFAULT_HEADROOM, MemoryEstimate, memory_per_device
-from liandan.spec.layout import Layout
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from liandan.common.layout import Layout, uses_fsdp
 from liandan.config import Config, ConfigError
 from liandan.model.spec import ParamSplit, count_params, spec_for
 from liandan.plan.activations import BYTES, Activations, activation_memory
-from liandan.spec.layout import Layout, uses_fsdp
 
 GIB = 2**30
 DEFAULT_HEADROOM = 0.1  # CUDA context, NCCL buffers and allocator fragmentation

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from liandan.common.layout import resolve_layout
+from liandan.common.peaks import mixed_peak_flops
 from liandan.config import Config, ConfigError
 from liandan.model.spec import ParamCounts, count_params, flops_per_token, model_args
 from liandan.model.spec import get as get_model_spec
@@ -25,8 +27,6 @@ from liandan.plan.memory import (
     usable_bytes,
 )
 from liandan.run.remote import is_url
-from liandan.spec.layout import resolve_layout
-from liandan.spec.peaks import mixed_peak_flops
 
 # ---------------------------------------------------------------------------------------------------------
 # FLOPs, time and cost

@@ -122,7 +122,7 @@ def supervise(config: str, cfg: Config, name: str, nproc: int, overrides: list[s
 
 def check_launch(cfg: Config, nproc: int) -> None:
     """What a launcher checks before it starts `nproc` ranks: the layout fits them, the data is there."""
-    from liandan.spec.layout import resolve_layout
+    from liandan.common.layout import resolve_layout
 
     try:
         resolve_layout(cfg.parallel, nproc)

@@ -12,12 +12,12 @@ from typing import Any
 
 import torch
 
+from liandan.common.layout import Layout, uses_fsdp
 from liandan.config import Config, ConfigError
 from liandan.data.tokens.loader import Batch
 from liandan.faults import faulty_matmuls, planned_at, slow_forward
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
-from liandan.spec.layout import Layout, uses_fsdp
 from liandan.train.fp8 import Fp8, dims_refusal, fp8_param_count, fp8_refusal
 from liandan.train.hardware import PeakMemory
 from liandan.train.health.allreduce import AllReduceAudit

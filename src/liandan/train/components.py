@@ -25,12 +25,12 @@ import torch.distributed as dist
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.manager import CheckpointManager
 from liandan.checkpoint.resume import can_resume
+from liandan.common.layout import Layout, resolve_layout
 from liandan.config import Config, ConfigError
 from liandan.data.pipeline.prepare import open_prepared, open_stores, prepare_store
 from liandan.data.tokens.loader import Batch, PackedLoader
 from liandan.run import RunDir, RunLock, holds_progress, lock_run_dir
 from liandan.run.worker_env import WorkerEnv
-from liandan.spec.layout import Layout, resolve_layout
 from liandan.track import FanOut, JsonlLogger, MetricsLogger, NullLogger
 from liandan.track.store import StoreLogger
 from liandan.train.callbacks import Callback, build_callbacks, in_order

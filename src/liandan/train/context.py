@@ -20,9 +20,9 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from liandan.checkpoint.manager import CheckpointManager
     from liandan.checkpoint.snapshots import MemorySnapshots
+    from liandan.common.layout import Layout
     from liandan.config import Config
     from liandan.run import RunDir
-    from liandan.spec.layout import Layout
     from liandan.track import MetricsLogger
     from liandan.train.components import Components, StepLoader
     from liandan.train.distributed import DistInfo

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import torch
 
+from liandan.common.peaks import gpu_peak_flops, gpu_peak_flops_fp8
 from liandan.run.files import atomic_file
 from liandan.run.worker_env import WorkerEnv
-from liandan.spec.peaks import gpu_peak_flops, gpu_peak_flops_fp8
 
 
 def cpu_supports_bf16() -> bool:

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from liandan.common.layout import Layout, uses_fsdp
 from liandan.model.spec import ModelSpec, spec_for
-from liandan.spec.layout import Layout, uses_fsdp
 from liandan.train.fp8 import Fp8, convert_to_fp8
 from liandan.train.health.allreduce import AllReduceAudit, audited_allreduce
 

@@ -24,12 +24,12 @@ from liandan.checkpoint.resume import choose_resume
 from liandan.checkpoint.saving import SaveError
 from liandan.checkpoint.streaming import is_weight_source, load_weights
 from liandan.checkpoint.verify import step_of
+from liandan.common.peaks import mixed_peak_flops
 from liandan.config import Config, ConfigError
 from liandan.faults import corrupt_gradients, flip_parameter_bit, learning_rate_burst, maybe_inject
 from liandan.run import META, naming
 from liandan.run.remote import locate
 from liandan.run.worker_env import WorkerEnv
-from liandan.spec.peaks import mixed_peak_flops
 from liandan.track import ConsoleLogger, FanOut, MetricsLogger, NullLogger, plot_run
 from liandan.track.exporters import open_exporters
 from liandan.train.callbacks import Callback

@@ -8,8 +8,8 @@ from typing import Protocol
 
 import xxhash
 
+from liandan.common.tokens import EOS, eos_id
 from liandan.data.documents.corpus import DataError
-from liandan.spec.tokens import EOS, eos_id
 
 
 class Tokenizer(Protocol):

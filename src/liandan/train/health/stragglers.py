@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from liandan.common.layout import uses_fsdp
 from liandan.config import Config, HealthSection
 from liandan.run import append_jsonl
-from liandan.spec.layout import uses_fsdp
 from liandan.train.callbacks import Callback
 from liandan.train.health.ranks import gather_rows
 

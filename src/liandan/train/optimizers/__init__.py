@@ -48,6 +48,6 @@ def build_optimizers(parts: list[torch.nn.Module], section: OptimSection, schedu
 def schedule(total_steps: int, section: Any) -> Callable[[int], float]:
     """The learning-rate multiplier of step `step` under `[schedule]` (warmup, then cosine, linear, WSD or
     constant), for every optimizer's groups alike."""
-    from liandan.spec.schedule import lr_multiplier
+    from liandan.common.schedule import lr_multiplier
 
     return lambda step: lr_multiplier(step, total_steps, section)

@@ -1,16 +1,16 @@
-"""liandan.spec: the layout, peak FLOP/s and schedule that plan and train share, without torch."""
+"""liandan.common: the layout, peak FLOP/s and schedule that plan and train share, without torch."""
 
 import subprocess
 import sys
 
 import pytest
 
+from liandan.common import Layout, gpu_peak_flops, lr_multiplier, resolve_layout, uses_fsdp
 from liandan.config import ParallelSection, ScheduleSection
-from liandan.spec import Layout, gpu_peak_flops, lr_multiplier, resolve_layout, uses_fsdp
 
 
 def test_spec_imports_no_torch():
-    code = "import sys, liandan.spec; sys.exit('torch' in sys.modules)"
+    code = "import sys, liandan.common; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
@@ -79,7 +79,7 @@ def test_lr_multiplier_is_the_trainers_schedule():
 
 
 def test_the_end_of_document_rule_is_shared_by_the_pipeline_and_the_export():
-    from liandan.spec.tokens import EOS, eos_id
+    from liandan.common.tokens import EOS, eos_id
 
     vocab = {"</s>": 7, "<eos>": 9}
     assert eos_id(vocab.get) == 7
