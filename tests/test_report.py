@@ -266,3 +266,41 @@ def test_a_supervised_restart_is_marked_and_reported(tmp_path, corpus):
         drawn = json.loads(picture.text[MARKS_KEY])
     assert [(m["step"], m["category"]) for m in drawn] == [(4, "restart")], drawn
     assert "restart 1" in drawn[0]["label"]
+
+
+@pytest.mark.parametrize("database", ["none", "damaged"])
+def test_a_run_on_a_read_only_share_is_reported_from_a_store_of_its_own(faulty, small_disk, tmp_path, database):
+    """The project's liandan.db cannot be made (or, damaged, cannot be set aside) on a read-only file system:
+    the report is made from a store in a temporary directory, and the share is left as it was."""
+    import subprocess
+
+    share = small_disk("64m", "share")
+    shutil.copytree(faulty, share / "faulty", ignore=shutil.ignore_patterns("report*"))
+    if database == "damaged":
+        (share / "liandan.db").write_bytes(b"not a database, " * 512)
+    subprocess.run(["mount", "-o", "remount,ro", str(share)], check=True)
+    before = sorted(p.name for p in share.iterdir())
+    out = tmp_path / "report.html"
+    assert main(["report", str(share / "faulty"), "-o", str(out)]) == 0
+    page = parse(out)
+    assert "faulty" in page.text and any("ROLLBACK" in text for text in page.text)
+    assert sorted(p.name for p in share.iterdir()) == before
+
+
+def test_incidents_and_report_list_an_incomplete_record_as_the_dashboard_does(tmp_path, capsys):
+    run = tmp_path / "odd"
+    run.mkdir()
+    records = [{"kind": "train_start", "time": 1700000000.0, "step": 0},
+               {"kind": "incident", "time": 1700000010.0, "step": 3, "failure": "crash", "rank": 1,
+                "cause": "signal SIGKILL", "steps_lost": 1, "seconds_lost": 2.0, "resume_step": 2},  # no host
+               {"kind": "restart", "time": "2024-01-01T00:00:00", "attempt": 1, "after_seconds": 0},
+               {"kind": "gave_up", "time": None}]  # fmt: skip
+    RunDir(run).events.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["incidents", str(run)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "22:13:30 +    10.0s  incident step 3: (an incomplete record: no 'host')",
+        "??:??:??  (no time)  restart 1 at once",
+        "??:??:??  (no time)  gave up step ?: (an incomplete record: no 'reason')",
+    ]
+    assert main(["report", str(run), "-o", str(tmp_path / "odd.html")]) == 0
+    assert "an incomplete record: no &#x27;host&#x27;" in (tmp_path / "odd.html").read_text()

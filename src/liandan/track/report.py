@@ -147,7 +147,10 @@ def _store_of(room: RunDir) -> Iterator[RunStore]:
         with store:
             yield store
         return
-    with tempfile.TemporaryDirectory(prefix="liandan-report-") as scratch, RunStore(scratch) as store:
+    with (
+        tempfile.TemporaryDirectory(prefix="liandan-report-") as scratch,
+        RunStore(room.project, database=Path(scratch) / "liandan.db") as store,
+    ):
         store.ingest(room)
         yield store
 
