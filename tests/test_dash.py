@@ -412,3 +412,41 @@ def test_a_run_still_training_updates_live_in_the_browser(server, project, corpu
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_deeply_nested_json_anywhere_is_a_one_line_answer_not_a_500(tmp_path):
+    """Nesting a few thousand deep in a request's body, an event or a guard report: parsers recurse."""
+    project = tmp_path / "runs"
+    run = project / "deep"
+    (run / "guard").mkdir(parents=True)
+    deep = "[" * 5000 + "]" * 5000
+    (run / "guard" / "spike-step-00000002.json").write_text('{"verdict": ' + deep + "}")
+    events = [json.dumps({"time": 1.0, "kind": "rollback", "step": 2, "to": 1,
+                          "report": "deep/guard/spike-step-00000002.json"}),
+              '{"time": 2.0, "kind": "incident", "step": 3, "cause": "hang", "detail": ' + deep + "}"]  # fmt: skip
+    (run / "events.jsonl").write_text("\n".join(events) + "\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0, "time": 1.0}\n{"step": 2, "loss": ' + deep + "}\n")
+    server = start_dash(project)
+    try:
+        assert "deep" in {r["name"] for r in server.get("/api/runs")["runs"]}
+        for incident in server.get("/api/runs/deep/incidents")["incidents"]:
+            status, answer = server.request(f"/api/runs/deep/incidents/{incident['seq']}")
+            assert status == 200, answer
+        for path in ("/api/runs/deep", "/api/runs/deep/curve?key=loss", "/api/runs/deep/health"):
+            status, answer = server.request(path)
+            assert status == 200, (path, answer)
+        status, answer = server.request("/api/compare", "POST", deep.encode(), {"Content-Type": "application/json"})
+        assert status == 400 and answer["error"].startswith("malformed JSON: nested"), answer
+    finally:
+        server.stop()
+
+
+def test_a_port_in_use_is_one_line_naming_it(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = run_liandan("dash", tmp_path, "--port", port)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"liandan: error: port {port} on 127.0.0.1 is already in use"), done.stderr
+    assert "--port 0" in done.stderr
