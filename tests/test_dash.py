@@ -450,3 +450,48 @@ def test_a_port_in_use_is_one_line_naming_it(tmp_path):
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert done.stderr.startswith(f"liandan: error: port {port} on 127.0.0.1 is already in use"), done.stderr
     assert "--port 0" in done.stderr
+
+
+MARKUP = '<b>bold</b> in <module> <a href="https://example.com">a link</a>'
+
+
+def hand_made_run(project: Path, name: str, events: list[dict] | None = None) -> Path:
+    """A run directory written by hand: ten logged steps and the events given."""
+    run = project / name
+    run.mkdir(parents=True)
+    metrics = [{"step": s, "loss": 5.0 - 0.1 * s, "time": 1700000000.0 + s, "lr": 1e-3} for s in range(1, 11)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events or []))
+    return run
+
+
+def test_run_names_that_train_accepts_open_and_path_tricks_do_not(tmp_path):
+    project = tmp_path / "runs"
+    for name in ("炼丹-1", "my run", "a..b"):
+        hand_made_run(project, name)
+    server = start_dash(project)
+    try:
+        assert {"炼丹-1", "my run", "a..b"} <= {r["name"] for r in server.get("/api/runs")["runs"]}
+        for name in ("炼丹-1", "my run", "a..b"):
+            assert server.get(f"/api/runs/{urllib.parse.quote(name)}")["name"] == name
+        for trick in ("..", "%2E%2E", "..%2Fruns", "a%0Ab", "%00", "x%5C..%5Cy"):
+            status, answer = server.request(f"/api/runs/{trick}")
+            assert status in (400, 404) and "\n" not in answer["error"], (trick, status, answer)
+    finally:
+        server.stop()
+
+
+def test_incident_text_is_shown_as_written_in_the_hover_label(tmp_path, page):
+    project = tmp_path / "runs"
+    hand_made_run(project, "markup", [{"time": 1700000005.0, "kind": "checkpoint_failed", "step": 5,
+                                       "detail": MARKUP}])  # fmt: skip
+    server = start_dash(project)
+    try:
+        page.goto(server.url + "#/run/markup")
+        page.wait_for_selector("#chart-loss .scatterlayer .trace path.point")
+        click_marker(page, 0)
+        hover = page.locator("#chart-loss .hoverlayer .hovertext").text_content()
+        assert f"checkpoint_failed at step 5: {MARKUP}" in hover, hover
+        assert page.locator("#chart-loss .hoverlayer a").count() == 0
+    finally:
+        server.stop()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from liandan.config import ConfigError, check_run_name
 from liandan.run import RunDir, read_jsonl
 from liandan.run.jsonl import loads_bounded
 from liandan.track.store import X_AXES, RunStore, StoreError
@@ -101,8 +102,12 @@ class Dashboard:
     # -- runs --------------------------------------------------------------------------------------------
     def check_run(self, name: str) -> str:
         """A run name the store knows, or a 400 (not a plain name) or 404 (no such run)."""
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        if not isinstance(name, str) or not name or len(name.encode("utf-8", "replace")) > 255:
             raise bad(f"not a run name: {str(name)[:60]!r}")
+        try:  # what `liandan train` accepts (`炼丹-1`, `my run`), and nothing that is a path
+            check_run_name(name)
+        except ConfigError:
+            raise bad(f"not a run name: {name[:60]!r}") from None
         if name not in self._names and self.run_dir(name) is not None:
             self.sync(force=True)  # a run that began since the last sync
         if name not in self._names:

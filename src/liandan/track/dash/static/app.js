@@ -35,6 +35,9 @@ function el(tag, attrs = {}, ...children) {
 }
 
 const enc = encodeURIComponent;
+// Plotly renders tags in hover labels, legends and titles (<b>, <a href>, <br>): text from a run's files is
+// shown as written, a traceback's <module> included.
+const plain = (text) => String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 function num(v, digits = 4) {
   if (v === null || v === undefined || Number.isNaN(v)) return "–";
   if (typeof v !== "number") return String(v);
@@ -142,7 +145,7 @@ function incidentTrace(incidents) {
   const marked = incidents.filter((i) => i.step !== null && i.step !== undefined);
   return { name: "incidents", x: marked.map((i) => i.step), y: marked.map(() => 0.95), yaxis: "y2",
            mode: "markers", type: "scatter", customdata: marked.map((i) => i.seq),
-           text: marked.map((i) => `${i.kind} at step ${i.step}: ${i.line}`), hoverinfo: "text",
+           text: marked.map((i) => plain(`${i.kind} at step ${i.step}: ${i.line}`)), hoverinfo: "text",
            marker: { symbol: "triangle-down", size: 15, color: "#dc2626", line: { color: "#fff", width: 1 } } };
 }
 
@@ -302,7 +305,7 @@ function drawRankHeatmap(health) {
   }));
   const hosts = windows[windows.length - 1].hosts || [];
   Plotly.react(box, [{ type: "heatmap", x: steps, y: [...Array(ranks).keys()].map((r) => `rank ${r}` +
-    (hosts[r] ? ` (${hosts[r]})` : "")), z, colorscale: "YlOrRd", colorbar: { title: { text: "ms/step" } },
+    (hosts[r] ? ` (${plain(hosts[r])})` : "")), z, colorscale: "YlOrRd", colorbar: { title: { text: "ms/step" } },
     hovertemplate: "%{y}, window ending at step %{x}: %{z:.1f} ms per step<extra></extra>" }],
     layout({ showlegend: false, yaxis: { automargin: true } }), PLOT_CONFIG);
 }
@@ -319,7 +322,7 @@ function layerSection(layers, incidents) {
 function drawLayers(layers, incidents, stat) {
   if (!layers.length || !document.getElementById("chart-layers")) return;
   const names = [...new Set(layers.flatMap((r) => Object.keys(r[stat] || {})))];
-  const traces = names.map((n, i) => ({ name: n, x: layers.map((r) => r.step), y: layers.map((r) => (r[stat] || {})[n]),
+  const traces = names.map((n, i) => ({ name: plain(n), x: layers.map((r) => r.step), y: layers.map((r) => (r[stat] || {})[n]),
     mode: "lines+markers", type: "scatter", line: { color: COLORS[i % COLORS.length] } }));
   Plotly.react("chart-layers", traces, layout({ shapes: incidentShapes(incidents), yaxis: { title: { text: stat },
     type: "log" } }), PLOT_CONFIG);
@@ -371,7 +374,7 @@ async function showIncident(name, seq) {
     body.replaceChildren(...parts);
     if (layers.length) {
       const names = [...new Set(layers.flatMap((r) => Object.keys(r.grad || {})))];
-      Plotly.react("chart-evidence-layers", names.map((n, i) => ({ name: n, x: layers.map((r) => r.step),
+      Plotly.react("chart-evidence-layers", names.map((n, i) => ({ name: plain(n), x: layers.map((r) => r.step),
         y: layers.map((r) => (r.grad || {})[n]), type: "scatter", mode: "lines+markers",
         line: { color: COLORS[i % COLORS.length] } })), layout({ yaxis: { type: "log" },
         shapes: event.step !== undefined ? incidentShapes([event]) : [] }), PLOT_CONFIG);
@@ -424,7 +427,7 @@ async function compareView(main, params) {
       const color = COLORS[i % COLORS.length];
       if (state.smooth) traces.push({ x: c.x, y: c.y, type: "scatter", mode: "lines", showlegend: false,
         hoverinfo: "skip", line: { color, width: 1 }, opacity: 0.25 });
-      traces.push({ name: c.run, x: c.x, y: smooth(c.y, state.smooth), type: "scatter", mode: "lines",
+      traces.push({ name: plain(c.run), x: c.x, y: smooth(c.y, state.smooth), type: "scatter", mode: "lines",
         line: { color, width: 2 } });
     });
     Plotly.react("chart-compare", traces, layout({ xaxis: { title: { text: data.x_axis }, type: state.logx ? "log" : "linear" },
