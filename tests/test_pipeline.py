@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -276,3 +277,29 @@ def test_bad_pipeline_files_end_in_one_line(tmp_path, body, message):
 def test_config_errors_raise_config_error(tmp_path):
     with pytest.raises(ConfigError, match="only \\[pipeline\\]"):
         load_pipeline(None, ["--model.dim=3"])
+
+
+def test_a_second_run_into_the_same_output_is_refused_in_one_line(tmp_path):
+    """The first `data run` hangs after writing its first cleaned shard, holding the output; a second one
+    into the same output is refused, naming the first, and runs once the first is gone."""
+    from helpers import start_liandan
+
+    toml = write_inputs(tmp_path)
+    command = ["data", "run", toml, "--workers=1", "--pipeline.inspect=false", "--tokenizer.kind=byte"]
+    first = start_liandan(*command, env={**os.environ, "LIANDAN_FAULTS": "hang@clean:0"}, quiet=True)
+    try:
+        shard = tmp_path / "out" / "clean" / "00000.jsonl.zst"
+        deadline = time.monotonic() + 120
+        while not shard.is_file() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling the first run's progress, not waiting for a guess
+        assert shard.is_file() and first.poll() is None
+        second = run_liandan(*command, timeout=120)
+        assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+        assert second.stderr.startswith(f"liandan: error: {tmp_path / 'out'} is in use by another liandan data run"
+                                        f" (pid {first.pid} on "), second.stderr  # fmt: skip
+        assert second.stderr.rstrip().endswith("or choose another pipeline.output")
+    finally:
+        first.kill()
+        first.wait()
+    third = run_liandan(*command, timeout=300)
+    assert third.returncode == 0, third.stderr[-2000:]

@@ -13,6 +13,7 @@ resume logic, the summary and the tests ask a `PipelineLayout`.
     report/                         report.html, report.md, report.json
     state/<stage>.json              a whole stage's done marker (its result); state/<stage>-<task>.json: a task's
     summary.json                    the run's totals, written last
+    pipeline.lock                   held by the `liandan data run` writing here (never removed)
 
 A task is one input file, named by its index (`00000`). `store_dirs` puts a source's store somewhere else
 than stores/<source>/ (a run's own data directory, say); `compress = False` writes the cleaned documents
@@ -61,6 +62,10 @@ class PipelineLayout:
     @property
     def summary(self) -> Path:
         return self.root / SUMMARY
+
+    @property
+    def lock(self) -> Path:
+        return self.root / "pipeline.lock"
 
     @property
     def python_docs(self) -> Path:

@@ -34,6 +34,7 @@ from liandan.data.pipeline.stages import Stage, StageContext, describe, run_stag
 from liandan.data.steps.base import Step, StepStats, build_step, merge_step_stats
 from liandan.faults import maybe_inject
 from liandan.run import atomic_file, atomic_write, replacing
+from liandan.run.lock import lock_output_dir
 
 # Settings that change where the work runs, never what it writes: a resumed run may change them.
 _RUNTIME_KEYS = ("executor", "workers", "ray_address", "inspect", "baseline", "publish")
@@ -422,6 +423,17 @@ def run_pipeline(
     """Run the stages of `cfg` into `layout` (by default laid out under `pipeline.output`), resuming what an
     earlier run of the same config left."""
     layout = layout or PipelineLayout(Path(cfg.pipeline.output))
+    # two runs into one output would remove and rename each other's files midway
+    lock = lock_output_dir(layout.root, layout.lock, "liandan data run", "pipeline.output")
+    try:
+        return _run_claimed(cfg, layout, overwrite, say, progress)
+    finally:
+        lock.release()
+
+
+def _run_claimed(
+    cfg: PipelineConfig, layout: PipelineLayout, overwrite: bool, say: Callable[[str], None], progress: bool
+) -> PipelineResult:
     _claim_output(cfg, layout, overwrite)
     tasks = plan_tasks(cfg)
     stages = pipeline_stages(cfg)
