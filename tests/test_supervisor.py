@@ -590,3 +590,28 @@ def test_relay_holds_a_traceback_until_it_is_complete(tmp_path):
             assert line == f"rank 0: {error} (a consequence of another process ending; traceback in {relay.log_path})"
         assert relay.log_path.read_text() == output
         assert relay.tracebacks["rank 0"] == [traceback(error)]
+
+
+def test_a_killed_rank_is_blamed_not_the_peer_that_lost_it():
+    """Rank 1 is SIGKILLed and rank 0, its peer, exits 1 on the broken connection; the supervisor finds both
+    dead at one wake-up (the same time): the killed rank failed first. A rank that exits with an error
+    well before another is killed is still the first."""
+    import subprocess
+    import sys
+
+    from liandan.resilience.processes import DeathClock, first_failure
+
+    killed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    lost = [sys.executable, "-c", "raise SystemExit(1)"]
+    procs = {0: subprocess.Popen(lost), 1: subprocess.Popen(killed)}
+    for proc in procs.values():
+        proc.wait()  # both gone before the supervisor looks, as when it wakes late
+    clock = DeathClock()
+    for proc in procs.values():
+        clock.watch(proc.pid)
+    clock.wait(0.01)
+    exits = {rank: (clock.deaths.get(proc.pid), proc.returncode) for rank, proc in procs.items()}
+    assert exits[0][0] == exits[1][0] and exits[1][1] == -9  # one moment
+    assert first_failure(exits)[1:] == (1, -9)
+    assert first_failure({0: (100.0, 1), 1: (101.0, -9)})[1:] == (0, 1)  # a second apart: rank 0 was first
+    assert first_failure({0: (100.0, 0), 1: (100.0, 0)}) is None

@@ -37,7 +37,14 @@ from liandan.checkpoint.verify import complete_checkpoints, step_of
 from liandan.config import Config
 from liandan.resilience import incidents, nodes, suspects
 from liandan.resilience.preempt import Preemption, SignalLatch
-from liandan.resilience.processes import DeathClock, StandbyPool, alive, end_processes, module_command
+from liandan.resilience.processes import (
+    DeathClock,
+    StandbyPool,
+    alive,
+    end_processes,
+    first_failure,
+    module_command,
+)
 from liandan.resilience.relay import Relay
 from liandan.run import RunDir, append_jsonl, atomic_write_json, lock_run_dir, rank_files, read_json, temporary
 from liandan.run.errors import DEVICE_FAULT_EXIT
@@ -351,9 +358,9 @@ class Supervisor(Preemption):
             code = proc.poll()
             if code is not None and (rank or 0) not in attempt.exits:
                 attempt.exits[rank or 0] = (self.clock.deaths.get(proc.pid, time.time()), code)
-        failed = sorted((when, rank, code) for rank, (when, code) in attempt.exits.items() if code != 0)
+        failed = first_failure(attempt.exits)
         if failed:
-            attempt.failed_at, attempt.failed_rank, attempt.exit_code = failed[0]
+            attempt.failed_at, attempt.failed_rank, attempt.exit_code = failed
             if self.rendezvous:  # the agent names the rank that failed first
                 report = read_json(self.failure_report, {})
                 attempt.failed_rank = report.get("rank")
