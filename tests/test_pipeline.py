@@ -303,3 +303,17 @@ def test_a_second_run_into_the_same_output_is_refused_in_one_line(tmp_path):
         first.wait()
     third = run_liandan(*command, timeout=300)
     assert third.returncode == 0, third.stderr[-2000:]
+
+
+def test_the_summary_keeps_long_paths_whole_when_not_a_terminal(finished, capsys):
+    from liandan.cli.data_cmd import print_summary
+
+    _, summary = finished
+    deep = {name: {**store, "path": f"{store['path']}/{'a-long-directory-name/' * 6}{name}"}
+            for name, store in summary["stores"].items()}  # fmt: skip
+    print_summary({**summary, "stores": deep})
+    lines = capsys.readouterr().out.splitlines()
+    for name, store in deep.items():
+        assert any(line.startswith(f"store {name}: ") and line.endswith(f"-> {store['path']}") for line in lines)
+    [hint] = [line for line in lines if line.startswith("train on it: ")]
+    assert hint.endswith("]'")

@@ -65,10 +65,11 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def print_summary(s: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from liandan.run.console import make_console
+
+    console = make_console()
     read = s["read"]
     skipped = sum(read["skipped"].values())
     console.print(
