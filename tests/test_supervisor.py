@@ -38,7 +38,7 @@ from liandan.checkpoint.loading import load_model
 from liandan.checkpoint.verify import complete_checkpoints, step_of, verify
 from liandan.config import load_config
 from liandan.resilience.processes import alive
-from liandan.resilience.relay import Relay
+from liandan.resilience.relay import Relay, brief
 from liandan.resilience.supervisor import Supervisor
 from liandan.run import RunDir
 from liandan.train.heartbeat import Heartbeat, read_heartbeats
@@ -561,7 +561,8 @@ def test_a_peers_traceback_costs_the_console_one_line(setup, faults, first):
     [incident] = _events(config, name, "incident")
     [traceback] = incident["evidence"]["tracebacks"][f"rank {survivor}"]
     assert "a consequence of another process ending" in line and str(log) in line
-    assert traceback.startswith("Traceback") and traceback.strip().splitlines()[-1].strip() in line
+    assert traceback.startswith("Traceback") and brief(traceback.strip().splitlines()[-1].strip()) in line
+    assert "GLHF" not in done.stderr
 
 
 def test_relay_holds_a_traceback_until_it_is_complete(tmp_path):
@@ -615,3 +616,21 @@ def test_a_killed_rank_is_blamed_not_the_peer_that_lost_it():
     assert first_failure(exits)[1:] == (1, -9)
     assert first_failure({0: (100.0, 1), 1: (101.0, -9)})[1:] == (0, 1)  # a second apart: rank 0 was first
     assert first_failure({0: (100.0, 0), 1: (100.0, 0)}) is None
+
+
+def test_a_lost_peers_gloo_error_is_one_plain_line_on_the_console(tmp_path):
+    import io
+
+    from liandan.resilience.relay import Relay
+
+    gloo = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error"
+            " [127.0.0.1]:28355: Connection reset by peer. This is typically caused by a remote worker hanging or"
+            " bugs in the application. Check the logs of the remote worker before reporting an error. GLHF! 🏖️")  # fmt: skip
+    output = f'Traceback (most recent call last):\n  File "a.py", line 1, in f\n    g()\n{gloo}\nstep 5\n'
+    relay, console = Relay(tmp_path / "attempt.log", lambda label: True), io.StringIO()
+    relay.follow("rank 0", io.StringIO(output), console)
+    relay.close()
+    shown = ("rank 0: RuntimeError: Read error [127.0.0.1]:28355: Connection reset by peer (a consequence of another"
+             f" process ending; traceback in {relay.log_path})")  # fmt: skip
+    assert console.getvalue().splitlines() == [shown, "step 5"]
+    assert gloo in relay.log_path.read_text()  # the log keeps it whole
