@@ -188,9 +188,20 @@ def cmd_steps(args: argparse.Namespace, overrides: list[str]) -> int:
 
     for name in sorted(names("data_step")):
         cls = step_class(name)
-        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-        print(f"{name:20s} {doc}")
+        print(f"{name:20s} {first_sentence(cls.__doc__ or '')}")
         for param in list(inspect.signature(cls.__init__).parameters.values())[1:]:
             default = "" if param.default is inspect.Parameter.empty else f" = {param.default!r}"
             print(f"    {param.name}{default}")
     return 0
+
+
+def first_sentence(doc: str) -> str:
+    """A docstring's first sentence, whole however its lines are wrapped (its first paragraph if it has no
+    sentence end)."""
+    paragraph = " ".join(inspect.cleandoc(doc).split("\n\n", 1)[0].split())
+    depth = 0  # "(Rae et al. 2021)" ends no sentence
+    for at, char in enumerate(paragraph):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char in ".!?" and depth <= 0 and paragraph[at + 1 : at + 2] in ("", " "):
+            return paragraph[: at + 1]
+    return paragraph
