@@ -87,6 +87,12 @@ def print_summary(s: dict) -> None:
             ", ".join(f"{k} {v:,}" for k, v in top),
         )
     console.print(table)
+    by_source = s.get("drops_by_source", [])
+    by_file = s.get("drops_by_file", [])
+    for title, rows, key in (("dropped per source", by_source, "source"), ("dropped per input file", by_file, "path")):
+        if key == "path" and len(by_file) == len(by_source):
+            continue  # one file per source: the same table again
+        console.print(_drops_table(title, rows, key))
     d = s["dedup"]
     console.print(
         f"dedup: {d.get('removed', 0):,} of {d.get('documents', 0):,} documents removed"
@@ -105,7 +111,9 @@ def print_summary(s: dict) -> None:
         for flag in flags:
             console.print(f"  [yellow]flag[/yellow] {flag}")
     published = s.get("published", {}).get("stores", {})
-    stores = json.dumps([published.get(name, v["path"]) for name, v in s["stores"].items()])
+    # absolute: the command that trains is seldom run from where this one was
+    where = [published.get(name, v["path"]) for name, v in s["stores"].items()]
+    stores = json.dumps([p if is_url(p) else str(Path(p).resolve()) for p in where], ensure_ascii=False)
     console.print(f"train on it: --data.stores='{stores}'", soft_wrap=True)
 
 
@@ -180,6 +188,19 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
         print("verified: every checksum matches" if not problems else f"{len(problems)} problem(s)")
         return 0 if not problems else 1
     return 0
+
+
+def _drops_table(title: str, rows: list[dict], key: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in (key if key == "source" else "file", "read", "kept", "dropped", "top reasons"):
+        table.add_column(column)
+    for row in rows:
+        share = 1 - row["kept"] / row["read"] if row["read"] else 0.0
+        top = ", ".join(f"{k} {v:,}" for k, v in list(row["dropped"].items())[:3])
+        table.add_row(row[key], f"{row['read']:,}", f"{row['kept']:,}", f"{share:.0%}", top)
+    return table
 
 
 def cmd_steps(args: argparse.Namespace, overrides: list[str]) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from liandan.data.documents.corpus import DataError, Document, ReadStats
+from liandan.data.pipeline.drops import drops_by
 from liandan.data.pipeline.executor import make_executor
 from liandan.data.pipeline.layout import PipelineLayout, Task
 from liandan.data.pipeline.pipeline_config import PipelineConfig, expand_paths
@@ -453,6 +454,8 @@ def _run_claimed(
         "read": _merge_read([c["read"] for c in cleaned]),
         "steps": [s.to_dict() for s in merge_step_stats([c["steps"] for c in cleaned])],
         "rejected": sum(c["rejected"] for c in cleaned),
+        "drops_by_source": drops_by(cleaned, "source"),
+        "drops_by_file": drops_by(cleaned, "path"),
         "dedup": results["dedup"],
         "tokenizer": manifest["tokenizer"],
         "stores": manifest["stores"],
