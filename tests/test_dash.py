@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -493,5 +494,35 @@ def test_incident_text_is_shown_as_written_in_the_hover_label(tmp_path, page):
         hover = page.locator("#chart-loss .hoverlayer .hovertext").text_content()
         assert f"checkpoint_failed at step 5: {MARKUP}" in hover, hover
         assert page.locator("#chart-loss .hoverlayer a").count() == 0
+    finally:
+        server.stop()
+
+
+def test_the_run_page_counts_names_and_units_agree(tmp_path, page):
+    """The incident count matches its table, a save's blocking time and total are told apart, the latest
+    validation loss shows before the run's summary exists, and MFU ticks are percentages, none repeated."""
+    project = tmp_path / "runs"
+    run = hand_made_run(project, "polish", [
+        {"time": 1700000003.0, "kind": "checkpoint_saved", "step": 3, "path": "polish/checkpoints/step-00000003",
+         "seconds": 95.62, "blocking_seconds": 0.088},
+        {"time": 1700000004.0, "kind": "eval", "step": 4, "loss": 4.125},
+        {"time": 1700000005.0, "kind": "incident", "step": 5, "cause": "signal SIGKILL", "failure": "crash"},
+        {"time": 1700000006.0, "kind": "restart", "step": 5, "attempt": 1, "after_seconds": 0}])  # fmt: skip
+    metrics = [{"step": s, "loss": 5.0 - 0.1 * s, "time": 1700000000.0 + s, "mfu": 0.0150 + 0.0008 * s}
+               for s in range(1, 11)]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    server = start_dash(project)
+    try:
+        page.goto(server.url + "#/run/polish")
+        page.wait_for_selector("#chart-mfu .ytick")
+        assert page.locator("h2", has_text=re.compile("^Incidents")).inner_text() == "Incidents (1) and restarts (1)"
+        assert page.locator("#incidents tbody tr").count() == 2
+        stats = page.locator("#stats").inner_text()
+        assert "4.125" in stats and "incidents\n1" in stats.lower(), stats
+        heads = page.locator("#checkpoints th").all_text_contents()
+        assert heads == ["step", "event", "path", "training blocked (s)", "save took (s)", "on disk"], heads
+        assert "0.088" in page.locator("#checkpoints").inner_text()
+        ticks = page.locator("#chart-mfu .ytick text").all_text_contents()
+        assert ticks and all(t.endswith("%") for t in ticks) and len(set(ticks)) == len(ticks), ticks
     finally:
         server.stop()

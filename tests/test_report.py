@@ -304,3 +304,22 @@ def test_incidents_and_report_list_an_incomplete_record_as_the_dashboard_does(tm
     ]
     assert main(["report", str(run), "-o", str(tmp_path / "odd.html")]) == 0
     assert "an incomplete record: no &#x27;host&#x27;" in (tmp_path / "odd.html").read_text()
+
+
+def test_the_report_speaks_one_unit_and_one_colour_and_names_its_columns(faulty, tmp_path):
+    from liandan.track.plot import VALIDATION_COLOUR
+
+    out = tmp_path / "units.html"
+    written = write_report([(faulty, timeline(faulty))], out)
+    html = out.read_text()
+    figures = json.loads(re.search(r"const FIGURES = (\{.*?\});\n", html, re.DOTALL).group(1))
+    [mfu] = [f for key, f in figures.items() if key.endswith("-mfu")]
+    assert mfu["layout"]["yaxis"]["tickformat"] == ".3~%"
+    assert all(f["layout"]["modebar"]["orientation"] == "v" for f in figures.values())
+    [loss] = [f for key, f in figures.items() if key.endswith("-loss")]
+    [validation] = [t for t in loss["data"] if t.get("name") == "validation"]
+    assert validation["line"]["color"] == VALIDATION_COLOUR
+    forecast = {"step": 10, "final_loss": 3.0, "low": 2.9, "high": 3.1, "confidence": 0.8, "total_steps": 30}
+    [head] = re.findall(r"<tr>(<th>.*?)</tr>", report_module._forecast_table([forecast]))
+    assert re.findall(r"<th>(.*?)</th>", head) == ["made at step", "final loss", "interval", "confidence", "for step"]
+    assert written[1].name == f"units-{faulty.name}.png"

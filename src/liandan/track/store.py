@@ -328,10 +328,16 @@ class RunStore:
             "name": name, "path": path, "status": status, "started": started, "updated": updated,
             "step": last, "tokens": (last or 0) * per_step if per_step else summary.get("tokens"),
             "tokens_per_step": per_step, "flops_per_token": flops, "loss": loss[0] if loss else None,
-            "final_loss": summary.get("final_loss"), "val_loss": summary.get("val_loss"),
+            "final_loss": summary.get("final_loss"), "val_loss": summary.get("val_loss", self._newest_val(name)),
             "goodput": summary.get("goodput"), "restarts": summary.get("restarts"), "incidents": incidents,
             "forecast": forecast[0] if forecast else None, "summary": summary, "config": config or "",
         }  # fmt: skip
+
+    def _newest_val(self, name: str) -> float | None:
+        """The latest validation loss of a run still training (a finished one's is in its summary)."""
+        newest = self.events(name, ("eval",), newest=1)
+        loss = newest[0].get("loss") if newest else None
+        return loss if isinstance(loss, (int, float)) and math.isfinite(loss) else None
 
     @one_at_a_time
     def metric_keys(self, name: str) -> list[str]:

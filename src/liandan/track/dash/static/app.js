@@ -131,8 +131,15 @@ function chartBox(id, title) {
 }
 
 function layout(extra = {}) {
-  return { margin: { l: 60, r: 20, t: 10, b: 40 }, hovermode: "closest", showlegend: true,
+  // the toolbar stands upright in the right margin: across the top it covered legends and titles
+  return { margin: { l: 60, r: 40, t: 10, b: 40 }, hovermode: "closest", showlegend: true, modebar: { orientation: "v" },
            legend: { orientation: "h", y: 1.12 }, xaxis: { title: { text: "step" }, zeroline: false }, ...extra };
+}
+
+// The run's incident count takes a failure and its restart as one; the table lists both.
+function incidentsTitle(incidents) {
+  const restarts = incidents.filter((i) => i.kind === "restart").length;
+  return restarts ? `Incidents (${incidents.length - restarts}) and restarts (${restarts})` : `Incidents (${incidents.length})`;
 }
 
 function incidentShapes(incidents) {
@@ -186,7 +193,7 @@ async function drawRunCharts(name, run, incidents, evaluations) {
     layout({ shapes, showlegend: false, yaxis: { title: { text: label }, ...extra } }), PLOT_CONFIG);
   await simple("chart-lr", lr, "learning rate", COLORS[4], { exponentformat: "e" });
   await simple("chart-tps", tps, "tokens/s", COLORS[5]);
-  await simple("chart-mfu", mfu, "MFU", COLORS[3], { tickformat: ".0%" });
+  await simple("chart-mfu", mfu, "MFU", COLORS[3], { tickformat: ".3~%" });  // ".0%" repeated "2%, 2%, 1%"
   await simple("chart-gnorm", gnorm, "gradient norm", COLORS[6]);
 }
 
@@ -217,7 +224,7 @@ async function runView(main, name) {
        chartBox("chart-lr", "Learning rate"), chartBox("chart-tps", "Throughput (tokens/s)"),
        chartBox("chart-mfu", "MFU"), chartBox("chart-gnorm", "Gradient norm"),
        chartBox("chart-ranks", "Step time per rank (straggler check windows)")),
-    el("div", { class: "section card" }, el("h2", {}, `Incidents (${incidents.length})`),
+    el("div", { class: "section card" }, el("h2", {}, incidentsTitle(incidents)),
        el("table", { id: "incidents" }, el("thead", {}, el("tr", {}, ["step", "kind", "time", "what"].map((h) =>
          el("th", {}, h)))), incidentRows)),
     layerSection(layers, incidents),
@@ -260,11 +267,14 @@ function evalSection(evaluations) {
       : el("p", { class: "muted" }, "none"));
 }
 
+// A save's cost to training is the time it blocked the step; an async save's total runs on beside training.
 function checkpointSection(checkpoints) {
   const rows = checkpoints.map((c) => el("tr", {}, el("td", { class: "num" }, num(c.step)), el("td", {}, c.kind),
-    el("td", {}, c.path || ""), el("td", { class: "num" }, num(c.seconds, 2)), el("td", {}, c.present ? "yes" : "no")));
+    el("td", {}, c.path || ""), el("td", { class: "num" }, num(c.blocking_seconds, 3)),
+    el("td", { class: "num" }, num(c.seconds, 2)), el("td", {}, c.present ? "yes" : "no")));
   return el("div", { class: "section card" }, el("h2", {}, `Checkpoints (${checkpoints.length})`),
-    checkpoints.length ? table("checkpoints", ["step", "event", "path", "seconds", "on disk"], rows)
+    checkpoints.length ? table("checkpoints", ["step", "event", "path", "training blocked (s)", "save took (s)",
+                                               "on disk"], rows)
       : el("p", { class: "muted" }, "none"));
 }
 
