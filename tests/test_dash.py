@@ -526,3 +526,23 @@ def test_the_run_page_counts_names_and_units_agree(tmp_path, page):
         assert ticks and all(t.endswith("%") for t in ticks) and len(set(ticks)) == len(ticks), ticks
     finally:
         server.stop()
+
+
+def test_per_layer_log_axes_are_labelled_by_decades(tmp_path, page):
+    project = tmp_path / "runs"
+    run = hand_made_run(project, "layers")
+    (run / "guard").mkdir()
+    records = [{"step": s, "grad": {"layers.0.attention": 2e-4 * s, "layers.1.feed_forward": 3.0 * s}}
+               for s in range(1, 11)]  # fmt: skip
+    (run / "guard" / "layers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    server = start_dash(project)
+    try:
+        page.goto(server.url + "#/run/layers")
+        page.wait_for_selector("#chart-layers .ytick")
+        axis = page.evaluate("document.querySelector('#chart-layers').layout.yaxis")
+        assert (axis["type"], axis["dtick"], axis["exponentformat"]) == ("log", "D2", "power")
+        ticks = page.locator("#chart-layers .ytick text").all_text_contents()
+        decades = [t for t in ticks if t.startswith("10")]
+        assert len(decades) >= 4 and len(set(decades)) == len(decades), ticks  # 2 and 5 between, each decade named
+    finally:
+        server.stop()

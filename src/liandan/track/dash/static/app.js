@@ -8,6 +8,8 @@ const POLL_MS = 3000;
 const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d",
                 "#4b5563", "#ea580c", "#0d9488", "#9333ea"];
 const PLOT_CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
+// Per-layer statistics span decades: their log axes are labelled by them (10⁻³, 10⁻², with 2 and 5 between).
+const LOG_AXIS = { type: "log", dtick: "D2", exponentformat: "power" };
 let timer = null;
 let stream = null;
 
@@ -335,7 +337,7 @@ function drawLayers(layers, incidents, stat) {
   const traces = names.map((n, i) => ({ name: plain(n), x: layers.map((r) => r.step), y: layers.map((r) => (r[stat] || {})[n]),
     mode: "lines+markers", type: "scatter", line: { color: COLORS[i % COLORS.length] } }));
   Plotly.react("chart-layers", traces, layout({ shapes: incidentShapes(incidents), yaxis: { title: { text: stat },
-    type: "log" } }), PLOT_CONFIG);
+    ...LOG_AXIS } }), PLOT_CONFIG);
 }
 
 // -- an incident's evidence ------------------------------------------------------------------------------
@@ -386,7 +388,7 @@ async function showIncident(name, seq) {
       const names = [...new Set(layers.flatMap((r) => Object.keys(r.grad || {})))];
       Plotly.react("chart-evidence-layers", names.map((n, i) => ({ name: plain(n), x: layers.map((r) => r.step),
         y: layers.map((r) => (r.grad || {})[n]), type: "scatter", mode: "lines+markers",
-        line: { color: COLORS[i % COLORS.length] } })), layout({ yaxis: { type: "log" },
+        line: { color: COLORS[i % COLORS.length] } })), layout({ yaxis: { ...LOG_AXIS },
         shapes: event.step !== undefined ? incidentShapes([event]) : [] }), PLOT_CONFIG);
     }
   } catch (err) {
