@@ -323,3 +323,13 @@ def test_the_report_speaks_one_unit_and_one_colour_and_names_its_columns(faulty,
     [head] = re.findall(r"<tr>(<th>.*?)</tr>", report_module._forecast_table([forecast]))
     assert re.findall(r"<th>(.*?)</th>", head) == ["made at step", "final loss", "interval", "confidence", "for step"]
     assert written[1].name == f"units-{faulty.name}.png"
+
+
+def test_a_run_of_one_logged_step_has_axes_from_zero(tmp_path):
+    run = tmp_path / "runs" / "one"
+    run.mkdir(parents=True)
+    RunDir(run).metrics.write_text(json.dumps({"step": 100, "loss": 3.0, "lr": 1e-3, "time": 1.0}) + "\n")
+    out = tmp_path / "one.html"
+    write_report([(run, [])], out)
+    figures = json.loads(re.search(r"const FIGURES = (\{.*?\});\n", out.read_text(), re.DOTALL).group(1))
+    assert figures and all(f["layout"]["xaxis"]["range"] == [0, 200] for f in figures.values())

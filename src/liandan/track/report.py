@@ -380,6 +380,10 @@ def _figure(title: str, y_title: str, x_title: str, traces: list[dict], marks: S
             "layout": {"plot_bgcolor": "#fff", "xaxis": {"gridcolor": "#eee"}, "yaxis": {"gridcolor": "#eee"}}
         },
     }
+    xs = {x for trace in traces for x in trace.get("x", []) if isinstance(x, (int, float))}
+    if len(xs) == 1:  # one point: plotly would span x-1..x+1 (99..101); from 0 reads as a step count
+        (x,) = xs
+        layout["xaxis"]["range"] = [min(0, 2 * x), max(1, 2 * x)]
     return {"data": data, "layout": layout}
 
 
