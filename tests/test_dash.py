@@ -546,3 +546,19 @@ def test_per_layer_log_axes_are_labelled_by_decades(tmp_path, page):
         assert len(decades) >= 4 and len(set(decades)) == len(decades), ticks  # 2 and 5 between, each decade named
     finally:
         server.stop()
+
+
+def test_a_run_of_one_logged_step_has_step_axes_from_zero(tmp_path, page):
+    project = tmp_path / "runs"
+    run = project / "one"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 100, "loss": 3.0, "lr": 1e-3, "time": 1.0}) + "\n")
+    server = start_dash(project)
+    try:
+        page.goto(server.url + "#/run/one")
+        page.wait_for_selector("#chart-lr .xtick")
+        for chart in ("chart-loss", "chart-lr"):
+            axis = page.evaluate(f"document.getElementById('{chart}').layout.xaxis")
+            assert axis["range"] == [0, 200], (chart, axis)
+    finally:
+        server.stop()

@@ -138,6 +138,14 @@ function layout(extra = {}) {
            legend: { orientation: "h", y: 1.12 }, xaxis: { title: { text: "step" }, zeroline: false }, ...extra };
 }
 
+// A chart of one logged step: plotly would span x-1..x+1 (99..101); from 0 it reads as a step count.
+function oneStepAxis(traces) {
+  const xs = new Set(traces.flatMap((t) => (t.name === "incidents" ? [] : t.x || [])).filter((x) => typeof x === "number"));
+  if (xs.size !== 1) return {};
+  const [x] = xs;
+  return { xaxis: { title: { text: "step" }, zeroline: false, range: [Math.min(0, 2 * x), Math.max(1, 2 * x)] } };
+}
+
 // The run's incident count takes a failure and its restart as one; the table lists both.
 function incidentsTitle(incidents) {
   const restarts = incidents.filter((i) => i.kind === "restart").length;
@@ -181,7 +189,7 @@ async function drawRunCharts(name, run, incidents, evaluations) {
       error_y: { type: "data", symmetric: false, array: [f.high - f.final_loss], arrayminus: [f.final_loss - f.low] } });
   }
   lossTraces.push(incidentTrace(incidents));
-  await Plotly.react("chart-loss", lossTraces, layout({ shapes, yaxis: { title: { text: "loss" } },
+  await Plotly.react("chart-loss", lossTraces, layout({ shapes, ...oneStepAxis(lossTraces), yaxis: { title: { text: "loss" } },
     yaxis2: { overlaying: "y", range: [0, 1], visible: false, fixedrange: true } }), PLOT_CONFIG);
   const chart = document.getElementById("chart-loss");
   if (!chart.dataset.bound) {
@@ -192,7 +200,8 @@ async function drawRunCharts(name, run, incidents, evaluations) {
     });
   }
   const simple = (id, c, label, color, extra = {}) => Plotly.react(id, c ? [line(c, label, color)] : [],
-    layout({ shapes, showlegend: false, yaxis: { title: { text: label }, ...extra } }), PLOT_CONFIG);
+    layout({ shapes, showlegend: false, ...oneStepAxis(c ? [c] : []), yaxis: { title: { text: label }, ...extra } }),
+    PLOT_CONFIG);
   await simple("chart-lr", lr, "learning rate", COLORS[4], { exponentformat: "e" });
   await simple("chart-tps", tps, "tokens/s", COLORS[5]);
   await simple("chart-mfu", mfu, "MFU", COLORS[3], { tickformat: ".3~%" });  // ".0%" repeated "2%, 2%, 1%"
