@@ -143,3 +143,14 @@ def test_non_finite_numbers_are_refused(tmp_path, override):
     config.write_text(f"[{section}]\n{name} = {value}\n")
     with pytest.raises(ConfigError, match="finite"):
         load_config(config)
+
+
+@pytest.mark.parametrize("name", ["a\nb", "tab\there", "nul\0", "esc\x1b[31m", "c1\x85"])
+def test_a_run_name_with_a_control_character_is_refused(name):
+    with pytest.raises(ConfigError, match=r"^run.name = .* must be one directory name: .*control characters"):
+        load_config(None, [f"--run.name={name}"])
+
+
+@pytest.mark.parametrize("name", ["炼丹-1", "my run", "a..b"])
+def test_a_run_name_of_any_script_with_spaces_is_accepted(name):
+    assert load_config(None, [f"--run.name={name}"]).run.name == name

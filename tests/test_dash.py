@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -216,7 +217,7 @@ HOSTILE = [
     ("/api/runs/%2Fetc%2Fpasswd", 404),
     ("/api/runs/..%2foutside/incidents", 404),
     ("/api/runs/no-such-run", 404),
-    ("/api/runs/.hidden", 400),
+    ("/api/runs/.hidden", 404),  # a name train accepts: no such run here
     ("/api/runs/faulty/curve?key=loss&max_points=100000000", 400),
     ("/api/runs/faulty/curve?key=loss&start=-99999999999999999999", 400),
     ("/api/runs/faulty/curve?key=loss&start=abc", 400),
@@ -412,3 +413,152 @@ def test_a_run_still_training_updates_live_in_the_browser(server, project, corpu
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_deeply_nested_json_anywhere_is_a_one_line_answer_not_a_500(tmp_path):
+    """Nesting a few thousand deep in a request's body, an event or a guard report: parsers recurse."""
+    project = tmp_path / "runs"
+    run = project / "deep"
+    (run / "guard").mkdir(parents=True)
+    deep = "[" * 5000 + "]" * 5000
+    (run / "guard" / "spike-step-00000002.json").write_text('{"verdict": ' + deep + "}")
+    events = [json.dumps({"time": 1.0, "kind": "rollback", "step": 2, "to": 1,
+                          "report": "deep/guard/spike-step-00000002.json"}),
+              '{"time": 2.0, "kind": "incident", "step": 3, "cause": "hang", "detail": ' + deep + "}"]  # fmt: skip
+    (run / "events.jsonl").write_text("\n".join(events) + "\n")
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 3.0, "time": 1.0}\n{"step": 2, "loss": ' + deep + "}\n")
+    server = start_dash(project)
+    try:
+        assert "deep" in {r["name"] for r in server.get("/api/runs")["runs"]}
+        for incident in server.get("/api/runs/deep/incidents")["incidents"]:
+            status, answer = server.request(f"/api/runs/deep/incidents/{incident['seq']}")
+            assert status == 200, answer
+        for path in ("/api/runs/deep", "/api/runs/deep/curve?key=loss", "/api/runs/deep/health"):
+            status, answer = server.request(path)
+            assert status == 200, (path, answer)
+        status, answer = server.request("/api/compare", "POST", deep.encode(), {"Content-Type": "application/json"})
+        assert status == 400 and answer["error"].startswith("malformed JSON: nested"), answer
+    finally:
+        server.stop()
+
+
+def test_a_port_in_use_is_one_line_naming_it(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        done = run_liandan("dash", tmp_path, "--port", port)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"liandan: error: port {port} on 127.0.0.1 is already in use"), done.stderr
+    assert "--port 0" in done.stderr
+
+
+MARKUP = '<b>bold</b> in <module> <a href="https://example.com">a link</a>'
+
+
+def hand_made_run(project: Path, name: str, events: list[dict] | None = None) -> Path:
+    """A run directory written by hand: ten logged steps and the events given."""
+    run = project / name
+    run.mkdir(parents=True)
+    metrics = [{"step": s, "loss": 5.0 - 0.1 * s, "time": 1700000000.0 + s, "lr": 1e-3} for s in range(1, 11)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events or []))
+    return run
+
+
+def test_run_names_that_train_accepts_open_and_path_tricks_do_not(tmp_path):
+    project = tmp_path / "runs"
+    for name in ("炼丹-1", "my run", "a..b"):
+        hand_made_run(project, name)
+    server = start_dash(project)
+    try:
+        assert {"炼丹-1", "my run", "a..b"} <= {r["name"] for r in server.get("/api/runs")["runs"]}
+        for name in ("炼丹-1", "my run", "a..b"):
+            assert server.get(f"/api/runs/{urllib.parse.quote(name)}")["name"] == name
+        for trick in ("..", "%2E%2E", "..%2Fruns", "a%0Ab", "%00", "x%5C..%5Cy"):
+            status, answer = server.request(f"/api/runs/{trick}")
+            assert status in (400, 404) and "\n" not in answer["error"], (trick, status, answer)
+    finally:
+        server.stop()
+
+
+def test_incident_text_is_shown_as_written_in_the_hover_label(tmp_path, page):
+    project = tmp_path / "runs"
+    hand_made_run(project, "markup", [{"time": 1700000005.0, "kind": "checkpoint_failed", "step": 5,
+                                       "detail": MARKUP}])  # fmt: skip
+    server = start_dash(project)
+    try:
+        page.goto(server.url + "#/run/markup")
+        page.wait_for_selector("#chart-loss .scatterlayer .trace path.point")
+        click_marker(page, 0)
+        hover = page.locator("#chart-loss .hoverlayer .hovertext").text_content()
+        assert f"checkpoint_failed at step 5: {MARKUP}" in hover, hover
+        assert page.locator("#chart-loss .hoverlayer a").count() == 0
+    finally:
+        server.stop()
+
+
+def test_the_run_page_counts_names_and_units_agree(tmp_path, page):
+    """The incident count matches its table, a save's blocking time and total are told apart, the latest
+    validation loss shows before the run's summary exists, and MFU ticks are percentages, none repeated."""
+    project = tmp_path / "runs"
+    run = hand_made_run(project, "polish", [
+        {"time": 1700000003.0, "kind": "checkpoint_saved", "step": 3, "path": "polish/checkpoints/step-00000003",
+         "seconds": 95.62, "blocking_seconds": 0.088},
+        {"time": 1700000004.0, "kind": "eval", "step": 4, "loss": 4.125},
+        {"time": 1700000005.0, "kind": "incident", "step": 5, "cause": "signal SIGKILL", "failure": "crash"},
+        {"time": 1700000006.0, "kind": "restart", "step": 5, "attempt": 1, "after_seconds": 0}])  # fmt: skip
+    metrics = [{"step": s, "loss": 5.0 - 0.1 * s, "time": 1700000000.0 + s, "mfu": 0.0150 + 0.0008 * s}
+               for s in range(1, 11)]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    server = start_dash(project)
+    try:
+        page.goto(server.url + "#/run/polish")
+        page.wait_for_selector("#chart-mfu .ytick")
+        assert page.locator("h2", has_text=re.compile("^Incidents")).inner_text() == "Incidents (1) and restarts (1)"
+        assert page.locator("#incidents tbody tr").count() == 2
+        stats = page.locator("#stats").inner_text()
+        assert "4.125" in stats and "incidents\n1" in stats.lower(), stats
+        heads = page.locator("#checkpoints th").all_text_contents()
+        assert heads == ["step", "event", "path", "training blocked (s)", "save took (s)", "on disk"], heads
+        assert "0.088" in page.locator("#checkpoints").inner_text()
+        ticks = page.locator("#chart-mfu .ytick text").all_text_contents()
+        assert ticks and all(t.endswith("%") for t in ticks) and len(set(ticks)) == len(ticks), ticks
+    finally:
+        server.stop()
+
+
+def test_per_layer_log_axes_are_labelled_by_decades(tmp_path, page):
+    project = tmp_path / "runs"
+    run = hand_made_run(project, "layers")
+    (run / "guard").mkdir()
+    records = [{"step": s, "grad": {"layers.0.attention": 2e-4 * s, "layers.1.feed_forward": 3.0 * s}}
+               for s in range(1, 11)]  # fmt: skip
+    (run / "guard" / "layers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    server = start_dash(project)
+    try:
+        page.goto(server.url + "#/run/layers")
+        page.wait_for_selector("#chart-layers .ytick")
+        axis = page.evaluate("document.querySelector('#chart-layers').layout.yaxis")
+        assert (axis["type"], axis["dtick"], axis["exponentformat"]) == ("log", "D2", "power")
+        ticks = page.locator("#chart-layers .ytick text").all_text_contents()
+        decades = [t for t in ticks if t.startswith("10")]
+        assert len(decades) >= 4 and len(set(decades)) == len(decades), ticks  # 2 and 5 between, each decade named
+    finally:
+        server.stop()
+
+
+def test_a_run_of_one_logged_step_has_step_axes_from_zero(tmp_path, page):
+    project = tmp_path / "runs"
+    run = project / "one"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 100, "loss": 3.0, "lr": 1e-3, "time": 1.0}) + "\n")
+    server = start_dash(project)
+    try:
+        page.goto(server.url + "#/run/one")
+        page.wait_for_selector("#chart-lr .xtick")
+        for chart in ("chart-loss", "chart-lr"):
+            axis = page.evaluate(f"document.getElementById('{chart}').layout.xaxis")
+            assert axis["range"] == [0, 200], (chart, axis)
+    finally:
+        server.stop()

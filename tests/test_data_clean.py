@@ -476,3 +476,18 @@ def test_language_accuracy_on_shared_corpora():
     for texts, language in ((zh, "zh"), (wiki, "en"), (play_chunks, "en")):
         accuracy = sum(step.identify(t)[0] == language for t in texts) / len(texts)
         assert accuracy > 0.95, (language, accuracy)
+
+
+def test_data_steps_describes_each_step_in_a_whole_sentence():
+    import inspect
+
+    from helpers import liandan_here
+    from liandan.data.steps.base import step_class
+
+    done = liandan_here("data", "steps", check=True)
+    described = {line[:20].strip(): line[21:] for line in done.stdout.splitlines() if not line.startswith(" ")}
+    assert {"gopher_quality", "c4_quality", "normalize"} <= set(described)
+    for name, sentence in described.items():
+        doc = " ".join(inspect.cleandoc(step_class(name).__doc__).split())
+        assert sentence.endswith((".", "!", "?")) and doc.startswith(sentence), (name, sentence)
+        assert sentence.count("(") == sentence.count(")"), (name, sentence)

@@ -149,3 +149,16 @@ def test_emulated_fp8_under_two_rank_fsdp_tracks_one_process(runs, tmp_path):
     assert "fp8 tensorwise (emulated): " in done.stdout
     reference = runs["none"][1].losses
     assert max(abs(a - b) for a, b in zip(losses, reference, strict=True)) < LOSS_TOLERANCE
+
+
+def test_importing_torchao_on_this_machine_prints_nothing():
+    """torchao logs a warning for each of its CUDA kernel libraries it cannot load (on a CPU machine, all of
+    them); liandan's import of it says nothing: a fresh interpreter, as every run is."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("torchao")
+    code = "import torch; from liandan.train.fp8 import fp8_refusal; print(fp8_refusal('tensorwise', torch.device('cpu'), emulate=True))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout == "None\n"
+    assert done.stderr == "", done.stderr

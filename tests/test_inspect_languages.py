@@ -126,7 +126,7 @@ def test_pipeline_report_flags_a_source_in_the_wrong_language(tmp_path):
     summary = run_pipeline(cfg, say=lambda m: None).summary
     assert summary["steps"][0]["changed"] == {"phone_number": 8, "phone_number replacements": 8}
     assert summary["steps"][2]["dropped"] == {"bad_words:extra": 1}
-    (rejected,) = read_jsonl_zst(tmp_path / "out" / "clean" / "00000.rejects.jsonl.zst")
+    (rejected,) = read_jsonl_zst(tmp_path / "out" / "clean" / "00000-en.rejects.jsonl.zst")
     assert (rejected["step"], rejected["reason"], rejected["meta"]["bad_word"]) == (
         "bad_words",
         "bad_words:extra",

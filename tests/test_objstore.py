@@ -2,6 +2,8 @@
 loopback: save, verify, corrupt, fall back, retention, partial saves, and a supervised run whose writer is
 killed in the middle of an upload."""
 
+import re
+
 import pytest
 import torch
 
@@ -125,3 +127,82 @@ def test_supervised_run_resumes_from_the_store_after_a_broken_upload(s3, tmp_pat
     assert info.count(", verified") == 3 and f"{store}/step-00000006" in info
     assert main(["export", str(store), str(tmp_path / "model.safetensors"), "--consolidated"]) == 0  # the newest
     assert capsys.readouterr().out.startswith(f"exported step 6 of {store}/step-00000006")
+
+
+@pytest.fixture
+def closed_port():
+    """A loopback port nothing listens on: an endpoint that refuses every connection."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture
+def store_env(monkeypatch):
+    """Set the variables a test gives, with no file systems made for another endpoint before or after it."""
+    from conftest import forget_file_systems
+
+    def use(**env):
+        for key in (
+            "AWS_ENDPOINT_URL",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_PROFILE",
+            "AWS_SESSION_TOKEN",
+        ):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in {"AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
+                           "AWS_EC2_METADATA_DISABLED": "true", "AWS_DEFAULT_REGION": "us-east-1", **env}.items():  # fmt: skip
+            monkeypatch.setenv(key, value)
+        forget_file_systems()
+
+    yield use
+    forget_file_systems()
+
+
+@pytest.mark.parametrize("trouble", ["unreachable endpoint", "no credentials"])
+def test_a_store_that_cannot_be_used_is_one_line_within_seconds(trouble, closed_port, store_env, capsys):
+    import time
+
+    if trouble == "no credentials":
+        store_env()
+        said = r"Unable to locate credentials \(set AWS_ACCESS_KEY_ID"
+    else:
+        store_env(AWS_ENDPOINT_URL=f"http://127.0.0.1:{closed_port}", AWS_ACCESS_KEY_ID="k", AWS_SECRET_ACCESS_KEY="s")
+        said = r"Could not connect to the endpoint URL.*\(check AWS_ENDPOINT_URL"
+    for command in (["ckpt", "info", "s3://bucket/run"], ["export", "s3://bucket/run", "/nonexistent/m", "--hf"]):
+        started = time.monotonic()
+        assert main(command) == 2
+        assert time.monotonic() - started < 5, command
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "Traceback" not in err, err
+        assert re.match(rf"liandan: error: s3://bucket/run\S*: cannot use the store: .*{said}", err), err
+
+
+def test_a_supervised_run_with_an_unreachable_store_stops_in_one_line(closed_port, tmp_path):
+    config = tmp_path / "tiny.toml"
+    config.write_text(tiny_config(tmp_path / "runs", write_corpus(tmp_path), *MICRO_MODEL, "--train.steps=2",
+                                  "--checkpoint.every=1", "--doctor.preflight=false").to_toml())  # fmt: skip
+    env = environment_without(AWS_ENDPOINT_URL=f"http://127.0.0.1:{closed_port}", AWS_ACCESS_KEY_ID="k",
+                              AWS_SECRET_ACCESS_KEY="s", AWS_DEFAULT_REGION="us-east-1")  # fmt: skip
+    done = run_liandan("train", config, "--checkpoint.dir=s3://bucket/run", env=env, timeout=120)
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("liandan: error:")]
+    assert errors == [done.stderr.strip().splitlines()[-1]] and len(errors) == 1, done.stderr
+    assert re.search(r"s3://bucket/run\S*: cannot use the store: Could not connect", errors[0])
+
+
+def test_ckpt_info_in_a_store_names_a_partial_save_and_verifies_the_complete_ones(s3, capsys):
+    root = f"s3://{BUCKET}/info/checkpoints"
+    manager = _manager(root, [], async_save=False)
+    for step in (2, 4):
+        manager.save(step, *_model_and_optimizer(step), {})
+    (locate(root) / "step-00000004" / "manifest.json").unlink()  # an upload under way, or whose writer died
+    assert main(["ckpt", "info", root]) == 0
+    out = capsys.readouterr().out
+    assert f"{root}/step-00000004\n  partial save, not a checkpoint: no manifest" in out
+    assert "NOT VERIFIED" not in out
+    assert out.rstrip().endswith("verified") and f"{root}/step-00000002\n  step 2," in out

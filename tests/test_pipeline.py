@@ -6,6 +6,7 @@ import gzip
 import json
 import os
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -131,8 +132,8 @@ def test_planted_duplicates_are_removed_and_nothing_else(finished):
     from liandan.data.dedup.dedup import MinHasher, NearDedupParams
 
     out, summary = finished
-    docs = list(read_jsonl_zst(out / "clean" / "00000.jsonl.zst")) + list(
-        read_jsonl_zst(out / "clean" / "00001.jsonl.zst")
+    docs = list(read_jsonl_zst(out / "clean" / "00000-docs.jsonl.zst")) + list(
+        read_jsonl_zst(out / "clean" / "00001-more.jsonl.zst")
     )
     remove = np.concatenate([np.load(out / "dedup" / f"0000{i}.remove.npy") for i in (0, 1)])
     cluster = np.concatenate([np.load(out / "dedup" / f"0000{i}.cluster.npy") for i in (0, 1)])
@@ -193,7 +194,7 @@ def test_resume_after_a_real_kill_redoes_nothing_finished(finished, tmp_path, fa
     kept = [ctx.layout.done(s.name, t) for s, t in units] + [p for s, t in units for p in s.outputs(ctx, t)]
     kept_times = {p: p.stat().st_mtime_ns for p in kept if p.is_file()}
     if fault.startswith("clean-midway"):
-        assert (out / "clean" / ".00001.jsonl.zst.tmp").is_file()  # killed while writing
+        assert (out / "clean" / ".00001-more.jsonl.zst.tmp").is_file()  # killed while writing
     second = run_liandan(*command, timeout=300)
     assert second.returncode == 0, second.stderr[-2000:]
     assert {p: p.stat().st_mtime_ns for p in kept_times} == kept_times
@@ -276,3 +277,68 @@ def test_bad_pipeline_files_end_in_one_line(tmp_path, body, message):
 def test_config_errors_raise_config_error(tmp_path):
     with pytest.raises(ConfigError, match="only \\[pipeline\\]"):
         load_pipeline(None, ["--model.dim=3"])
+
+
+def test_a_second_run_into_the_same_output_is_refused_in_one_line(tmp_path):
+    """The first `data run` hangs after writing its first cleaned shard, holding the output; a second one
+    into the same output is refused, naming the first, and runs once the first is gone."""
+    from helpers import start_liandan
+
+    toml = write_inputs(tmp_path)
+    command = ["data", "run", toml, "--workers=1", "--pipeline.inspect=false", "--tokenizer.kind=byte"]
+    first = start_liandan(*command, env={**os.environ, "LIANDAN_FAULTS": "hang@clean:0"}, quiet=True)
+    try:
+        shard = tmp_path / "out" / "clean" / "00000-docs.jsonl.zst"
+        deadline = time.monotonic() + 120
+        while not shard.is_file() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)  # polling the first run's progress, not waiting for a guess
+        assert shard.is_file() and first.poll() is None
+        second = run_liandan(*command, timeout=120)
+        assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+        assert second.stderr.startswith(f"liandan: error: {tmp_path / 'out'} is in use by another liandan data run"
+                                        f" (pid {first.pid} on "), second.stderr  # fmt: skip
+        assert second.stderr.rstrip().endswith("or choose another pipeline.output")
+    finally:
+        first.kill()
+        first.wait()
+    third = run_liandan(*command, timeout=300)
+    assert third.returncode == 0, third.stderr[-2000:]
+
+
+def test_the_summary_keeps_long_paths_whole_when_not_a_terminal(finished, capsys):
+    from liandan.cli.data_cmd import print_summary
+
+    _, summary = finished
+    deep = {name: {**store, "path": f"{store['path']}/{'a-long-directory-name/' * 6}{name}"}
+            for name, store in summary["stores"].items()}  # fmt: skip
+    print_summary({**summary, "stores": deep})
+    lines = capsys.readouterr().out.splitlines()
+    for name, store in deep.items():
+        assert any(line.startswith(f"store {name}: ") and line.endswith(f"-> {store['path']}") for line in lines)
+    [hint] = [line for line in lines if line.startswith("train on it: ")]
+    assert hint.endswith("]'")
+
+
+def test_the_summary_tells_drops_per_source_and_a_hint_that_works_from_anywhere(finished, tmp_path, monkeypatch,
+                                                                                  capsys):  # fmt: skip
+    from liandan.cli.data_cmd import print_summary
+
+    out, summary = finished
+    by_source = {row["source"]: row for row in summary["drops_by_source"]}
+    assert set(by_source) == {"docs", "more"}
+    steps = {s["name"]: s for s in summary["steps"]}
+    for step, stats in steps.items():  # the per-source rows add up to the totals
+        for reason, count in stats["dropped"].items():
+            assert sum(row["dropped"].get(f"{step}: {reason}", 0) for row in by_source.values()) == count
+    assert [row["path"].rsplit("/", 1)[-1] for row in summary["drops_by_file"]] == ["docs.jsonl", "more.txt.gz"]
+    assert sorted(p.name for p in (out / "clean").glob("*.jsonl.zst") if ".rejects" not in p.name) == [
+        "00000-docs.jsonl.zst", "00001-more.jsonl.zst"]  # fmt: skip
+
+    monkeypatch.chdir(tmp_path)  # a store path relative to where `data run` ran is no use from elsewhere
+    relative = {name: {**store, "path": f"out/stores/{name}"} for name, store in summary["stores"].items()}
+    print_summary({**summary, "stores": relative})
+    printed = capsys.readouterr().out
+    assert "dropped per source" in printed and "dropped per input file" not in printed  # one file per source
+    [hint] = [line for line in printed.splitlines() if line.startswith("train on it: ")]
+    stores = json.loads(hint.split("--data.stores='", 1)[1].rstrip("'"))
+    assert stores == [str(tmp_path / "out" / "stores" / name) for name in relative]

@@ -266,3 +266,70 @@ def test_a_supervised_restart_is_marked_and_reported(tmp_path, corpus):
         drawn = json.loads(picture.text[MARKS_KEY])
     assert [(m["step"], m["category"]) for m in drawn] == [(4, "restart")], drawn
     assert "restart 1" in drawn[0]["label"]
+
+
+@pytest.mark.parametrize("database", ["none", "damaged"])
+def test_a_run_on_a_read_only_share_is_reported_from_a_store_of_its_own(faulty, small_disk, tmp_path, database):
+    """The project's liandan.db cannot be made (or, damaged, cannot be set aside) on a read-only file system:
+    the report is made from a store in a temporary directory, and the share is left as it was."""
+    import subprocess
+
+    share = small_disk("64m", "share")
+    shutil.copytree(faulty, share / "faulty", ignore=shutil.ignore_patterns("report*"))
+    if database == "damaged":
+        (share / "liandan.db").write_bytes(b"not a database, " * 512)
+    subprocess.run(["mount", "-o", "remount,ro", str(share)], check=True)
+    before = sorted(p.name for p in share.iterdir())
+    out = tmp_path / "report.html"
+    assert main(["report", str(share / "faulty"), "-o", str(out)]) == 0
+    page = parse(out)
+    assert "faulty" in page.text and any("ROLLBACK" in text for text in page.text)
+    assert sorted(p.name for p in share.iterdir()) == before
+
+
+def test_incidents_and_report_list_an_incomplete_record_as_the_dashboard_does(tmp_path, capsys):
+    run = tmp_path / "odd"
+    run.mkdir()
+    records = [{"kind": "train_start", "time": 1700000000.0, "step": 0},
+               {"kind": "incident", "time": 1700000010.0, "step": 3, "failure": "crash", "rank": 1,
+                "cause": "signal SIGKILL", "steps_lost": 1, "seconds_lost": 2.0, "resume_step": 2},  # no host
+               {"kind": "restart", "time": "2024-01-01T00:00:00", "attempt": 1, "after_seconds": 0},
+               {"kind": "gave_up", "time": None}]  # fmt: skip
+    RunDir(run).events.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["incidents", str(run)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "22:13:30 +    10.0s  incident step 3: (an incomplete record: no 'host')",
+        "??:??:??  (no time)  restart 1 at once",
+        "??:??:??  (no time)  gave up step ?: (an incomplete record: no 'reason')",
+    ]
+    assert main(["report", str(run), "-o", str(tmp_path / "odd.html")]) == 0
+    assert "an incomplete record: no &#x27;host&#x27;" in (tmp_path / "odd.html").read_text()
+
+
+def test_the_report_speaks_one_unit_and_one_colour_and_names_its_columns(faulty, tmp_path):
+    from liandan.track.plot import VALIDATION_COLOUR
+
+    out = tmp_path / "units.html"
+    written = write_report([(faulty, timeline(faulty))], out)
+    html = out.read_text()
+    figures = json.loads(re.search(r"const FIGURES = (\{.*?\});\n", html, re.DOTALL).group(1))
+    [mfu] = [f for key, f in figures.items() if key.endswith("-mfu")]
+    assert mfu["layout"]["yaxis"]["tickformat"] == ".3~%"
+    assert all(f["layout"]["modebar"]["orientation"] == "v" for f in figures.values())
+    [loss] = [f for key, f in figures.items() if key.endswith("-loss")]
+    [validation] = [t for t in loss["data"] if t.get("name") == "validation"]
+    assert validation["line"]["color"] == VALIDATION_COLOUR
+    forecast = {"step": 10, "final_loss": 3.0, "low": 2.9, "high": 3.1, "confidence": 0.8, "total_steps": 30}
+    [head] = re.findall(r"<tr>(<th>.*?)</tr>", report_module._forecast_table([forecast]))
+    assert re.findall(r"<th>(.*?)</th>", head) == ["made at step", "final loss", "interval", "confidence", "for step"]
+    assert written[1].name == f"units-{faulty.name}.png"
+
+
+def test_a_run_of_one_logged_step_has_axes_from_zero(tmp_path):
+    run = tmp_path / "runs" / "one"
+    run.mkdir(parents=True)
+    RunDir(run).metrics.write_text(json.dumps({"step": 100, "loss": 3.0, "lr": 1e-3, "time": 1.0}) + "\n")
+    out = tmp_path / "one.html"
+    write_report([(run, [])], out)
+    figures = json.loads(re.search(r"const FIGURES = (\{.*?\});\n", out.read_text(), re.DOTALL).group(1))
+    assert figures and all(f["layout"]["xaxis"]["range"] == [0, 200] for f in figures.values())

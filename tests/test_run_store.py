@@ -486,3 +486,19 @@ def test_a_store_that_cannot_be_written_costs_the_run_one_warning(tmp_path):
     warnings = [m for m in said if "run store" in m]
     assert len(warnings) == 1, said  # once for the whole run
     assert warnings[0].startswith("warning: the run store is not updated from now on") and "liandan.db" in warnings[0]
+
+
+def test_a_run_still_training_shows_its_latest_validation_loss(tmp_path, capsys):
+    project = tmp_path / "runs"
+    room = write_run(project, "training", steps=20, end=False)
+    files = JsonlLogger(room)
+    files.log_event("eval", step=10, loss=4.25)
+    files.log_event("eval", step=20, loss=3.5)
+    files.close()
+    with RunStore(project) as store:
+        store.ingest(room)
+        assert store.run("training")["val_loss"] == 3.5  # no summary yet: the newest validation
+    room.summary.write_text(json.dumps({"val_loss": 3.25}))
+    with RunStore(project) as store:
+        store.ingest(room)
+        assert store.run("training")["val_loss"] == 3.25  # a finished run's own word

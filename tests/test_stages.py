@@ -97,7 +97,7 @@ def test_the_dry_run_lists_the_stages_and_what_is_done_without_running_any(tmp_p
     assert stages == [["1.", "clean"], ["2.", "dedup"], ["3.", "tokenize"], ["4.", "manifest"]]
     assert "per input file (2 tasks)" in lines[1] and "to run" in lines[1]
     assert lines[2].split() == ["reads", str(tmp_path / "a.jsonl") + ",", str(tmp_path / "b.jsonl")]
-    assert lines[3].split()[:3] == ["writes", "clean/00000.jsonl.zst,", "clean/00000.rejects.jsonl.zst,"]
+    assert lines[3].split()[:3] == ["writes", "clean/00000-a.jsonl.zst,", "clean/00000-a.rejects.jsonl.zst,"]
     run_pipeline(cfg, say=lambda m: None)
     layout = PipelineLayout(tmp_path / "out")
     layout.done("tokenize", plan_tasks(cfg)[1]).unlink()

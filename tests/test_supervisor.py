@@ -38,7 +38,7 @@ from liandan.checkpoint.loading import load_model
 from liandan.checkpoint.verify import complete_checkpoints, step_of, verify
 from liandan.config import load_config
 from liandan.resilience.processes import alive
-from liandan.resilience.relay import Relay
+from liandan.resilience.relay import Relay, brief
 from liandan.resilience.supervisor import Supervisor
 from liandan.run import RunDir
 from liandan.train.heartbeat import Heartbeat, read_heartbeats
@@ -561,7 +561,8 @@ def test_a_peers_traceback_costs_the_console_one_line(setup, faults, first):
     [incident] = _events(config, name, "incident")
     [traceback] = incident["evidence"]["tracebacks"][f"rank {survivor}"]
     assert "a consequence of another process ending" in line and str(log) in line
-    assert traceback.startswith("Traceback") and traceback.strip().splitlines()[-1].strip() in line
+    assert traceback.startswith("Traceback") and brief(traceback.strip().splitlines()[-1].strip()) in line
+    assert "GLHF" not in done.stderr
 
 
 def test_relay_holds_a_traceback_until_it_is_complete(tmp_path):
@@ -590,3 +591,46 @@ def test_relay_holds_a_traceback_until_it_is_complete(tmp_path):
             assert line == f"rank 0: {error} (a consequence of another process ending; traceback in {relay.log_path})"
         assert relay.log_path.read_text() == output
         assert relay.tracebacks["rank 0"] == [traceback(error)]
+
+
+def test_a_killed_rank_is_blamed_not_the_peer_that_lost_it():
+    """Rank 1 is SIGKILLed and rank 0, its peer, exits 1 on the broken connection; the supervisor finds both
+    dead at one wake-up (the same time): the killed rank failed first. A rank that exits with an error
+    well before another is killed is still the first."""
+    import subprocess
+    import sys
+
+    from liandan.resilience.processes import DeathClock, first_failure
+
+    killed = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"]
+    lost = [sys.executable, "-c", "raise SystemExit(1)"]
+    procs = {0: subprocess.Popen(lost), 1: subprocess.Popen(killed)}
+    for proc in procs.values():
+        proc.wait()  # both gone before the supervisor looks, as when it wakes late
+    clock = DeathClock()
+    for proc in procs.values():
+        clock.watch(proc.pid)
+    clock.wait(0.01)
+    exits = {rank: (clock.deaths.get(proc.pid), proc.returncode) for rank, proc in procs.items()}
+    assert exits[0][0] == exits[1][0] and exits[1][1] == -9  # one moment
+    assert first_failure(exits)[1:] == (1, -9)
+    assert first_failure({0: (100.0, 1), 1: (101.0, -9)})[1:] == (0, 1)  # a second apart: rank 0 was first
+    assert first_failure({0: (100.0, 0), 1: (100.0, 0)}) is None
+
+
+def test_a_lost_peers_gloo_error_is_one_plain_line_on_the_console(tmp_path):
+    import io
+
+    from liandan.resilience.relay import Relay
+
+    gloo = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error"
+            " [127.0.0.1]:28355: Connection reset by peer. This is typically caused by a remote worker hanging or"
+            " bugs in the application. Check the logs of the remote worker before reporting an error. GLHF! 🏖️")  # fmt: skip
+    output = f'Traceback (most recent call last):\n  File "a.py", line 1, in f\n    g()\n{gloo}\nstep 5\n'
+    relay, console = Relay(tmp_path / "attempt.log", lambda label: True), io.StringIO()
+    relay.follow("rank 0", io.StringIO(output), console)
+    relay.close()
+    shown = ("rank 0: RuntimeError: Read error [127.0.0.1]:28355: Connection reset by peer (a consequence of another"
+             f" process ending; traceback in {relay.log_path})")  # fmt: skip
+    assert console.getvalue().splitlines() == [shown, "step 5"]
+    assert gloo in relay.log_path.read_text()  # the log keeps it whole

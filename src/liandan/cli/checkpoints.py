@@ -47,17 +47,24 @@ def cmd_ckpt_info(args: argparse.Namespace, overrides: list[str]) -> int:
     if not path.exists():
         raise CheckpointError(f"no such path: {path}")
     candidates = [path] if (path / META).is_file() or (path / MANIFEST).is_file() else []
-    if not candidates and is_url(path):  # a store's checkpoints prefix: no run directory there
-        candidates = step_dirs(path)
-    elif not candidates:
+    root = path
+    if not candidates and not is_url(path):
         room = RunDir(path)
         root = run_checkpoint_root(path) if room.config.is_file() else path
         root = room.checkpoints if not root.is_dir() and room.checkpoints.is_dir() else root
         if not root.is_dir():
             raise CheckpointError(f"no checkpoints under {path}: {root} does not exist")
+    partial: list = []
+    if not candidates and is_url(root):  # a store has no rename: a step without its manifest is a save under way
+        steps = step_dirs(root)
+        candidates = [p for p in steps if (p / MANIFEST).is_file()]
+        partial = [p for p in steps if p not in candidates]
+    elif not candidates:
         candidates = sorted(step_dirs(root) + partial_step_dirs(root))
-    if not candidates:
+    if not candidates and not partial:
         raise CheckpointError(f"no checkpoints under {path}")
+    for candidate in partial:
+        print(f"{candidate}\n  partial save, not a checkpoint: no manifest (being written, or its writer died)")
     for candidate in candidates:
         info = describe_checkpoint(candidate, checksums=not args.no_checksums)
         if not info["verified"]:

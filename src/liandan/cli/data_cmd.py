@@ -65,10 +65,11 @@ def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 def print_summary(s: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
+    from liandan.run.console import make_console
+
+    console = make_console()
     read = s["read"]
     skipped = sum(read["skipped"].values())
     console.print(
@@ -86,6 +87,12 @@ def print_summary(s: dict) -> None:
             ", ".join(f"{k} {v:,}" for k, v in top),
         )
     console.print(table)
+    by_source = s.get("drops_by_source", [])
+    by_file = s.get("drops_by_file", [])
+    for title, rows, key in (("dropped per source", by_source, "source"), ("dropped per input file", by_file, "path")):
+        if key == "path" and len(by_file) == len(by_source):
+            continue  # one file per source: the same table again
+        console.print(_drops_table(title, rows, key))
     d = s["dedup"]
     console.print(
         f"dedup: {d.get('removed', 0):,} of {d.get('documents', 0):,} documents removed"
@@ -104,7 +111,9 @@ def print_summary(s: dict) -> None:
         for flag in flags:
             console.print(f"  [yellow]flag[/yellow] {flag}")
     published = s.get("published", {}).get("stores", {})
-    stores = json.dumps([published.get(name, v["path"]) for name, v in s["stores"].items()])
+    # absolute: the command that trains is seldom run from where this one was
+    where = [published.get(name, v["path"]) for name, v in s["stores"].items()]
+    stores = json.dumps([p if is_url(p) else str(Path(p).resolve()) for p in where], ensure_ascii=False)
     console.print(f"train on it: --data.stores='{stores}'", soft_wrap=True)
 
 
@@ -181,15 +190,39 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
+def _drops_table(title: str, rows: list[dict], key: str):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for column in (key if key == "source" else "file", "read", "kept", "dropped", "top reasons"):
+        table.add_column(column)
+    for row in rows:
+        share = 1 - row["kept"] / row["read"] if row["read"] else 0.0
+        top = ", ".join(f"{k} {v:,}" for k, v in list(row["dropped"].items())[:3])
+        table.add_row(row[key], f"{row['read']:,}", f"{row['kept']:,}", f"{share:.0%}", top)
+    return table
+
+
 def cmd_steps(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.data.steps.base import step_class
     from liandan.plugins import names
 
     for name in sorted(names("data_step")):
         cls = step_class(name)
-        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-        print(f"{name:20s} {doc}")
+        print(f"{name:20s} {first_sentence(cls.__doc__ or '')}")
         for param in list(inspect.signature(cls.__init__).parameters.values())[1:]:
             default = "" if param.default is inspect.Parameter.empty else f" = {param.default!r}"
             print(f"    {param.name}{default}")
     return 0
+
+
+def first_sentence(doc: str) -> str:
+    """A docstring's first sentence, whole however its lines are wrapped (its first paragraph if it has no
+    sentence end)."""
+    paragraph = " ".join(inspect.cleandoc(doc).split("\n\n", 1)[0].split())
+    depth = 0  # "(Rae et al. 2021)" ends no sentence
+    for at, char in enumerate(paragraph):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char in ".!?" and depth <= 0 and paragraph[at + 1 : at + 2] in ("", " "):
+            return paragraph[: at + 1]
+    return paragraph

@@ -41,12 +41,11 @@ def cmd_sweep(args: argparse.Namespace, overrides: list[str]) -> int:
         )
     if args.trials is not None and args.trials < 1:
         raise ConfigError(f"--trials = {args.trials} must be at least 1")
-    from rich.console import Console
-
     from liandan.plan.sweep import FINISHED, load_sweep, open_study, run_sweep
+    from liandan.run.console import make_console
 
     spec = load_sweep(args.sweep, trials=args.trials)
-    console = Console(highlight=False)
+    console = make_console(highlight=False)
     done_before = len(open_study(spec).get_trials(deepcopy=False, states=FINISHED))
     console.print(
         f"sweep {spec.study}: {len(spec.params)} parameter(s), {spec.trials} trials ({done_before} finished before),"

@@ -290,11 +290,13 @@ def check_run_name(name: str) -> None:
     share it with other runs. Empty is allowed: it stands for `<config name>-<timestamp>`."""
     if name == "":
         return
-    path_like = any(c in name for c in "/\\\0") or name in (".", "..") or not name.strip()
-    if path_like:
+    path_like = any(c in name for c in "/\\") or name in (".", "..") or not name.strip()
+    # a newline or an escape in a directory name breaks every listing, log line and terminal that shows it
+    control = any(ord(c) < 32 or 127 <= ord(c) < 160 for c in name)
+    if path_like or control:
         raise ConfigError(
-            f"run.name = {name!r} must be one directory name: not blank, not '.' or '..', without '/', '\\' or NUL"
-            " (the run directory goes under run.output_dir)"
+            f"run.name = {name!r} must be one directory name: not blank, not '.' or '..', without '/', '\\' or"
+            " control characters (newline, tab, NUL...) (the run directory goes under run.output_dir)"
         )
 
 

@@ -19,8 +19,9 @@ class EvalProgress:
         self.started = time.perf_counter()
         self.bar: Any = None
         if show and sys.stderr.isatty():
-            from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            from liandan.run.console import make_console
 
             self.bar = Progress(
                 TextColumn("[bold]eval"),
@@ -28,7 +29,7 @@ class EvalProgress:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeRemainingColumn(),
-                console=Console(stderr=True),
+                console=make_console(stderr=True),
                 transient=True,
             )
             self.task = self.bar.add_task("", total=max(total, 1))

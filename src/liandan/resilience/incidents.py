@@ -4,6 +4,7 @@ data corruption found and the stragglers named by the training health checks."""
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -25,38 +26,68 @@ def read_events(run_dir: Path) -> list[dict]:
 
 
 def timeline(run_dir: Path) -> list[str]:
-    events = read_events(run_dir)
-    start = events[0]["time"] if events else 0.0
+    """One line per incident of the run. A record missing a field, or with a time that is no number (a
+    hand-edited or foreign file), is still listed, as far as it says anything, as the dashboard lists it."""
+    events = [e for e in read_events(run_dir) if isinstance(e, dict)]
+    start = next((t for e in events if (t := _seconds(e.get("time"))) is not None), 0.0)
     # The guard logs its verdict first; a rollback's or a loss drop's own record then says more about it.
-    told = {(e["step"], "rollback" if e["kind"] == "rollback" else "drop") for e in events
-            if e["kind"] in ("rollback", "too_good")}  # fmt: skip
+    told = {(e.get("step"), "rollback" if e["kind"] == "rollback" else "drop") for e in events
+            if e.get("kind") in ("rollback", "too_good")}  # fmt: skip
     drops = {
-        e["step"]: e.get("detail", "") for e in events if e["kind"] == "guard" and "drop" in e.get("detectors", ())
+        e.get("step"): e.get("detail", "")
+        for e in events
+        if e.get("kind") == "guard" and "drop" in (e.get("detectors") or ())
     }
     lines = []
     for e in events:
-        if e["kind"] not in SHOWN or e["kind"] == "guard" and _told_elsewhere(e, told):
+        if e.get("kind") not in SHOWN or e["kind"] == "guard" and _told_elsewhere(e, told):
             continue
         if e["kind"] == "doctor" and e.get("ok") and not e.get("warnings"):  # a clean preflight is no incident
             continue
         if e["kind"] == "too_good":
-            e = {**e, "detail": drops.get(e["step"], "")}
-        when = datetime.fromtimestamp(e["time"], timezone.utc).strftime("%H:%M:%S")
-        lines.append(f"{when} +{e['time'] - start:8.1f}s  {_describe(e)}")
+            e = {**e, "detail": drops.get(e.get("step"), "")}
+        seconds = _seconds(e.get("time"))
+        if seconds is None:
+            when = "??:??:??  (no time)"
+        else:
+            when = f"{datetime.fromtimestamp(seconds, timezone.utc).strftime('%H:%M:%S')} +{seconds - start:8.1f}s"
+        lines.append(f"{when}  {_describe_safely(e)}")
     s = RunDir(Path(run_dir)).read_summary()
     if "goodput" in s:
-        launches = s.get("supervisor_launches", 1)
-        over = f" over {launches} launches" if launches > 1 else ""
-        lines.append(f"goodput {100 * s['goodput']:.1f}%: {s['kept_step_seconds']:.1f}s of kept steps in "
-                     f"{s['supervisor_wall_seconds']:.1f}s{over}, {s['restarts']} restart(s)"
-                     + (f"; gave up: {s['gave_up']}" if s.get("gave_up") else ""))  # fmt: skip
+        try:
+            launches = s.get("supervisor_launches", 1)
+            over = f" over {launches} launches" if launches > 1 else ""
+            lines.append(f"goodput {100 * s['goodput']:.1f}%: {s['kept_step_seconds']:.1f}s of kept steps in "
+                         f"{s['supervisor_wall_seconds']:.1f}s{over}, {s['restarts']} restart(s)"
+                         + (f"; gave up: {s['gave_up']}" if s.get("gave_up") else ""))  # fmt: skip
+        except (KeyError, TypeError, ValueError):
+            lines.append(f"goodput {s['goodput']!r} (the summary's other figures are missing or not numbers)")
     return lines
+
+
+def _seconds(value: object) -> float | None:
+    """An event's time as seconds since the epoch; None for one that is no finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and abs(seconds) < 1e11 else None
+
+
+def _describe_safely(e: dict) -> str:
+    try:
+        return _describe(e)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as err:
+        missing = f"no {err.args[0]!r}" if isinstance(err, KeyError) else str(err).splitlines()[0]
+        return f"{str(e['kind']).replace('_', ' ')} step {e.get('step', '?')}: (an incomplete record: {missing})"
 
 
 def _told_elsewhere(e: dict, told: set[tuple[int, str]]) -> bool:
     if e.get("action") == "rollback":
-        return (e["step"], "rollback") in told
-    return e.get("action") == "warn" and e.get("detectors") == ["drop"] and (e["step"], "drop") in told
+        return (e.get("step"), "rollback") in told
+    return e.get("action") == "warn" and e.get("detectors") == ["drop"] and (e.get("step"), "drop") in told
 
 
 def _describe(e: dict) -> str:
@@ -217,5 +248,6 @@ def goodput(run_dir: Path, current: tuple[float, float], current_id: str) -> tup
 
 
 def _read_events_tolerantly(run_dir: Path) -> list[dict]:
-    """events.jsonl without the line a crash (or a full disk) may have left half-written."""
-    return [event for event in RunDir(Path(run_dir)).read_events() if "time" in event]
+    """events.jsonl without the line a crash (or a full disk) may have left half-written, nor one whose time
+    is no number."""
+    return [event for event in RunDir(Path(run_dir)).read_events() if _seconds(event.get("time")) is not None]

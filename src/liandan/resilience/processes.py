@@ -124,6 +124,22 @@ class DeathClock:
             self._forget(pid)
 
 
+# A rank ended by a signal this soon after a peer's error exit is what the peer died of, not its casualty.
+SAME_MOMENT_S = 0.5
+
+
+def first_failure(exits: dict[int, tuple[float, int]]) -> tuple[float, int, int] | None:
+    """(time, rank, exit code) of the failure that came first among `exits` (rank -> (time, code)), or None.
+    Ranks found dead at one wake-up share its time, and a rank killed (SIGKILL, the OOM killer) takes its
+    peers down within moments, which then exit with an error of a lost connection: among the failures of
+    about the first moment, one by a signal is the cause; else the earliest, then the lowest rank."""
+    failed = sorted((when, rank, code) for rank, (when, code) in exits.items() if code != 0)
+    if not failed:
+        return None
+    moment = [f for f in failed if f[0] - failed[0][0] <= SAME_MOMENT_S]
+    return min(moment, key=lambda f: (f[2] > 0, f[0], f[1]))
+
+
 # -- standby workers ---------------------------------------------------------------------------------------
 def module_command(command: list[str]) -> tuple[str, list[str]] | None:
     """(module, arguments) of a `python -m module ...` command run by this interpreter, else None."""

@@ -11,17 +11,30 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import re
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from liandan.resilience.nodes import lost_a_peer
+from liandan.resilience.nodes import PEER_LOST, lost_a_peer
 
 TRACEBACK = "Traceback (most recent call last):"
 CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 KEPT_TRACEBACK_CHARS = 20000
+_SOURCE = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp):\d+\] ")  # gloo's "[.../pair.cc:537] "
+
+
+def brief(error: str) -> str:
+    """A lost peer's error as the console shows it: without the C++ source location and the advice after it
+    (gloo's "... Connection reset by peer. This is typically caused by ... GLHF! 🏖️"); the log keeps it whole."""
+    error = _SOURCE.sub("", error)
+    for marker in PEER_LOST:
+        at = error.find(marker)
+        if at >= 0:
+            return error[: at + len(marker)]
+    return error
 
 
 class Relay:
@@ -101,7 +114,8 @@ class Relay:
             self.tracebacks.setdefault(label, []).append(text[-KEPT_TRACEBACK_CHARS:])
         error = next((line.strip() for line in reversed(lines) if line.strip()), "")
         if after_peer or lost_a_peer(error):
-            sink.write(f"{label}: {error} (a consequence of another process ending; traceback in {self.log_path})\n")
+            sink.write(f"{label}: {brief(error)} (a consequence of another process ending; traceback in"
+                       f" {self.log_path})\n")  # fmt: skip
         else:
             sink.write(text)
         sink.flush()

@@ -35,7 +35,13 @@ from liandan.config import Config
 from liandan.resilience import incidents, nodes, suspects
 from liandan.resilience.attempts import Attempt, FailureRecords, trailing_repeats
 from liandan.resilience.preempt import Preemption, SignalLatch
-from liandan.resilience.processes import DeathClock, StandbyPool, alive, end_processes, module_command
+from liandan.resilience.processes import (
+    DeathClock,
+    StandbyPool,
+    alive,
+    end_processes,
+    module_command,
+)
 from liandan.resilience.relay import Relay
 from liandan.resilience.watch import SLOW_PHASES, WorkerWatch
 from liandan.run import RunDir, append_jsonl, atomic_write_json, lock_run_dir, temporary

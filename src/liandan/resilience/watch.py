@@ -11,6 +11,7 @@ import statistics
 import time
 
 from liandan.resilience.attempts import Attempt, file_size, read_tail
+from liandan.resilience.processes import first_failure
 from liandan.run import rank_files, read_json
 from liandan.run.errors import DEVICE_FAULT_EXIT
 from liandan.train.heartbeat import STEP_PHASES, read_heartbeats, stopped_first
@@ -80,9 +81,9 @@ class WorkerWatch:
             code = proc.poll()
             if code is not None and (rank or 0) not in attempt.exits:
                 attempt.exits[rank or 0] = (self.clock.deaths.get(proc.pid, time.time()), code)
-        failed = sorted((when, rank, code) for rank, (when, code) in attempt.exits.items() if code != 0)
+        failed = first_failure(attempt.exits)
         if failed:
-            attempt.failed_at, attempt.failed_rank, attempt.exit_code = failed[0]
+            attempt.failed_at, attempt.failed_rank, attempt.exit_code = failed
             if self.rendezvous:  # the agent names the rank that failed first
                 report = read_json(self.failure_report, {})
                 attempt.failed_rank = report.get("rank")

@@ -10,12 +10,42 @@ from typing import Any
 
 from liandan.run.files import naming
 
+# Deeper than this no record of liandan's goes; a parser, an encoder or any walk over a value recurses once per
+# level, and a few thousand levels (a few kilobytes of brackets) end in RecursionError.
+MAX_DEPTH = 64
+
+
+def nested_too_deeply(text: str, value: Any) -> bool:
+    """Whether a parsed value is nested more than MAX_DEPTH levels (counted only when its text could be)."""
+    if text.count("[") + text.count("{") <= MAX_DEPTH:
+        return False
+    level = [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        if depth > MAX_DEPTH:
+            return True
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        level.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
+
+
+def loads_bounded(text: str) -> Any:
+    """`json.loads`, with ValueError (not RecursionError, nor a value no walk can take) for nesting deeper
+    than MAX_DEPTH."""
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        value, text = None, "[" * (MAX_DEPTH + 1)
+    if text.count("[") + text.count("{") > MAX_DEPTH and (value is None or nested_too_deeply(text, value)):
+        raise ValueError(f"nested more than {MAX_DEPTH} deep")
+    return value
+
 
 def read_json(path: Path, default: Any = None) -> Any:
-    """A whole JSON file, or `default` when it is missing, unreadable or not JSON."""
+    """A whole JSON file, or `default` when it is missing, unreadable, not JSON or nested absurdly deep."""
     try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return loads_bounded(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
         return default
 
 
@@ -24,11 +54,13 @@ def load_json_object(path: Path) -> dict[str, Any]:
     FileNotFoundError when it is missing, ValueError saying why in a few words when it is not UTF-8 text, not
     JSON or not an object."""
     try:
-        value = json.loads(Path(path).read_text(encoding="utf-8"))
+        value = loads_bounded(Path(path).read_text(encoding="utf-8"))
     except UnicodeDecodeError:
         raise ValueError("not UTF-8 text") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"not valid JSON ({err.msg}, line {err.lineno})") from None
+    except ValueError as err:
+        raise ValueError(f"not valid JSON ({err})") from None
     if not isinstance(value, dict):
         raise ValueError("expected a JSON object")  # noqa: TRY004 - one error for every way the contents are wrong
     return value
@@ -38,8 +70,8 @@ def parse_line(line: str) -> dict[str, Any] | None:
     """One JSON-lines record, or None for a blank line, one that a crash or a full disk left half-written,
     or anything else that is not a JSON object."""
     try:
-        record = json.loads(line) if line.strip() else None
-    except json.JSONDecodeError:
+        record = loads_bounded(line) if line.strip() else None
+    except ValueError:  # JSONDecodeError is one
         return None
     return record if isinstance(record, dict) else None
 

@@ -59,21 +59,35 @@ def lock_run_dir(run_dir: Path | RunDir, name: str | None = None) -> RunLock:
     room = run_dir if isinstance(run_dir, RunDir) else RunDir(Path(run_dir))
     run_dir = room.path
     path = room.lock if name is None else run_dir / name
+    return _take(path, lambda holder: RunDirInUse(
+        f"run directory {run_dir} is in use by another run ({holder}); wait for it to end, or choose another"
+        " --run.name"))  # fmt: skip
+
+
+def lock_output_dir(directory: Path, lock_file: Path, what: str, option: str) -> RunLock:
+    """The same lock on another command's output directory (`liandan data run` into `pipeline.output`): a
+    second writer is refused in one line naming the holder, `what` it is doing and the `option` to change."""
+    return _take(lock_file, lambda holder: DirectoryInUse(
+        f"{directory} is in use by another {what} ({holder}); wait for it to end, or choose another {option}"))  # fmt: skip
+
+
+class DirectoryInUse(ConfigError):
+    """Another process holds an output directory's lock."""
+
+
+def _take(path: Path, refusal) -> RunLock:
     key = os.path.abspath(path)
     held = _held.get(key)
     if held is not None and held.held:
         return held
-    run_dir.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # not truncated: it names the holder
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = _holder(fd)
         os.close(fd)
-        raise RunDirInUse(
-            f"run directory {run_dir} is in use by another run ({holder}); wait for it to end,"
-            " or choose another --run.name"
-        ) from None
+        raise refusal(holder) from None
     except BaseException:
         os.close(fd)
         raise

@@ -9,7 +9,9 @@ makes it complete (see `liandan.checkpoint.saving`).
 The backend is fsspec's for the URL's protocol (s3fs for `s3://`, from the `s3` extra); credentials and the
 endpoint come from the backend's usual environment (for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
 AWS_ENDPOINT_URL, ...). Listings are never served from fsspec's cache: another process (a rank, the
-supervisor, the next attempt) may have written or removed objects since.
+supervisor, the next attempt) may have written or removed objects since. A store that cannot be reached or
+refuses the credentials is said in one line (`StoreUnreachable`), after a few seconds, not after the client's
+minute of retries.
 """
 
 from __future__ import annotations
@@ -38,13 +40,57 @@ def locate(location: Any) -> Any:
     return RemotePath.of(str(location)) if is_url(location) else Path(location)
 
 
+# An S3 client retries a refused connection for about 15 s by default, and each listing retries again: a
+# wrong endpoint or a missing credential must be said within seconds. Transfers keep their own read timeout.
+_S3_OPTIONS = {"config_kwargs": {"connect_timeout": 3, "retries": {"max_attempts": 1}}}
+
+
+class StoreUnreachable(ConfigError):
+    """A store that cannot be used as configured: no route to its endpoint, no or wrong credentials."""
+
+
+_HINTS = {
+    "NoCredentialsError": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+    "PartialCredentialsError": "set both AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+    "EndpointConnectionError": "check AWS_ENDPOINT_URL and the network",
+    "ConnectTimeoutError": "check AWS_ENDPOINT_URL and the network",
+    "NoRegionError": "set AWS_DEFAULT_REGION",
+}
+
+
+def _unreachable(location: object, err: BaseException) -> StoreUnreachable:
+    lines = str(err).strip().splitlines()
+    why = lines[-1].strip() if lines else type(err).__name__
+    hint = next((h for name, h in _HINTS.items() if any(c.__name__ == name for c in type(err).__mro__)), None)
+    return StoreUnreachable(f"{location}: cannot use the store: {why}" + (f" ({hint})" if hint else ""))
+
+
+def _one_line_errors(method):
+    """A store client's own exceptions (botocore's, aiohttp's) as one `StoreUnreachable` naming the location;
+    the OS errors s3fs maps them to (FileNotFoundError, PermissionError) pass as they are."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except (OSError, ValueError, ConfigError):
+            raise
+        except Exception as err:  # a client fails in many ways, each said in one line
+            raise _unreachable(self, err) from err
+
+    return call
+
+
 @functools.cache
 def _filesystem(protocol: str, root: str):
     """One fsspec file system per store and process (its connections are reused)."""
     try:
         from fsspec.core import url_to_fs
 
-        fs, _ = url_to_fs(f"{protocol}://{root}")
+        s3 = protocol in ("s3", "s3a")
+        fs, _ = url_to_fs(f"{protocol}://{root}", **(_S3_OPTIONS if s3 else {}))
+        if s3:
+            fs.retries = 2  # s3fs's own loop around the client's, on top of it
     except (ImportError, ValueError) as err:  # a backend not installed, or a protocol fsspec does not know
         extra = "pip install 'liandan[s3]'" if protocol in ("s3", "s3a") else "install fsspec's backend for it"
         why = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -100,22 +146,30 @@ class RemotePath:
     def _fresh(self) -> None:
         self.fs.invalidate_cache(self.path)
 
+    @_one_line_errors
     def exists(self) -> bool:
         self._fresh()
         return self.fs.exists(self.path)
 
+    @_one_line_errors
     def is_file(self) -> bool:
         self._fresh()
-        return self.fs.isfile(self.path)
+        try:  # not fs.isfile, which reads a store it cannot reach as a missing file
+            return self.fs.info(self.path)["type"] == "file"
+        except FileNotFoundError:
+            return False
 
+    @_one_line_errors
     def is_dir(self) -> bool:
         self._fresh()
         return self.fs.isdir(self.path)
 
+    @_one_line_errors
     def stat(self) -> _Stat:
         self._fresh()
         return _Stat(int(self.fs.size(self.path)))
 
+    @_one_line_errors
     def iterdir(self) -> list[RemotePath]:
         self._fresh()
         if not self.fs.isdir(self.path):
@@ -123,6 +177,7 @@ class RemotePath:
         return [RemotePath(self.protocol, p.rstrip("/")) for p in self.fs.ls(self.path, detail=False)
                 if p.rstrip("/") != self.path]  # fmt: skip
 
+    @_one_line_errors
     def rglob(self, pattern: str = "*") -> list[RemotePath]:
         """Every object under this prefix (only `*` is understood: checkpoint code lists whole directories)."""
         if pattern != "*":
@@ -131,11 +186,13 @@ class RemotePath:
         return [RemotePath(self.protocol, p) for p in sorted(self.fs.find(self.path))]
 
     # -- reading and writing -------------------------------------------------------------------------------
+    @_one_line_errors
     def open(self, mode: str = "rb") -> IO:
         if "w" in mode:
             self.fs.invalidate_cache(self.parent.path)
         return self.fs.open(self.path, mode)
 
+    @_one_line_errors
     def read_bytes(self) -> bytes:
         try:
             return self.fs.cat_file(self.path)
@@ -145,6 +202,7 @@ class RemotePath:
     def read_text(self) -> str:
         return self.read_bytes().decode()
 
+    @_one_line_errors
     def write_bytes(self, data: bytes) -> None:
         """One put: on an object store the object appears whole or not at all."""
         self.fs.pipe_file(self.path, data)
@@ -156,6 +214,7 @@ class RemotePath:
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
         """Nothing to do on an object store: a prefix exists once an object is under it."""
 
+    @_one_line_errors
     def unlink(self, missing_ok: bool = False) -> None:
         try:
             self.fs.rm_file(self.path)
@@ -164,6 +223,7 @@ class RemotePath:
                 raise
         self.fs.invalidate_cache(self.parent.path)
 
+    @_one_line_errors
     def remove_tree(self) -> None:
         """Remove everything under this prefix (what is already gone is no error)."""
         self._fresh()

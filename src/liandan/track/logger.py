@@ -55,10 +55,11 @@ class ConsoleLogger:
     so logs of non-interactive runs (CI, Slurm) still show progress."""
 
     def __init__(self, total_steps: int, print_every: int = 0, first_step: int = 0):
-        from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.console = Console(stderr=True)
+        from liandan.run.console import make_console
+
+        self.console = make_console(stderr=True)
         self.print_every = print_every or max(1, total_steps // 10)
         self.progress = Progress(
             TextColumn("[bold]train"),

@@ -12,6 +12,7 @@ from liandan.run import RunDir, atomic_write
 from liandan.track.marks import CATEGORIES, Mark, incident_marks
 
 MARKS_KEY = "liandan-marks"  # the PNG text chunk that lists the marks drawn, for readers of the picture
+VALIDATION_COLOUR = "#2ca02c"  # the validation curve, in training.png, the report and the dashboard alike
 
 
 def plot_run(run_dir: Path, out: Path | None = None) -> Path | None:
@@ -47,7 +48,14 @@ def draw_run(run: RunDir):
     fig, (ax_loss, ax_lr, ax_tps) = plt.subplots(1, 3, figsize=(13, 3.9))
     ax_loss.plot(steps, [r["loss"] for r in records], lw=1, label="train")
     if evals:
-        ax_loss.plot([e["step"] for e in evals], [e["loss"] for e in evals], "o-", ms=3, label="validation")
+        ax_loss.plot(
+            [e["step"] for e in evals],
+            [e["loss"] for e in evals],
+            "o-",
+            ms=3,
+            label="validation",
+            color=VALIDATION_COLOUR,
+        )
     ax_loss.set(title="loss", xlabel="step")
     ax_loss.legend(fontsize=8, loc="upper right")
     ax_lr.plot(steps, [r.get("lr", 0) for r in records], lw=1)

@@ -32,7 +32,7 @@ from typing import Any
 from liandan.config import ConfigError
 from liandan.run import RunDir, atomic_write
 from liandan.track.marks import CATEGORIES, Mark, incident_marks
-from liandan.track.plot import draw_comparison, draw_run, png_bytes
+from liandan.track.plot import VALIDATION_COLOUR, draw_comparison, draw_run, png_bytes
 from liandan.track.store import RunStore, StoreError, is_run_dir
 
 MAX_POINTS = 4000  # per curve: a longer run's curve is thinned by the store, spikes kept (its low/high)
@@ -147,7 +147,10 @@ def _store_of(room: RunDir) -> Iterator[RunStore]:
         with store:
             yield store
         return
-    with tempfile.TemporaryDirectory(prefix="liandan-report-") as scratch, RunStore(scratch) as store:
+    with (
+        tempfile.TemporaryDirectory(prefix="liandan-report-") as scratch,
+        RunStore(room.project, database=Path(scratch) / "liandan.db") as store,
+    ):
         store.ingest(room)
         yield store
 
@@ -185,6 +188,8 @@ def _run_section(index: int, run: RunData, figures: dict, interactive: bool) -> 
                 traces += _validation_and_forecast(run)
             chart_id = f"run{index}-{key}"
             figures[chart_id] = _figure(title, y_title, "step", traces, run.marks)
+            if key == "mfu":  # a percentage, as the console and the dashboard show it
+                figures[chart_id]["layout"]["yaxis"]["tickformat"] = ".3~%"
             charts.append(f'<div class="chart" id="{chart_id}"></div>')
         parts.append(f'<div class="charts">{"".join(charts)}</div>' if charts else "<p>no metrics logged yet</p>")
     elif run.png is not None:
@@ -321,8 +326,8 @@ def _forecast_table(forecasts: list[dict]) -> str:
         f"<td>{_n(f.get('total_steps'))}</td></tr>"
         for f in forecasts[-20:]
     )
-    return ("<table class='events'><tr><th>at step</th><th>final loss</th><th>interval</th><th>confidence</th>"
-            f"<th>at step</th></tr>{rows}</table>")  # fmt: skip
+    return ("<table class='events'><tr><th>made at step</th><th>final loss</th><th>interval</th><th>confidence</th>"
+            f"<th>for step</th></tr>{rows}</table>")  # fmt: skip
 
 
 def _flatten(record: dict, prefix: str = "") -> dict:
@@ -347,7 +352,7 @@ def _validation_and_forecast(run: RunData) -> list[dict]:
     if evals:
         traces.append({"type": "scatter", "mode": "lines+markers", "name": "validation",
                        "x": [e.get("step") for e in evals], "y": _finite([e["loss"] for e in evals]),
-                       "line": {"color": "#2ca02c", "width": 1.4}, "marker": {"size": 6}})  # fmt: skip
+                       "line": {"color": VALIDATION_COLOUR, "width": 1.4}, "marker": {"size": 6}})  # fmt: skip
     if run.forecasts:
         f = run.forecasts[-1]
         if all(isinstance(f.get(k), (int, float)) for k in ("final_loss", "low", "high", "total_steps")):
@@ -370,7 +375,8 @@ def _figure(title: str, y_title: str, x_title: str, traces: list[dict], marks: S
     layout = {
         "title": {"text": title, "font": {"size": 14}, "x": 0.01, "xanchor": "left"},
         "height": height,
-        "margin": {"l": 60, "r": 20, "t": 48, "b": 44},
+        "margin": {"l": 60, "r": 40, "t": 48, "b": 44},
+        "modebar": {"orientation": "v"},  # upright in the right margin: across the top it covered the legend
         "xaxis": {"title": {"text": x_title}},
         "yaxis": {"title": {"text": y_title}, "type": "log" if log_y else "linear"},
         "yaxis2": {"overlaying": "y", "range": [0, 1], "visible": False, "fixedrange": True},
@@ -389,6 +395,10 @@ def _figure(title: str, y_title: str, x_title: str, traces: list[dict], marks: S
             "layout": {"plot_bgcolor": "#fff", "xaxis": {"gridcolor": "#eee"}, "yaxis": {"gridcolor": "#eee"}}
         },
     }
+    xs = {x for trace in traces for x in trace.get("x", []) if isinstance(x, (int, float))}
+    if len(xs) == 1:  # one point: plotly would span x-1..x+1 (99..101); from 0 reads as a step count
+        (x,) = xs
+        layout["xaxis"]["range"] = [min(0, 2 * x), max(1, 2 * x)]
     return {"data": data, "layout": layout}
 
 

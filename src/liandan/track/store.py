@@ -81,9 +81,11 @@ class RunStore:
     """The run store of one project directory. Open with `RunStore(project)` or `RunStore.of_run(run_dir)`;
     `ingest(run_dir)` brings one run up to date with its files, `sync()` every run of the project."""
 
-    def __init__(self, project: Path | str, *, timeout_s: float = 30.0):
+    def __init__(self, project: Path | str, *, timeout_s: float = 30.0, database: Path | None = None):
+        """`database`: where the index is kept, for a project whose own `liandan.db` cannot be used (a
+        read-only share); its runs are still those of `project`."""
         self.project = Path(project)
-        self.path = project_store(self.project)
+        self.path = Path(database) if database is not None else project_store(self.project)
         self.timeout_s = timeout_s
         self._lock = threading.RLock()
         self._db = self._open()
@@ -106,7 +108,7 @@ class RunStore:
         """Set a database that is not one any more aside and build a new one from the files (they are the
         source of truth). Several processes may find it broken at once: the first one sets it aside while it
         holds the project directory's lock, the others then find the new one."""
-        with locked(self.project):
+        with locked(self.path.parent):
             try:
                 if not broken:
                     return self._connect()
@@ -126,7 +128,7 @@ class RunStore:
             return db
 
     def _connect(self) -> sqlite3.Connection:
-        self.project.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         db = sqlite3.connect(self.path, timeout=self.timeout_s, isolation_level=None, check_same_thread=False)
         try:
             db.execute(f"PRAGMA busy_timeout = {int(self.timeout_s * 1000)}")
@@ -326,10 +328,16 @@ class RunStore:
             "name": name, "path": path, "status": status, "started": started, "updated": updated,
             "step": last, "tokens": (last or 0) * per_step if per_step else summary.get("tokens"),
             "tokens_per_step": per_step, "flops_per_token": flops, "loss": loss[0] if loss else None,
-            "final_loss": summary.get("final_loss"), "val_loss": summary.get("val_loss"),
+            "final_loss": summary.get("final_loss"), "val_loss": summary.get("val_loss", self._newest_val(name)),
             "goodput": summary.get("goodput"), "restarts": summary.get("restarts"), "incidents": incidents,
             "forecast": forecast[0] if forecast else None, "summary": summary, "config": config or "",
         }  # fmt: skip
+
+    def _newest_val(self, name: str) -> float | None:
+        """The latest validation loss of a run still training (a finished one's is in its summary)."""
+        newest = self.events(name, ("eval",), newest=1)
+        loss = newest[0].get("loss") if newest else None
+        return loss if isinstance(loss, (int, float)) and math.isfinite(loss) else None
 
     @one_at_a_time
     def metric_keys(self, name: str) -> list[str]:

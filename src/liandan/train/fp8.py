@@ -55,7 +55,7 @@ def fp8_refusal(recipe: str, device: torch.device, *, emulate: bool = False) -> 
     if recipe not in RECIPES:
         return f"train.fp8 = {recipe!r} is not a recipe; choose one of {', '.join(RECIPES)} (or none)"
     try:
-        import torchao.float8  # noqa: F401
+        import_torchao_float8()
     except ImportError:
         return "train.fp8 needs torchao, which is not installed: pip install 'liandan[fp8]'"
     if emulate:
@@ -70,6 +70,25 @@ def fp8_refusal(recipe: str, device: torch.device, *, emulate: bool = False) -> 
             f" {capability[0]}.{capability[1]}"
         )
     return None
+
+
+def import_torchao_float8():
+    """`torchao.float8`, imported without the warnings torchao and torch log on the way on a machine without
+    its CUDA kernels ("Failed to load .../_C_mxfp8...so", a deprecated pytree registration): they concern
+    kernels liandan does not use, and read as a failure."""
+    import logging
+
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.ERROR)
+    try:
+        import torchao.float8
+
+        return torchao.float8
+    finally:
+        for logger, level in zip(quiet, levels, strict=True):
+            logger.setLevel(level)
 
 
 def dims_refusal(model: nn.Module, skip: list[str]) -> str | None:
@@ -88,7 +107,8 @@ def convert_to_fp8(model: nn.Module, fp8: Fp8) -> list[str]:
     refusal = dims_refusal(model, fp8.skip)
     if refusal:
         raise ValueError(refusal)
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    float8 = import_torchao_float8()
+    Float8LinearConfig, convert_to_float8_training = float8.Float8LinearConfig, float8.convert_to_float8_training
 
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(fp8.recipe), emulate=fp8.emulate)
     chosen = set(fp8_linears(model, fp8.skip))

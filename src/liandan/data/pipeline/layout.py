@@ -3,8 +3,9 @@ resume logic, the summary and the tests ask a `PipelineLayout`.
 
     pipeline.toml                   the resolved config this output was made with
     inputs/python-docs.jsonl        the Python documentation corpus, written out when a run trains on it
-    clean/<task>.jsonl.zst          kept documents with their metadata (.jsonl when not compressed)
-    clean/<task>.rejects.jsonl.zst  every dropped record: step, reason, text
+    clean/<task>-<input>.jsonl.zst  kept documents with their metadata (.jsonl when not compressed), named
+                                    by the task and its input file (00001-wiki-part-3)
+    clean/<task>-<input>.rejects.jsonl.zst  every dropped record: step, reason, text
     clean/<task>.exact.npy          exact-duplicate hashes; clean/<task>.minhash.npy: MinHash signatures
     dedup/<task>.remove.npy         which documents dedup removes; dedup/<task>.cluster.npy: their clusters
     dedup/work/                     the global phase's scratch files
@@ -13,6 +14,7 @@ resume logic, the summary and the tests ask a `PipelineLayout`.
     report/                         report.html, report.md, report.json
     state/<stage>.json              a whole stage's done marker (its result); state/<stage>-<task>.json: a task's
     summary.json                    the run's totals, written last
+    pipeline.lock                   held by the `liandan data run` writing here (never removed)
 
 A task is one input file, named by its index (`00000`). `store_dirs` puts a source's store somewhere else
 than stores/<source>/ (a run's own data directory, say); `compress = False` writes the cleaned documents
@@ -21,6 +23,8 @@ as plain .jsonl, which needs no zstandard.
 
 from __future__ import annotations
 
+import posixpath
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +48,13 @@ class Task:
     def name(self) -> str:
         return f"{self.index:05d}"
 
+    @property
+    def label(self) -> str:
+        """The task's name with its input file's: what the cleaned shards a person opens are named by
+        (`00001-wiki-part-3`)."""
+        stem = posixpath.basename(self.path.rstrip("/")).split(".")[0]
+        return f"{self.name}-" + (re.sub(r"[^\w-]+", "_", stem).strip("_")[:60] or "input")
+
 
 @dataclass(frozen=True)
 class PipelineLayout:
@@ -63,6 +74,10 @@ class PipelineLayout:
         return self.root / SUMMARY
 
     @property
+    def lock(self) -> Path:
+        return self.root / "pipeline.lock"
+
+    @property
     def python_docs(self) -> Path:
         return self.root / "inputs" / PYTHON_DOCS
 
@@ -75,10 +90,10 @@ class PipelineLayout:
         return self.clean_dir / (f"{stem}.jsonl.zst" if self.compress else f"{stem}.jsonl")
 
     def kept(self, task: Task) -> Path:
-        return self._jsonl(task.name)
+        return self._jsonl(task.label)
 
     def rejects(self, task: Task) -> Path:
-        return self._jsonl(f"{task.name}.rejects")
+        return self._jsonl(f"{task.label}.rejects")
 
     def exact_hashes(self, task: Task) -> Path:
         return self.clean_dir / f"{task.name}.exact.npy"

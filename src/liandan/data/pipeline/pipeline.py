@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from liandan.data.documents.corpus import DataError, Document, ReadStats
+from liandan.data.pipeline.drops import drops_by
 from liandan.data.pipeline.executor import make_executor
 from liandan.data.pipeline.layout import PipelineLayout, Task
 from liandan.data.pipeline.pipeline_config import PipelineConfig, expand_paths
@@ -34,6 +35,7 @@ from liandan.data.pipeline.stages import Stage, StageContext, describe, run_stag
 from liandan.data.steps.base import Step, StepStats, build_step, merge_step_stats
 from liandan.faults import maybe_inject
 from liandan.run import atomic_file, atomic_write, replacing
+from liandan.run.lock import lock_output_dir
 
 # Settings that change where the work runs, never what it writes: a resumed run may change them.
 _RUNTIME_KEYS = ("executor", "workers", "ray_address", "inspect", "baseline", "publish")
@@ -422,6 +424,17 @@ def run_pipeline(
     """Run the stages of `cfg` into `layout` (by default laid out under `pipeline.output`), resuming what an
     earlier run of the same config left."""
     layout = layout or PipelineLayout(Path(cfg.pipeline.output))
+    # two runs into one output would remove and rename each other's files midway
+    lock = lock_output_dir(layout.root, layout.lock, "liandan data run", "pipeline.output")
+    try:
+        return _run_claimed(cfg, layout, overwrite, say, progress)
+    finally:
+        lock.release()
+
+
+def _run_claimed(
+    cfg: PipelineConfig, layout: PipelineLayout, overwrite: bool, say: Callable[[str], None], progress: bool
+) -> PipelineResult:
     _claim_output(cfg, layout, overwrite)
     tasks = plan_tasks(cfg)
     stages = pipeline_stages(cfg)
@@ -441,6 +454,8 @@ def run_pipeline(
         "read": _merge_read([c["read"] for c in cleaned]),
         "steps": [s.to_dict() for s in merge_step_stats([c["steps"] for c in cleaned])],
         "rejected": sum(c["rejected"] for c in cleaned),
+        "drops_by_source": drops_by(cleaned, "source"),
+        "drops_by_file": drops_by(cleaned, "path"),
         "dedup": results["dedup"],
         "tokenizer": manifest["tokenizer"],
         "stores": manifest["stores"],

@@ -7,7 +7,6 @@ Errors are `ApiError`s with the HTTP status the web layer answers with and a one
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import threading
@@ -15,7 +14,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from liandan.config import ConfigError, check_run_name
 from liandan.run import RunDir, read_jsonl
+from liandan.run.jsonl import loads_bounded
 from liandan.track.store import X_AXES, RunStore, StoreError
 
 MAX_POINTS = 20_000  # the most points one curve may come back with
@@ -101,8 +102,12 @@ class Dashboard:
     # -- runs --------------------------------------------------------------------------------------------
     def check_run(self, name: str) -> str:
         """A run name the store knows, or a 400 (not a plain name) or 404 (no such run)."""
-        if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
+        if not isinstance(name, str) or not name or len(name.encode("utf-8", "replace")) > 255:
             raise bad(f"not a run name: {str(name)[:60]!r}")
+        try:  # what `liandan train` accepts (`炼丹-1`, `my run`), and nothing that is a path
+            check_run_name(name)
+        except ConfigError:
+            raise bad(f"not a run name: {name[:60]!r}") from None
         if name not in self._names and self.run_dir(name) is not None:
             self.sync(force=True)  # a run that began since the last sync
         if name not in self._names:
@@ -160,7 +165,7 @@ class Dashboard:
         if len(body) > MAX_BODY:
             raise ApiError(413, f"request body over {MAX_BODY} bytes")
         try:
-            question = json.loads(body)
+            question = loads_bounded(body.decode("utf-8"))
         except (ValueError, UnicodeDecodeError) as err:
             raise bad(f"malformed JSON: {str(err).splitlines()[0][:120]}") from None
         if not isinstance(question, dict):
@@ -331,7 +336,7 @@ class Evidence:
         size = resolved.stat().st_size
         if resolved.suffix == ".json" and size <= MAX_REPORT_BYTES:
             try:
-                item["json"] = _finite(json.loads(resolved.read_text(encoding="utf-8")))
+                item["json"] = _finite(loads_bounded(resolved.read_text(encoding="utf-8")))
             except (ValueError, UnicodeDecodeError, OSError):
                 item["text"], item["truncated"] = _tail(resolved)
         else:
@@ -351,7 +356,7 @@ def _read_json(project: Path, path: Path) -> Any:
     if not _inside(project, path) or path.stat().st_size > MAX_REPORT_BYTES:
         return None
     try:
-        return _finite(json.loads(path.read_text(encoding="utf-8")))
+        return _finite(loads_bounded(path.read_text(encoding="utf-8")))
     except (ValueError, UnicodeDecodeError, OSError):
         return None
 

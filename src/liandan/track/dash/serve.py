@@ -3,6 +3,7 @@ the port the system gave), loopback unless told otherwise, and then only with a 
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import secrets
 import socket
@@ -31,8 +32,13 @@ def bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host.strip("[]"), port))
-    except OSError:
+    except OSError as err:
         sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ConfigError(f"port {port} on {host} is already in use (another dashboard?): name another with"
+                              " --port, or --port 0 for a free one") from None  # fmt: skip
+        if err.errno == errno.EADDRNOTAVAIL:
+            raise ConfigError(f"cannot listen on {host}: no interface of this machine has that address") from None
         raise
     sock.listen(128)
     sock.set_inheritable(True)

@@ -8,6 +8,8 @@ const POLL_MS = 3000;
 const COLORS = ["#2563eb", "#dc2626", "#059669", "#d97706", "#7c3aed", "#0891b2", "#db2777", "#65a30d",
                 "#4b5563", "#ea580c", "#0d9488", "#9333ea"];
 const PLOT_CONFIG = { displaylogo: false, responsive: true, modeBarButtonsToRemove: ["lasso2d", "select2d"] };
+// Per-layer statistics span decades: their log axes are labelled by them (10⁻³, 10⁻², with 2 and 5 between).
+const LOG_AXIS = { type: "log", dtick: "D2", exponentformat: "power" };
 let timer = null;
 let stream = null;
 
@@ -35,6 +37,9 @@ function el(tag, attrs = {}, ...children) {
 }
 
 const enc = encodeURIComponent;
+// Plotly renders tags in hover labels, legends and titles (<b>, <a href>, <br>): text from a run's files is
+// shown as written, a traceback's <module> included.
+const plain = (text) => String(text).replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
 function num(v, digits = 4) {
   if (v === null || v === undefined || Number.isNaN(v)) return "–";
   if (typeof v !== "number") return String(v);
@@ -128,8 +133,23 @@ function chartBox(id, title) {
 }
 
 function layout(extra = {}) {
-  return { margin: { l: 60, r: 20, t: 10, b: 40 }, hovermode: "closest", showlegend: true,
+  // the toolbar stands upright in the right margin: across the top it covered legends and titles
+  return { margin: { l: 60, r: 40, t: 10, b: 40 }, hovermode: "closest", showlegend: true, modebar: { orientation: "v" },
            legend: { orientation: "h", y: 1.12 }, xaxis: { title: { text: "step" }, zeroline: false }, ...extra };
+}
+
+// A chart of one logged step: plotly would span x-1..x+1 (99..101); from 0 it reads as a step count.
+function oneStepAxis(traces) {
+  const xs = new Set(traces.flatMap((t) => (t.name === "incidents" ? [] : t.x || [])).filter((x) => typeof x === "number"));
+  if (xs.size !== 1) return {};
+  const [x] = xs;
+  return { xaxis: { title: { text: "step" }, zeroline: false, range: [Math.min(0, 2 * x), Math.max(1, 2 * x)] } };
+}
+
+// The run's incident count takes a failure and its restart as one; the table lists both.
+function incidentsTitle(incidents) {
+  const restarts = incidents.filter((i) => i.kind === "restart").length;
+  return restarts ? `Incidents (${incidents.length - restarts}) and restarts (${restarts})` : `Incidents (${incidents.length})`;
 }
 
 function incidentShapes(incidents) {
@@ -142,7 +162,7 @@ function incidentTrace(incidents) {
   const marked = incidents.filter((i) => i.step !== null && i.step !== undefined);
   return { name: "incidents", x: marked.map((i) => i.step), y: marked.map(() => 0.95), yaxis: "y2",
            mode: "markers", type: "scatter", customdata: marked.map((i) => i.seq),
-           text: marked.map((i) => `${i.kind} at step ${i.step}: ${i.line}`), hoverinfo: "text",
+           text: marked.map((i) => plain(`${i.kind} at step ${i.step}: ${i.line}`)), hoverinfo: "text",
            marker: { symbol: "triangle-down", size: 15, color: "#dc2626", line: { color: "#fff", width: 1 } } };
 }
 
@@ -174,7 +194,7 @@ async function drawRunCharts(name, run, incidents, evaluations) {
       error_y: { type: "data", symmetric: false, array: [f.high - f.final_loss], arrayminus: [f.final_loss - f.low] } });
   }
   lossTraces.push(incidentTrace(incidents));
-  await Plotly.react("chart-loss", lossTraces, layout({ shapes, yaxis: { title: { text: "loss" } },
+  await Plotly.react("chart-loss", lossTraces, layout({ shapes, ...oneStepAxis(lossTraces), yaxis: { title: { text: "loss" } },
     yaxis2: { overlaying: "y", range: [0, 1], visible: false, fixedrange: true } }), PLOT_CONFIG);
   const chart = document.getElementById("chart-loss");
   if (!chart.dataset.bound) {
@@ -185,10 +205,11 @@ async function drawRunCharts(name, run, incidents, evaluations) {
     });
   }
   const simple = (id, c, label, color, extra = {}) => Plotly.react(id, c ? [line(c, label, color)] : [],
-    layout({ shapes, showlegend: false, yaxis: { title: { text: label }, ...extra } }), PLOT_CONFIG);
+    layout({ shapes, showlegend: false, ...oneStepAxis(c ? [c] : []), yaxis: { title: { text: label }, ...extra } }),
+    PLOT_CONFIG);
   await simple("chart-lr", lr, "learning rate", COLORS[4], { exponentformat: "e" });
   await simple("chart-tps", tps, "tokens/s", COLORS[5]);
-  await simple("chart-mfu", mfu, "MFU", COLORS[3], { tickformat: ".0%" });
+  await simple("chart-mfu", mfu, "MFU", COLORS[3], { tickformat: ".3~%" });  // ".0%" repeated "2%, 2%, 1%"
   await simple("chart-gnorm", gnorm, "gradient norm", COLORS[6]);
 }
 
@@ -219,7 +240,7 @@ async function runView(main, name) {
        chartBox("chart-lr", "Learning rate"), chartBox("chart-tps", "Throughput (tokens/s)"),
        chartBox("chart-mfu", "MFU"), chartBox("chart-gnorm", "Gradient norm"),
        chartBox("chart-ranks", "Step time per rank (straggler check windows)")),
-    el("div", { class: "section card" }, el("h2", {}, `Incidents (${incidents.length})`),
+    el("div", { class: "section card" }, el("h2", {}, incidentsTitle(incidents)),
        el("table", { id: "incidents" }, el("thead", {}, el("tr", {}, ["step", "kind", "time", "what"].map((h) =>
          el("th", {}, h)))), incidentRows)),
     layerSection(layers, incidents),
@@ -262,11 +283,14 @@ function evalSection(evaluations) {
       : el("p", { class: "muted" }, "none"));
 }
 
+// A save's cost to training is the time it blocked the step; an async save's total runs on beside training.
 function checkpointSection(checkpoints) {
   const rows = checkpoints.map((c) => el("tr", {}, el("td", { class: "num" }, num(c.step)), el("td", {}, c.kind),
-    el("td", {}, c.path || ""), el("td", { class: "num" }, num(c.seconds, 2)), el("td", {}, c.present ? "yes" : "no")));
+    el("td", {}, c.path || ""), el("td", { class: "num" }, num(c.blocking_seconds, 3)),
+    el("td", { class: "num" }, num(c.seconds, 2)), el("td", {}, c.present ? "yes" : "no")));
   return el("div", { class: "section card" }, el("h2", {}, `Checkpoints (${checkpoints.length})`),
-    checkpoints.length ? table("checkpoints", ["step", "event", "path", "seconds", "on disk"], rows)
+    checkpoints.length ? table("checkpoints", ["step", "event", "path", "training blocked (s)", "save took (s)",
+                                               "on disk"], rows)
       : el("p", { class: "muted" }, "none"));
 }
 
@@ -307,7 +331,7 @@ function drawRankHeatmap(health) {
   }));
   const hosts = windows[windows.length - 1].hosts || [];
   Plotly.react(box, [{ type: "heatmap", x: steps, y: [...Array(ranks).keys()].map((r) => `rank ${r}` +
-    (hosts[r] ? ` (${hosts[r]})` : "")), z, colorscale: "YlOrRd", colorbar: { title: { text: "ms/step" } },
+    (hosts[r] ? ` (${plain(hosts[r])})` : "")), z, colorscale: "YlOrRd", colorbar: { title: { text: "ms/step" } },
     hovertemplate: "%{y}, window ending at step %{x}: %{z:.1f} ms per step<extra></extra>" }],
     layout({ showlegend: false, yaxis: { automargin: true } }), PLOT_CONFIG);
 }
@@ -324,10 +348,10 @@ function layerSection(layers, incidents) {
 function drawLayers(layers, incidents, stat) {
   if (!layers.length || !document.getElementById("chart-layers")) return;
   const names = [...new Set(layers.flatMap((r) => Object.keys(r[stat] || {})))];
-  const traces = names.map((n, i) => ({ name: n, x: layers.map((r) => r.step), y: layers.map((r) => (r[stat] || {})[n]),
+  const traces = names.map((n, i) => ({ name: plain(n), x: layers.map((r) => r.step), y: layers.map((r) => (r[stat] || {})[n]),
     mode: "lines+markers", type: "scatter", line: { color: COLORS[i % COLORS.length] } }));
   Plotly.react("chart-layers", traces, layout({ shapes: incidentShapes(incidents), yaxis: { title: { text: stat },
-    type: "log" } }), PLOT_CONFIG);
+    ...LOG_AXIS } }), PLOT_CONFIG);
 }
 
 // -- an incident's evidence ------------------------------------------------------------------------------
@@ -376,9 +400,9 @@ async function showIncident(name, seq) {
     body.replaceChildren(...parts);
     if (layers.length) {
       const names = [...new Set(layers.flatMap((r) => Object.keys(r.grad || {})))];
-      Plotly.react("chart-evidence-layers", names.map((n, i) => ({ name: n, x: layers.map((r) => r.step),
+      Plotly.react("chart-evidence-layers", names.map((n, i) => ({ name: plain(n), x: layers.map((r) => r.step),
         y: layers.map((r) => (r.grad || {})[n]), type: "scatter", mode: "lines+markers",
-        line: { color: COLORS[i % COLORS.length] } })), layout({ yaxis: { type: "log" },
+        line: { color: COLORS[i % COLORS.length] } })), layout({ yaxis: { ...LOG_AXIS },
         shapes: event.step !== undefined ? incidentShapes([event]) : [] }), PLOT_CONFIG);
     }
   } catch (err) {
@@ -429,7 +453,7 @@ async function compareView(main, params) {
       const color = COLORS[i % COLORS.length];
       if (state.smooth) traces.push({ x: c.x, y: c.y, type: "scatter", mode: "lines", showlegend: false,
         hoverinfo: "skip", line: { color, width: 1 }, opacity: 0.25 });
-      traces.push({ name: c.run, x: c.x, y: smooth(c.y, state.smooth), type: "scatter", mode: "lines",
+      traces.push({ name: plain(c.run), x: c.x, y: smooth(c.y, state.smooth), type: "scatter", mode: "lines",
         line: { color, width: 2 } });
     });
     Plotly.react("chart-compare", traces, layout({ xaxis: { title: { text: data.x_axis }, type: state.logx ? "log" : "linear" },
