@@ -70,6 +70,7 @@ class CheckpointSaving:
     _finalize_error: BaseException | None
     _finalized_at: float | None
     started_step: int | None
+    requested_step: int | None
     _stager: Any
     outcomes: list[SaveOutcome]
     failures_in_a_row: int
@@ -78,6 +79,7 @@ class CheckpointSaving:
         """Start saving; returns the seconds training was blocked (waiting for the previous save included).
         Errors are reported, never raised."""
         started = time.perf_counter()
+        self.requested_step = step  # on every rank, whatever the outcome
         self.wait()
         final = self.root / step_dir_name(step)
         tmp = final if self.remote else partial_of(final)  # a store has no rename: see the module's doc

@@ -133,7 +133,17 @@ class DataSection:
 
 @dataclass
 class CheckpointSection:
-    every: int = _f(0, "steps between checkpoints (and one at the end); 0 disables checkpointing", min=0)
+    enabled: bool = _f(
+        True, "save checkpoints at all; false turns every save off (every, every_minutes, at_end and a"
+        " preemption's save)"
+    )  # fmt: skip
+    every: int = _f(0, "steps between checkpoints; 0: no step interval (the time interval and the end still save)",
+                    min=0)  # fmt: skip
+    every_minutes: float = _f(
+        30.0, "minutes between checkpoints, measured on rank 0's clock from the start or the newest save (all"
+        " ranks agree on the step); 0: no time interval", min=0.0,
+    )  # fmt: skip
+    at_end: bool = _f(True, "save a checkpoint of the last step")
     dir: str = _f("", "where checkpoints go; empty means <run directory>/checkpoints")
     keep_last: int = _f(3, "newest checkpoints to keep; 0 keeps all", min=0)
     keep_every: int = _f(0, "also keep every checkpoint whose step is a multiple of this; 0 disables", min=0)
@@ -152,6 +162,11 @@ class CheckpointSection:
         " restart after a process crash resumes from there; 0 disables", min=0,
     )  # fmt: skip
     memory_dir: str = _f("", "where memory snapshots go; empty means /dev/shm (or the temporary directory)")
+
+    @property
+    def saves(self) -> bool:
+        """Whether the run saves any checkpoint: `enabled`, and a step interval, a time interval or the end."""
+        return self.enabled and bool(self.every or self.every_minutes or self.at_end)
 
 
 @dataclass
