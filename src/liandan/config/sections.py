@@ -157,6 +157,11 @@ class CheckpointSection:
         "", "model weights that start a new run (optimizer fresh): a checkpoint directory, a Hugging Face"
         " directory or a consolidated .safetensors file"
     )  # fmt: skip
+    allow_model_change: bool = _f(
+        False, "resume or init_from a checkpoint of another model (model_args differ: layers dropped, another"
+        " rope_theta): the tensors the new model has load, the rest of the checkpoint is left; a tensor the"
+        " checkpoint lacks, or of another shape, is still refused"
+    )  # fmt: skip
     memory_every: int = _f(
         0, "under the supervisor, snapshot every rank's state into host shared memory every this many steps, so a"
         " restart after a process crash resumes from there; 0 disables", min=0,
