@@ -311,3 +311,16 @@ def test_a_preemption_plan_finishes_falls_back_or_says_nothing_fits(left_s, fini
 
     plan = Plan(signal.SIGTERM, left_s, finish_s, fallback_s, fallback_step)
     assert (plan.choice, plan.fits) == (choice, fits)
+
+
+def test_a_global_batch_the_ranks_cannot_split_is_refused_before_any_worker_starts(tmp_path, corpus):
+    from helpers import run_liandan
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(tiny_config(tmp_path / "runs", corpus, "--train.global_batch=4").to_toml())
+    done = run_liandan("train", config, "--nproc=3", timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "liandan: error: train.global_batch = 4 must split evenly over the 3 data-parallel ranks (a multiple of 3)"
+    ]
+    assert not (tmp_path / "runs").exists()  # no run directory claimed, no data tokenized

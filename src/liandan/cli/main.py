@@ -197,6 +197,16 @@ def cmd_train(args: argparse.Namespace, overrides: list[str]) -> int:
     check_exporters(cfg.track)  # a tracker's library that is missing: the extra to install
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
+    from liandan.spec.layout import batch_split_refusal, resolve_layout
+
+    if not os.environ.get("WORLD_SIZE") and not os.environ.get("LIANDAN_NNODES"):  # all ranks here: known now
+        try:
+            layout = resolve_layout(cfg.parallel, args.nproc)
+        except ValueError as err:  # an impossible layout: the same line the workers would give
+            raise ConfigError(str(err)) from None
+        refusal = batch_split_refusal(cfg.train.global_batch, cfg.train.micro_batch, layout.dp_size)
+        if refusal:  # before any worker starts or any data is tokenized
+            raise ConfigError(refusal)
     from liandan.resilience.launch import how_started
 
     # torchrun or srun started one process per rank, or the supervisor started this worker; with $LIANDAN_NNODES

@@ -30,7 +30,7 @@ from liandan.data.pipeline.prepare import open_prepared, open_stores, prepare_st
 from liandan.data.tokens.loader import Batch, PackedLoader
 from liandan.run import RunDir, RunLock, holds_progress, lock_run_dir
 from liandan.run.worker_env import WorkerEnv
-from liandan.spec.layout import Layout, resolve_layout
+from liandan.spec.layout import Layout, batch_split_refusal, resolve_layout
 from liandan.track import FanOut, JsonlLogger, MetricsLogger, NullLogger
 from liandan.track.store import StoreLogger
 from liandan.train.callbacks import Callback, build_callbacks, in_order
@@ -196,13 +196,10 @@ def build_data(cfg: Config, env: Environment, room: RunDir, resuming: bool,
     directory (resuming, it reuses that store) and the others open it; then the loader of this rank."""
     t = cfg.train
     dp_rank, dp_size = env.dp_coordinates
-    per_rank = t.global_batch // dp_size if t.global_batch % dp_size == 0 else 0
-    micro_batch = t.micro_batch or per_rank
-    if not per_rank or per_rank % micro_batch:
-        raise ConfigError(
-            f"train.global_batch = {t.global_batch} must split into {dp_size} data-parallel ranks"
-            f" of whole micro-batches of train.micro_batch = {micro_batch}"
-        )
+    refusal = batch_split_refusal(t.global_batch, t.micro_batch, dp_size)
+    if refusal:
+        raise ConfigError(refusal)
+    micro_batch = t.micro_batch or t.global_batch // dp_size
     if loader is not None:  # the caller's own data
         own = loader if hasattr(loader, "next_step") else loader(env, dp_rank, dp_size)  # type: ignore[operator]
         return Data(own, micro_batch, dp_rank, dp_size, list(getattr(own, "stores", [])),
