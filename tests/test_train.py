@@ -55,7 +55,8 @@ def test_same_seed_same_loss_curve_bit_for_bit(tmp_path, corpus):
 
 
 def test_run_directory_contents(tmp_path, corpus):
-    _trainer, result = run(tmp_path, corpus, "--train.eval_every=3", "--track.plot=true")
+    # no checkpoint: the rerun below has nothing to resume from
+    _trainer, result = run(tmp_path, corpus, "--train.eval_every=3", "--track.plot=true", "--checkpoint.enabled=false")
     run_dir = result.run_dir
     recorded = read_run(run_dir)
     records = recorded.metrics
@@ -324,3 +325,14 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused_before_any_worker_star
         "liandan: error: train.global_batch = 4 must split evenly over the 3 data-parallel ranks (a multiple of 3)"
     ]
     assert not (tmp_path / "runs").exists()  # no run directory claimed, no data tokenized
+
+
+def test_a_run_that_ends_in_order_leaves_no_lock_file(tmp_path, corpus):
+    from helpers import run_liandan
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(tiny_config(tmp_path / "runs", corpus, "--train.steps=2", "--schedule.warmup_steps=1").to_toml())
+    done = run_liandan("train", config, timeout=300)  # under the supervisor, which holds the lock
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "runs" / "run" / "summary.json").is_file()
+    assert not (tmp_path / "runs" / "run" / "run.lock").exists()
