@@ -251,7 +251,7 @@ def test_bad_settings_are_one_line_errors(args, message, capsys):
 # -- verdicts on made-up records ------------------------------------------------------------------------------
 
 
-def record(rank, host="a", flops=100.0, copy=10.0, write=5.0, wrong_senders=(), pairs=()):
+def record(rank, host="a", flops=100.0, copy=10.0, write=5e8, wrong_senders=(), pairs=()):
     digest = "same"
     return {
         "rank": rank, "local_rank": rank, "host": host, "device": "cpu",
@@ -358,3 +358,17 @@ def test_incidents_tell_the_doctor_in_one_line(tmp_path):
     )
     assert lines[1].endswith("doctor warning (liandan doctor): all 2 rank(s) ..., with warnings: x")
     assert lines[2].endswith("DOCTOR BISECTION: bisection names rank 3 on host n7 after 3 round(s)")
+
+
+def test_a_checkpoint_directory_write_is_judged_on_its_own_rate():
+    """Ranks of one host write to one device at once: a rank at 229 MB/s beside one at 2 GB/s is no fault;
+    a rate too low for saves is, whatever the other ranks get."""
+    from liandan.doctor.verdict import judge
+
+    shared_vm = judge(load_config(None, []), [record(0, write=229e6), record(1, write=2e9)], None, 1.0)
+    assert shared_vm["findings"] == [] and shared_vm["ranks"][0]["verdicts"]["disk"] == "ok"
+    slow = judge(load_config(None, []), [record(0, write=20e6), record(1, write=20e6)], None, 1.0)
+    assert [(f["rank"], f["check"], f["level"]) for f in slow["findings"]] == [(0, "disk", "warn"), (1, "disk", "warn")]
+    assert (
+        "writes to /x at 20" in slow["findings"][0]["what"] and "checkpoint saves there will be slow" in slow["summary"]
+    )
