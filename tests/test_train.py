@@ -336,3 +336,13 @@ def test_a_run_that_ends_in_order_leaves_no_lock_file(tmp_path, corpus):
     assert done.returncode == 0, done.stderr[-2000:]
     assert (tmp_path / "runs" / "run" / "summary.json").is_file()
     assert not (tmp_path / "runs" / "run" / "run.lock").exists()
+
+
+def test_a_rollback_ring_larger_than_host_memory_is_refused_at_start(tmp_path, corpus):
+    from liandan.train.rollback import available_host_memory, ring_refusal
+
+    with pytest.raises(ConfigError, match=r"guard.ring_size = 1000000 keeps that many copies .* at most \d+ fit"):
+        Trainer(tiny_config(tmp_path, corpus, "--guard.ring_size=1000000"), say=lambda m: None)
+    assert available_host_memory() > 0
+    assert ring_refusal(3, 10**6, 10**9, 2) is None  # the default ring of a small model fits
+    assert "not even one fits" in ring_refusal(1, 10**9, 10**9, 2)

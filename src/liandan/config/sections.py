@@ -250,7 +250,10 @@ class GuardSection:
     on_drop: Literal["warn", "stop"] = _f("warn", "what a too-good-to-be-true loss drop does")
     escalate_after: int = _f(3, "skipped updates in a row that become a rollback; 0 never escalates", min=0)
     ring_every: int = _f(25, "steps between the in-memory states kept to roll back to", min=1)
-    ring_size: int = _f(3, "in-memory states kept (each a copy of the rank's model and optimizer state)", min=1)
+    ring_size: int = _f(
+        3, "in-memory states kept (each a copy of the rank's model and optimizer state); refused at the start when"
+        " they would take more than half the host memory available", min=1,
+    )  # fmt: skip
     rollback_margin: int = _f(1, "roll back to a state at least this many steps before the spike began", min=0)
     skip_batches: int = _f(
         0, "batches skipped after a rollback, counted from the restored state; at least those up to the"

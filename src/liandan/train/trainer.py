@@ -39,7 +39,7 @@ from liandan.train.distributed import shutdown_distributed
 from liandan.train.hardware import datasheet_fp8_peak_flops, device_peak_flops
 from liandan.train.parallelize import reshard
 from liandan.train.preemption import Preempted, StepAbandoned
-from liandan.train.rollback import Rollback
+from liandan.train.rollback import Rollback, available_host_memory, ranks_on_this_host, ring_refusal, state_bytes
 
 __all__ = ["StepOutput", "TrainResult", "Trainer"]
 
@@ -77,6 +77,7 @@ class Trainer:
             self.files.log_event("model_built", meta_init=cfg.train.meta_init, host_peak_bytes=peaks[0],
                                  device_peak_bytes=peaks[1])  # fmt: skip
         ring = cfg.guard.ring_size if cfg.guard.enabled else 0
+        self._check_ring(ring)
         self.rollback = Rollback(self.module, self.checkpoints, lambda: self.progress.step, self.resume_state,
                                  self.rewind, ring)  # fmt: skip
         services = {
@@ -89,6 +90,17 @@ class Trainer:
         self._measure_peaks()
         self.logger = self._make_logger()
         self._say_model()
+
+    def _check_ring(self, ring: int) -> None:
+        """Refuse a ring of rollback states that host memory cannot hold, before it fills it step by step. The
+        same verdict on every rank: the largest state against the least memory available."""
+        if not ring:
+            return
+        each, scarce = self.env.max_over_ranks([state_bytes(self.module.model_parts), -(available_host_memory() or -1)])
+        available = -scarce if scarce < 0 else None
+        refusal = ring_refusal(ring, each, available, ranks_on_this_host(self.dist.world_size))
+        if refusal:
+            raise ConfigError(refusal)
 
     def _measure_peaks(self) -> None:
         """MFU's denominator: under fp8 the fp8 linears' share of the FLOPs counts at the fp8 peak (emulated,
