@@ -500,3 +500,10 @@ def test_step_directory_without_manifest_is_reported(tmp_path):
     assert manager.latest_verified() == root / "step-00000001"
     assert [(kind, fields["step"]) for kind, fields in found] == [("checkpoint_rejected", 3)]
     assert "step-00000003" in found[0][1]["path"] and "manifest.json missing" in found[0][1]["error"]
+
+
+def test_a_run_that_fails_during_a_save_leaves_no_partial_checkpoint(config):
+    """The save of step 4 never completes (its rank-0 finaliser hangs before the manifest) and the run fails at
+    step 5: the partial step-00000004.tmp goes with it, not left for someone to find (or fill a disk)."""
+    train(config, "failsaving", "--checkpoint.every=4", faults="hang@save:4:0,raise@step:5", expect=1)
+    assert sorted(p.name for p in (run_dir(config, "failsaving") / "checkpoints").iterdir()) == []

@@ -263,6 +263,18 @@ class CheckpointSaving:
                 f"checkpoint.dir = {self.root} cannot be written: {describe_save_error(err)}"
             ) from None
 
+    def abandon(self) -> None:
+        """The run ends on an error with a save in flight: not waited for (a peer may be gone, and its half of
+        the save with it), and its partial directory removed on rank 0, so that a run that ends leaves nothing
+        half-written (a full disk fails the run this way as often as the save). A store's partial step, which
+        is its final name, is left to the next start (`remove_stale_saves`): it may have completed meanwhile."""
+        if self._pending is None:
+            return
+        tmp = self._pending[1]
+        self._pending = None
+        if self.rank == 0 and not self.remote:
+            remove_tree(tmp)  # renamed already, the save complete: nothing there to remove
+
     def close(self) -> None:
         self.wait()
         if self._stager is not None:

@@ -304,7 +304,9 @@ class Trainer:
             self.room.truncate_metrics(step)
 
     def close(self) -> None:
-        """Leave the process group and release the run directory; the trainer cannot step after this."""
+        """Leave the process group and release the run directory; the trainer cannot step after this. A save
+        still in flight here is one the run ended on an error during: its partial directory goes."""
+        self.checkpoints.abandon()
         self.parts.heartbeat.close()
         shutdown_distributed()
         if self.parts.run_lock is not None:
