@@ -302,10 +302,11 @@ def _check_launch(cfg, nproc: int) -> None:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     from liandan.data.documents.storage import is_file
-    from liandan.run.remote import locate
+    from liandan.run.remote import is_url, locate
 
     for path in cfg.data.paths:
-        if not is_file(locate(path)):  # a URL's object too, so a missing one stops the launch, not the workers
+        # a URL's object too, so a missing one stops the launch, not the workers; a directory is its data files
+        if not is_file(locate(path)) and not (not is_url(path) and Path(path).is_dir()):
             raise DataError(f"data file not found: {path}")
 
 
