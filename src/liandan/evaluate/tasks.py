@@ -117,9 +117,7 @@ def resolve_task_files(names: list[str]) -> list[Path]:
             files.append(Path(plugins.load("task", name)))
         except plugins.PluginError:
             known = ", ".join(plugins.names("task"))
-            raise ConfigError(
-                f"unknown task '{name}'; known tasks: {known}; or give a path to a .toml task file"
-            ) from None
+            raise ConfigError(f"unknown task '{name}'; known tasks: {known}; or give a path to a .toml task file") from None
     return files
 
 
