@@ -270,7 +270,7 @@ def test_manager_never_deletes_the_only_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_init_from_checks_the_model_shape(config, straight):
     source = run_dir(config, "straight") / "checkpoints" / f"step-{STEPS:08d}"
-    done = train(config, "badinit", f"--checkpoint.init_from={source}", "--model.dim=128", expect=2)
+    done = train(config, "badinit", f"--checkpoint.init_from={source}", "--model.llama.dim=128", expect=2)
     assert "model.dim = 128 (checkpoint: 64)" in done.stderr
     train(
         config,

@@ -78,7 +78,7 @@ def test_import_hf_then_continue_training(trained, tmp_path):
     assert loss("continued") < loss("fresh")
     # The same shapes under another RoPE base would load and quietly train a different function: refused.
     wrong = run_liandan("train", config, "--run.name=wrong-base", f"--checkpoint.init_from={tmp_path / 'imported'}",
-                        "--model.rope_theta=500000", "--train.steps=1", "--schedule.warmup_steps=1",
+                        "--model.llama.rope_theta=500000", "--train.steps=1", "--schedule.warmup_steps=1",
                         "--checkpoint.every=0")  # fmt: skip
     _one_line_error(wrong, "checkpoint.init_from", "model.rope_theta = 500000.0 (checkpoint: 10000.0)")
 
