@@ -376,7 +376,9 @@ class Trainer:
         if not differ:
             return
         said = f"{source} holds another model: {'; '.join(differ)}"
-        if not self.cfg.checkpoint.allow_model_change or family != spec.name:
+        if family != spec.name:  # no tensor of another family is this one's
+            raise ConfigError(said)
+        if not self.cfg.checkpoint.allow_model_change:
             raise ConfigError(f"{said}; to change the model on purpose, set checkpoint.allow_model_change = true")
         self.say(f"{said}; loading what fits (checkpoint.allow_model_change)")
         self.parts.event("model_changed", source=source, differences=differ)
