@@ -270,7 +270,7 @@ def test_manager_never_deletes_the_only_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_init_from_checks_the_model_shape(config, straight):
     source = run_dir(config, "straight") / "checkpoints" / f"step-{STEPS:08d}"
-    done = train(config, "badinit", f"--checkpoint.init_from={source}", "--model.dim=128", expect=2)
+    done = train(config, "badinit", f"--checkpoint.init_from={source}", "--model.llama.dim=128", expect=2)
     assert "model.dim = 128 (checkpoint: 64)" in done.stderr
     train(
         config,
@@ -500,3 +500,10 @@ def test_step_directory_without_manifest_is_reported(tmp_path):
     assert manager.latest_verified() == root / "step-00000001"
     assert [(kind, fields["step"]) for kind, fields in found] == [("checkpoint_rejected", 3)]
     assert "step-00000003" in found[0][1]["path"] and "manifest.json missing" in found[0][1]["error"]
+
+
+def test_a_run_that_fails_during_a_save_leaves_no_partial_checkpoint(config):
+    """The save of step 4 never completes (its rank-0 finaliser hangs before the manifest) and the run fails at
+    step 5: the partial step-00000004.tmp goes with it, not left for someone to find (or fill a disk)."""
+    train(config, "failsaving", "--checkpoint.every=4", faults="hang@save:4:0,raise@step:5", expect=1)
+    assert sorted(p.name for p in (run_dir(config, "failsaving") / "checkpoints").iterdir()) == []

@@ -251,7 +251,7 @@ def test_bad_settings_are_one_line_errors(args, message, capsys):
 # -- verdicts on made-up records ------------------------------------------------------------------------------
 
 
-def record(rank, host="a", flops=100.0, copy=10.0, write=5.0, wrong_senders=(), pairs=()):
+def record(rank, host="a", flops=100.0, copy=10.0, write=5e8, wrong_senders=(), pairs=()):
     digest = "same"
     return {
         "rank": rank, "local_rank": rank, "host": host, "device": "cpu",
@@ -375,3 +375,17 @@ def test_the_doctor_records_in_the_run_directory_a_run_of_its_config_uses(tmp_pa
     unnamed = load_config(None, [f"--run.output_dir={project}"])
     assert record_in_run(unnamed, report) is None
     assert not RunDir.of(project).doctor.exists() and not RunDir.of(project).events.exists()
+
+
+def test_a_checkpoint_directory_write_is_judged_on_its_own_rate():
+    """Ranks of one host write to one device at once: a rank at 229 MB/s beside one at 2 GB/s is no fault;
+    a rate too low for saves is, whatever the other ranks get."""
+    from liandan.doctor.verdict import judge
+
+    shared_vm = judge(load_config(None, []), [record(0, write=229e6), record(1, write=2e9)], None, 1.0)
+    assert shared_vm["findings"] == [] and shared_vm["ranks"][0]["verdicts"]["disk"] == "ok"
+    slow = judge(load_config(None, []), [record(0, write=20e6), record(1, write=20e6)], None, 1.0)
+    assert [(f["rank"], f["check"], f["level"]) for f in slow["findings"]] == [(0, "disk", "warn"), (1, "disk", "warn")]
+    assert (
+        "writes to /x at 20" in slow["findings"][0]["what"] and "checkpoint saves there will be slow" in slow["summary"]
+    )

@@ -78,7 +78,7 @@ def test_import_hf_then_continue_training(trained, tmp_path):
     assert loss("continued") < loss("fresh")
     # The same shapes under another RoPE base would load and quietly train a different function: refused.
     wrong = run_liandan("train", config, "--run.name=wrong-base", f"--checkpoint.init_from={tmp_path / 'imported'}",
-                        "--model.rope_theta=500000", "--train.steps=1", "--schedule.warmup_steps=1",
+                        "--model.llama.rope_theta=500000", "--train.steps=1", "--schedule.warmup_steps=1",
                         "--checkpoint.every=0")  # fmt: skip
     _one_line_error(wrong, "checkpoint.init_from", "model.rope_theta = 500000.0 (checkpoint: 10000.0)")
 
@@ -175,3 +175,20 @@ def test_export_hf_of_a_run_on_token_stores_includes_the_store_tokenizer(trained
     text = "The for statement iterates."
     expected = HFTokenizer.load(store / "tokenizer.json").encode_batch([text])[0]
     assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"] == expected
+
+
+def test_exported_weights_are_as_readable_as_the_files_beside_them(tmp_path):
+    """safetensors creates its files 0600; an export follows the umask like config.json beside it."""
+    from liandan.checkpoint.hf import export_hf, save_consolidated
+    from liandan.model import ModelArgs, Transformer
+
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=64, max_seq_len=16))
+    previous = os.umask(0o022)
+    try:
+        export_hf(model.state_dict(), model.args, tmp_path / "hf")
+        save_consolidated(model.state_dict(), model.args, tmp_path / "model.safetensors")
+    finally:
+        os.umask(previous)
+    mode = lambda path: path.stat().st_mode & 0o777
+    assert mode(tmp_path / "hf" / "model.safetensors") == mode(tmp_path / "hf" / "config.json") == 0o644
+    assert mode(tmp_path / "model.safetensors") == 0o644

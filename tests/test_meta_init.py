@@ -222,3 +222,16 @@ def test_weights_of_another_model_are_named_field_by_field():
         "model.ffn_dim = 192 (weights: 384)",
         "model.rope_theta = 10000.0 (weights: 500000.0)",
     ]
+
+
+def test_the_shipped_large_configs_initialise_on_the_meta_device():
+    """Meta init is exact for Llama (above): the configs of models that a whole fp32 copy per rank would
+    strain use it, and the planner counts their initialisation as sharded."""
+    from liandan.plan.devices import resolve_device
+    from liandan.plan.run_plan import plan_config
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    for name in ("gpt2-124m", "llama-1b", "llama-8b"):
+        assert load_config(configs / f"{name}.toml", []).train.meta_init, name
+    plan = plan_config(load_config(configs / "llama-8b.toml", []), resolve_device("h100"), nproc=64)
+    assert plan.init.device < 2**30

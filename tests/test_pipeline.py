@@ -342,3 +342,28 @@ def test_the_summary_tells_drops_per_source_and_a_hint_that_works_from_anywhere(
     [hint] = [line for line in printed.splitlines() if line.startswith("train on it: ")]
     stores = json.loads(hint.split("--data.stores='", 1)[1].rstrip("'"))
     assert stores == [str(tmp_path / "out" / "stores" / name) for name in relative]
+
+
+def test_a_directory_stands_for_its_data_files_in_every_command(tmp_path):
+    """`[[inputs]] paths`, `[data] paths` and `liandan data inspect` take a directory as `liandan demo --data`
+    does: the .txt/.jsonl/.parquet files directly in it, sorted by name (nothing below it, nothing else)."""
+    from liandan.data.pipeline.pipeline_config import expand_paths
+
+    docs = tmp_path / "docs"
+    (docs / "nested").mkdir(parents=True)
+    topics = _topics()
+    (docs / "b.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for _, t in topics[:5]))
+    (docs / "a.txt").write_text(topics[5][1])
+    (docs / "notes.csv").write_text("not, data\n")
+    (docs / "nested" / "c.txt").write_text(topics[6][1])
+    assert expand_paths(InputSpec(name="a", paths=[str(docs)])) == [docs / "a.txt", docs / "b.jsonl"]
+    cfg = PipelineConfig(pipeline=PipelineSection(output=str(tmp_path / "out"), workers=1, inspect=False),
+                         inputs=[InputSpec(name="a", paths=[str(docs)])])  # fmt: skip
+    cfg.tokenizer.kind = "byte"
+    cfg.check()
+    assert run_pipeline(cfg, say=lambda m: None).summary["stores"]["a"]["documents"] == 6
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=f"input 'a': {tmp_path / 'empty'}: the directory holds no .txt, .jsonl"):
+        expand_paths(InputSpec(name="a", paths=[str(tmp_path / "empty")]))
+    inspected = run_liandan("data", "inspect", docs, "--out", tmp_path / "report")
+    assert inspected.returncode == 0, inspected.stderr[-2000:]

@@ -301,12 +301,13 @@ def test_status_running_finished_interrupted_and_resumed(tmp_path):
 
 def test_a_lock_whose_pid_went_to_a_newer_process_has_no_holder(tmp_path):
     room = RunDir(tmp_path / "r")
-    lock_run_dir(room).release()  # this process's lock...
+    lock = lock_run_dir(room)  # this process's lock...
     assert holder_running(room) is True
     taken = json.loads(room.lock.read_text())
     taken["started"] = "2001-01-01 00:00:00 +0000"  # ...had it been taken before this process started
     room.lock.write_text(json.dumps(taken))
     assert holder_running(room) is False
+    lock.release()
 
 
 def test_curves_by_tokens_and_flops_and_thinned_with_their_spikes(tmp_path):

@@ -55,7 +55,8 @@ def test_same_seed_same_loss_curve_bit_for_bit(tmp_path, corpus):
 
 
 def test_run_directory_contents(tmp_path, corpus):
-    _trainer, result = run(tmp_path, corpus, "--train.eval_every=3", "--track.plot=true")
+    # no checkpoint: the rerun below has nothing to resume from
+    _trainer, result = run(tmp_path, corpus, "--train.eval_every=3", "--track.plot=true", "--checkpoint.enabled=false")
     run_dir = result.run_dir
     recorded = read_run(run_dir)
     records = recorded.metrics
@@ -311,3 +312,37 @@ def test_a_preemption_plan_finishes_falls_back_or_says_nothing_fits(left_s, fini
 
     plan = Plan(signal.SIGTERM, left_s, finish_s, fallback_s, fallback_step)
     assert (plan.choice, plan.fits) == (choice, fits)
+
+
+def test_a_global_batch_the_ranks_cannot_split_is_refused_before_any_worker_starts(tmp_path, corpus):
+    from helpers import run_liandan
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(tiny_config(tmp_path / "runs", corpus, "--train.global_batch=4").to_toml())
+    done = run_liandan("train", config, "--nproc=3", timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "liandan: error: train.global_batch = 4 must split evenly over the 3 data-parallel ranks (a multiple of 3)"
+    ]
+    assert not (tmp_path / "runs").exists()  # no run directory claimed, no data tokenized
+
+
+def test_a_run_that_ends_in_order_leaves_no_lock_file(tmp_path, corpus):
+    from helpers import run_liandan
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(tiny_config(tmp_path / "runs", corpus, "--train.steps=2", "--schedule.warmup_steps=1").to_toml())
+    done = run_liandan("train", config, timeout=300)  # under the supervisor, which holds the lock
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "runs" / "run" / "summary.json").is_file()
+    assert not (tmp_path / "runs" / "run" / "run.lock").exists()
+
+
+def test_a_rollback_ring_larger_than_host_memory_is_refused_at_start(tmp_path, corpus):
+    from liandan.train.rollback import available_host_memory, ring_refusal
+
+    with pytest.raises(ConfigError, match=r"guard.ring_size = 1000000 keeps that many copies .* at most \d+ fit"):
+        Trainer(tiny_config(tmp_path, corpus, "--guard.ring_size=1000000"), say=lambda m: None)
+    assert available_host_memory() > 0
+    assert ring_refusal(3, 10**6, 10**9, 2) is None  # the default ring of a small model fits
+    assert "not even one fits" in ring_refusal(1, 10**9, 10**9, 2)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 from liandan.common import tokens
 from liandan.model.spec import HFAdapter, ModelSpec, spec_for, specs
 from liandan.model.spec import get as get_model_spec
-from liandan.run import atomic_write, replacing
+from liandan.run import atomic_write, replacing, umask_mode
 
 ARGS_METADATA_KEY = "liandan_model_args"
 FAMILY_METADATA_KEY = "liandan_model_family"  # absent in files written before families: llama
@@ -148,6 +149,7 @@ def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: di
 
     with replacing(path) as tmp:
         save_file(tensors, str(tmp), metadata=metadata)
+        os.chmod(tmp, umask_mode())  # safetensors makes it 0600: readable as the config and tokenizer beside it
 
 
 def _write_json(path: Path, obj: dict) -> None:

@@ -11,6 +11,12 @@ from liandan.checkpoint.verify import MANIFEST, CheckpointError, complete_checkp
 from liandan.run import META, RunDir, step_dirs
 from liandan.run.remote import RemotePath, locate
 
+# What to do when a command needs a checkpoint that is not there, said once for all of them.
+HOW_TO_GET_ONE = (
+    "a run saves one at its end and every 30 minutes unless [checkpoint] turns it off (enabled = false, or"
+    " at_end = false and every = every_minutes = 0): train again with those settings, or name a run that has one"
+)
+
 
 def describe_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
     """What `liandan ckpt info` shows: step, tokens, layout, size and whether it verifies."""
@@ -63,4 +69,4 @@ def resolve_checkpoint(path: Path) -> Path:
         steps = complete_checkpoints(root) if remote else step_dirs(root)  # in a store, one being saved has none
         if steps:
             return steps[-1]
-    raise CheckpointError(f"no checkpoint at {path}")
+    raise CheckpointError(f"no checkpoint at {path}; {HOW_TO_GET_ONE}")

@@ -152,6 +152,13 @@ def load_model(path: Path, verify_checksums: bool = True):
     spec = get_model_spec(meta.get("model_family", "llama"))  # checkpoints from before families are Llama's
     model = spec.build(spec.args_type(**meta["model_args"]))
     state = {"model": get_model_state_dict(model)}
+    # A model smaller than the tensors saved would load them in part (fewer layers: the rest dropped unseen)
+    saved = {k.removeprefix("model.") for k in read_metadata(path).state_dict_metadata if k.startswith("model.")}
+    unused = sorted(saved - set(state["model"]))
+    if unused:
+        raise CheckpointError(f"{path}: holds {len(unused)} model tensor(s) that its model_args do not describe"
+                              f" ({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}): {META} does not"
+                              " match the tensors")  # fmt: skip
     load_state(state, path, no_dist=True)
     set_model_state_dict(model, state["model"])
     return model, meta

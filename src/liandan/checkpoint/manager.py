@@ -53,6 +53,7 @@ class CheckpointManager(CheckpointSaving, CheckpointLoading):
         self._finalize_error: BaseException | None = None
         self._finalized_at: float | None = None
         self.started_step: int | None = None  # of the newest save under way or done that did not fail to start
+        self.requested_step: int | None = None  # of the newest save asked for, whether it started or not
         self._stager = None
         self.outcomes: list[SaveOutcome] = []
         self.failures_in_a_row = 0  # the same on every rank: ranks agree on each save's outcome

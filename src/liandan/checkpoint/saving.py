@@ -70,6 +70,7 @@ class CheckpointSaving:
     _finalize_error: BaseException | None
     _finalized_at: float | None
     started_step: int | None
+    requested_step: int | None
     _stager: Any
     outcomes: list[SaveOutcome]
     failures_in_a_row: int
@@ -78,6 +79,7 @@ class CheckpointSaving:
         """Start saving; returns the seconds training was blocked (waiting for the previous save included).
         Errors are reported, never raised."""
         started = time.perf_counter()
+        self.requested_step = step  # on every rank, whatever the outcome
         self.wait()
         final = self.root / step_dir_name(step)
         tmp = final if self.remote else partial_of(final)  # a store has no rename: see the module's doc
@@ -260,6 +262,18 @@ class CheckpointSaving:
             raise CheckpointError(
                 f"checkpoint.dir = {self.root} cannot be written: {describe_save_error(err)}"
             ) from None
+
+    def abandon(self) -> None:
+        """The run ends on an error with a save in flight: not waited for (a peer may be gone, and its half of
+        the save with it), and its partial directory removed on rank 0, so that a run that ends leaves nothing
+        half-written (a full disk fails the run this way as often as the save). A store's partial step, which
+        is its final name, is left to the next start (`remove_stale_saves`): it may have completed meanwhile."""
+        if self._pending is None:
+            return
+        tmp = self._pending[1]
+        self._pending = None
+        if self.rank == 0 and not self.remote:
+            remove_tree(tmp)  # renamed already, the save complete: nothing there to remove
 
     def close(self) -> None:
         self.wait()

@@ -246,6 +246,12 @@ class MemorySnapshots:
         """step -> slot of this rank's snapshots whose headers belong to this run (data not checked)."""
         return _held(self.directory, self.rank, self.owner, self.world_size, self.layout)
 
+    def state_of(self, step: int) -> dict:
+        """The `state` saved with this rank's snapshot of `step`, from its header alone (no data read)."""
+        slot = self.steps().get(step)
+        header = self._header(slot) if slot is not None else None
+        return header["state"] if header is not None else {}
+
     def _read(self, slot: int) -> tuple[dict, np.ndarray] | None:
         """A slot's header and data if the data matches its checksum."""
         header = self._header(slot)

@@ -41,7 +41,7 @@ def _user_error(err: Exception) -> CheckpointError:
 
 
 def cmd_ckpt_info(args: argparse.Namespace, overrides: list[str]) -> int:
-    from liandan.checkpoint.info import describe_checkpoint, run_checkpoint_root
+    from liandan.checkpoint.info import HOW_TO_GET_ONE, describe_checkpoint, run_checkpoint_root
 
     path = locate(args.path)  # a local path, or a store's URL (`s3://bucket/prefix`)
     if not path.exists():
@@ -53,7 +53,7 @@ def cmd_ckpt_info(args: argparse.Namespace, overrides: list[str]) -> int:
         root = run_checkpoint_root(path) if room.config.is_file() else path
         root = room.checkpoints if not root.is_dir() and room.checkpoints.is_dir() else root
         if not root.is_dir():
-            raise CheckpointError(f"no checkpoints under {path}: {root} does not exist")
+            raise CheckpointError(f"no checkpoints under {path}: {root} does not exist; {HOW_TO_GET_ONE}")
     partial: list = []
     if not candidates and is_url(root):  # a store has no rename: a step without its manifest is a save under way
         steps = step_dirs(root)
@@ -62,7 +62,7 @@ def cmd_ckpt_info(args: argparse.Namespace, overrides: list[str]) -> int:
     elif not candidates:
         candidates = sorted(step_dirs(root) + partial_step_dirs(root))
     if not candidates and not partial:
-        raise CheckpointError(f"no checkpoints under {path}")
+        raise CheckpointError(f"no checkpoints under {path}; {HOW_TO_GET_ONE}")
     for candidate in partial:
         print(f"{candidate}\n  partial save, not a checkpoint: no manifest (being written, or its writer died)")
     for candidate in candidates:

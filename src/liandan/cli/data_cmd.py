@@ -125,8 +125,14 @@ def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if overrides:
         raise ConfigError(f"unrecognised argument '{overrides[0]}'")
+    from liandan.data.documents.readers import files_in_directory
+
+    names = []
+    for name in args.paths:  # a directory stands for the data files directly in it, each a source
+        local = not is_url(name) and Path(name).is_dir()
+        names += [str(p) for p in files_in_directory(Path(name), name)] if local else [name]
     sources, read_stats = {}, {}
-    for name in args.paths:
+    for name in names:
         path = name if is_url(name) else Path(name)
         source = name.rstrip("/").rsplit("/", 1)[-1].split(".")[0]
         if source in sources:

@@ -83,8 +83,7 @@ def prepare_data(data: list[str] | None, out: Path, vocab_size: int) -> dict:
 
 def data_files(given: list[str]) -> list[str]:
     """The files of `--data`: a directory stands for the data files directly in it, sorted by name."""
-    from liandan.data.documents.corpus import DataError
-    from liandan.data.documents.readers import SUPPORTED_SUFFIXES
+    from liandan.data.documents.readers import files_in_directory
 
     files = []
     for name in given:
@@ -92,12 +91,7 @@ def data_files(given: list[str]) -> list[str]:
         if not path.is_dir():
             files.append(str(path))  # the pipeline says so when it is missing
             continue
-        found = sorted(p for p in path.iterdir() if p.is_file() and p.name.lower().endswith(SUPPORTED_SUFFIXES))
-        if not found:
-            raise DataError(
-                f"--data {name}: the directory holds no .txt, .jsonl or .parquet files (optionally .gz or .zst)"
-            )
-        files += [str(p) for p in found]
+        files += [str(p) for p in files_in_directory(path, f"--data {name}")]
     return files
 
 

@@ -89,3 +89,17 @@ def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:
 
 def uses_fsdp(layout: Layout) -> bool:
     return layout.dp_shard > 1 or (layout.dp_replicate > 1 and layout.tp > 1)
+
+
+def batch_split_refusal(global_batch: int, micro_batch: int, dp_size: int) -> str | None:
+    """Why `train.global_batch` cannot be split over `dp_size` data-parallel ranks in whole micro-batches (one
+    line), or None. Asked before any data is read: by `liandan train` before its workers start, and by each
+    worker before the data pipeline runs."""
+    if global_batch % dp_size:
+        return (f"train.global_batch = {global_batch} must split evenly over the {dp_size} data-parallel ranks"
+                f" (a multiple of {dp_size})")  # fmt: skip
+    per_rank = global_batch // dp_size
+    if micro_batch and per_rank % micro_batch:
+        return (f"train.global_batch = {global_batch} must split into {dp_size} data-parallel ranks"
+                f" of whole micro-batches of train.micro_batch = {micro_batch}")  # fmt: skip
+    return None

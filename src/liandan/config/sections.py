@@ -134,7 +134,17 @@ class DataSection:
 
 @dataclass
 class CheckpointSection:
-    every: int = _f(0, "steps between checkpoints (and one at the end); 0 disables checkpointing", min=0)
+    enabled: bool = _f(
+        True, "save checkpoints at all; false turns every save off (every, every_minutes, at_end and a"
+        " preemption's save)"
+    )  # fmt: skip
+    every: int = _f(0, "steps between checkpoints; 0: no step interval (the time interval and the end still save)",
+                    min=0)  # fmt: skip
+    every_minutes: float = _f(
+        30.0, "minutes between checkpoints, measured on rank 0's clock from the start or the newest save (all"
+        " ranks agree on the step); 0: no time interval", min=0.0,
+    )  # fmt: skip
+    at_end: bool = _f(True, "save a checkpoint of the last step")
     dir: str = _f("", "where checkpoints go; empty means <run directory>/checkpoints")
     keep_last: int = _f(3, "newest checkpoints to keep; 0 keeps all", min=0)
     keep_every: int = _f(0, "also keep every checkpoint whose step is a multiple of this; 0 disables", min=0)
@@ -148,11 +158,21 @@ class CheckpointSection:
         "", "model weights that start a new run (optimizer fresh): a checkpoint directory, a Hugging Face"
         " directory or a consolidated .safetensors file"
     )  # fmt: skip
+    allow_model_change: bool = _f(
+        False, "resume or init_from a checkpoint of another model (model_args differ: layers dropped, another"
+        " rope_theta): the tensors the new model has load, the rest of the checkpoint is left; a tensor the"
+        " checkpoint lacks, or of another shape, is still refused"
+    )  # fmt: skip
     memory_every: int = _f(
         0, "under the supervisor, snapshot every rank's state into host shared memory every this many steps, so a"
         " restart after a process crash resumes from there; 0 disables", min=0,
     )  # fmt: skip
     memory_dir: str = _f("", "where memory snapshots go; empty means /dev/shm (or the temporary directory)")
+
+    @property
+    def saves(self) -> bool:
+        """Whether the run saves any checkpoint: `enabled`, and a step interval, a time interval or the end."""
+        return self.enabled and bool(self.every or self.every_minutes or self.at_end)
 
 
 @dataclass
@@ -231,7 +251,10 @@ class GuardSection:
     on_drop: Literal["warn", "stop"] = _f("warn", "what a too-good-to-be-true loss drop does")
     escalate_after: int = _f(3, "skipped updates in a row that become a rollback; 0 never escalates", min=0)
     ring_every: int = _f(25, "steps between the in-memory states kept to roll back to", min=1)
-    ring_size: int = _f(3, "in-memory states kept (each a copy of the rank's model and optimizer state)", min=1)
+    ring_size: int = _f(
+        3, "in-memory states kept (each a copy of the rank's model and optimizer state); refused at the start when"
+        " they would take more than half the host memory available", min=1,
+    )  # fmt: skip
     rollback_margin: int = _f(1, "roll back to a state at least this many steps before the spike began", min=0)
     skip_batches: int = _f(
         0, "batches skipped after a rollback, counted from the restored state; at least those up to the"

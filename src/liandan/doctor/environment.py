@@ -121,7 +121,7 @@ def environment_warnings(cfg: Config, facts: dict, size: StateSize | None, devic
                     f" {size.snapshot_bytes_per_host / GIB:.2f} GiB (checkpoint.memory_every)")  # fmt: skip
     free, each = facts["disk_free_bytes"], size.checkpoint_bytes
     kept = (c.keep_last or 1) + 1  # the ones kept and the one being written
-    if c.every and free is not None and free < kept * each:
+    if c.saves and free is not None and free < kept * each:
         said.append(f"{facts['checkpoint_dir']} has {free / GIB:.2f} GiB free; {kept} checkpoints of"
                     f" {each / GIB:.2f} GiB each need {kept * each / GIB:.2f} GiB")  # fmt: skip
     return said

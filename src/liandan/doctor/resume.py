@@ -256,7 +256,10 @@ class ResumeOracle:
             "--run.overwrite=false",
             f"--train.steps={self.steps}",
             "--train.log_every=1",  # every step's loss, to find the first that drifts
+            "--checkpoint.enabled=true",
             f"--checkpoint.every={self.resume_at}",
+            "--checkpoint.every_minutes=0",  # the saves the comparison rests on, none other
+            "--checkpoint.at_end=true",
             "--checkpoint.keep_last=0",
             "--checkpoint.keep_every=0",
             "--checkpoint.dir=",

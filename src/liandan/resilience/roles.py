@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
+from liandan.common.layout import batch_split_refusal, resolve_layout
 from liandan.config import Config, ConfigError, load_config
 from liandan.resilience.launch import Start, how_started
 from liandan.run.errors import DEVICE_FAULT_EXIT, RunStopped
@@ -80,6 +81,14 @@ def run_training(
     check_exporters(cfg.track)  # a tracker's library that is missing: the extra to install
     if nproc < 1:
         raise ConfigError(f"--nproc = {nproc} must be at least 1")
+    if not os.environ.get("WORLD_SIZE") and not os.environ.get("LIANDAN_NNODES"):  # all ranks here: known now
+        try:
+            layout = resolve_layout(cfg.parallel, nproc)
+        except ValueError as err:  # an impossible layout: the same line the workers would give
+            raise ConfigError(str(err)) from None
+        refusal = batch_split_refusal(cfg.train.global_batch, cfg.train.micro_batch, layout.dp_size)
+        if refusal:  # before any worker starts or any data is tokenized
+            raise ConfigError(refusal)
     # torchrun or srun started one process per rank, or the supervisor started this worker; with $LIANDAN_NNODES
     # srun starts one supervisor per node instead
     start = how_started(nproc, os.environ)
@@ -122,18 +131,17 @@ def supervise(config: str, cfg: Config, name: str, nproc: int, overrides: list[s
 
 def check_launch(cfg: Config, nproc: int) -> None:
     """What a launcher checks before it starts `nproc` ranks: the layout fits them, the data is there."""
-    from liandan.common.layout import resolve_layout
-
     try:
         resolve_layout(cfg.parallel, nproc)
     except ValueError as err:
         raise ConfigError(str(err)) from None
     from liandan.data.documents.corpus import DataError
     from liandan.data.documents.storage import is_file
-    from liandan.run.remote import locate
+    from liandan.run.remote import is_url, locate
 
     for path in cfg.data.paths:
-        if not is_file(locate(path)):  # a URL's object too, so a missing one stops the launch, not the workers
+        # a URL's object too, so a missing one stops the launch, not the workers; a directory is its data files
+        if not is_file(locate(path)) and not (not is_url(path) and Path(path).is_dir()):
             raise DataError(f"data file not found: {path}")
 
 

@@ -12,6 +12,7 @@ from liandan.run.files import (
     naming,
     replacing,
     temporary,
+    umask_mode,
 )
 from liandan.run.jsonl import JsonlTail, keep_jsonl, parse_line, read_json, read_jsonl
 from liandan.run.layout import RunDir, project_store, rank_file, rank_files
@@ -66,4 +67,5 @@ __all__ = [
     "step_dir_name",
     "step_dirs",
     "temporary",
+    "umask_mode",
 ]

@@ -82,6 +82,20 @@ def replacing(path: Path | str, *, durable: bool = True, unique: bool = False) -
             fsync_path(path.parent)
 
 
+def umask_mode(mode: int = 0o666) -> int:
+    """`mode` as the process's umask leaves it: what a file created by `open` gets. For writers that create
+    their files private whatever the umask (safetensors does: 0600), so that their files match the rest."""
+    try:  # Linux says it without changing it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return mode & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: read by setting it, and put back at once
+    os.umask(mask)
+    return mode & ~mask
+
+
 @contextlib.contextmanager
 def atomic_file(
     path: Path | str, mode: str = "wb", *, durable: bool = True, private: bool = False, unique: bool = False

@@ -4,8 +4,10 @@ Two `liandan train` with the same run name would interleave their metrics.jsonl 
 process in charge of a run (the supervisor, or rank 0 of an unsupervised run) therefore holds an exclusive
 `fcntl.flock` on `<run>/run.lock` for the run's lifetime, and a second run is refused with one line naming
 the holder (its pid, host and start time are in the lock file). The kernel releases the lock when the
-holder's process ends, however it ends: a SIGKILLed run leaves no stale lock behind. The lock file itself
-stays; it is free whenever no process holds it.
+holder's process ends, however it ends: a SIGKILLed run leaves no stale lock behind. A run that ends in
+order (`release()`) removes the lock file; one that was killed leaves it, free, naming the process that held
+it. Since a lock file can be removed while another process opens it, a lock taken on a file that is no
+longer the one at the path is given up and taken again.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class RunLock:
     process ends."""
 
     def __init__(self, path: Path, fd: int):
-        self.path = path
+        self.path, self._fd = path, fd
         self._close = weakref.finalize(self, os.close, fd)
 
     @property
@@ -45,6 +47,13 @@ class RunLock:
         return self._close.alive
 
     def release(self) -> None:
+        """Remove the lock file, then let go of it: the run ended in order, so nothing is left behind. Removed
+        while held, so that no other run holds a lock on it by then (one that opened it meanwhile takes the
+        lock on a removed file, sees that, and starts over: `lock_run_dir`)."""
+        if self._close.alive:
+            with contextlib.suppress(OSError):  # gone or unwritable: the lock still goes with the descriptor
+                if _same_file(self._fd, self.path):
+                    os.unlink(self.path)
         self._close()
 
 
@@ -81,22 +90,36 @@ def _take(path: Path, refusal) -> RunLock:
     if held is not None and held.held:
         return held
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # not truncated: it names the holder
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        raise refusal(holder) from None
-    except BaseException:
-        os.close(fd)
-        raise
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)  # not truncated: it names the holder
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise refusal(holder) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        if _same_file(fd, path):
+            break
+        os.close(fd)  # its holder removed it as we opened it: the lock on a removed file locks nothing
     me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime(LOCKED_AT)}
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
     lock = RunLock(path, fd)
     _held[key] = lock
     return lock
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether the open file `fd` is still the file at `path`."""
+    try:
+        here = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (here.st_dev, here.st_ino)
 
 
 def _holder(fd: int) -> str:

@@ -9,6 +9,9 @@ import math
 import time
 from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
+
 from liandan.config import Config
 from liandan.train.callbacks import Callback
 from liandan.train.hardware import peak_memory_bytes
@@ -116,17 +119,46 @@ class SnapshotCallback(Callback):
 
 
 class CheckpointCallback(Callback):
-    """A checkpoint every `checkpoint.every` steps and at the last; at the end, the wait for the last save and
-    the refusal to report success when it (or too many saves in a row) failed. Last in the step but for the
-    preemption guard, so the states of the callbacks before it include this step."""
+    """A checkpoint every `checkpoint.every` steps, every `checkpoint.every_minutes` and at the last step
+    (`checkpoint.at_end`); at the end, the wait for the last save and the refusal to report success when it
+    (or too many saves in a row) failed. Last in the step but for the preemption guard, so the states of the
+    callbacks before it include this step.
+
+    The time interval is measured on rank 0's clock alone and its verdict broadcast to every rank (one
+    collective a step, on a small gloo group of the ranks' own: no device synchronisation), so that all ranks
+    save the same steps although their clocks differ."""
 
     order = 90
 
+    def __init__(self) -> None:
+        self.group = None
+        self.last_save = time.monotonic()  # a save resets the time interval, whatever asked for it
+
+    def on_train_start(self, ctx: TrainContext) -> None:
+        if ctx.cfg.checkpoint.every_minutes and ctx.dist.distributed:
+            self.group = dist.new_group(backend="gloo")  # every rank: the config is the same on all
+        self.last_save = time.monotonic()
+
     def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
-        every = ctx.cfg.checkpoint.every
-        if (step % every == 0 or step == ctx.cfg.train.steps) and not ctx.rollback.pending:
+        c = ctx.cfg.checkpoint
+        due = (bool(c.every) and step % c.every == 0) or (c.at_end and step == ctx.cfg.train.steps)
+        if not due and c.every_minutes and step < ctx.cfg.train.steps:
+            due = self._time_is_up(ctx, c.every_minutes)
+        if due and not ctx.rollback.pending:
             ctx.phase("checkpoint")
             ctx.save_checkpoint()
+
+    def on_checkpoint_saved(self, ctx: TrainContext, step: int) -> None:
+        self.last_save = time.monotonic()
+
+    def _time_is_up(self, ctx: TrainContext, minutes: float) -> bool:
+        """Rank 0's verdict, on every rank. Collective when distributed."""
+        up = ctx.dist.is_main and time.monotonic() - self.last_save >= minutes * 60
+        if self.group is None:
+            return up
+        flag = torch.tensor([1 if up else 0], dtype=torch.int32)
+        dist.broadcast(flag, src=0, group=self.group)  # the group holds every rank: global rank 0 is its first
+        return bool(flag.item())
 
     def on_train_end(self, ctx: TrainContext, result: TrainResult) -> None:
         ctx.checkpoints.close()
@@ -150,4 +182,4 @@ def _snapshots(cfg: Config) -> Callback | None:
 
 
 def _checkpoint(cfg: Config) -> Callback | None:
-    return CheckpointCallback() if cfg.checkpoint.every else None
+    return CheckpointCallback() if cfg.checkpoint.saves else None

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.manager import CheckpointManager
 from liandan.checkpoint.resume import can_resume
-from liandan.common.layout import Layout, resolve_layout
+from liandan.common.layout import Layout, batch_split_refusal, resolve_layout
 from liandan.config import Config, ConfigError
 from liandan.data.pipeline.prepare import open_prepared, open_stores, prepare_store
 from liandan.data.tokens.loader import Batch, PackedLoader
@@ -199,13 +199,10 @@ def build_data(cfg: Config, env: Environment, room: RunDir, resuming: bool,
     directory (resuming, it reuses that store) and the others open it; then the loader of this rank."""
     t = cfg.train
     dp_rank, dp_size = env.dp_coordinates
-    per_rank = t.global_batch // dp_size if t.global_batch % dp_size == 0 else 0
-    micro_batch = t.micro_batch or per_rank
-    if not per_rank or per_rank % micro_batch:
-        raise ConfigError(
-            f"train.global_batch = {t.global_batch} must split into {dp_size} data-parallel ranks"
-            f" of whole micro-batches of train.micro_batch = {micro_batch}"
-        )
+    refusal = batch_split_refusal(t.global_batch, t.micro_batch, dp_size)
+    if refusal:
+        raise ConfigError(refusal)
+    micro_batch = t.micro_batch or t.global_batch // dp_size
     if loader is not None:  # the caller's own data
         own = loader if hasattr(loader, "next_step") else loader(env, dp_rank, dp_size)  # type: ignore[operator]
         return Data(own, micro_batch, dp_rank, dp_size, list(getattr(own, "stores", [])),

@@ -197,8 +197,9 @@ class PreemptionCallback(Callback):
     def on_phase(self, ctx: TrainContext, step: int, phase: str, micro: int) -> None:
         if phase not in MID_STEP or self.planned or step >= ctx.cfg.train.steps:
             return
-        if not ctx.snapshots and ctx.cfg.checkpoint.every != 1:
-            return  # never anything to fall back on: finishing the step is the only plan (the same on every rank)
+        c = ctx.cfg.checkpoint
+        if not c.enabled or (not ctx.snapshots and c.every != 1):
+            return  # nothing saved, or never anything to fall back on: finishing the step is the only plan
         fallback_step, fallback_s = self._fallback(ctx, step)
         elapsed = time.perf_counter() - self.step_started
         typical = statistics.median(self.step_seconds) if self.step_seconds else 0.0
@@ -214,8 +215,8 @@ class PreemptionCallback(Callback):
         self.step_seconds.append(time.perf_counter() - self.step_started)
         if step >= ctx.cfg.train.steps or ctx.rollback.pending:  # stop after the step that replaces it
             return
-        every = ctx.cfg.checkpoint.every
-        saved = bool(every and step % every == 0)
+        # this step's checkpoint was just asked for (by the step or the time interval); with saving off, none is
+        saved = ctx.checkpoints.requested_step == step or not ctx.cfg.checkpoint.enabled
         plan = self.guard.agree_on_plan(0.0 if saved else self._save_s(ctx), math.inf, -1)
         if not plan.signum:
             return

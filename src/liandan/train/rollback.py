@@ -10,6 +10,7 @@ not the state) register `around_restore` hooks.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -77,3 +78,52 @@ class Rollback:
         self.restore(target)
         self.ring.drop_after(target.step)
         return target
+
+
+# Of the host memory available at the start, the share the rings of a host's ranks may take together: the
+# rest is for the data loader, the staging of checkpoint saves and memory snapshots, and everything else.
+RING_SHARE = 0.5
+
+
+def state_bytes(model_parts: list[Any]) -> int:
+    """About what one state of the ring holds on this rank: its shards of the parameters and two optimizer
+    moments of each (AdamW's; the optimizer has no state yet when this is asked)."""
+    total = 0
+    for part in model_parts:
+        for p in part.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            total += local.numel() * local.element_size()
+    return 3 * total
+
+
+def available_host_memory() -> int | None:
+    """Bytes of host memory available now (Linux's MemAvailable), or None where it cannot be told."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def ring_refusal(ring_size: int, each: int, available: int | None, ranks_on_host: int) -> str | None:
+    """Why `guard.ring_size` states of `each` bytes per rank cannot be kept in host memory (one line), or None."""
+    if not ring_size or available is None or each <= 0:
+        return None
+    budget = RING_SHARE * available / max(1, ranks_on_host)
+    if ring_size * each <= budget:
+        return None
+    fit = int(budget // each)
+    most = f"at most {fit} fit" if fit else "not even one fits: turn the guard off with guard.enabled = false"
+    return (f"guard.ring_size = {ring_size} keeps that many copies of each rank's training state in host memory"
+            f" (about {each / 1e6:,.1f} MB each, {ring_size * each / 1e9:,.1f} GB), more than half of the"
+            f" {available / 1e9:,.1f} GB available to this host's {ranks_on_host} rank(s): {most}")  # fmt: skip
+
+
+def ranks_on_this_host(world_size: int) -> int:
+    """How many ranks share this host's memory: the launcher's LOCAL_WORLD_SIZE, else all of them."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    except ValueError:
+        return world_size

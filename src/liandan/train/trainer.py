@@ -39,7 +39,7 @@ from liandan.train.distributed import shutdown_distributed
 from liandan.train.hardware import datasheet_fp8_peak_flops, device_peak_flops
 from liandan.train.parallelize import reshard
 from liandan.train.preemption import Preempted, StepAbandoned
-from liandan.train.rollback import Rollback
+from liandan.train.rollback import Rollback, available_host_memory, ranks_on_this_host, ring_refusal, state_bytes
 
 __all__ = ["StepOutput", "TrainResult", "Trainer"]
 
@@ -77,6 +77,7 @@ class Trainer:
             self.files.log_event("model_built", meta_init=cfg.train.meta_init, host_peak_bytes=peaks[0],
                                  device_peak_bytes=peaks[1])  # fmt: skip
         ring = cfg.guard.ring_size if cfg.guard.enabled else 0
+        self._check_ring(ring)
         self.rollback = Rollback(self.module, self.checkpoints, lambda: self.progress.step, self.resume_state,
                                  self.rewind, ring)  # fmt: skip
         services = {
@@ -89,6 +90,17 @@ class Trainer:
         self._measure_peaks()
         self.logger = self._make_logger()
         self._say_model()
+
+    def _check_ring(self, ring: int) -> None:
+        """Refuse a ring of rollback states that host memory cannot hold, before it fills it step by step. The
+        same verdict on every rank: the largest state against the least memory available."""
+        if not ring:
+            return
+        each, scarce = self.env.max_over_ranks([state_bytes(self.module.model_parts), -(available_host_memory() or -1)])
+        available = -scarce if scarce < 0 else None
+        refusal = ring_refusal(ring, each, available, ranks_on_this_host(self.dist.world_size))
+        if refusal:
+            raise ConfigError(refusal)
 
     def _measure_peaks(self) -> None:
         """MFU's denominator: under fp8 the fp8 linears' share of the FLOPs counts at the fp8 peak (emulated,
@@ -208,13 +220,10 @@ class Trainer:
     # -- saving, stopping, going back ---------------------------------------------------------------------
     def save_checkpoint(self) -> float:
         """Save (in the background when asynchronous); returns the seconds training was blocked."""
-        spec, args = self.module.spec, self.module.args
         meta = {
             "format": "liandan-checkpoint",
             "layout": str(self.env.layout),
             **self.resume_state(),
-            **({"model_family": spec.name} if spec is not None else {}),
-            **({"model_args": dataclasses.asdict(args)} if args is not None else {}),
             "config": self.cfg.to_toml(),
             "liandan_version": __version__,
         }
@@ -266,12 +275,16 @@ class Trainer:
 
     def resume_state(self) -> dict[str, Any]:
         """What a resume needs besides the tensors: the train module's state (the schedule), the loader, the
-        callbacks' states."""
+        callbacks' states; and the model they belong to (its family and args, checked on every resume)."""
         states = {c.name: state for c in self.callbacks if (state := c.state_dict())}
         stores = self.parts.data.stores
         own = self.module.state_dict()
+        spec, args = self.module.spec, self.module.args
+        model = {"model_family": spec.name} if spec is not None else {}
+        if args is not None:
+            model["model_args"] = dataclasses.asdict(args)
         return {"tokens": self.progress.tokens, **own, "loader": self.loader.state_dict(),
-                "tokenizer": stores[0].fingerprint if stores else None, "callbacks": states}  # fmt: skip
+                "tokenizer": stores[0].fingerprint if stores else None, "callbacks": states, **model}  # fmt: skip
 
     def rewind(self, step: int, state: dict[str, Any]) -> None:
         """Go back to `step`, whose `resume_state()` is `state`, after the caller has put that step's model and
@@ -291,7 +304,9 @@ class Trainer:
             self.room.truncate_metrics(step)
 
     def close(self) -> None:
-        """Leave the process group and release the run directory; the trainer cannot step after this."""
+        """Leave the process group and release the run directory; the trainer cannot step after this. A save
+        still in flight here is one the run ended on an error during: its partial directory goes."""
+        self.checkpoints.abandon()
         self.parts.heartbeat.close()
         shutdown_distributed()
         if self.parts.run_lock is not None:
@@ -313,14 +328,19 @@ class Trainer:
             point = choose_resume(in_memory, step_of(Path(newest[0])) if newest else None,
                                   lambda: newest_checkpoint(self.checkpoints))  # the supervisor's verdict, if fresh  # fmt: skip
         if point is not None and point.source == "memory":
+            snapshot = f"the memory snapshot of step {point.step} in {self.parts.snapshots.directory}"
+            self._check_model(self.parts.snapshots.state_of(point.step), snapshot)
             meta = self.parts.snapshots.load(point.step, self.module.model_parts, self.module.optimizers)
             self._continue_from(meta, point.step, f"the memory snapshot in {self.parts.snapshots.directory}")
             self.parts.event("resumed", step=self.step, source="memory", path=str(self.parts.snapshots.directory),
                              from_layout=str(self.env.layout))  # fmt: skip
         elif point is not None and point.source == "checkpoint":
+            self._check_model(read_meta(point.path), str(point.path))  # before a load that might half fit
             # one that verifies may still fail to load: then the newest older one that does
             path, meta = self.checkpoints.load_newest(point.path, self.module.model_parts, self.module.optimizers)
             self._continue_from(meta, int(meta["step"]), str(path))
+            if path != point.path:  # an older one: checked as well, although loaded already (the run stops)
+                self._check_model(meta, str(path))
             self.parts.event(
                 "resumed", step=self.step, source="checkpoint", path=str(path), from_layout=meta.get("layout")
             )
@@ -335,18 +355,33 @@ class Trainer:
             return
         if not (source / META).is_file():
             raise ConfigError(f"checkpoint.init_from = {source}: no checkpoint there ({META} missing)")
-        their_meta = read_meta(source)
-        family = their_meta.get("model_family", "llama")
-        if family != self.module.spec.name:
-            raise ConfigError(f"checkpoint.init_from = {source} has another model: model.family = "
-                              f"{self.module.spec.name} (checkpoint: {family})")  # fmt: skip
-        # Shapes and what the shapes do not show (RoPE base and scaling, norm epsilon): either would load.
-        differ = self.module.spec.differences(self.module.args, their_meta.get("model_args", {}))
-        if differ:
-            raise ConfigError(f"checkpoint.init_from = {source} has another model: {'; '.join(differ)}")
+        self._check_model(read_meta(source), f"checkpoint.init_from = {source}")
         self.checkpoints.load(source, self.module.model_parts)
         self.say(f"initialised model weights from {source}")
         self.parts.event("initialised", path=str(source))
+
+    def _check_model(self, meta: dict[str, Any], source: str) -> None:
+        """Refuse, in one line naming the keys, a checkpoint or snapshot of another model than this run's: its
+        family, its shapes, or what the shapes do not show (RoPE base and scaling, norm epsilon). Tensors that
+        still fit would load (fewer layers: the rest silently dropped). `checkpoint.allow_model_change` lets a
+        deliberate change through, said once. A train module without a spec or args has nothing to compare."""
+        spec, args = self.module.spec, self.module.args
+        if spec is None or args is None or "model_args" not in meta:
+            return
+        family = meta.get("model_family", "llama")  # checkpoints from before families are Llama's
+        if family != spec.name:
+            differ = [f"model.family = {spec.name} (checkpoint: {family})"]
+        else:
+            differ = spec.differences(args, meta["model_args"])
+        if not differ:
+            return
+        said = f"{source} holds another model: {'; '.join(differ)}"
+        if family != spec.name:  # no tensor of another family is this one's
+            raise ConfigError(said)
+        if not self.cfg.checkpoint.allow_model_change:
+            raise ConfigError(f"{said}; to change the model on purpose, set checkpoint.allow_model_change = true")
+        self.say(f"{said}; loading what fits (checkpoint.allow_model_change)")
+        self.parts.event("model_changed", source=source, differences=differ)
 
     def _init_from_weights(self, source: Path) -> None:
         """Hugging Face or consolidated weights, each rank reading only its shards' slices, tensor by tensor."""

@@ -39,12 +39,23 @@ SUPPORTED_SUFFIXES = tuple(
     s + c for s in FORMAT_SUFFIXES if s for c in ("", *COMPRESSION_SUFFIXES)
 )  # ".txt", ".txt.gz", ".jsonl.zst", ...
 TXT_MODES = ("file", "line", "paragraph")
+DIRECTORY_HOLDS = ".txt, .jsonl or .parquet files (optionally .gz or .zst)"  # what `files_in_directory` takes
 
 RAW_PREVIEW_CHARS = 500  # how much of a rejected record the reject log keeps
 META_MAX_CHARS = 256  # longer string fields stay out of doc.meta: it travels with every document
 PARQUET_BATCH_ROWS = 1024
 _CHUNK_BYTES = 1 << 20
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def files_in_directory(directory: Path, named: str) -> list[Path]:
+    """The data files directly in `directory` (`DIRECTORY_HOLDS`), sorted by name: what a directory stands for
+    wherever data files are named (`liandan demo --data`, `[[inputs]] paths`, `[data] paths`, `liandan data
+    inspect`). DataError, in one line starting with `named`, when it holds none."""
+    found = sorted(p for p in Path(directory).iterdir() if p.is_file() and p.name.lower().endswith(SUPPORTED_SUFFIXES))
+    if not found:
+        raise DataError(f"{named}: the directory holds no {DIRECTORY_HOLDS}")
+    return found
 
 
 def file_format(path: Path | RemotePath) -> tuple[str, str | None]:

@@ -216,6 +216,7 @@ def expand_paths(spec: InputSpec) -> list[Path | str]:
     """The files of an input, sorted within each pattern, in the order the patterns are given; objects named by
     URL stay URLs."""
     from liandan.data.documents.corpus import DataError
+    from liandan.data.documents.readers import files_in_directory
     from liandan.data.documents.storage import glob_url, is_file
 
     files: list[Path | str] = []
@@ -232,6 +233,8 @@ def expand_paths(spec: InputSpec) -> list[Path | str]:
             files.extend(matches)
         elif Path(pattern).is_file():
             files.append(Path(pattern))
+        elif Path(pattern).is_dir():
+            files.extend(files_in_directory(Path(pattern), f"input '{spec.name}': {pattern}"))
         else:
             raise DataError(f"input '{spec.name}': data file not found: {pattern}")
     return files
