@@ -92,32 +92,51 @@ class EvalCallback(Callback):
 class SnapshotCallback(Callback):
     """A copy of the whole training state in host memory every `checkpoint.memory_every` steps, for the
     supervisor's restarts (it owns the snapshots; unsupervised runs take none). Late in the step, so the
-    states of the callbacks before it include this step."""
+    states of the callbacks before it include this step. A step the guard has not settled on (a loss over a
+    threshold, its verdict still open) is not kept: the snapshot waits for the first settled step, so that a
+    restart never resumes past a spike the guard would have rolled back."""
 
     order = 80
 
+    def __init__(self) -> None:
+        self.due = False
+
     def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
-        every = ctx.cfg.checkpoint.memory_every
-        if ctx.snapshots and step % every == 0 and step < ctx.cfg.train.steps and not ctx.rollback.pending:
+        self.due = (self.due or step % ctx.cfg.checkpoint.memory_every == 0) and not ctx.rollback.pending
+        if ctx.snapshots and self.due and step < ctx.cfg.train.steps and _settled(ctx):
             ctx.snapshots.save(step, ctx.module.model_parts, ctx.module.optimizers, ctx.resume_state())
+            self.due = False
 
 
 class CheckpointCallback(Callback):
-    """A checkpoint every `checkpoint.every` steps and at the last; at the end, the wait for the last save and
-    the refusal to report success when it (or too many saves in a row) failed. Last in the step but for the
-    preemption guard, so the states of the callbacks before it include this step."""
+    """A checkpoint every `checkpoint.every` steps (or at the first step after it the guard has settled on) and at
+    the last; at the end, the wait for the last save and the refusal to report success when it (or too many saves
+    in a row) failed. Last in the step but for the preemption guard, so the states of the callbacks before it
+    include this step."""
 
     order = 90
 
+    def __init__(self) -> None:
+        self.due = False
+
     def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
-        every = ctx.cfg.checkpoint.every
-        if (step % every == 0 or step == ctx.cfg.train.steps) and not ctx.rollback.pending:
+        # a step rolled back is undone: the restored run comes to its multiple again
+        self.due = (self.due or step % ctx.cfg.checkpoint.every == 0) and not ctx.rollback.pending
+        last = step == ctx.cfg.train.steps and not ctx.rollback.pending  # no later verdict can come
+        if (self.due and _settled(ctx)) or last:
             ctx.phase("checkpoint")
             ctx.save_checkpoint()
+            self.due = False
 
     def on_train_end(self, ctx: TrainContext, result: TrainResult) -> None:
         ctx.checkpoints.close()
         ctx.stop_if_unsaved(final=True)
+
+
+def _settled(ctx: TrainContext) -> bool:
+    """Neither a rollback of this step decided nor a verdict on it open (a spike streak: a checkpoint of it could
+    hold the spike's update and, resumed from, lose the rollback)."""
+    return not ctx.rollback.pending and not ctx.rollback.unsettled
 
 
 def _heartbeat(cfg: Config) -> Callback:
