@@ -245,7 +245,7 @@ class GuardSection:
     lr_factor: float = _f(1.0, "after a rollback, scale the learning rate by this (compounding)...", min=0.0, max=1.0)
     lr_steps: int = _f(0, "...for this many steps; 0 keeps it for the rest of the run", min=0)
     diverge_lr_factor: float = _f(
-        0.5, "after a rollback for early divergence whose batches look normal (the learning rate is to blame), scale"
+        0.3, "after a rollback for early divergence whose batches look normal (the learning rate is to blame), scale"
         " the learning rate by this for the rest of the run (compounding), and train on the same batches again",
         min=0.0, max=1.0,
     )  # fmt: skip
