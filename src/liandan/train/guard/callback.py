@@ -379,8 +379,10 @@ def _has_module(model: torch.nn.Module, name: str) -> bool:
 
 
 def _diverged(plan: dict, found: dict) -> bool:
-    """Early divergence on batches that look normal on the model from before it."""
-    return any(kind == "diverge" for kind, _, _ in plan["findings"]) and not found.get("culprit_data_steps")
+    """Early divergence on batches that look normal on the model from before it, and that came back on replay
+    (not a transient fault): the learning rate's doing."""
+    diverged = any(kind == "diverge" for kind, _, _ in plan["findings"])
+    return diverged and not found.get("culprit_data_steps") and found.get("reproduced") is not False
 
 
 def _largest(values) -> float:
