@@ -214,6 +214,53 @@ def test_a_diverging_learning_rate_finishes_with_the_guard(tmp_path, corpus):
     assert len(result.losses) == STEPS
 
 
+def test_early_divergence_is_rolled_back_to_the_start_at_a_lower_learning_rate(tmp_path, corpus):
+    """A learning rate far too high blows the loss up in the first steps, before the spike rule has a history to
+    judge by: rolled back to step 0 on the same batches at a lower rate, as often as it takes, and the run ends
+    far below the one left alone."""
+    hot = ["--train.steps=30", "--train.eval_every=30", "--optim.lr=1.0", "--schedule.warmup_steps=0"]
+    unguarded, _ = train(tmp_path, corpus, *hot, "--guard.enabled=false", name="unguarded")
+    guarded, records = train(tmp_path, corpus, *hot, "--guard.max_rollbacks=6", name="guarded")
+    rollbacks = records.of_kind("rollback")
+    assert rollbacks and all(r["detectors"] == ["diverge"] and r["to"] == 0 for r in rollbacks), rollbacks
+    assert [r["skipped"] for r in rollbacks] == [[0, 0]] * len(rollbacks)  # the data was not to blame
+    assert [r["lr_scale"] for r in rollbacks] == pytest.approx([0.3**k for k in range(1, len(rollbacks) + 1)])
+    assert all(r["lr_until"] is None for r in rollbacks)
+    assert records.metrics[-1]["lr_scale"] == rollbacks[-1]["lr_scale"]
+    assert len(guarded.losses) == 30 and guarded.losses[-1] < unguarded.losses[-1] - 1.0
+
+
+def test_a_shipped_learning_rate_is_never_taken_for_early_divergence(tmp_path, corpus):
+    """configs/tiny.toml's optimizer and schedule on the small model, through its fast first fall, all of it
+    under the early-divergence rule (fewer steps than the guard's window): no warning, no rollback."""
+    shipped = ["--train.steps=50", "--train.eval_every=0", "--optim.lr=2e-3", "--schedule.warmup_steps=30",
+               "--schedule.kind=cosine", "--optim.weight_decay=0.1", "--model.z_loss=1e-4"]  # fmt: skip
+    result, records = train(tmp_path, corpus, *shipped)
+    assert records.of_kind("guard") == [] and records.of_kind("rollback") == []
+    assert len(result.losses) == 50 and result.losses[-1] < result.losses[0] - 1.0
+
+
+def test_a_rollback_decided_just_before_a_crash_is_carried_out_after_the_restart(tmp_path, poisoned):
+    """Rank 0 is killed after the step that trained on the poisoned batch, once its rollback is decided and before
+    it is carried out. The supervisor resumes from the snapshot before that step (none is taken of a step being
+    rolled back); the step comes again, and with only the resumed state in memory the guard rolls back to it."""
+    path, _ = poisoned
+    kill = f"kill@step:{POISONED_DATA_STEP + 1}"
+    env = {**{k: v for k, v in os.environ.items() if k != faults.ENV}, faults.ENV: kill}
+    done = run_liandan("train", config_file(tmp_path, path), "--run.name=killed", "--checkpoint.memory_every=1",
+                       env=env, timeout=400)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_run(tmp_path / "killed")
+    [incident] = records.of_kind("incident")
+    assert incident["step"] == POISONED_DATA_STEP + 1 and incident["resume_step"] == POISONED_DATA_STEP
+    [rollback] = records.of_kind("rollback")
+    assert (rollback["step"], rollback["to"]) == (POISONED_DATA_STEP + 1, POISONED_DATA_STEP)
+    assert rollback["skipped"] == [POISONED_DATA_STEP, POISONED_DATA_STEP + 1]
+    assert rollback["culprit_data_steps"] == [POISONED_DATA_STEP]
+    # decided before the crash, and again on the step's second coming: never skipped for want of a state
+    assert [e["action"] for e in records.of_kind("guard")] == ["rollback", "rollback"]
+
+
 def test_rules_ignore_a_falling_trend_and_catch_a_jump():
     rule = Rule(size=100, warmup=10, mads=5, min_ratio=0.05)
     rng = random.Random(0)

@@ -220,6 +220,11 @@ class GuardSection:
     spike_min_ratio: float = _f(0.05, "...and at least this fraction of the median loss above it", min=0.0)
     spike_persist: int = _f(2, "consecutive steps over the threshold that make a spike...", min=1)
     spike_immediate: float = _f(2.0, "...unless one step is this many times over it: a spike at once", min=1.0)
+    diverge_rise: float = _f(
+        0.15, "early divergence: until `window` losses are known, a loss this fraction above the lowest level so"
+        " far (median of 3 steps; the first loss counts) for spike_persist steps, or spike_immediate times as far"
+        " once; 0 disables", min=0.0,
+    )  # fmt: skip
     grad_mads: float = _f(8.0, "gradient-norm explosion: log norm this many noise units above its running level...",
                           min=0.0)  # fmt: skip
     grad_min_ratio: float = _f(10.0, "...and at least this many times the median norm", min=1.0)
@@ -249,6 +254,7 @@ class GuardSection:
     on_grad: Literal["warn", "skip", "rollback", "stop"] = _f("skip", "what a gradient-norm explosion does")
     on_logits: Literal["warn", "skip", "rollback", "stop"] = _f("warn", "what output/attention logit growth does")
     on_drop: Literal["warn", "stop"] = _f("warn", "what a too-good-to-be-true loss drop does")
+    on_diverge: Literal["warn", "skip", "rollback", "stop"] = _f("rollback", "what early divergence does")
     escalate_after: int = _f(3, "skipped updates in a row that become a rollback; 0 never escalates", min=0)
     ring_every: int = _f(25, "steps between the in-memory states kept to roll back to", min=1)
     ring_size: int = _f(
@@ -262,6 +268,11 @@ class GuardSection:
     )  # fmt: skip
     lr_factor: float = _f(1.0, "after a rollback, scale the learning rate by this (compounding)...", min=0.0, max=1.0)
     lr_steps: int = _f(0, "...for this many steps; 0 keeps it for the rest of the run", min=0)
+    diverge_lr_factor: float = _f(
+        0.3, "after a rollback for early divergence whose batches look normal (the learning rate is to blame), scale"
+        " the learning rate by this for the rest of the run (compounding), and train on the same batches again",
+        min=0.0, max=1.0,
+    )  # fmt: skip
     max_rollbacks: int = _f(3, "rollbacks allowed within rollback_window steps; one more stops the run", min=0)
     rollback_window: int = _f(1000, "steps over which rollbacks are counted", min=1)
     stats_every: int = _f(100, "per-layer statistics every this many steps; 0 only around incidents", min=0)

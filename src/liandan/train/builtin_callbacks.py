@@ -108,21 +108,28 @@ class EvalCallback(Callback):
 class SnapshotCallback(Callback):
     """A copy of the whole training state in host memory every `checkpoint.memory_every` steps, for the
     supervisor's restarts (it owns the snapshots; unsupervised runs take none). Late in the step, so the
-    states of the callbacks before it include this step."""
+    states of the callbacks before it include this step. A step the guard has not settled on (a loss over a
+    threshold, its verdict still open) is not kept: the snapshot waits for the first settled step, so that a
+    restart never resumes past a spike the guard would have rolled back."""
 
     order = 80
 
+    def __init__(self) -> None:
+        self.due = False
+
     def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
-        every = ctx.cfg.checkpoint.memory_every
-        if ctx.snapshots and step % every == 0 and step < ctx.cfg.train.steps and not ctx.rollback.pending:
+        self.due = (self.due or step % ctx.cfg.checkpoint.memory_every == 0) and not ctx.rollback.pending
+        if ctx.snapshots and self.due and step < ctx.cfg.train.steps and _settled(ctx):
             ctx.snapshots.save(step, ctx.module.model_parts, ctx.module.optimizers, ctx.resume_state())
+            self.due = False
 
 
 class CheckpointCallback(Callback):
     """A checkpoint every `checkpoint.every` steps, every `checkpoint.every_minutes` and at the last step
     (`checkpoint.at_end`); at the end, the wait for the last save and the refusal to report success when it
     (or too many saves in a row) failed. Last in the step but for the preemption guard, so the states of the
-    callbacks before it include this step.
+    callbacks before it include this step. A save due at a step the guard has not settled on (a loss over a
+    threshold, its verdict still open) waits for the first settled step; the last step is always saved.
 
     The time interval is measured on rank 0's clock alone and its verdict broadcast to every rank (one
     collective a step, on a small gloo group of the ranks' own: no device synchronisation), so that all ranks
@@ -133,6 +140,7 @@ class CheckpointCallback(Callback):
     def __init__(self) -> None:
         self.group = None
         self.last_save = time.monotonic()  # a save resets the time interval, whatever asked for it
+        self.due = False
 
     def on_train_start(self, ctx: TrainContext) -> None:
         if ctx.cfg.checkpoint.every_minutes and ctx.dist.distributed:
@@ -141,12 +149,16 @@ class CheckpointCallback(Callback):
 
     def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
         c = ctx.cfg.checkpoint
-        due = (bool(c.every) and step % c.every == 0) or (c.at_end and step == ctx.cfg.train.steps)
+        due = bool(c.every) and step % c.every == 0
         if not due and c.every_minutes and step < ctx.cfg.train.steps:
             due = self._time_is_up(ctx, c.every_minutes)
-        if due and not ctx.rollback.pending:
+        # a step rolled back is undone: the restored run comes to its multiple again
+        self.due = (self.due or due) and not ctx.rollback.pending
+        last = c.at_end and step == ctx.cfg.train.steps and not ctx.rollback.pending  # no later verdict can come
+        if (self.due and _settled(ctx)) or last:
             ctx.phase("checkpoint")
             ctx.save_checkpoint()
+            self.due = False
 
     def on_checkpoint_saved(self, ctx: TrainContext, step: int) -> None:
         self.last_save = time.monotonic()
@@ -163,6 +175,12 @@ class CheckpointCallback(Callback):
     def on_train_end(self, ctx: TrainContext, result: TrainResult) -> None:
         ctx.checkpoints.close()
         ctx.stop_if_unsaved(final=True)
+
+
+def _settled(ctx: TrainContext) -> bool:
+    """Neither a rollback of this step decided nor a verdict on it open (a spike streak: a checkpoint of it could
+    hold the spike's update and, resumed from, lose the rollback)."""
+    return not ctx.rollback.pending and not ctx.rollback.unsettled
 
 
 def _heartbeat(cfg: Config) -> Callback:

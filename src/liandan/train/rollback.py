@@ -32,6 +32,9 @@ class Rollback:
         # The step just taken is about to be undone: callbacks after the one that decided it should not save,
         # evaluate or stop on it (see Callback.on_step_end).
         self.pending = False
+        # A verdict on the step just taken is still open (a loss over a threshold, not yet a spike): a state of
+        # it must not be saved, since the next steps may undo it and a resume from it would not.
+        self.unsettled = False
         self._around: list[AroundRestore] = []
 
     def around_restore(self, hook: AroundRestore) -> None:

@@ -25,7 +25,7 @@ from liandan.config import Config, GuardSection
 from liandan.run import RunStopped
 from liandan.train.callbacks import Callback
 from liandan.train.guard import diagnosis
-from liandan.train.guard.rules import Rule, SourceWatch, Streak
+from liandan.train.guard.rules import Rise, Rule, SourceWatch, Streak
 from liandan.train.guard.stats import BlockProbe, HeadProbe, parameters_now, submodule, update_norms
 
 if TYPE_CHECKING:
@@ -45,7 +45,8 @@ class GuardCallback(Callback):
         self.grad = Rule(g.window, g.warmup, g.grad_mads, g.grad_min_ratio, log=True)
         self.logit = Rule(g.window, g.warmup, g.logit_mads, g.logit_min_ratio, log=True)
         self.z = Rule(g.window, g.warmup, g.logit_mads, g.logit_min_ratio, log=True)
-        self.spike_streak, self.drop_streak = Streak(), Streak()
+        self.rise = Rise(self.loss.history, g.window, g.diverge_rise)
+        self.spike_streak, self.drop_streak, self.rise_streak = Streak(), Streak(), Streak()
         self.sources = SourceWatch(g.window, g.warmup, g.drop_mads, g.source_floor, g.source_collapse, g.spike_persist)
         self.source_names: list[str] = []  # of a mixture watched source by source; empty otherwise
         self.skips_in_row = 0
@@ -104,6 +105,7 @@ class GuardCallback(Callback):
             self.skips_in_row = 0
         if action == "rollback":
             action = self._plan_rollback(ctx, n, findings, loss_value)
+        ctx.rollback.unsettled = bool(self.spike_streak.length or self.rise_streak.length)
         self._record(ctx, n, action, findings, loss_value)
         if action == "stop":
             self._stop(ctx, n, findings)
@@ -116,7 +118,7 @@ class GuardCallback(Callback):
                 record["update"] = self._update_norms(ctx)
             if ctx.dist.is_main:
                 diagnosis.append_layer_stats(ctx.room, record)
-        if not ctx.rollback.pending and step % self.cfg.ring_every == 0 and not self.spike_streak.length:
+        if not ctx.rollback.pending and step % self.cfg.ring_every == 0 and not ctx.rollback.unsettled:
             self.rollback.keep()
 
     def on_step_end(self, ctx: TrainContext, step: int) -> None:
@@ -134,10 +136,16 @@ class GuardCallback(Callback):
         first_data = ctx.loader.step
         found = diagnosis.diagnose(ctx, self, target, step, plan["began"], first_data, plan["losses"])
         self.rollback.restore(target)  # the replay moved on: back again
-        skip = max(self.cfg.skip_batches, detected_at - first_data)
+        # Early divergence on batches that look normal is the learning rate's doing: the same batches again,
+        # at a lower rate for the rest of the run. Anything else skips the batches up to the detection.
+        diverged = _diverged(plan, found) and self.cfg.diverge_lr_factor != 1.0
+        skip = self.cfg.skip_batches if diverged else max(self.cfg.skip_batches, detected_at - first_data)
         ctx.loader.skipped = sorted(set(skipped_before) | set(ctx.loader.skipped))
         skipped = ctx.loader.skip(skip)
-        if self.cfg.lr_factor != 1.0:
+        if diverged:
+            self.lr_scale *= self.cfg.diverge_lr_factor
+            self.lr_until = None
+        elif self.cfg.lr_factor != 1.0:
             self.lr_scale *= self.cfg.lr_factor
             self.lr_until = target.step + self.cfg.lr_steps if self.cfg.lr_steps else None
         ctx.module.lr_scale = self._current_scale(target.step)
@@ -165,7 +173,8 @@ class GuardCallback(Callback):
         return {
             "loss": self.loss.state_dict(), "grad": self.grad.state_dict(), "logit": self.logit.state_dict(),
             "z": self.z.state_dict(), "spike_streak": self.spike_streak.state_dict(),
-            "drop_streak": self.drop_streak.state_dict(), "skips_in_row": self.skips_in_row,
+            "drop_streak": self.drop_streak.state_dict(), "rise_streak": self.rise_streak.state_dict(),
+            "skips_in_row": self.skips_in_row,
             "sources": self.sources.state_dict(),
             **self._bookkeeping(),
         }  # fmt: skip
@@ -177,6 +186,7 @@ class GuardCallback(Callback):
         self.z.load_state_dict(state["z"])
         self.spike_streak.load_state_dict(state["spike_streak"])
         self.drop_streak.load_state_dict(state["drop_streak"])
+        self.rise_streak.load_state_dict(state.get("rise_streak", {"length": 0, "began": 0}))  # an older guard's
         self.skips_in_row = int(state["skips_in_row"])
         self.sources.load_state_dict(state.get("sources", {}))  # absent from a checkpoint of an older guard
         self._load_bookkeeping(state)
@@ -238,15 +248,21 @@ class GuardCallback(Callback):
         if not (math.isfinite(loss) and math.isfinite(grad)):
             found.append(("nonfinite", n, f"loss {loss:.4g}, gradient norm {grad:.4g}"))
             self.spike_streak.update(n, False)
+            self.rise_streak.update(n, False)
             return found
-        spike, drop = self.loss.judge(loss), self.drop.judge(loss)
+        spike, drop, rise = self.loss.judge(loss), self.drop.judge(loss), self.rise.judge(loss)
         streak = self.spike_streak.update(n, bool(spike and spike.over))
         if spike and spike.over and (streak >= self.cfg.spike_persist or spike.severity >= self.cfg.spike_immediate):
             found.append(("spike", self.spike_streak.began, spike.describe("loss")))
         dropping = self.drop_streak.update(n, bool(drop and drop.over))
         if drop and drop.over and dropping == self.cfg.spike_persist:
             found.append(("drop", self.drop_streak.began, drop.describe("loss") + ": falling far faster than before"))
-        if not streak and not dropping:
+        rising = self.rise_streak.update(n, bool(rise and rise.over))
+        if rise and rise.over and (rising >= self.cfg.spike_persist or rise.severity >= self.cfg.spike_immediate):
+            what = (f"loss {loss:.4g} is {rise.excess / rise.median:.0%} above the lowest level so far,"
+                    f" {rise.median:.4g}: early divergence")  # fmt: skip
+            found.append(("diverge", self.rise_streak.began, what))
+        if not streak and not dropping and not rising:
             self.loss.accept(loss)
         verdict = self.grad.judge(grad)
         if verdict and verdict.over:
@@ -266,7 +282,7 @@ class GuardCallback(Callback):
     def _policy(self, kind: str) -> str:
         c = self.cfg
         return {"nonfinite": c.on_nonfinite, "spike": c.on_spike, "grad": c.on_grad, "logits": c.on_logits,
-                "drop": c.on_drop, "skips": "rollback"}[kind]  # fmt: skip
+                "drop": c.on_drop, "diverge": c.on_diverge, "skips": "rollback"}[kind]  # fmt: skip
 
     def _plan_rollback(self, ctx: TrainContext, n: int, findings: list, loss: float) -> str:
         """Decide the rollback of step `n`: "rollback", or "stop" past the limit, or "skip" with nothing old
@@ -282,6 +298,11 @@ class GuardCallback(Callback):
         saved = [o for o in ctx.checkpoints.outcomes if o.ok and o.step <= limit and o.path.is_dir()]
         if saved and (target is None or saved[-1].step > target.step):
             target = saved[-1]  # a durable checkpoint is newer (after a resume, the ring starts afresh)
+        if target is None:
+            # After a restart the ring starts at the resumed step, which no snapshot takes while a verdict is
+            # open: the state the spike's first loss was measured on is the best left (and better than keeping
+            # the spike's update).
+            target = ctx.rollback.newest_at_or_before(began - 1)
         if target is None:
             what = (
                 f"no state kept from before step {began - self.cfg.rollback_margin} (kept: {ctx.rollback.held_steps})"
@@ -355,6 +376,13 @@ def _has_module(model: torch.nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+def _diverged(plan: dict, found: dict) -> bool:
+    """Early divergence on batches that look normal on the model from before it, and that came back on replay
+    (not a transient fault): the learning rate's doing."""
+    diverged = any(kind == "diverge" for kind, _, _ in plan["findings"])
+    return diverged and not found.get("culprit_data_steps") and found.get("reproduced") is not False
 
 
 def _largest(values) -> float:

@@ -201,10 +201,13 @@ def one_line(plan: dict[str, Any], rollback: dict[str, Any], found: dict[str, An
     first, end = rollback["skipped"]
     detectors = ", ".join(sorted({kind for kind, _, _ in plan["findings"]}))
     lr = f", learning rate x{rollback['lr_scale']:g}" if rollback["lr_scale"] != 1.0 else ""
+    if rollback["lr_scale"] != 1.0 and rollback["lr_until"] is None:
+        lr += " for the rest of the run"
+    data = f"skipped data steps {first}..{end - 1}" if end > first else "the same data again"
     layers = found.get("layers_first", [])
     moved = f"; moved first: {layers[0]['layer']} {layers[0]['statistic']}" if layers else ""
     return (f"guard: {detectors} at step {rollback['at']} (began at step {rollback['began']}): rolled back to step"
-            f" {rollback['to']}, skipped data steps {first}..{end - 1}{lr}; {verdict(found)}{moved}; report {path}")  # fmt: skip
+            f" {rollback['to']}, {data}{lr}; {verdict(found)}{moved}; report {path}")  # fmt: skip
 
 
 def write_stop_report(ctx: TrainContext, n: int, findings: list, rollbacks: list[dict[str, Any]]) -> Path:

@@ -109,6 +109,23 @@ class Rule:
         self.history.load_state_dict(state)
 
 
+class Rise:
+    """Early divergence: while the loss history is shorter than `until` (the spike rule's noise is not yet
+    known), a loss more than `rise` (a fraction) above the lowest level the run has reached. The level is the
+    median of three consecutive accepted losses (of all of them while there are fewer), so that one lucky batch
+    does not set the bar; the first loss counts, so a loss that climbs above where it started is caught too."""
+
+    def __init__(self, history: History, until: int, rise: float):
+        self.history, self.until, self.rise = history, until, rise
+
+    def judge(self, value: float) -> Verdict | None:
+        values = list(self.history.values)
+        if not self.rise or not values or len(values) >= self.until or not math.isfinite(value):
+            return None
+        lowest = min(median(values[i : i + 3]) for i in range(max(1, len(values) - 2)))
+        return Verdict(value, lowest, self.rise * abs(lowest), value - lowest)
+
+
 class Streak:
     """Consecutive steps over a rule's threshold, with the step the streak began at."""
 
