@@ -179,7 +179,7 @@ def test_injected_enospc_is_reported_and_training_goes_on(config, straight):
 
 def test_really_full_disk_fails_the_run_in_one_line(config, small_disk):
     disk = small_disk("256k")
-    done = train(config, "fulldisk", f"--checkpoint.dir={disk}", expect=2)
+    done = train(config, "fulldisk", f"--checkpoint.dir={disk}", "--doctor.preflight=true", expect=2)
     failed = events(config, "fulldisk", "checkpoint_failed")
     assert [e["step"] for e in failed] == [4, 8]
     # DCP reports a full disk in its own words (often a stream-writer error); the free space says why

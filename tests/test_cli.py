@@ -84,7 +84,7 @@ def test_config_command(config):
     done = run_liandan("config", config, "--train.steps=11")
     assert done.returncode == 0 and "steps = 11" in done.stdout
     keys = run_liandan("config", "--keys")
-    assert keys.returncode == 0 and "model.qk_norm" in keys.stdout
+    assert keys.returncode == 0 and "model.llama.qk_norm" in keys.stdout
 
 
 @pytest.mark.slow

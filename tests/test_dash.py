@@ -185,7 +185,8 @@ def test_an_incident_comes_with_its_evidence(server):
     crash = incident_of_kind(server, FAULTY, "incident")
     found = server.get(f"/api/runs/{FAULTY}/incidents/{crash['seq']}")
     log = next(e for e in found["evidence"] if e["file"] == "logs/attempt-0.log")
-    assert "guard: spike at step" in log["text"]  # the tail of the attempt that was killed after step 45
+    # the tail of the attempt that was killed after step 45 (the burst may also count as early divergence)
+    assert re.search(r"guard: [a-z, ]*spike[a-z, ]* at step", log["text"]), log["text"]
     health = server.get(f"/api/runs/{FAULTY}/health")
     assert [len(w["seconds"]) for w in health["windows"]][:1] == [2]  # both ranks' phase times per window
     assert {w["step"] for w in health["windows"]} >= {10, 20, 30, 40, 50, 60}

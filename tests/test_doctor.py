@@ -145,7 +145,14 @@ def test_bisection_of_a_host_without_a_fault_finds_none(tmp_path):
 @pytest.fixture(scope="module")
 def train_config(tmp_path_factory):
     root = tmp_path_factory.mktemp("preflight")
-    cfg = tiny_config(root / "runs", write_corpus(root), *MICRO_MODEL, "--train.steps=2", "--schedule.warmup_steps=1")
+    cfg = tiny_config(
+        root / "runs",
+        write_corpus(root),
+        *MICRO_MODEL,
+        "--train.steps=2",
+        "--schedule.warmup_steps=1",
+        "--doctor.preflight=true",
+    )  # the doctor is what these tests are about
     path = root / "preflight.toml"
     path.write_text(cfg.to_toml())
     return path

@@ -145,7 +145,7 @@ def test_mlflow_holds_the_metrics_the_incidents_and_the_params(tracked_run):
     client = MlflowClient(state["uri"])
     found = client.get_run(state["run_id"])
     assert found.info.status == "FINISHED" and found.info.run_name == "run"
-    assert found.data.params["train.steps"] == "8" and found.data.params["model.dim"] == "64"
+    assert found.data.params["train.steps"] == "8" and found.data.params["model.llama.dim"] == "64"
     history = sorted(client.get_metric_history(state["run_id"], "loss"), key=lambda m: m.timestamp)
     last = {m.step: m.value for m in history}
     assert last == pytest.approx(_losses(run), rel=1e-6)

@@ -396,6 +396,7 @@ def measure_runs(
                 f"--run.name={name}",
                 "--train.steps=2",
                 "--train.mask=causal",
+                "--checkpoint.enabled=false",  # a save's staging is not training's memory
                 *RUNS.get(name, []),
                 *extra,
             )

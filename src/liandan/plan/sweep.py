@@ -211,6 +211,10 @@ def load_sweep(path: str | Path, trials: int | None = None) -> SweepSpec:
 def _distribution(path: Path, key: Any, raw: Any, overrides: list[str]) -> BaseDistribution:
     where = f'{path}: params."{key}"'
     defaults = {k: default for k, default, _ in describe()}
+    for dotted, default in list(defaults.items()):  # a plug-in's key written flat, as run configs may
+        section, *rest = dotted.split(".")
+        if len(rest) == 2:
+            defaults.setdefault(f"{section}.{rest[1]}", default)
     if key not in defaults:
         raise ConfigError(f"{path}: params: {_unknown(key, list(defaults), 'run-config key')}")
     if key in SET_BY_SWEEP:
@@ -368,7 +372,12 @@ class _Sweep:
             trial.set_user_attr("note", verdict)
             raise optuna.TrialPruned(verdict)
         if process.returncode != 0:
-            raise self._failed(trial, f"exit code {process.returncode}: {_last_error(room.trial_log)}")
+            error = _last_error(room.trial_log)
+            if "the loss-spike guard stopped the run" in error:  # it diverged: a verdict on the trial, not a failure
+                note = f"stopped by the loss-spike guard at step {curve.steps[-1] if curve.steps else 0}"
+                trial.set_user_attr("note", note)
+                raise optuna.TrialPruned(note)
+            raise self._failed(trial, f"exit code {process.returncode}: {error}")
         summary_path = room.summary
         if not summary_path.is_file() or not curve.steps:
             raise self._failed(trial, f"no summary.json or no loss records in {run_dir}")

@@ -28,7 +28,7 @@ from liandan.common.layout import batch_split_refusal, resolve_layout
 from liandan.config import Config, ConfigError, load_config
 from liandan.resilience.launch import Start, how_started
 from liandan.run.errors import DEVICE_FAULT_EXIT, RunStopped
-from liandan.run.worker_env import WorkerEnv
+from liandan.run.worker_env import NNODES, WorkerEnv
 
 Role = Literal["supervise", "launch", "train"]
 ERROR_PREFIX = "liandan: error: "
@@ -81,7 +81,7 @@ def run_training(
     check_exporters(cfg.track)  # a tracker's library that is missing: the extra to install
     if nproc < 1:
         raise ConfigError(f"--nproc = {nproc} must be at least 1")
-    if not os.environ.get("WORLD_SIZE") and not os.environ.get("LIANDAN_NNODES"):  # all ranks here: known now
+    if not os.environ.get("WORLD_SIZE") and not os.environ.get(NNODES):  # all ranks here: known now
         try:
             layout = resolve_layout(cfg.parallel, nproc)
         except ValueError as err:  # an impossible layout: the same line the workers would give
