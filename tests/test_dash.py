@@ -34,7 +34,7 @@ CLEAN = "clean"
 SECRET = "the-secret-outside-the-project"
 FAULTY_RUN = ["--train.steps=60", "--optim.lr=3e-3", "--train.global_batch=16", "--guard.ring_every=10",
               "--guard.stats_every=20", "--train.eval_every=20", "--train.eval_batches=2",
-              "--health.straggler_every=10"]  # fmt: skip
+              "--health.straggler_every=10", "--doctor.preflight=true"]  # fmt: skip
 
 
 def environment(**extra: str) -> dict[str, str]:
