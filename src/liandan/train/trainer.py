@@ -23,6 +23,7 @@ from liandan.checkpoint.info import read_meta
 from liandan.checkpoint.resume import choose_resume
 from liandan.checkpoint.saving import SaveError
 from liandan.checkpoint.streaming import is_weight_source, load_weights
+from liandan.checkpoint.train_state import parts_parameters
 from liandan.checkpoint.verify import step_of
 from liandan.common.peaks import mixed_peak_flops
 from liandan.config import Config, ConfigError
@@ -201,7 +202,7 @@ class Trainer:
             callback.on_phase(self.ctx, self.progress.step, name, micro)
 
     def _parameters(self):
-        return (p for part in self.module.model_parts for p in part.parameters())
+        return parts_parameters(self.module.model_parts)
 
     def _agree_to_update(self, loss: torch.Tensor, grad_norm: float) -> bool:
         """Every callback that may veto the update is asked on every rank; one veto anywhere skips it

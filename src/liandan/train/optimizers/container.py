@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from liandan.checkpoint.train_state import parts_parameters
+
 
 class OptimizersContainer:
     def __init__(self, parts: list[torch.nn.Module], per_part: list[list[torch.optim.Optimizer]],
@@ -70,7 +72,7 @@ class OptimizersContainer:
         """The global gradient norm over every parameter of every part, clipped to `max_norm` (by default the
         config's `optim.grad_clip`; 0 or inf: measure only)."""
         limit = self.grad_clip if max_norm is None else max_norm
-        return clip_grad_norm(_parameters(self.parts), limit or float("inf"))
+        return clip_grad_norm(parts_parameters(self.parts), limit or float("inf"))
 
     # -- what a checkpoint keeps besides the tensors -------------------------------------------------------
     def scheduler_state(self) -> Any:
@@ -84,15 +86,6 @@ class OptimizersContainer:
             raise ValueError(f"{len(states)} scheduler states for {len(self.schedulers)} optimizers")
         for scheduler, one in zip(self.schedulers, states, strict=True):
             scheduler.load_state_dict(one)
-
-
-def _parameters(parts: list[torch.nn.Module]) -> Iterator[torch.nn.Parameter]:
-    seen: set[int] = set()
-    for part in parts:
-        for p in part.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                yield p
 
 
 def clip_grad_norm(parameters, max_norm: float) -> float:
