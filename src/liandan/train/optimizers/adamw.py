@@ -1,4 +1,6 @@
-"""AdamW with decay groups: matrices decay; norm weights, biases and embedding tables do not."""
+"""AdamW with decay groups: matrices decay; norm weights, biases and embedding tables do not. Hidden matrices
+take their learning rate divided by their width multiplier (1 under the standard parameterization; the fan-in
+over the base model's under muP, where Adam's best rate for them shrinks as 1/width)."""
 
 from __future__ import annotations
 
@@ -6,43 +8,62 @@ import torch
 from torch import nn
 
 from liandan.config import OptimSection
+from liandan.model.roles import RoledParameter, parameter_roles
 from liandan.train.optimizers import OptimizerPlugin
 
 
 def parameter_groups(model: nn.Module, decay_norms_and_embeddings: bool = False) -> tuple[list, list]:
     """(decayed, not decayed). Matrices of linear layers decay; norm weights, biases and embedding tables
     do not, unless asked, because shrinking them towards zero changes no capacity but hurts the fit."""
-    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay, seen = [], [], set()
-    for _, param in model.named_parameters():
-        if not param.requires_grad or id(param) in seen:
-            continue
-        seen.add(id(param))  # a tied head and embedding are one parameter
-        is_matrix = param.dim() >= 2 and id(param) not in embedding_params
-        (decay if is_matrix or decay_norms_and_embeddings else no_decay).append(param)
+    decay, no_decay = [], []
+    for r in parameter_roles(model):
+        (decay if _decays(r, decay_norms_and_embeddings) else no_decay).append(r.param)
     return decay, no_decay
 
 
-def build_adamw(model: nn.Module, section: OptimSection, device: torch.device,
-                mixed_tensor_kinds: bool = False) -> torch.optim.AdamW:  # fmt: skip
-    """`mixed_tensor_kinds`: the parameters mix DTensors of different meshes and plain tensors (tensor
+def _decays(r: RoledParameter, decay_norms_and_embeddings: bool) -> bool:
+    return r.role in ("hidden", "head") or decay_norms_and_embeddings
+
+
+def adamw_groups(roled: list[RoledParameter], section: OptimSection) -> list[dict]:
+    """Torch param groups for `roled`: one per (decay, learning-rate scale), each with its own peak `lr`
+    (the schedule multiplies every group's own)."""
+    o = section.options
+    groups: dict[tuple[bool, float], dict] = {}
+    for r in roled:
+        decays = _decays(r, o.decay_norms_and_embeddings)
+        scale = 1.0 / r.width_mult if r.role == "hidden" else 1.0
+        group = groups.setdefault((decays, scale), {"params": [], "weight_decay": o.weight_decay if decays else 0.0,
+                                                    "lr": section.lr * scale})  # fmt: skip
+        group["params"].append(r.param)
+    # Decayed groups first, the order checkpoints written before there were scales hold them in.
+    return [groups[key] for key in sorted(groups, key=lambda k: (not k[0], k[1]))]
+
+
+def adamw_over(roled: list[RoledParameter], section: OptimSection, device: torch.device,
+               mixed_tensor_kinds: bool = False) -> torch.optim.AdamW:  # fmt: skip
+    """AdamW over the parameters `roled` (of one model part, or the share of them another optimizer leaves
+    to AdamW). `mixed_tensor_kinds`: the parameters mix DTensors of different meshes and plain tensors (tensor
     parallelism), which the multi-tensor kernels cannot take in one call; update them one by one. Plain
     tensors get the fused kernel (CUDA and CPU); sharded DTensors on the CPU take the foreach path."""
-    o = section.options
-    decay, no_decay = parameter_groups(model, o.decay_norms_and_embeddings)
-    groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     from torch.distributed.tensor import DTensor
 
-    sharded = any(isinstance(p, DTensor) for p in decay + no_decay)
+    o = section.options
+    sharded = any(isinstance(r.param, DTensor) for r in roled)
     if mixed_tensor_kinds:
         kwargs = {"foreach": False}
     elif device.type == "cuda" or not sharded:
         kwargs = {"fused": True}
     else:
         kwargs = {"foreach": True}
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=section.lr, betas=(o.beta1, o.beta2), eps=o.eps, **kwargs
-    )
+    return torch.optim.AdamW(adamw_groups(roled, section), lr=section.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             **kwargs)  # fmt: skip
+
+
+def build_adamw(model: nn.Module, section: OptimSection, device: torch.device,
+                mixed_tensor_kinds: bool = False) -> torch.optim.AdamW:  # fmt: skip
+    """AdamW over every trainable parameter of `model`."""
+    return adamw_over(parameter_roles(model), section, device, mixed_tensor_kinds)
 
 
 def _build(parts: list[nn.Module], section: OptimSection, device: torch.device, mixed: bool) -> list[list]:
