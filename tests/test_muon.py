@@ -289,7 +289,11 @@ def _sharded_run(out: Path, dp_replicate: int, dp_shard: int, tp: int) -> list[d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [(1, 2, 1), (1, 1, 2), (1, 2, 2)], ids=["fsdp2", "tp2", "fsdp2xtp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [(1, 2, 1), (1, 1, 2), (1, 2, 2), (1, 3, 1)],
+    ids=["fsdp2", "tp2", "fsdp2xtp2", "fsdp3-uneven"],  # 3 ranks: the 32-row matrices split 11, 11, 10
+)
 def test_sharded_muon_equals_one_process(tmp_path, layout):
     for report in _sharded_run(tmp_path, *layout):
         assert report["optimizers"] == ["ShardedMuon", "AdamW"]
