@@ -5,6 +5,8 @@ output head, norm weights, biases): two optimizers per model part, under one lea
 `adjust_lr`: "match_rms_adamw" (the default, Moonlight's 0.2 sqrt(max(A, B))) makes its update's RMS that of
 AdamW's, so AdamW's tuned learning rate and weight decay carry over; "spectral" (sqrt(max(1, A/B)), Keller
 Jordan's) keeps the update's spectral norm independent of width, what muP asks for; "none" does not scale.
+Muon's matrices take no width multiplier of their own (`RoledParameter.width_mult` scales AdamW's hidden
+matrices only): under muP, "spectral" is the width-invariant choice.
 
 Plain tensors take `torch.optim.Muon`; sharded ones (FSDP2, tensor parallelism) `ShardedMuon`, which
 orthogonalises whole matrices and gives the same update (`sharded_muon.py`)."""
