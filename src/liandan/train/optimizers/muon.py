@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from liandan.config import ConfigError, OptimSection
+from liandan.config import OptimSection
 from liandan.model.roles import RoledParameter, parameter_roles
 from liandan.train.optimizers import OptimizerPlugin
 from liandan.train.optimizers.adamw import adamw_over
@@ -41,8 +41,6 @@ def muon_over(roled: list[RoledParameter], section: OptimSection) -> torch.optim
 
     o = section.options
     coefficients = tuple(float(c) for c in o.ns_coefficients)
-    if len(coefficients) != 3:
-        raise ConfigError(f"optim.muon.ns_coefficients must be three numbers (a, b, c), not {len(coefficients)}")
     adjust = ADJUST_LR_FN[o.adjust_lr]
     kwargs = {"lr": section.lr, "weight_decay": o.weight_decay, "momentum": o.momentum, "nesterov": o.nesterov,
               "ns_coefficients": coefficients, "eps": EPS, "ns_steps": o.ns_steps, "adjust_lr_fn": adjust}  # fmt: skip
