@@ -137,14 +137,16 @@ def overrides(spec: Spec, out_dir: Path) -> list[str]:
     ]
 
 
-def train(spec: Spec, work: Path) -> Path:
+def train(spec: Spec, work: Path, args: list[str] | None = None) -> Path:
+    """`liandan train` of `spec` under `work` (its overrides: `args`, default the library's)."""
     config = work / "base.toml"
     config.write_text("[run]\nseed = 1\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("LIANDAN_FAULTS", None)
     if spec.faults:
         env["LIANDAN_FAULTS"] = spec.faults
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), *overrides(spec, work)]
+    args = overrides(spec, work) if args is None else args
+    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), *args]
     log = work / f"{spec.name}.log"
     with log.open("w") as handle:
         done = subprocess.run(cmd, check=False, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=work)

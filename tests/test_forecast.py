@@ -187,7 +187,8 @@ def test_conformal_half_width():
     assert calibration.bias(0.2) == pytest.approx(0.005)
     assert calibration.half_width(0.2, 0.8) == pytest.approx(spread[8])  # ceil(11 * 0.8) = 9th
     assert calibration.half_width(0.2, 0.5) == pytest.approx(spread[5])
-    assert calibration.half_width(0.1, 0.8) == calibration.half_width(0.2, 0.8)
+    # less seen than any share calibrated: wider as 1 / sqrt(the share past a library run's warmup, 5%)
+    assert calibration.half_width(0.1, 0.8) == pytest.approx(calibration.half_width(0.2, 0.8) * math.sqrt(3.0))
     assert calibration.half_width(0.5, 0.8) < calibration.half_width(0.3, 0.8) < calibration.half_width(0.2, 0.8)
     assert calibration.half_width(0.2, 0.8, "power") == 0.0  # the baseline's own scores
 

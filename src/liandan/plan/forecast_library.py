@@ -24,39 +24,27 @@ from pathlib import Path
 
 import numpy as np
 
-from liandan.config import Config, ConfigError, ScheduleSection, load_config
-from liandan.plan.forecast_law import Curve, LawPriors, fit_power
+from liandan.config import ConfigError, ScheduleSection, load_config
+from liandan.plan.forecast_features import (
+    LIBRARY_WARMUP,
+    Reach,
+    RunFeatures,
+    data_key,
+    features_of,
+    fixture_data_key,
+    reach,
+)
+from liandan.plan.forecast_law import MIN_PAST_WARMUP, Curve, LawPriors, fit_power
 from liandan.run import RunDir
 
 LIBRARY = Path(__file__).with_name("library")
 FITS = LIBRARY / "fits.json"
 CALIBRATION_FRACTIONS = (0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9)
-FEATURE_SCALE = math.log(4.0)  # runs 4x apart in size, tokens per step or learning rate are one unit apart
-DATA_DISTANCE = 4.0  # ...and runs on other data two units
 FLOOR_WEIGHT = 0.02  # every run teaches at least this much, so that unlike runs still give a prior
 PROJECT_WEIGHT = 3.0  # a project's own runs count this many times a library run in its priors
 PROJECT_MAX = 16  # the most recently finished runs of a project directory that teach (about 1 s each)
 MIN_WIDTH = {"alpha": 0.1, "gain": 0.2, "tau": 0.3}  # floors on the priors' widths, in e-folds
 EVIDENCE = 64.0  # the records' weight cap of a forecast without a library (the library's runs choose theirs)
-
-
-@dataclass(frozen=True)
-class RunFeatures:
-    """What makes two runs alike, for weighing what one teaches the other: the size of the model, the tokens
-    of a step, the peak learning rate and the data (tokenizer and files)."""
-
-    params: float  # parameters of the blocks, 12 * layers * dim^2
-    tokens_per_step: float
-    lr: float
-    data: str
-
-    def distance(self, other: RunFeatures) -> float:
-        """Squared distance: one unit per FEATURE_SCALE e-folds of each size, DATA_DISTANCE for other data."""
-        d = sum(
-            (math.log(getattr(self, k) / getattr(other, k)) / FEATURE_SCALE) ** 2
-            for k in ("params", "tokens_per_step", "lr")
-        )
-        return d + (0.0 if self.data == other.data else DATA_DISTANCE)
 
 
 @dataclass(frozen=True)
@@ -106,8 +94,7 @@ def read_run(run_dir: str | Path) -> RunCurve:
         elif "loss" in record and diverged_at is None:
             diverged_at = step
     total = cfg.train.steps
-    data = f"{cfg.data.tokenizer}:" + ",".join(sorted(Path(p).name for p in cfg.data.paths))
-    features = RunFeatures(_block_params(cfg), cfg.train.global_batch * cfg.train.seq_len, cfg.optim.lr, data)
+    features = features_of(cfg)
     return RunCurve(
         run_dir,
         np.array(steps, dtype=np.int64),
@@ -162,11 +149,13 @@ def load_fixture(path: str | Path) -> RunCurve:
     records = data["records"]
     losses = np.array([np.nan if v is None else v for v in records["loss"]], dtype=np.float64)
     model, train = data["model"], data["train"]
+    corpus = data_key(data["tokenizer"], data["files"]) if "files" in data else fixture_data_key(f"byte:{data['corpus']}")
     features = RunFeatures(
         12.0 * model["n_layers"] * model["dim"] ** 2,
         train["global_batch"] * train["seq_len"],
         data["optim"]["lr"],
-        f"byte:{data['corpus']}",
+        corpus,
+        data["optim"].get("name", "adamw"),
     )
     return RunCurve(
         data["name"],
@@ -175,7 +164,7 @@ def load_fixture(path: str | Path) -> RunCurve:
         schedule_fractions(schedule, total),
         total,
         schedule.kind,
-        heldout=data["set"] == "heldout",
+        heldout=data["set"] != "library",
         features=features,
     )
 
@@ -329,6 +318,9 @@ class Calibration:
             return 0.05 * math.log(1.0 / max(fraction, 1e-3)) + 0.01  # no calibration: a rough guess
         fs = np.array([f for f, _ in qs])
         vs = np.maximum.accumulate(np.array([v for _, v in qs])[::-1])[::-1]
+        if fraction < fs[0]:  # less seen than any calibrated share: wider as 1 / sqrt(the curve past the warmup)
+            past = max(fraction - LIBRARY_WARMUP, MIN_PAST_WARMUP)
+            return float(vs[0] * math.sqrt(max(fs[0] - LIBRARY_WARMUP, past) / past))
         return float(np.interp(math.log(fraction), np.log(fs), vs))
 
 
@@ -369,13 +361,14 @@ def shapes_forecast(curve: Curve, data, taught: Sequence[Taught], priors: LawPri
 OWN_EVIDENCE = 256.0  # the records' weight cap of the run's own fit, which late in a run should follow them
 
 
-def combined_forecast(curve: Curve, data, alike: Sequence[Taught], priors: LawPriors):
+def combined_forecast(curve: Curve, data, alike: Sequence[Taught], priors: LawPriors, own_only: bool = False):
     """(final loss, the run's own fit): the other runs' shapes (`shapes_forecast`) and the run's own law
     (MAP under `priors`) averaged in log, the own law weighing (share of the run seen)^2: little early,
-    when a prefix cannot tell its own future, all at the end, where the curve is its own best witness."""
+    when a prefix cannot tell its own future, all at the end, where the curve is its own best witness.
+    `own_only`: the run's own law alone (no run is like this one: their shapes may mislead)."""
     fit, _ = curve.fit(data, replace(priors, evidence=OWN_EVIDENCE))
     own = float(fit.at(curve.end))
-    shapes = shapes_forecast(curve, data, alike, priors)
+    shapes = None if own_only else shapes_forecast(curve, data, alike, priors)
     if shapes is None or own <= 0:
         return (own if shapes is None else shapes), fit
     w = min(1.0, curve.observed / curve.total_steps) ** 2
@@ -420,6 +413,10 @@ class Library:
         if features is None or not self.taught:
             return self.priors
         return replace(priors_from(self.alike(features)), **self.law_settings)
+
+    def reach(self, features: RunFeatures | None) -> Reach:
+        """How far a run with `features` lies from the nearest run this library learned from."""
+        return reach(features, [(t.name, t.features) for t in self.taught])
 
     def alike(self, features: RunFeatures | None) -> list[Taught]:
         return weighed(self.taught, features, self.settings.get("likeness", 1.0))
@@ -492,10 +489,7 @@ def _saved() -> tuple[list[Taught], list[Score], dict] | None:
     if not FITS.is_file():
         return None
     payload = json.loads(FITS.read_text())
-    taught = [
-        Taught(**{**t, "features": RunFeatures(**t["features"]) if t.get("features") else None})
-        for t in payload["runs"]
-    ]
+    taught = [Taught(**{**t, "features": _stored_features(t.get("features"))}) for t in payload["runs"]]
     if tuple(t.name for t in taught) != tuple(r.name for r in library_runs("library")):
         return None
     return taught, [Score(**s) for s in payload["scores"]], payload["settings"]
@@ -539,8 +533,8 @@ def with_project(directories: Sequence[str | Path], exclude: Iterable[str | Path
     return Library(priors, Calibration(tuple(scores)), names, everyone, settings)
 
 
-def _block_params(cfg: Config) -> float:
-    """The likeness measure of model size: 12 n_layers dim^2, a dense transformer's block parameters (0 for
-    a family whose keys do not say)."""
-    options = cfg.model.options
-    return 12.0 * getattr(options, "n_layers", 0) * getattr(options, "dim", 0) ** 2
+def _stored_features(stored: dict | None) -> RunFeatures | None:
+    """fits.json's features of a run (written before the optimizer was one, and with the corpus by name)."""
+    if not stored:
+        return None
+    return RunFeatures(**{**stored, "data": fixture_data_key(stored["data"])})
