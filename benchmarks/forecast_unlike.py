@@ -24,9 +24,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import forecast_library as lib  # noqa: E402 - the library's trainer and fixture writer
+import forecast_library as lib  # the library's trainer and fixture writer, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).resolve().parent / "forecast_unlike"
@@ -40,6 +38,7 @@ SIZES = {  # dim, layers, heads, kv heads, seq_len, global batch: beside the lib
     "deep": (64, 6, 4, 2, 64, 8),  # deeper
     "b2": (64, 2, 4, 2, 64, 2),  # 128 tokens per step
     "b48": (48, 2, 4, 2, 64, 48),  # 3072 tokens per step
+    "xs-b2": (24, 2, 2, 1, 64, 2),  # narrower and 128 tokens per step
 }
 DATA = {  # corpus name: (files, jsonl text field)
     "en": (["corpus/en-shakespeare.txt", "corpus/en-wikitext2.jsonl"], "text"),
@@ -80,6 +79,7 @@ def runs() -> list[Unlike]:
     add("data", "linear", "s", 800, 2e-3, tag="-wikitext", corpus="wikitext")
     add("batch", "cosine", "b2", 800, 1e-3)
     add("batch", "wsd", "b48", 400, 3e-3)
+    add("several", "wsd", "xs-b2", 800, 1e-2, tag="-gsm8k", corpus="gsm8k")  # far: the run's own fit
     add("optimizer", "cosine", "m", 600, 2e-3, tag="-muon", optimizer="muon")
     add("optimizer", "wsd", "m", 800, 2e-3, tag="-muon", optimizer="muon")
     return out
@@ -89,7 +89,7 @@ def overrides(run: Unlike, out_dir: Path) -> list[str]:
     spec = run.spec
     dim, layers, heads, kv, seq, batch = SIZES[spec.size]
     files, field_name = DATA[spec.corpus]
-    base = lib.overrides(replace(spec, size="m"), out_dir)  # the library's keys; the size's own follow
+    base = lib.overrides(replace(spec, size="m", corpus="en"), out_dir)  # the library's keys; the run's own follow
     keep = [o for o in base if not o.startswith(("--model.", "--train.global_batch", "--train.seq_len"))]
     keep = [o for o in keep if not o.startswith(("--data.", "--schedule.warmup_steps"))]
     warmup = max(10, spec.steps // 20) if run.warmup is None else run.warmup
@@ -166,7 +166,10 @@ def backtest() -> int:
         print(f"no runs in {OUT}; train them first", file=sys.stderr)
         return 1
     curves = [load_fixture(p) for p in paths]
-    kinds = {c.name: json.loads(gzip.open(p, "rt").read())["kind"] for c, p in zip(curves, paths)}
+    kinds = {}
+    for curve, path in zip(curves, paths):
+        with gzip.open(path, "rt") as handle:
+            kinds[curve.name] = json.load(handle)["kind"]
     start = time.monotonic()
     rows = backtest_curves(curves, FRACTIONS)
     seconds = time.monotonic() - start
@@ -195,7 +198,9 @@ def backtest() -> int:
         error = sum(abs(r.error) for r in group) / n
         half = sum((r.forecast.high - r.forecast.low) / (2 * r.forecast.final_loss) for r in group) / n
         runs_n = len({r.run for r in group})
-        print(f"| {kind} | {runs_n} | {n} | {covered} ({100 * covered / n:.0f}%) | {100 * error:.1f}% | {100 * half:.1f}% |")
+        print(
+            f"| {kind} | {runs_n} | {n} | {covered} ({100 * covered / n:.0f}%) | {100 * error:.1f}% | {100 * half:.1f}% |"
+        )
     print(f"\n{len(rows)} forecasts in {seconds:.0f}s")
     return 0
 

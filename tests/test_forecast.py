@@ -322,6 +322,8 @@ def test_cli_forecast_and_reference(runs, tmp_path):
     assert "step 150 of 300 (50% observed)" in out
     assert "forecast final loss" in out and "80% interval" in out and "power law" in out
     assert "priors and interval learned from" in out
+    assert "  target: training loss at step 300 (" in out  # what is forecast, stated
+    assert "units from the nearest run learned from" in out
     wsd = forecast_run(runs["wsd"], upto_step=150).final_loss
     linear = measured_final_loss(read_run(runs["linear"]).steps, read_run(runs["linear"]).losses)
     if wsd > linear:
@@ -339,6 +341,7 @@ def test_cli_forecast_and_reference(runs, tmp_path):
     record = json.loads(done.stdout)
     assert record["worse"] and record["final_loss"] > record["reference_loss"] == pytest.approx(0.5)
     assert record["observed_step"] == 60 and record["total_steps"] == 300
+    assert record["target"].startswith("training loss at step 300") and record["source"] in ("library", "own fit")
     assert done.returncode == 3
 
 

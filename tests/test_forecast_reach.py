@@ -43,7 +43,7 @@ def test_the_optimizer_is_a_feature_of_every_run():
     adamw = RunFeatures(1e5, 1024, 2e-3, "byte:a.txt")
     muon = replace(adamw, optimizer="muon")
     assert adamw.distance(muon) == OPTIMIZER_DISTANCE and adamw.distance(adamw) == 0.0
-    cfg = load_config(None, ["--optim.lr=0.002", "--data.tokenizer=byte", "--data.paths=[\"x/a.txt\"]"])
+    cfg = load_config(None, ["--optim.lr=0.002", "--data.tokenizer=byte", '--data.paths=["x/a.txt"]'])
     assert features_of(cfg) == RunFeatures(
         12.0 * cfg.model.llama.n_layers * cfg.model.llama.dim**2,
         cfg.train.global_batch * cfg.train.seq_len,

@@ -118,9 +118,8 @@ def _forecast(args: argparse.Namespace, options: dict) -> int:
 
 def _reach_note(f) -> str:
     if f.source == "own fit":
-        return f"far from the library ({f.reach}): the run's own fit, its interval {f.widening:.1f}x wider"
-    wider = f", its interval {f.widening:.1f}x wider" if f.widening > 1.0 else ""
-    return f"library: {f.reach}{wider}"
+        return f"far from the library: {f.reach}; the run's own fit alone, its interval {f.widening:.1f}x wider"
+    return f.reach + (f"; its interval {f.widening:.1f}x wider" if f.widening > 1.0 else "")
 
 
 def _annealing_note(f) -> str:

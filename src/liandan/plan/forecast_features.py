@@ -107,9 +107,9 @@ class Reach:
         if not math.isfinite(self.distance):
             return "no finished runs to learn from"
         if not self.nearest:
-            return "the run's features are unknown: not compared with the library"
+            return "the run's features unknown: not compared with the runs learned from"
         what = f" ({', '.join(self.unlike)})" if self.unlike else ""
-        return f"{self.distance:.1f} units from the nearest library run, {self.nearest}{what}"
+        return f"{self.distance:.1f} units from the nearest run learned from, {self.nearest}{what}"
 
 
 def reach(features: RunFeatures | None, runs: Sequence[tuple[str, RunFeatures | None]]) -> Reach:

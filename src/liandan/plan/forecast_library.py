@@ -149,7 +149,9 @@ def load_fixture(path: str | Path) -> RunCurve:
     records = data["records"]
     losses = np.array([np.nan if v is None else v for v in records["loss"]], dtype=np.float64)
     model, train = data["model"], data["train"]
-    corpus = data_key(data["tokenizer"], data["files"]) if "files" in data else fixture_data_key(f"byte:{data['corpus']}")
+    corpus = (
+        data_key(data["tokenizer"], data["files"]) if "files" in data else fixture_data_key(f"byte:{data['corpus']}")
+    )
     features = RunFeatures(
         12.0 * model["n_layers"] * model["dim"] ** 2,
         train["global_batch"] * train["seq_len"],
