@@ -59,6 +59,7 @@ class Spec:
     decay_fraction: float = 0.2
     seed: int = 1
     faults: str = ""  # $LIANDAN_FAULTS for the first attempt
+    optimizer: str = "adamw"
     extra: tuple[str, ...] = field(default=())
 
 
@@ -93,6 +94,10 @@ def specs() -> list[Spec]:
     # a spike and a restart, in the library and held out
     add("cosine", "m", 1000, 2e-3, tag="-spike", faults="burst@update:400", extra=("--guard.enabled=false",))
     add("wsd", "m", 1200, 3e-3, tag="-restart", faults="kill@step:700", extra=("--checkpoint.every=250",))
+    # Muon (hidden matrices; AdamW for the rest), at AdamW's rates: its curves differ in shape
+    add("cosine", "m", 1000, 2e-3, tag="-muon", optimizer="muon")
+    add("wsd", "m", 800, 3e-3, tag="-muon", optimizer="muon")
+    add("linear", "s", 800, 2e-3, tag="-muon", optimizer="muon")
     # held out: every schedule, sizes and lengths the library also spans
     add("cosine", "l", 1200, 2e-3, heldout=True)
     add("cosine", "m", 800, 3e-3, heldout=True, corpus="zh")
@@ -127,6 +132,7 @@ def overrides(spec: Spec, out_dir: Path) -> list[str]:
         f"--train.seq_len={seq}",
         "--train.dtype=fp32",
         f"--optim.lr={spec.lr}",
+        f"--optim.name={spec.optimizer}",
         f"--schedule.kind={spec.schedule}",
         f"--schedule.warmup_steps={max(10, spec.steps // 20)}",
         f"--schedule.min_lr_ratio={spec.min_lr_ratio}",
@@ -175,7 +181,7 @@ def fixture(spec: Spec, run_dir: Path) -> dict:
         "corpus": spec.corpus,
         "model": {"dim": dim, "n_layers": layers, "n_heads": heads, "n_kv_heads": kv},
         "train": {"steps": spec.steps, "global_batch": batch, "seq_len": seq},
-        "optim": {"lr": spec.lr},
+        "optim": {"lr": spec.lr, "name": spec.optimizer},
         "schedule": {
             "kind": spec.schedule,
             "warmup_steps": max(10, spec.steps // 20),

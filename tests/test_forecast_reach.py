@@ -14,6 +14,7 @@ from liandan.plan.forecast import forecast_final_loss, schedule_fractions
 from liandan.plan.forecast_features import (
     FALLBACK_DISTANCE,
     OPTIMIZER_DISTANCE,
+    WIDEN_PER_UNIT,
     RunFeatures,
     features_of,
     library_equivalent,
@@ -59,16 +60,17 @@ def test_the_optimizer_is_a_feature_of_every_run():
 def test_distance_widens_the_interval(run):
     alike = forecast(run, 300, run.features)
     assert alike.distance == 0.0 and alike.nearest and alike.widening == 1.0
-    muon = forecast(run, 300, replace(run.features, optimizer="muon"))  # another optimizer: two units away
-    assert muon.distance == pytest.approx(2.0) and muon.source == "library"
-    assert muon.reach.endswith("(optimizer muon, not adamw)")
-    assert half_width(muon) == pytest.approx(muon.widening * half_width(alike)) and muon.widening == 2.0
+    other = forecast(run, 300, replace(run.features, optimizer="lion"))  # an optimizer no run used: two units
+    assert other.distance == pytest.approx(2.0) and other.source == "library"
+    assert other.reach.endswith("(optimizer lion, not adamw)")
+    assert other.widening == 1.0 + 2.0 * WIDEN_PER_UNIT > 1.0
+    assert half_width(other) == pytest.approx(other.widening * half_width(alike))
     slow = forecast(run, 300, replace(run.features, lr=2.5e-4))  # 4x below the library's lowest rate: one unit
-    assert slow.distance == pytest.approx(1.0) and half_width(alike) < half_width(slow) < half_width(muon)
+    assert slow.distance == pytest.approx(1.0) and half_width(alike) < half_width(slow) < half_width(other)
 
 
 def test_a_run_far_from_the_library_falls_back_to_its_own_fit(run):
-    far = replace(run.features, optimizer="muon", data="bpe4096:other.txt")
+    far = replace(run.features, optimizer="lion", data="bpe4096:other.txt")
     f = forecast(run, 300, far)
     assert f.distance == pytest.approx(math.sqrt(8.0)) and f.distance > FALLBACK_DISTANCE and f.source == "own fit"
     assert f.final_loss == pytest.approx(f.fit.at(run.total_steps - 1))  # the run's own law alone, uncorrected
