@@ -4,6 +4,7 @@
     python benchmarks/forecast_library.py --only wsd-m-1200 --jobs 1
     python benchmarks/forecast_library.py --list
     python benchmarks/forecast_library.py --fit            # refit the library set into library/fits.json
+    python benchmarks/forecast_library.py --fit --choose   # ...choosing the forecast's settings again
 
 Each run is `liandan train` on the byte tokenizer over the shared corpus (../shared/data/corpus), one
 thread per run. Its metrics.jsonl becomes src/liandan/plan/library/<name>.json.gz: step, loss, lr and
@@ -198,13 +199,15 @@ def fixture(spec: Spec, run_dir: Path) -> dict:
     }
 
 
-def fit() -> int:
-    """Whole-run fits, the settings the library's leave-one-run-out forecasts choose, calibration scores."""
+def fit(choose: bool) -> int:
+    """Whole-run fits and calibration scores, with the settings fits.json holds or (`choose`) those the
+    library's leave-one-run-out forecasts choose."""
     sys.path.insert(0, str(ROOT / "src"))
     from liandan.plan.forecast_library import FITS, save_fits
 
     start = time.monotonic()
-    library = save_fits()
+    settings = None if choose or not FITS.is_file() else json.loads(FITS.read_text())["settings"]
+    library = save_fits(settings=settings)
     print(f"{FITS}: {library.priors.runs} runs in {time.monotonic() - start:.0f}s; settings {library.settings}")
     return 0
 
@@ -216,9 +219,10 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="print the runs and exit")
     parser.add_argument("--keep", type=Path, help="keep the run directories under this folder")
     parser.add_argument("--fit", action="store_true", help="train nothing: refit the library set into fits.json")
+    parser.add_argument("--choose", action="store_true", help="with --fit: choose the forecast's settings again")
     args = parser.parse_args()
     if args.fit:
-        return fit()
+        return fit(args.choose)
     todo = [s for s in specs() if not args.only or s.name in args.only]
     if args.list:
         for s in todo:

@@ -39,8 +39,8 @@ def half_width(f):
 
 
 def test_the_optimizer_is_a_feature_of_every_run():
-    assert {r.features.optimizer for r in library_runs("all")} == {"adamw"}  # the library holds AdamW runs
-    assert all(t.features.optimizer == "adamw" for t in default_library().taught)
+    assert {r.features.optimizer for r in library_runs("all")} == {"adamw", "muon"}
+    assert {t.features.optimizer for t in default_library().taught} == {"adamw", "muon"}
     adamw = RunFeatures(1e5, 1024, 2e-3, "byte:a.txt")
     muon = replace(adamw, optimizer="muon")
     assert adamw.distance(muon) == OPTIMIZER_DISTANCE and adamw.distance(adamw) == 0.0
@@ -57,16 +57,36 @@ def test_the_optimizer_is_a_feature_of_every_run():
     assert "byte:en-shakespeare.txt,en-wikitext2.jsonl" in names and "byte:zh-classics.jsonl" in names
 
 
+def test_a_muon_run_is_forecast_from_muon_curves():
+    """Muon's curves differ in shape from AdamW's: a Muon run learns from the library's Muon runs alone, an
+    AdamW run from its AdamW runs, and a run with an optimizer the library lacks from all, two units away."""
+    library = default_library()
+    muon = next(r for r in library_runs("library") if r.name == "cosine-m-1000-lr0.002-muon")
+    adamw = next(r for r in library_runs("library") if r.name == "cosine-m-1200-lr0.002")
+    assert replace(muon.features, optimizer="adamw") == adamw.features  # alike but for the optimizer
+
+    def teachers(features):
+        return {t.name: t.features.optimizer for t in library.alike(features)}
+
+    assert set(teachers(muon.features).values()) == {"muon"} and len(teachers(muon.features)) >= 3
+    assert set(teachers(adamw.features).values()) == {"adamw"} and adamw.name in teachers(adamw.features)
+    assert teachers(replace(adamw.features, optimizer="lion")).keys() == {t.name for t in library.taught}
+    seen = muon.steps <= 200
+    f = forecast_final_loss(muon.steps[seen], muon.losses[seen], muon.lr_fractions, muon.total_steps,
+                            features=replace(muon.features, lr=3e-3))  # fmt: skip
+    assert f.nearest.endswith("-muon") and f.distance < 0.5 and f.source == "library"
+
+
 def test_distance_widens_the_interval(run):
     alike = forecast(run, 300, run.features)
     assert alike.distance == 0.0 and alike.nearest and alike.widening == 1.0
+    slow = forecast(run, 300, replace(run.features, lr=2.5e-4))  # 4x below the library's lowest rate: one unit
+    assert slow.distance == pytest.approx(1.0) and slow.widening == pytest.approx(1.0 + WIDEN_PER_UNIT)
+    assert half_width(slow) == pytest.approx(slow.widening * half_width(alike))  # the same calibration, widened
     other = forecast(run, 300, replace(run.features, optimizer="lion"))  # an optimizer no run used: two units
     assert other.distance == pytest.approx(2.0) and other.source == "library"
-    assert other.reach.endswith("(optimizer lion, not adamw)")
-    assert other.widening == 1.0 + 2.0 * WIDEN_PER_UNIT > 1.0
-    assert half_width(other) == pytest.approx(other.widening * half_width(alike))
-    slow = forecast(run, 300, replace(run.features, lr=2.5e-4))  # 4x below the library's lowest rate: one unit
-    assert slow.distance == pytest.approx(1.0) and half_width(alike) < half_width(slow) < half_width(other)
+    assert "(optimizer lion, not " in other.reach and other.widening == 1.0 + 2.0 * WIDEN_PER_UNIT
+    assert half_width(other) > 1.3 * half_width(alike) and half_width(other) > half_width(slow)
 
 
 def test_a_run_far_from_the_library_falls_back_to_its_own_fit(run):

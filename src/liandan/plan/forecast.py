@@ -192,7 +192,7 @@ def forecast_final_loss(
     fraction = min(1.0, curve.observed / curve.total_steps)
     # the calibration is read where a library run had seen as much curve after its warmup
     seen = library_equivalent(curve.observed, curve.warmup_end, curve.total_steps)
-    calibration = library.calibration
+    calibration = library.calibration.of(None if features is None else features.optimizer)
     q = calibration.half_width(seen, confidence, "law")
     qp = calibration.half_width(seen, confidence, "power")
     if reach.far:  # the run's own law, whose errors the calibration does not hold: the wider of the two

@@ -44,6 +44,8 @@ FLOOR_WEIGHT = 0.02  # every run teaches at least this much, so that unlike runs
 PROJECT_WEIGHT = 3.0  # a project's own runs count this many times a library run in its priors
 PROJECT_MAX = 16  # the most recently finished runs of a project directory that teach (about 1 s each)
 MIN_WIDTH = {"alpha": 0.1, "gain": 0.2, "tau": 0.3}  # floors on the priors' widths, in e-folds
+MIN_TEACHERS = 2  # an optimizer's runs teach its runs alone once there are this many (`weighed`)
+MIN_CALIBRATION_RUNS = 5  # an optimizer's runs calibrate its forecasts alone once there are this many
 EVIDENCE = 64.0  # the records' weight cap of a forecast without a library (the library's runs choose theirs)
 
 
@@ -231,11 +233,13 @@ def teach(run: RunCurve, weight: float = 1.0) -> Taught:
 
 def weighed(taught: Sequence[Taught], features: RunFeatures | None, likeness: float = 1.0) -> list[Taught]:
     """The runs' weights scaled by their likeness to a run with `features` (unscaled without features):
-    exp(-likeness * distance / 2), plus FLOOR_WEIGHT."""
+    exp(-likeness * distance / 2), plus FLOOR_WEIGHT. Only the runs trained with the run's optimizer teach
+    when there are MIN_TEACHERS of them: the optimizer shapes the curve (Muon's falls faster early)."""
     if features is None:
         return list(taught)
+    same = [t for t in taught if t.features is not None and t.features.optimizer == features.optimizer]
     out = []
-    for t in taught:
+    for t in same if len(same) >= MIN_TEACHERS else taught:
         like = math.exp(-0.5 * likeness * features.distance(t.features)) if t.features is not None else 0.0
         out.append(replace(t, weight=t.weight * (FLOOR_WEIGHT + like)))
     return out
@@ -282,11 +286,18 @@ class Score:
     fraction: float
     law: float
     power: float
+    optimizer: str = "adamw"  # the run's
 
 
 @dataclass(frozen=True)
 class Calibration:
     scores: tuple[Score, ...]
+
+    def of(self, optimizer: str | None) -> Calibration:
+        """The scores of the runs trained with `optimizer` when there are MIN_CALIBRATION_RUNS of them (how
+        far a forecast errs depends on the curve's shape, and the optimizer shapes it), else all of them."""
+        mine = tuple(s for s in self.scores if s.optimizer == optimizer)
+        return Calibration(mine) if len({s.name for s in mine}) >= MIN_CALIBRATION_RUNS else self
 
     def _by_fraction(self, which: str) -> list[tuple[float, np.ndarray]]:
         out = []
@@ -396,7 +407,9 @@ def forecast_scores(
         law_point = combined_forecast(curve, data, alike, priors)[0]
         power_point = float(fit_power(data).at(curve.end))
         if law_point > 0 and power_point > 0:
-            out.append(Score(run.name, fraction, math.log(law_point / actual), math.log(power_point / actual)))
+            optimizer = run.features.optimizer if run.features is not None else "adamw"
+            law, power = math.log(law_point / actual), math.log(power_point / actual)
+            out.append(Score(run.name, fraction, law, power, optimizer))
     return out
 
 
@@ -472,10 +485,11 @@ def build(
     return library, taught, settings
 
 
-def save_fits(path: Path = FITS) -> Library:
-    """Fit and calibrate the shipped library set and keep the results in fits.json."""
+def save_fits(path: Path = FITS, settings: dict | None = None) -> Library:
+    """Fit and calibrate the shipped library set and keep the results in fits.json; `settings` as given, or
+    chosen again (None)."""
     runs = library_runs("library")
-    library, taught, settings = build(runs)
+    library, taught, settings = build(runs, settings=settings)
     payload = {
         "settings": settings,
         "runs": [asdict(t) for t in taught],
