@@ -99,6 +99,8 @@ def specs() -> list[Spec]:
     add("cosine", "m", 1000, 2e-3, tag="-muon", optimizer="muon")
     add("wsd", "m", 800, 3e-3, tag="-muon", optimizer="muon")
     add("linear", "s", 800, 2e-3, tag="-muon", optimizer="muon")
+    add("constant", "m", 800, 2e-3, tag="-muon", optimizer="muon")
+    add("cosine", "s", 600, 3e-3, tag="-muon", optimizer="muon")
     # held out: every schedule, sizes and lengths the library also spans
     add("cosine", "l", 1200, 2e-3, heldout=True)
     add("cosine", "m", 800, 3e-3, heldout=True, corpus="zh")
