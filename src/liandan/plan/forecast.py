@@ -23,6 +23,13 @@ learned from the others (leave-one-run-out), give log(forecast / actual), and th
 from a share f of the steps is forecast * exp(+-q), q the conformal c-quantile of |score - median| at f. docs/benchmarks.md
 has the held-out backtests and their coverage.
 
+Runs unlike the library (`forecast_features`): a forecast measures its run's distance from the nearest run it
+learns from (model size, tokens per step, learning rate, data, optimizer), widens its interval with it, and
+past `FALLBACK_DISTANCE` is the run's own law alone. The calibration is read where a library run had seen as
+much curve past its warmup, so a long warmup widens the interval too. A curve too short to tell anything is
+refused in one line that names the steps it needs (`Curve.check_length`). Every forecast states its target
+(`Forecast.target`): the training loss at the run's last step.
+
 A schedule-free power law in steps, L = a + b * s^(-c), is fitted alongside for comparison, its interval
 calibrated the same way.
 """
@@ -170,10 +177,11 @@ def forecast_final_loss(
     lr_fractions: the learning rate of every update of the whole run (any scale; divided by its peak).
     total_steps: the run's length (default len(lr_fractions)). decay: lambda, None to choose (see
     `fit_annealing_law`). library: the priors and calibration (default: the shipped library's; see
-    `forecast_library.with_project`); `features` (model size, tokens per step, learning rate, data) let the
-    library's runs most like this one teach most. `samples` and `seed` are accepted for callers of the earlier
-    bootstrap interval and unused: the interval is conformal, one fit per forecast.
-    Raises ConfigError when too few records lie past the warmup.
+    `forecast_library.with_project`); `features` (model size, tokens per step, learning rate, data,
+    optimizer) let the library's runs most like this one teach most and measure how far the run lies from
+    them. `samples` and `seed` are accepted for callers of the earlier bootstrap interval and unused: the
+    interval is conformal, one fit per forecast.
+    Raises ConfigError, one line naming the steps it needs, when the curve is too short.
     """
     del samples, seed
     if not 0.0 < confidence < 1.0:

@@ -3,7 +3,7 @@
 
 `LiveForecaster` collects a run's (step, loss) records and every `every` steps forecasts its final loss. It
 knows nothing of the trainer: the callback in `liandan.plan.forecast_callback` feeds it and writes each forecast
-as a "forecast" event into the run's events.jsonl. It never raises: with too few records past the warmup it skips
+as a "forecast" event into the run's events.jsonl. It never raises: with a curve too short to forecast from it skips
 quietly, and a fit that fails is skipped with a debug note.
 
 The flag: a run is flagged as worse than `reference_loss` when the forecast's lower bound, not its central
@@ -149,7 +149,7 @@ class LiveForecaster:
                 confidence=self.confidence,
                 features=self.features,
             )
-        except ConfigError:  # too few records past the warmup yet
+        except ConfigError:  # the curve is too short yet
             return None
         except Exception as err:  # noqa: BLE001 - a failed fit must never stop the training it describes
             log.debug("forecast at step %d skipped: %s: %s", step, type(err).__name__, err)
