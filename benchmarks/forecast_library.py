@@ -210,7 +210,7 @@ def fit(choose: bool) -> int:
     start = time.monotonic()
     settings = None if choose or not FITS.is_file() else json.loads(FITS.read_text())["settings"]
     library = save_fits(settings=settings)
-    print(f"{FITS}: {library.priors.runs} runs in {time.monotonic() - start:.0f}s; settings {library.settings}")
+    print(f"{FITS}: {len(library.taught)} runs in {time.monotonic() - start:.0f}s; settings {library.settings}")
     return 0
 
 

@@ -194,7 +194,8 @@ def forecast_final_loss(
     if decay is not None:
         priors = replace(priors, log_tau=math.log(1.0 / (1.0 - decay) / curve.total_steps), tau_width=1e-6)
     reach = library.reach(features)
-    point, fit = combined_forecast(curve, data, library.alike(features), priors, own_only=reach.far)
+    alike = library.alike(features)
+    point, fit = combined_forecast(curve, data, alike, priors, own_only=reach.far)
     power_fit = fit_power(data)
     observed = int(data.updates[-1])
     fraction = min(1.0, curve.observed / curve.total_steps)
@@ -225,7 +226,7 @@ def forecast_final_loss(
         power_high=power_point * math.exp(qp),
         fit=fit,
         power_fit=power_fit,
-        prior_runs=library.priors.runs,
+        prior_runs=len(alike),
         target_tokens=None if features is None else round(curve.total_steps * features.tokens_per_step),
         distance=reach.distance,
         nearest=reach.nearest,

@@ -44,6 +44,7 @@ FLOOR_WEIGHT = 0.02  # every run teaches at least this much, so that unlike runs
 PROJECT_WEIGHT = 3.0  # a project's own runs count this many times a library run in its priors
 PROJECT_MAX = 16  # the most recently finished runs of a project directory that teach (about 1 s each)
 MIN_WIDTH = {"alpha": 0.1, "gain": 0.2, "tau": 0.3}  # floors on the priors' widths, in e-folds
+DEFAULT_OPTIMIZER = "adamw"  # a run whose optimizer is not known is taken for one of the default's
 MIN_TEACHERS = 2  # an optimizer's runs teach its runs alone once there are this many (`weighed`)
 MIN_CALIBRATION_RUNS = 5  # an optimizer's runs calibrate its forecasts alone once there are this many
 EVIDENCE = 64.0  # the records' weight cap of a forecast without a library (the library's runs choose theirs)
@@ -236,13 +237,20 @@ def weighed(taught: Sequence[Taught], features: RunFeatures | None, likeness: fl
     exp(-likeness * distance / 2), plus FLOOR_WEIGHT. Only the runs trained with the run's optimizer teach
     when there are MIN_TEACHERS of them: the optimizer shapes the curve (Muon's falls faster early)."""
     if features is None:
-        return list(taught)
-    same = [t for t in taught if t.features is not None and t.features.optimizer == features.optimizer]
+        return of_optimizer(taught, None)
     out = []
-    for t in same if len(same) >= MIN_TEACHERS else taught:
+    for t in of_optimizer(taught, features.optimizer):
         like = math.exp(-0.5 * likeness * features.distance(t.features)) if t.features is not None else 0.0
         out.append(replace(t, weight=t.weight * (FLOOR_WEIGHT + like)))
     return out
+
+
+def of_optimizer(taught: Sequence[Taught], optimizer: str | None) -> list[Taught]:
+    """The runs trained with `optimizer` (None: DEFAULT_OPTIMIZER) when there are MIN_TEACHERS of them, else
+    all the runs."""
+    optimizer = optimizer or DEFAULT_OPTIMIZER
+    same = [t for t in taught if t.features is not None and t.features.optimizer == optimizer]
+    return same if len(same) >= MIN_TEACHERS else list(taught)
 
 
 def priors_from(taught: Sequence[Taught], evidence: float = EVIDENCE) -> LawPriors:
@@ -294,9 +302,9 @@ class Calibration:
     scores: tuple[Score, ...]
 
     def of(self, optimizer: str | None) -> Calibration:
-        """The scores of the runs trained with `optimizer` when there are MIN_CALIBRATION_RUNS of them (how
+        """The scores of the runs trained with `optimizer` (None: DEFAULT_OPTIMIZER) when there are MIN_CALIBRATION_RUNS of them (how
         far a forecast errs depends on the curve's shape, and the optimizer shapes it), else all of them."""
-        mine = tuple(s for s in self.scores if s.optimizer == optimizer)
+        mine = tuple(s for s in self.scores if s.optimizer == (optimizer or DEFAULT_OPTIMIZER))
         return Calibration(mine) if len({s.name for s in mine}) >= MIN_CALIBRATION_RUNS else self
 
     def _by_fraction(self, which: str) -> list[tuple[float, np.ndarray]]:
@@ -430,8 +438,9 @@ class Library:
         return replace(priors_from(self.alike(features)), **self.law_settings)
 
     def reach(self, features: RunFeatures | None) -> Reach:
-        """How far a run with `features` lies from the nearest run this library learned from."""
-        return reach(features, [(t.name, t.features) for t in self.taught])
+        """How far a run with `features` lies from the nearest of the runs that teach it (`of_optimizer`)."""
+        pool = of_optimizer(self.taught, None if features is None else features.optimizer)
+        return reach(features, [(t.name, t.features) for t in pool])
 
     def alike(self, features: RunFeatures | None) -> list[Taught]:
         return weighed(self.taught, features, self.settings.get("likeness", 1.0))
@@ -480,7 +489,11 @@ def build(
     names = tuple(r.name for r in runs)
     law_settings = {k: v for k, v in settings.items() if k != "likeness"}
     library = Library(
-        replace(priors_from(taught), **law_settings), Calibration(tuple(scores)), names, tuple(taught), settings
+        replace(priors_from(of_optimizer(taught, None)), **law_settings),
+        Calibration(tuple(scores)),
+        names,
+        tuple(taught),
+        settings,
     )
     return library, taught, settings
 
@@ -521,7 +534,7 @@ def default_library() -> Library:
         taught, scores, settings = saved
         names = tuple(t.name for t in taught)
         law_settings = {k: v for k, v in settings.items() if k != "likeness"}
-        priors = replace(priors_from(taught), **law_settings)
+        priors = replace(priors_from(of_optimizer(taught, None)), **law_settings)
         return Library(priors, Calibration(tuple(scores)), names, tuple(taught), settings)
     if not runs:
         return Library(LawPriors(evidence=EVIDENCE), Calibration(()), ())
@@ -545,7 +558,7 @@ def with_project(directories: Sequence[str | Path], exclude: Iterable[str | Path
         scores += forecast_scores(run, others, settings)
     names = base.runs + tuple(str(r.run_dir) for r in own)
     everyone = tuple(shipped + theirs)
-    priors = replace(priors_from(everyone), **base.law_settings)
+    priors = replace(priors_from(of_optimizer(everyone, None)), **base.law_settings)
     return Library(priors, Calibration(tuple(scores)), names, everyone, settings)
 
 
