@@ -5,6 +5,7 @@ fit, the refusal of a curve too short, and the target every forecast states."""
 import math
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -163,3 +164,24 @@ def test_a_live_forecast_knows_the_run_and_states_its_target():
     live = forecaster.compute(steps, [4.0 / math.sqrt(s) + 1.5 for s in steps])
     assert live is not None and live.target.startswith("training loss at step 200")
     assert live.to_event()["source"] in ("library", "own fit") and live.distance > 0.0
+
+
+def test_backtest_on_the_kept_runs_unlike_the_library():
+    """The held-out runs of benchmarks/forecast_unlike.py (docs/benchmarks.md has the tables): the 80%
+    intervals hold about 80% of their final losses, none of the kinds of unlikeness at 0%, the run far from
+    every library run forecast by its own fit, the one with a 30% warmup refused from within it."""
+    from liandan.plan.forecast import backtest_curves
+    from liandan.plan.forecast_library import load_fixture
+
+    kept = sorted((Path(__file__).parents[1] / "benchmarks" / "forecast_unlike").glob("*.json.gz"))
+    assert len(kept) == 16
+    rows = backtest_curves([load_fixture(p) for p in kept], (0.1, 0.2, 0.5))
+    done = [r for r in rows if r.forecast is not None]
+    assert {Path(r.run).name for r in rows if r.forecast is None} == {"schedule-cosine-m-600-lr0.002-warmup30"}
+    assert all(r.note.startswith("too short to forecast") for r in rows if r.forecast is None)
+    assert 0.7 <= sum(r.covered for r in done) / len(done) <= 0.92  # 42 of 46 when written
+    kinds = {Path(r.run).name.split("-")[0] for r in done}
+    for kind in kinds:
+        assert any(r.covered for r in done if Path(r.run).name.startswith(kind + "-")), kind
+    far = {r.forecast.source for r in done if Path(r.run).name.startswith("several-")}
+    assert far == {"own fit"}
