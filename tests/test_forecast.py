@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import run_liandan, tiny_config, write_corpus
+from helpers import liandan_here, tiny_config, write_corpus
 from liandan.common.schedule import lr_multiplier
 from liandan.config import ConfigError, ScheduleSection
 from liandan.plan.forecast import (
@@ -318,7 +318,7 @@ def test_a_run_still_writing(runs, tmp_path):
 
 
 def test_cli_forecast_and_reference(runs, tmp_path):
-    done = run_liandan("forecast", runs["wsd"], "--upto=150", f"--reference={runs['linear']}")
+    done = liandan_here("forecast", runs["wsd"], "--upto=150", f"--reference={runs['linear']}")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "step 150 of 300 (50% observed)" in out
@@ -337,7 +337,7 @@ def test_cli_forecast_and_reference(runs, tmp_path):
     shutil.copytree(runs["cosine"], reference, ignore=shutil.ignore_patterns("data", "*.png"))
     records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     (reference / "metrics.jsonl").write_text("".join(json.dumps({**r, "loss": 0.5}) + "\n" for r in records))
-    done = run_liandan(
+    done = liandan_here(
         "forecast", runs["cosine"], "--upto=60", f"--reference={reference}", "--fail-if-worse", "--json"
     )  # fmt: skip
     record = json.loads(done.stdout)
@@ -348,7 +348,7 @@ def test_cli_forecast_and_reference(runs, tmp_path):
 
 
 def test_cli_backtest(runs):
-    done = run_liandan("forecast", "--backtest", *runs.values(), "--fractions=0.2,0.5")
+    done = liandan_here("forecast", "--backtest", *runs.values(), "--fractions=0.2,0.5")
     assert done.returncode == 0, done.stderr
     for name in runs:
         assert name in done.stdout
@@ -364,9 +364,9 @@ def assert_one_line_error(done, *words):
 
 
 def test_cli_bad_input(runs, tmp_path):
-    assert_one_line_error(run_liandan("forecast", tmp_path), "not a run directory")
-    assert_one_line_error(run_liandan("forecast", runs["cosine"], "--upto=10"), "a forecast needs at least")
-    assert_one_line_error(run_liandan("forecast", "--backtest", runs["cosine"], "--fractions=0,2"), "--fractions")
+    assert_one_line_error(liandan_here("forecast", tmp_path), "not a run directory")
+    assert_one_line_error(liandan_here("forecast", runs["cosine"], "--upto=10"), "a forecast needs at least")
+    assert_one_line_error(liandan_here("forecast", "--backtest", runs["cosine"], "--fractions=0,2"), "--fractions")
 
 
 @pytest.mark.parametrize("bad", ["NaN", "null", "Infinity"])
@@ -385,8 +385,8 @@ def test_a_diverged_run_is_not_forecast_from_its_finite_prefix(runs, tmp_path, b
     with pytest.raises(ConfigError, match="not finite from step 120"):
         forecast_run(copy)
     assert forecast_run(copy, upto_step=119).observed_step == 119
-    assert_one_line_error(run_liandan("forecast", copy), "not finite from step 120", "--upto 119")
+    assert_one_line_error(liandan_here("forecast", copy), "not finite from step 120", "--upto 119")
 
 
 def test_cli_fractions_only_with_backtest(runs):
-    assert_one_line_error(run_liandan("forecast", runs["wsd"], "--fractions=0.5"), "--fractions goes with --backtest")
+    assert_one_line_error(liandan_here("forecast", runs["wsd"], "--fractions=0.5"), "--fractions goes with --backtest")

@@ -35,7 +35,7 @@ def test_tiny_model_overfits_a_batch():
     tokens = torch.randint(0, 64, (4, 33))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
-    for _ in range(150):
+    for _ in range(60):  # below 0.03 by then (0.08 at step 40): the model memorises, not merely improves
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         optimizer.step()
