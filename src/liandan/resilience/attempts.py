@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from liandan.checkpoint import handoff, snapshots
+from liandan.checkpoint import handoff
+from liandan.checkpoint import snapshot_dirs as snapshots
 from liandan.checkpoint.resume import choose_resume
 from liandan.checkpoint.verify import complete_checkpoints, step_of
 from liandan.resilience import nodes

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 from liandan.checkpoint.verify import complete_checkpoints, step_of
 from liandan.run import RunDir
-from liandan.train.preemption import EXTERNAL, REQUEST
+from liandan.run.worker_env import EXTERNAL_SIGNALS as EXTERNAL
+from liandan.run.worker_env import PREEMPT_REQUEST as REQUEST
 
 if TYPE_CHECKING:
     from liandan.resilience.attempts import Attempt

@@ -30,7 +30,7 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from liandan.checkpoint import snapshots
+from liandan.checkpoint import snapshot_dirs as snapshots
 from liandan.config import Config
 from liandan.resilience import incidents, nodes, suspects
 from liandan.resilience.attempts import Attempt, FailureRecords, trailing_repeats

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,6 +47,10 @@ VERIFIED_CHECKPOINT = "LIANDAN_VERIFIED_CHECKPOINT"  # the supervisor's checkpoi
 FAILURE_FILE = "LIANDAN_FAILURE_FILE"  # where the multi-node agent leaves the rank that failed first
 PREEMPT_GRACE_S = "LIANDAN_PREEMPT_GRACE_S"  # seconds the supervisor gives its workers once it asks them to stop
 # -- WorkerEnv: set by the supervisor and by launch_local (`--nproc`, the multi-node agent)
+# Signals between them: the supervisor forwards the SIGTERM or SIGINT it received (EXTERNAL) to its workers as
+# PREEMPT_REQUEST, which they answer by saving and exiting within the grace period.
+PREEMPT_REQUEST = signal.SIGUSR2
+EXTERNAL_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ERROR_DIR = "LIANDAN_ERROR_DIR"  # where a worker leaves its user error, for its launcher to print once
 # -- WorkerEnv: from the user's environment, passed through
 NODE_NAME = "LIANDAN_NODE_NAME"  # this node's name (default: Slurm's, else the host name)

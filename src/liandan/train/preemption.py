@@ -41,14 +41,14 @@ import torch
 import torch.distributed as dist
 
 from liandan.config import Config
-from liandan.run.worker_env import WorkerEnv
+from liandan.run.worker_env import EXTERNAL_SIGNALS, PREEMPT_REQUEST, WorkerEnv
 from liandan.train.callbacks import Callback
 
 if TYPE_CHECKING:
     from liandan.train.context import TrainContext, TrainResult
 
-REQUEST = signal.SIGUSR2  # the supervisor's request: it forwards the SIGTERM or SIGINT that it received
-EXTERNAL = (signal.SIGTERM, signal.SIGINT)
+REQUEST = PREEMPT_REQUEST  # the supervisor's request: it forwards the SIGTERM or SIGINT that it received
+EXTERNAL = EXTERNAL_SIGNALS
 EXIT_RESERVE = (0.1, 1.0)  # of the grace period, this share (at most this many seconds) is left for exiting
 MID_STEP = ("forward", "backward", "optimizer")  # the phase boundaries where a step may be abandoned
 _installed: PreemptionGuard | None = None  # the guard of this process, while one is installed
