@@ -190,11 +190,10 @@ def coordinate_check(cfg: Config, widths: Sequence[int], steps: int, work_dir: P
     the same `steps` batches of the config's data."""
     import torch
 
+    for width in widths:  # refused before any data is read
+        widened(check_args(cfg, 256), width)
     loader = open_data(cfg, work_dir, say)
-    vocab = loader.stores[0].tokenizer.vocab_size
-    base = check_args(cfg, vocab)
-    if base.parameterization == "mup" and not base.mup_base_dim:
-        raise ConfigError("model.parameterization = mup needs model.mup_base_dim")
+    base = check_args(cfg, loader.stores[0].tokenizer.vocab_size)
     micro = cfg.train.global_batch
 
     def batch() -> Any:
@@ -254,3 +253,33 @@ def plot(traces: Sequence[WidthTrace], out: Path, title: str) -> Path:
     fig.savefig(out, dpi=80)
     plt.close(fig)
     return out
+
+
+def target_settings(cfg: Config, target: int) -> list[str]:
+    """What `liandan sweep --target-dim` prints for the best trial's config `cfg`: the overrides that train
+    the model at width `target`, with the tuned learning rate carried over under muP; under the standard
+    parameterization, that it does not carry over, and the common 1/width rule's guess."""
+    args = check_args(cfg, 256)  # the vocabulary changes no width
+    wide = widened(args, target)
+    shape = [f"--model.dim={target}", f"--model.n_heads={wide.n_heads}", f"--model.n_kv_heads={wide.n_kv_heads}",
+             f"--model.head_dim={wide.head_dim}"]  # fmt: skip
+    if wide.ffn_dim != dataclasses.replace(wide, ffn_dim=0).ffn_dim:
+        shape.append(f"--model.ffn_dim={wide.ffn_dim}")
+    lr = cfg.optim.lr
+    if args.parameterization == "mup":
+        heading = (
+            f"width {target} (muP, tuned at width {args.dim}, base width {args.mup_base_dim}): the learning rate"
+            " carries over; muP scales each hidden matrix's by mup_base_dim / dim itself"
+        )
+        settings = [*shape, "--model.parameterization=mup", f"--model.mup_base_dim={args.mup_base_dim}"]
+        return [heading, "  " + " ".join([*settings, f"--optim.lr={lr:.4g}"])]
+    guess = lr * args.dim / target
+    heading = (
+        f"width {target}: under the standard parameterization the learning rate tuned at width {args.dim} does"
+        f" not carry over; a guess by the common 1/width rule: --optim.lr={guess:.4g}"
+    )
+    return [
+        heading,
+        "  " + " ".join([*shape, f"--optim.lr={guess:.4g}"]),
+        f"  to carry it over, sweep with --model.parameterization=mup --model.mup_base_dim={args.dim}",
+    ]
