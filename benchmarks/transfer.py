@@ -93,7 +93,7 @@ def sweep(out: Path, parameterization: str, widths: list[int], grid: list[int], 
     from liandan.model.spec import model_args
 
     for width in widths:
-        key = f"{optimizer}/{parameterization}/{width}"
+        key = f"{optimizer}/{parameterization}/{width}" + (f"/base{base}" if parameterization == "mup" else "")
         row = results.setdefault(key, {})
         tried = list(grid)
         while tried:
@@ -112,16 +112,30 @@ def sweep(out: Path, parameterization: str, widths: list[int], grid: list[int], 
                 tried.append(ks[0] - 1 if int(best) == ks[0] else ks[-1] + 1)  # the best is at an edge: go on
 
 
+def vertex(row: dict) -> float:
+    """The grid exponent of the parabola through the best point and its two neighbours (in log2 lr): the best
+    learning rate between grid points; the best grid point itself at an edge of the grid."""
+    best = int(min(row, key=lambda s: row[s]))
+    left, right = row.get(str(best - 1), math.inf), row.get(str(best + 1), math.inf)
+    if not (math.isfinite(left) and math.isfinite(right)):
+        return float(best)
+    curvature = left + right - 2 * row[str(best)]
+    return best + (left - right) / (2 * curvature) if curvature > 0 else float(best)
+
+
 def report(results: dict, widths: list[int]) -> list[str]:
     lines = []
-    for key in sorted({k.rsplit("/", 1)[0] for k in results}):
-        rows = [results.get(f"{key}/{w}", {}) for w in widths]
+    for key in sorted({"/".join(k.split("/")[:2]) for k in results}):
+        rows = [next((r for k, r in results.items() if k.split("/")[:3] == [*key.split("/"), str(w)]), {})
+                for w in widths]  # fmt: skip
         if not all(rows):
             continue
         bests = [int(min(r, key=lambda s: r[s])) for r in rows]
-        cells = ", ".join(f"{w}: {BASE_LR * 2**b:.3g} (loss {r[str(b)]:.3f})"
-                          for w, b, r in zip(widths, bests, rows, strict=True))  # fmt: skip
-        lines.append(f"{key}: best lr {cells}; moved {max(bests) - min(bests)} grid step(s)")
+        smooth = [vertex(r) for r in rows]
+        cells = ", ".join(f"{w}: {BASE_LR * 2**b:.3g} (loss {r[str(b)]:.3f}; parabola {BASE_LR * 2**v:.3g})"
+                          for w, b, v, r in zip(widths, bests, smooth, rows, strict=True))  # fmt: skip
+        lines.append(f"{key}: best lr {cells}; moved {max(bests) - min(bests)} grid step(s) "
+                     f"({max(smooth) - min(smooth):.2f} by the parabolas)")  # fmt: skip
     return lines
 
 
