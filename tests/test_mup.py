@@ -238,3 +238,28 @@ def test_check_transfer_command_prints_a_verdict_and_writes_the_plot(tmp_path, c
     out = capsys.readouterr().out
     assert "parameterization mup (base width 32)" in out and "verdict:" in out and "logits" in out
     assert Path(plot).is_file()
+
+
+@pytest.mark.parametrize("parameterization", ["standard", "mup"])
+def test_sweep_prints_the_best_trials_settings_at_the_target_width(tmp_path, capsys, parameterization):
+    """A study that already holds its trial: the sweep runs nothing, prints the best and its target settings."""
+    import optuna
+
+    from liandan.plan.sweep import load_sweep, open_study
+
+    base = tmp_path / "base.toml"
+    base.write_text(f'[model]\ndim = 64\nn_heads = 4\nparameterization = "{parameterization}"\nmup_base_dim = 64\n')
+    sweep = tmp_path / "s.toml"
+    sweep.write_text(f'base = "{base}"\noutput_dir = "{tmp_path / "out"}"\ntrials = 1\n'
+                     '[params]\n"optim.lr" = { low = 1e-4, high = 1e-2, log = true }\n')  # fmt: skip
+    distribution = optuna.distributions.FloatDistribution(1e-4, 1e-2, log=True)
+    open_study(load_sweep(sweep)).add_trial(
+        optuna.trial.create_trial(params={"optim.lr": 0.004}, distributions={"optim.lr": distribution}, value=2.5)
+    )
+    assert main(["sweep", str(sweep), "--target-dim", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "best: trial 0" in out
+    if parameterization == "mup":
+        assert "carries over" in out and "--model.n_heads=64" in out and "--optim.lr=0.004" in out
+    else:
+        assert "does not carry over" in out and "--optim.lr=0.00025" in out
