@@ -263,3 +263,17 @@ def test_sweep_prints_the_best_trials_settings_at_the_target_width(tmp_path, cap
         assert "carries over" in out and "--model.n_heads=64" in out and "--optim.lr=0.004" in out
     else:
         assert "does not carry over" in out and "--optim.lr=0.00025" in out
+
+
+def test_muon_under_mup_scales_match_rms_rates_by_the_square_root_of_the_width_multiplier():
+    from liandan.train.optimizers.muon import build_muon
+
+    model = _model(128, base=32)  # width_mult 4
+    for adjust, hidden_lrs in (("match_rms_adamw", {0.005}), ("spectral", {0.01})):
+        section = load_config(None, ["--optim.name=muon", "--optim.lr=0.01", f"--optim.muon.adjust_lr={adjust}"]).optim
+        muon, adamw = build_muon(model, section, torch.device("cpu"))
+        assert {g["lr"] for g in muon.param_groups} == hidden_lrs
+        assert {g["lr"] for g in adamw.param_groups} == {0.01}  # embedding, head, norms: unchanged
+    plain = _model(128, "standard")
+    muon, _ = build_muon(plain, section, torch.device("cpu"))
+    assert len(muon.param_groups) == 1 and muon.param_groups[0]["lr"] == 0.01
