@@ -277,3 +277,19 @@ def test_muon_under_mup_scales_match_rms_rates_by_the_square_root_of_the_width_m
     plain = _model(128, "standard")
     muon, _ = build_muon(plain, section, torch.device("cpu"))
     assert len(muon.param_groups) == 1 and muon.param_groups[0]["lr"] == 0.01
+
+
+def test_weights_trained_under_another_parameterization_are_another_model():
+    import dataclasses
+
+    from liandan.model.llama_spec import LLAMA
+
+    mup, standard = _model(64, base=32).args, _model(64, "standard", base=0).args
+    assert LLAMA.differences(standard, dataclasses.asdict(mup)) == [
+        "model.parameterization = standard (checkpoint: mup)",
+        "model.mup_base_dim = 0 (checkpoint: 32)",
+    ]
+    assert LLAMA.differences(mup, dataclasses.asdict(dataclasses.replace(mup, mup_base_dim=64)))
+    assert LLAMA.differences(mup, dataclasses.asdict(mup)) == []
+    assert LLAMA.differences(standard, {k: v for k, v in dataclasses.asdict(standard).items()
+                                        if k not in ("parameterization", "mup_base_dim")}) == []  # fmt: skip
