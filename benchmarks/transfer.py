@@ -1,12 +1,12 @@
 """Learning-rate transfer across width: does the best learning rate found at a small width hold at larger ones?
 
-For each parameterization (standard, mup with base width 64) and each width (64, 128, 256: two layers, heads
-of 16, the same tokens, batch, schedule and seed), AdamW is trained at learning rates on a grid of factors of 2
-(extended at an edge that wins), and scored by the mean training loss of the last 25 steps (every batch is
+For each parameterization (standard, and mup with the smallest width as its base) and each width (64, 128,
+256: two layers, heads of 16, the same tokens, batch, schedule and seed), AdamW (or Muon: --optimizers) is
+trained at learning rates on a grid of factors of 2 (extended at an edge that wins), and scored by the mean training loss of the last 25 steps (every batch is
 fresh text, so this is a held-out loss). The report gives the best learning rate per width and how many grid
 steps it moved between the widths. Byte tokenizer, the shared English text (en-wikitext2), one thread.
 
-    python benchmarks/transfer.py --out runs/transfer            # about 15 minutes on one idle core
+    python benchmarks/transfer.py --out runs/transfer            # about 10 minutes on one idle core
     python benchmarks/transfer.py --out runs/transfer --steps 60 --widths 32,64 --grid -1,0,1   # a smoke run
 
 Results land in <out>/transfer.json (a finished run is not trained again).
