@@ -134,7 +134,7 @@ def test_one_step_equals_the_update_written_out(adjust, scale, shape):
 
     class Roled:  # what muon_over reads of a roled parameter
         def __init__(self, p):
-            self.param = p
+            self.param, self.width_mult = p, 1.0
 
     optimizer = muon_over([Roled(param)], _section(f"--optim.muon.adjust_lr={adjust}", "--optim.lr=0.01"))
     expected, buf = weight.double(), torch.zeros(shape)

@@ -187,7 +187,8 @@ def export_hf(
     before the rotary embedding; otherwise as `LlamaForCausalLM`. With tied embeddings only
     `model.embed_tokens.weight` is stored and the config says `tie_word_embeddings: true`. The tokenizer's
     end-of-document token (`<|endoftext|>` for tokenizers liandan trains) becomes both the end-of-sequence and
-    the beginning-of-sequence token: liandan separates documents with it, as GPT-2 does."""
+    the beginning-of-sequence token: liandan separates documents with it, as GPT-2 does. Multipliers the
+    Hugging Face architecture lacks (muP's on the logits) are folded into the weights by the family's adapter."""
     out_dir = Path(out_dir)
     _dtype_name(dtype)
     tensors = _check_state_dict(state_dict, args, "state dict")
@@ -212,8 +213,8 @@ def export_hf(
             )
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    to_hf = _adapter(spec_for(args)).to_hf_name
-    hf_tensors = {to_hf(k): v for k, v in tensors.items()}
+    adapter = _adapter(spec_for(args))
+    hf_tensors = {adapter.to_hf_name(k): v for k, v in adapter.export_weights(args, tensors).items()}
     _save_safetensors(_prepare_for_save(hf_tensors, dtype), out_dir / "model.safetensors", {"format": "pt"})
     _write_json(out_dir / "config.json", hf_config(args, dtype, eos_id))
     if tokenizer_json is not None:

@@ -40,6 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "optimal": ("fit_cmd", "compute-optimal parameters and tokens for a FLOP budget (or tokens for a size) under a scaling law"),
     "forecast": ("forecast_cmd", "forecast a run's final loss from its partial loss curve (learning-rate-annealing scaling law)"),
     "sweep": ("sweep_cmd", "search hyperparameters with Optuna: each trial a training run, bad ones pruned early"),
+    "check-transfer": ("transfer_cmd", "whether learning rates tuned at one width hold at others: a coordinate check across widths"),
     "runs": ("runs_cmd", "list the runs of a project directory (status, tokens, losses, goodput, incidents, forecast)"),
     "dash": ("dash_cmd", "a live web dashboard of the runs in a project directory (needs the [dash] extra)"),
     "lm-eval": ("lm_eval_cmd", "run lm-evaluation-harness tasks on a checkpoint (lm-eval's own arguments follow the checkpoint)"),

@@ -31,6 +31,12 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--trials", type=int, metavar="N", help="completed or pruned trials the study should hold (default: the file's)"
     )
+    p.add_argument(
+        "--target-dim",
+        type=int,
+        metavar="DIM",
+        help="print the best trial's settings for a model of this width (default: the file's target_dim)",
+    )
     p.set_defaults(command=cmd_sweep)
 
 
@@ -41,10 +47,12 @@ def cmd_sweep(args: argparse.Namespace, overrides: list[str]) -> int:
         )
     if args.trials is not None and args.trials < 1:
         raise ConfigError(f"--trials = {args.trials} must be at least 1")
+    if args.target_dim is not None and args.target_dim < 1:
+        raise ConfigError(f"--target-dim = {args.target_dim} must be a width of at least 1")
     from liandan.plan.sweep import FINISHED, load_sweep, open_study, run_sweep
     from liandan.run.console import make_console
 
-    spec = load_sweep(args.sweep, trials=args.trials)
+    spec = load_sweep(args.sweep, trials=args.trials, target_dim=args.target_dim)
     console = make_console(highlight=False)
     done_before = len(open_study(spec).get_trials(deepcopy=False, states=FINISHED))
     console.print(
@@ -64,6 +72,9 @@ def cmd_sweep(args: argparse.Namespace, overrides: list[str]) -> int:
     if best is not None:
         params = ", ".join(f"{k}={_fmt(v)}" for k, v in best.params.items())
         console.print(f"best: trial {best.number}, {spec.scored_by} {best.value:.4f} ({params})")
+        if spec.target_dim:
+            for line in _target_lines(spec, best):
+                console.print(line, markup=False)
     csv_path = write_trials_csv(rows, spec.study_dir / "trials.csv")
     label = f"final {'validation' if spec.scored_by == 'val_loss' else 'training'} loss"
     png = plot_sweep(result.study, rows, spec.study_dir / "sweep.png", label)
@@ -72,6 +83,19 @@ def cmd_sweep(args: argparse.Namespace, overrides: list[str]) -> int:
         print(f"liandan: error: sweep stopped: {result.gave_up}", file=sys.stderr)
         return 1
     return 0
+
+
+def _target_lines(spec, best: TrialRow) -> list[str]:
+    """The best trial's settings at `spec.target_dim` (liandan.plan.transfer), or why there are none."""
+    from liandan.config import load_config
+    from liandan.plan.sweep import override
+    from liandan.plan.transfer import target_settings
+
+    try:
+        cfg = load_config(spec.base, [*spec.overrides, *(override(k, v) for k, v in best.params.items())])
+        return target_settings(cfg, spec.target_dim)
+    except ConfigError as err:
+        return [f"no settings for width {spec.target_dim}: {err}"]
 
 
 class _ProgressReporter:

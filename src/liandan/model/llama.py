@@ -44,6 +44,8 @@ class ModelArgs:
     qkv_bias: bool = False
     z_loss: float = 0.0
     init_std: float = 0.02
+    parameterization: str = "standard"
+    mup_base_dim: int = 0
     attention: str = "auto"
 
     def __post_init__(self) -> None:
@@ -53,6 +55,15 @@ class ModelArgs:
         if not self.ffn_dim:
             hidden = int(2 * (4 * self.dim) / 3)
             self.ffn_dim = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+
+    @property
+    def width_mult(self) -> float:
+        """The width over the tuned base width under muP; 1.0 under the standard parameterization."""
+        if self.parameterization != "mup":
+            return 1.0
+        if self.mup_base_dim <= 0:
+            raise ValueError("model.parameterization = mup needs model.mup_base_dim")
+        return self.dim / self.mup_base_dim
 
 
 class RMSNorm(nn.Module):
@@ -202,13 +213,20 @@ class Transformer(nn.Module):
 
     def init_weights(self) -> None:
         """Normal(0, init_std) everywhere; the projections that write into the residual stream (wo, w2) get
-        init_std / sqrt(2 * n_layers) so the residual's variance does not grow with depth."""
+        init_std / sqrt(2 * n_layers) so the residual's variance does not grow with depth. Under muP the
+        blocks' matrices (not the embedding, not the head) are further scaled by 1/sqrt(width_mult): std
+        proportional to 1/sqrt(fan_in), equal to init_std at the base width."""
         std = self.args.init_std
-        out_std = std / math.sqrt(2 * self.args.n_layers)
+        hidden_std = std / math.sqrt(self.args.width_mult) if self.args.width_mult != 1.0 else std
+        out_std = hidden_std / math.sqrt(2 * self.args.n_layers)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 last = name.rsplit(".", 1)[-1]
-                nn.init.normal_(module.weight, 0.0, out_std if last in ("wo", "w2") else std)
+                nn.init.normal_(
+                    module.weight,
+                    0.0,
+                    std if module is self.output else out_std if last in ("wo", "w2") else hidden_std,
+                )
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
@@ -216,6 +234,28 @@ class Transformer(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
         self.init_buffers()
+
+    def width_mults(self) -> dict[int, float]:
+        """muP's width multiplier of each hidden matrix (the blocks' linear weights), by the id of the
+        parameter as it is now (parallel wrappers replace parameters, so this is read when asked); empty under
+        the standard parameterization. Read by `liandan.model.roles` for the optimizers' learning rates."""
+        mult = self.args.width_mult
+        if self.args.parameterization != "mup":
+            return {}
+        return {id(p): mult for layer in self.layers.values() for p in layer.parameters() if p.dim() >= 2}
+
+    @property
+    def output_mult(self) -> float:
+        """muP's multiplier of the logits, 1 / width_mult (the head's init and learning rate stay those of the
+        base width, so its logits would otherwise grow with the width)."""
+        return 1.0 / self.args.width_mult
+
+    def _head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """The final norm, and under muP the output multiplier, applied before the projection (the same as
+        multiplying the logits: the head is linear without a bias) so that every loss path shares it."""
+        x = self.norm(h)
+        mult = self.output_mult
+        return x if mult == 1.0 else x * mult
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -262,7 +302,7 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         if targets is None:
-            return full_logits(self.output(self.norm(_rows(h, logits_at))))
+            return full_logits(self.output(self._head_input(_rows(h, logits_at))))
         return self.head_loss(h, targets)
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, logits_at: torch.Tensor | None) -> torch.Tensor:
@@ -273,7 +313,7 @@ class Transformer(nn.Module):
         for index, layer in enumerate(self.layers.values()):
             h = layer(h, rope, mask, cache, index)
         cache.advance(seq)
-        return full_logits(self.output(self.norm(_rows(h, logits_at))))
+        return full_logits(self.output(self._head_input(_rows(h, logits_at))))
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, output projection and loss: one unit, so it can be compiled as one (the fp32 logits
@@ -284,13 +324,13 @@ class Transformer(nn.Module):
             bias = self.output.bias
             if bias is not None:
                 raise ValueError("train.ce_fused needs an output projection without a bias")
-            return fused_lm_loss(self.norm(h), self.output.weight, targets, self.args.z_loss, self.ce_chunks)
+            return fused_lm_loss(self._head_input(h), self.output.weight, targets, self.args.z_loss, self.ce_chunks)
         if self.ce_chunks > 1:
             return chunked_lm_loss(self._logits, h, targets, self.args.z_loss, self.ce_chunks)
-        return lm_loss(self.output(self.norm(h)), targets, self.args.z_loss)
+        return lm_loss(self.output(self._head_input(h)), targets, self.args.z_loss)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.output(self.norm(h))
+        return self.output(self._head_input(h))
 
 
 def _rows(h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:

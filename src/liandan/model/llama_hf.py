@@ -73,7 +73,24 @@ def export_type(args: ModelArgs) -> str:
     if args.qk_norm and args.qkv_bias:
         # Qwen3's attention_bias also puts a bias on the output projection, which liandan does not have.
         raise ValueError("model.qk_norm with model.qkv_bias has no transformers architecture to export to")
+    if args.width_mult != 1.0 and args.tie_embeddings:
+        # The output multiplier folds into an untied head only: the shared table is the embedding's too.
+        raise ValueError(
+            "model.parameterization = mup with model.tie_embeddings scales the logits by a multiplier that "
+            "Hugging Face's tied head cannot hold; train with tie_embeddings = false to export"
+        )
     return "qwen3" if args.qk_norm else "qwen2" if args.qkv_bias else "llama"
+
+
+def fold_output_multiplier(args: ModelArgs, tensors: dict) -> dict:
+    """The tensors with muP's logit multiplier (1 / width_mult) folded into the head's weight: Hugging Face's
+    Llama computes plain `lm_head(norm(h))`, the same logits then. Unchanged under the standard one."""
+    export_type(args)
+    mult = 1.0 / args.width_mult
+    if mult == 1.0:
+        return tensors
+    head = tensors["output.weight"]
+    return {**tensors, "output.weight": (head.double() * mult).to(head.dtype)}
 
 
 def _rope_parameters(args: ModelArgs) -> dict:

@@ -39,6 +39,12 @@ class LlamaOptions:
     init_std: float = option(
         0.02, "std of the normal init; output projections are scaled by 1/sqrt(2*n_layers)", min=0.0
     )
+    parameterization: Literal["standard", "mup"] = option(
+        "standard",
+        "mup: init, learning rates and output multiplier scaled with the width (dim / mup_base_dim) so that "
+        "hyperparameters tuned at mup_base_dim hold at other widths (grow the width by heads of a fixed head_dim)",
+    )
+    mup_base_dim: int = option(0, "mup: the width whose hyperparameters are the tuned ones (required under mup)", min=0)
     attention: Literal["auto", "flex", "sdpa", "eager"] = option(
         "auto", "attention kernel: flex (FlexAttention block masks), sdpa, or eager (reference-style matmuls)"
     )
@@ -57,6 +63,10 @@ class LlamaOptions:
             raise ConfigError(
                 f"model.rope_high_freq_factor = {self.rope_high_freq_factor} must exceed "
                 f"model.rope_low_freq_factor = {self.rope_low_freq_factor}"
+            )
+        if self.parameterization == "mup" and not self.mup_base_dim:
+            raise ConfigError(
+                "model.parameterization = mup needs model.mup_base_dim, the width its hyperparameters were tuned at"
             )
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:

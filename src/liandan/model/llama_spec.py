@@ -60,7 +60,8 @@ def function_fields(args: ModelArgs) -> tuple[str, ...]:
     another function (a wrong RoPE base or epsilon loads cleanly and quietly degrades the model). The
     rescaling's parameters count only when rescaling is on."""
     scaling = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
-    return ("rope_theta", "norm_eps", "rope_scaling") + (scaling if args.rope_scaling != "none" else ())
+    mup = ("parameterization", "mup_base_dim") if args.parameterization == "mup" else ()
+    return ("rope_theta", "norm_eps", "rope_scaling") + (scaling if args.rope_scaling != "none" else ()) + mup
 
 
 def tied(args: ModelArgs) -> dict[str, str]:
@@ -155,5 +156,6 @@ LLAMA = ModelSpec(
         args_from_config=llama_hf.args_from_hf_config,
         ignored_suffixes=("rotary_emb.inv_freq",),  # a buffer some older checkpoints store
         notes=llama_hf.import_notes,
+        export_weights=llama_hf.fold_output_multiplier,
     ),
 )

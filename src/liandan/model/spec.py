@@ -65,6 +65,8 @@ class HFAdapter:
     args_from_config: Callable[[dict, str], Any]  # (config.json, where) -> args, or a ValueError naming the field
     ignored_suffixes: tuple[str, ...] = ()  # HF tensors skipped on import (buffers recomputed from the config)
     notes: Callable[[dict], list[str]] = lambda config: []  # config.json -> lines the import should print
+    # (args, state dict without tied keys) -> the tensors to write: folds multipliers HF has no place for
+    export_weights: Callable[[Any, dict], dict] = lambda args, tensors: tensors
 
 
 def _no_tp_check(args: Any, tp: int) -> str | None:

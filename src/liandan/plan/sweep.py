@@ -88,6 +88,7 @@ _KEYS: dict[str, tuple[Any, Callable[[Any], bool], str]] = {  # key: (default, t
     "pruner_options": ({}, _is(dict, lambda x: True), "must be a table"),
     "report_every": (10, _is(int, lambda x: x >= 1), "must be an integer >= 1"),
     "seed": (0, _is(int, lambda x: x >= 0), "must be an integer >= 0"),
+    "target_dim": (0, _is(int, lambda x: x >= 0), "must be a width >= 0 (0: no target)"),
 }
 DEFAULTS = {key: default for key, (default, _, _) in _KEYS.items()}  # base and params are required
 
@@ -109,6 +110,7 @@ class SweepSpec:
     seed: int
     params: dict[str, BaseDistribution]  # run-config key: the values to search
     base_config: Config  # the base with the overrides, as every trial starts
+    target_dim: int = 0  # the width to print the best trial's settings for (0: none)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -150,9 +152,10 @@ def override(key: str, value: Any) -> str:
     return f"--{key}={json.dumps(value) if isinstance(value, str) else repr(value)}"
 
 
-def load_sweep(path: str | Path, trials: int | None = None) -> SweepSpec:
+def load_sweep(path: str | Path, trials: int | None = None, target_dim: int | None = None) -> SweepSpec:
     """Read and check a sweep file; every mistake is a ConfigError of one line naming the file and key.
-    `trials` overrides the file's. Relative paths in the file are relative to the current directory."""
+    `trials` and `target_dim` override the file's. Relative paths in the file are relative to the current
+    directory."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"sweep file not found: {path}")
@@ -168,6 +171,8 @@ def load_sweep(path: str | Path, trials: int | None = None) -> SweepSpec:
             raise ConfigError(f"{path}: '{key}' is missing")
     if trials is not None:
         raw["trials"] = trials
+    if target_dim is not None:
+        raw["target_dim"] = target_dim
     v = {**DEFAULTS, **raw}
     v["study"] = v["study"] or path.stem  # an empty study name takes the file's
     for key, (_, ok, what) in _KEYS.items():
@@ -186,7 +191,8 @@ def load_sweep(path: str | Path, trials: int | None = None) -> SweepSpec:
         base_config = load_config(base, overrides)
     except ConfigError as err:
         raise ConfigError(f"{path}: base {base} with the overrides: {err}") from None
-    same = ("study", "storage", "trials", "direction", "metric", "pruner", "pruner_options", "report_every", "seed")
+    same = ("study", "storage", "trials", "direction", "metric", "pruner", "pruner_options", "report_every", "seed",
+            "target_dim")  # fmt: skip
     spec = SweepSpec(
         path=path,
         base=base,

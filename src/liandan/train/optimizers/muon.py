@@ -5,13 +5,15 @@ output head, norm weights, biases): two optimizers per model part, under one lea
 `adjust_lr`: "match_rms_adamw" (the default, Moonlight's 0.2 sqrt(max(A, B))) makes its update's RMS that of
 AdamW's, so AdamW's tuned learning rate and weight decay carry over; "spectral" (sqrt(max(1, A/B)), Keller
 Jordan's) keeps the update's spectral norm independent of width, what muP asks for; "none" does not scale.
-Muon's matrices take no width multiplier of their own (`RoledParameter.width_mult` scales AdamW's hidden
-matrices only): under muP, "spectral" is the width-invariant choice.
+Under muP (`model.parameterization = "mup"`) "match_rms_adamw" divides each matrix's rate by sqrt(width_mult)
+so that its update's spectral norm stays flat across widths, as "spectral" does by construction.
 
 Plain tensors take `torch.optim.Muon`; sharded ones (FSDP2, tensor parallelism) `ShardedMuon`, which
 orthogonalises whole matrices and gives the same update (`sharded_muon.py`)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -45,9 +47,24 @@ def muon_over(roled: list[RoledParameter], section: OptimSection) -> torch.optim
     kwargs = {"lr": section.lr, "weight_decay": o.weight_decay, "momentum": o.momentum, "nesterov": o.nesterov,
               "ns_coefficients": coefficients, "eps": EPS, "ns_steps": o.ns_steps, "adjust_lr_fn": adjust}  # fmt: skip
     params = [r.param for r in roled]
+    groups = _width_groups(roled, section)
     if adjust != "none" and not any(isinstance(p, DTensor) for p in params):
-        return torch.optim.Muon(params, **kwargs)
-    return ShardedMuon(params, **kwargs)
+        return torch.optim.Muon(groups or params, **kwargs)
+    return ShardedMuon(groups or params, **kwargs)
+
+
+def _width_groups(roled: list[RoledParameter], section: OptimSection) -> list[dict] | None:
+    """Param groups by muP width multiplier, or None when every multiplier is 1 (the standard
+    parameterization). "match_rms_adamw" makes an update's spectral norm grow as sqrt(max(A, B)), so under muP
+    each matrix's rate is divided by sqrt(width_mult) to keep it flat; "spectral" and "none" already keep it
+    flat for matrices that grow with the width, and are left alone."""
+    if section.options.adjust_lr != "match_rms_adamw" or all(r.width_mult == 1.0 for r in roled):
+        return None
+    groups: dict[float, dict] = {}
+    for r in roled:
+        lr = section.lr / math.sqrt(r.width_mult)
+        groups.setdefault(r.width_mult, {"params": [], "lr": lr})["params"].append(r.param)
+    return list(groups.values())
 
 
 def build_muon(part: nn.Module, section: OptimSection, device: torch.device,
