@@ -73,6 +73,18 @@ def _chinese_and_english():
     return zh + [topics[k] for k in sorted(topics)[:30]]
 
 
+def test_bpe_learns_the_same_from_one_long_line_cut_into_pieces():
+    """A long text is handed to the trainer in pieces (its memory grows with a text's length); the cuts fall
+    where the pre-tokeniser splits anyway, so the vocabulary is the one the whole text gives."""
+    from liandan.data.tokens import tokenizer as tokenizer_module
+
+    english, chinese = _chinese_and_english()[-1], "".join(_chinese_and_english()[:-1])
+    line = (f"{english}  {chinese}  don't  stop\t 3.14 —  ok  " * 40).replace("\n", " ")
+    pieces = list(tokenizer_module._in_pieces([line], limit=2000))
+    assert len(pieces) > 10 and max(map(len, pieces)) <= 2000 and "".join(pieces) == line
+    assert train_bpe([line], 600, piece_chars=2000).fingerprint() == train_bpe([line], 600).fingerprint()
+
+
 def test_bpe_trains_on_english_and_chinese_and_round_trips(tmp_path):
     texts = _chinese_and_english()
     tok = train_bpe(texts, vocab_size=1000)

@@ -102,6 +102,13 @@ BUILTIN: tuple[Plugin, ...] = (
         _L + "train.optimizers.adamw_options:AdamWOptions",
         builtin=True,
     ),
+    Plugin(
+        "optimizer",
+        "muon",
+        _L + "train.optimizers.muon:MUON",
+        _L + "train.optimizers.muon_options:MuonOptions",
+        builtin=True,
+    ),
     # callbacks, in the order they register (their `order` decides the order they run in)
     *(
         Plugin("callback", name, _L + target, builtin=True)

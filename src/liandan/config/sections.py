@@ -36,10 +36,10 @@ class ModelSection(PluginTables):
 @dataclass
 class OptimSection(PluginTables):
     """The keys every optimizer shares; the optimizer's own go in `[optim.<name>]` (see
-    `liandan.train.optimizers.adamw_options` for AdamW's), or flat in `[optim]` as before there were several."""
+    `liandan.train.optimizers.adamw_options` for AdamW's, `muon_options` for Muon's), or flat in `[optim]` as before there were several."""
 
     KEY = "optim"
-    name: str = _f("adamw", "optimizer (liandan.plugins): adamw")
+    name: str = _f("adamw", "optimizer (liandan.plugins): adamw, muon (hidden matrices; AdamW for the rest)")
     lr: float = _f(3e-4, "peak learning rate", min=0.0)
     grad_clip: float = _f(1.0, "global gradient-norm clip over every model part and optimizer; 0 disables",
                           min=0.0)  # fmt: skip

@@ -1,6 +1,7 @@
 """Optimizers: each is a plug-in (`liandan.plugins`, kind "optimizer", chosen by `[optim] name`) that builds the
 torch optimizers of a train module's model parts; `OptimizersContainer` steps, zeroes, schedules, clips and
-checkpoints them as one. AdamW (`adamw.py`) is liandan's own."""
+checkpoints them as one. AdamW (`adamw.py`) and Muon (`muon.py`, with AdamW for what is not a hidden matrix)
+are liandan's own."""
 
 from __future__ import annotations
 
@@ -21,12 +22,22 @@ class OptimizerPlugin:
     optimizers of its trainable parameters (every parameter in exactly one); `section.options` is the plug-in's
     own config table. `mixed_tensor_kinds`: the parameters mix DTensors of different meshes and plain tensors
     (tensor parallelism), which multi-tensor kernels cannot take in one call. `state_bytes_per_param`: the
-    optimizer state it keeps per parameter, for `liandan plan`. `options`: the dataclass of its config table."""
+    optimizer state it keeps per parameter, for `liandan plan`; `state_bytes_per_role`, where parameters of
+    some roles (`liandan.model.roles`: "embedding", "head", "hidden", "vector") keep another amount.
+    `step_flops(roled, section)`: the FLOPs of one step beyond element-wise work (Muon's Newton-Schulz), from
+    the parameters of one model part (meta tensors will do); None for none. `options`: the dataclass of its
+    config table."""
 
     name: str
     build: Callable[[list[Any], OptimSection, Any, bool], list[list[Any]]]
     state_bytes_per_param: float
     options: type | None = None  # its `[optim.<name>]` table, when its registration does not name one
+    state_bytes_per_role: dict[str, float] | None = None
+    step_flops: Callable[[list[Any], OptimSection], float] | None = None
+
+    def state_bytes(self, role: str) -> float:
+        """Bytes of optimizer state per parameter of `role`."""
+        return (self.state_bytes_per_role or {}).get(role, self.state_bytes_per_param)
 
 
 def optimizer_plugin(name: str) -> OptimizerPlugin:
