@@ -80,11 +80,14 @@ def nanogpt_result(log: str) -> tuple[float, list[float]]:
     return float(evals[-1][1]), iteration_ms[1:]  # the first iteration pays for warm-up
 
 
-def time_to_reach(metrics: Path, target: float, started: float) -> tuple[int, float] | None:
-    """(step, seconds since launch) at which the trailing mean of liandan's training loss first reaches
-    `target`, or None."""
+def step_rows(metrics: Path) -> list[dict]:
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    rows = [row for row in rows if "loss" in row and "time" in row]
+    return [row for row in rows if "loss" in row and "time" in row]
+
+
+def time_to_reach(rows: list[dict], target: float, started: float) -> tuple[int, float] | None:
+    """(step, seconds since launch) at which the trailing mean of liandan's training loss (`rows` of its
+    metrics.jsonl, one per step) first reaches `target`, or None."""
     for i in range(WINDOW, len(rows) + 1):
         window = rows[i - WINDOW : i]
         if statistics.fmean(row["loss"] for row in window) <= target:
@@ -136,7 +139,10 @@ def main() -> None:
         step_ms = 1000 * summary["seconds"] / max(summary["steps"], 1)
         print(f"liandan: {summary['steps']} steps in {liandan_end - liandan_start:.1f}s wall "
               f"({step_ms:.1f} ms per step, loop mean), final train loss {summary['final_loss_smoothed']:.4f} (smoothed)")  # fmt: skip
-        reached = time_to_reach(root / "liandan" / "metrics.jsonl", target, liandan_start)
+        rows = step_rows(root / "liandan" / "metrics.jsonl")
+        startup = rows[0]["time"] - rows[0]["step_time_s"] - liandan_start
+        print(f"liandan: launch to its first step {startup:.1f}s (start-up: imports, data, model, preflight)")
+        reached = time_to_reach(rows, target, liandan_start)
         if reached is None:
             print(f"liandan did not reach {target:.4f} (mean of {WINDOW} steps)")
             return

@@ -168,7 +168,13 @@ def test_the_shipped_shakespeare_config_parses_and_trains_two_steps(tmp_path):
                                     "--train.steps=2", "--schedule.warmup_steps=1", "--train.eval_every=0",
                                     "--doctor.preflight=false", "--checkpoint.enabled=false"])  # fmt: skip
     assert cfg.data.tokenizer == "byte"
-    assert (cfg.model.llama.dim, cfg.model.llama.n_layers, cfg.train.seq_len) == (128, 4, 64)
+    assert (cfg.model.llama.dim, cfg.model.llama.n_layers, cfg.train.seq_len, cfg.train.global_batch) == (
+        128,
+        4,
+        64,
+        12,
+    )
+    assert cfg.optim.name == "muon"
     trainer = Trainer(cfg, say=lambda m: None)
     try:
         result = trainer.train()
