@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -113,11 +114,15 @@ def main() -> None:
         nanogpt = None
         if args.target is None:
             work = nanogpt_copy(args.nanogpt.resolve(), args.corpus, root)
-            nanogpt_log = (root / "nanogpt.log").open("w")
             command = [*pinned(nanogpt_core), sys.executable, *NANOGPT_COMMAND, f"--out_dir={root / 'nanogpt-out'}"]
             nanogpt_start = time.time()
-            nanogpt = subprocess.Popen(command, cwd=work, env=single_thread_env(), stdout=nanogpt_log,
-                                       stderr=subprocess.STDOUT)  # fmt: skip
+            nanogpt = subprocess.Popen(command, cwd=work, env=single_thread_env(PYTHONUNBUFFERED="1"),
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+            nanogpt_lines: list[tuple[float, str]] = []  # (arrival time, line): nanoGPT prints no times
+            reader = threading.Thread(
+                target=lambda: nanogpt_lines.extend((time.time(), line) for line in nanogpt.stdout)
+            )
+            reader.start()
         command = [*pinned(liandan_core), sys.executable, "-m", "liandan.cli", "train", str(args.config), f'--data.paths=["{args.corpus.resolve()}"]',
                    f"--run.output_dir={root}", "--run.name=liandan", *args.setting]  # fmt: skip
         liandan_start = time.time()
@@ -130,7 +135,8 @@ def main() -> None:
         if nanogpt is not None:
             nanogpt.wait()
             nanogpt_seconds = time.time() - nanogpt_start
-            target, iteration_ms = nanogpt_result((root / "nanogpt.log").read_text())
+            reader.join()
+            target, iteration_ms = nanogpt_result("".join(line for _, line in nanogpt_lines))
             print(f"nanoGPT: final train loss {target:.4f} in {nanogpt_seconds:.1f}s wall "
                   f"({statistics.median(iteration_ms):.1f} ms per iteration, median)")  # fmt: skip
         else:
@@ -151,6 +157,25 @@ def main() -> None:
         if nanogpt_seconds is not None:
             line += f": {seconds / nanogpt_seconds:.2f}x nanoGPT's wall time"
         print(line)
+        if nanogpt_seconds is not None:
+            same_window(nanogpt_lines, rows, liandan_start + seconds)
+
+
+def same_window(nanogpt_lines: list[tuple[float, str]], rows: list[dict], reached_at: float) -> None:
+    """What nanoGPT did while liandan ran, under the same load from the rest of the machine: its iteration
+    when liandan reached the target, and both per-step times from liandan's first step to that moment."""
+    iterations = [(at, int(m.group(1)), float(m.group(2))) for at, line in nanogpt_lines
+                  if (m := re.match(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", line))]  # fmt: skip
+    first = rows[0]["time"]
+    done = [it for at, it, _ in iterations if at <= reached_at]
+    window = [ms for at, it, ms in iterations if first <= at <= reached_at and it > 0]
+    steps = [1000 * row["step_time_s"] for row in rows if first <= row["time"] <= reached_at]
+    if not done or not window:
+        return
+    print(f"when liandan reached it, nanoGPT was at iteration {done[-1]} of {iterations[-1][1]} "
+          f"({done[-1] / iterations[-1][1]:.2f} of its run)")  # fmt: skip
+    print(f"meanwhile: nanoGPT {statistics.median(window):.1f} ms per iteration, liandan {statistics.median(steps):.1f} ms "
+          f"per step (medians): {statistics.median(steps) / statistics.median(window):.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":
