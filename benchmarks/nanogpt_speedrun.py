@@ -119,9 +119,14 @@ def main() -> None:
             nanogpt = subprocess.Popen(command, cwd=work, env=single_thread_env(PYTHONUNBUFFERED="1"),
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
             nanogpt_lines: list[tuple[float, str]] = []  # (arrival time, line): nanoGPT prints no times
-            reader = threading.Thread(
-                target=lambda: nanogpt_lines.extend((time.time(), line) for line in nanogpt.stdout)
-            )
+            nanogpt_exit: list[float] = []  # when it exited, maybe long before liandan
+
+            def read_nanogpt() -> None:
+                nanogpt_lines.extend((time.time(), line) for line in nanogpt.stdout)
+                nanogpt.wait()
+                nanogpt_exit.append(time.time())
+
+            reader = threading.Thread(target=read_nanogpt)
             reader.start()
         command = [*pinned(liandan_core), sys.executable, "-m", "liandan.cli", "train", str(args.config), f'--data.paths=["{args.corpus.resolve()}"]',
                    f"--run.output_dir={root}", "--run.name=liandan", *args.setting]  # fmt: skip
@@ -133,9 +138,8 @@ def main() -> None:
         if liandan.returncode:
             raise SystemExit(f"liandan exited {liandan.returncode}:\n{liandan_out[-3000:]}")
         if nanogpt is not None:
-            nanogpt.wait()
-            nanogpt_seconds = time.time() - nanogpt_start
             reader.join()
+            nanogpt_seconds = nanogpt_exit[0] - nanogpt_start
             target, iteration_ms = nanogpt_result("".join(line for _, line in nanogpt_lines))
             print(f"nanoGPT: final train loss {target:.4f} in {nanogpt_seconds:.1f}s wall "
                   f"({statistics.median(iteration_ms):.1f} ms per iteration, median)")  # fmt: skip
