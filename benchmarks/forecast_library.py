@@ -4,6 +4,7 @@
     python benchmarks/forecast_library.py --only wsd-m-1200 --jobs 1
     python benchmarks/forecast_library.py --list
     python benchmarks/forecast_library.py --fit            # refit the library set into library/fits.json
+    python benchmarks/forecast_library.py --fit --choose   # ...choosing the forecast's settings again
 
 Each run is `liandan train` on the byte tokenizer over the shared corpus (../shared/data/corpus), one
 thread per run. Its metrics.jsonl becomes src/liandan/plan/library/<name>.json.gz: step, loss, lr and
@@ -59,6 +60,7 @@ class Spec:
     decay_fraction: float = 0.2
     seed: int = 1
     faults: str = ""  # $LIANDAN_FAULTS for the first attempt
+    optimizer: str = "adamw"
     extra: tuple[str, ...] = field(default=())
 
 
@@ -93,6 +95,12 @@ def specs() -> list[Spec]:
     # a spike and a restart, in the library and held out
     add("cosine", "m", 1000, 2e-3, tag="-spike", faults="burst@update:400", extra=("--guard.enabled=false",))
     add("wsd", "m", 1200, 3e-3, tag="-restart", faults="kill@step:700", extra=("--checkpoint.every=250",))
+    # Muon (hidden matrices; AdamW for the rest), at AdamW's rates: its curves differ in shape
+    add("cosine", "m", 1000, 2e-3, tag="-muon", optimizer="muon")
+    add("wsd", "m", 800, 3e-3, tag="-muon", optimizer="muon")
+    add("linear", "s", 800, 2e-3, tag="-muon", optimizer="muon")
+    add("constant", "m", 800, 2e-3, tag="-muon", optimizer="muon")
+    add("cosine", "s", 600, 3e-3, tag="-muon", optimizer="muon")
     # held out: every schedule, sizes and lengths the library also spans
     add("cosine", "l", 1200, 2e-3, heldout=True)
     add("cosine", "m", 800, 3e-3, heldout=True, corpus="zh")
@@ -127,6 +135,7 @@ def overrides(spec: Spec, out_dir: Path) -> list[str]:
         f"--train.seq_len={seq}",
         "--train.dtype=fp32",
         f"--optim.lr={spec.lr}",
+        f"--optim.name={spec.optimizer}",
         f"--schedule.kind={spec.schedule}",
         f"--schedule.warmup_steps={max(10, spec.steps // 20)}",
         f"--schedule.min_lr_ratio={spec.min_lr_ratio}",
@@ -137,14 +146,16 @@ def overrides(spec: Spec, out_dir: Path) -> list[str]:
     ]
 
 
-def train(spec: Spec, work: Path) -> Path:
+def train(spec: Spec, work: Path, args: list[str] | None = None) -> Path:
+    """`liandan train` of `spec` under `work` (its overrides: `args`, default the library's)."""
     config = work / "base.toml"
     config.write_text("[run]\nseed = 1\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
     env.pop("LIANDAN_FAULTS", None)
     if spec.faults:
         env["LIANDAN_FAULTS"] = spec.faults
-    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), *overrides(spec, work)]
+    args = overrides(spec, work) if args is None else args
+    cmd = [sys.executable, "-m", "liandan.cli", "train", str(config), *args]
     log = work / f"{spec.name}.log"
     with log.open("w") as handle:
         done = subprocess.run(cmd, check=False, env=env, stdout=handle, stderr=subprocess.STDOUT, cwd=work)
@@ -173,7 +184,7 @@ def fixture(spec: Spec, run_dir: Path) -> dict:
         "corpus": spec.corpus,
         "model": {"dim": dim, "n_layers": layers, "n_heads": heads, "n_kv_heads": kv},
         "train": {"steps": spec.steps, "global_batch": batch, "seq_len": seq},
-        "optim": {"lr": spec.lr},
+        "optim": {"lr": spec.lr, "name": spec.optimizer},
         "schedule": {
             "kind": spec.schedule,
             "warmup_steps": max(10, spec.steps // 20),
@@ -190,14 +201,16 @@ def fixture(spec: Spec, run_dir: Path) -> dict:
     }
 
 
-def fit() -> int:
-    """Whole-run fits, the settings the library's leave-one-run-out forecasts choose, calibration scores."""
+def fit(choose: bool) -> int:
+    """Whole-run fits and calibration scores, with the settings fits.json holds or (`choose`) those the
+    library's leave-one-run-out forecasts choose."""
     sys.path.insert(0, str(ROOT / "src"))
     from liandan.plan.forecast_library import FITS, save_fits
 
     start = time.monotonic()
-    library = save_fits()
-    print(f"{FITS}: {library.priors.runs} runs in {time.monotonic() - start:.0f}s; settings {library.settings}")
+    settings = None if choose or not FITS.is_file() else json.loads(FITS.read_text())["settings"]
+    library = save_fits(settings=settings)
+    print(f"{FITS}: {len(library.taught)} runs in {time.monotonic() - start:.0f}s; settings {library.settings}")
     return 0
 
 
@@ -208,9 +221,10 @@ def main() -> int:
     parser.add_argument("--list", action="store_true", help="print the runs and exit")
     parser.add_argument("--keep", type=Path, help="keep the run directories under this folder")
     parser.add_argument("--fit", action="store_true", help="train nothing: refit the library set into fits.json")
+    parser.add_argument("--choose", action="store_true", help="with --fit: choose the forecast's settings again")
     args = parser.parse_args()
     if args.fit:
-        return fit()
+        return fit(args.choose)
     todo = [s for s in specs() if not args.only or s.name in args.only]
     if args.list:
         for s in todo:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import fill_disk, read_run, run_liandan, tiny_config, write_corpus
+from helpers import fill_disk, liandan_here, read_run, run_liandan, tiny_config, write_corpus
 from liandan.checkpoint.loading import load_model
 from liandan.checkpoint.manager import CheckpointManager
 from liandan.checkpoint.rng import rng_state, set_rng_state
@@ -140,7 +140,7 @@ def test_damaged_newest_checkpoint_falls_back(config, straight, damage):
     else:
         (newest / "meta.json").unlink()
         words = ["meta.json is missing"]
-    info = run_liandan("ckpt", "info", newest)
+    info = liandan_here("ckpt", "info", newest)
     assert info.returncode == 0 and "NOT VERIFIED" in info.stdout
     for word in words:
         assert word in info.stdout
@@ -191,7 +191,7 @@ def test_really_full_disk_fails_the_run_in_one_line(config, small_disk):
     assert "done:" not in done.stdout and "Traceback" not in done.stderr
     [error] = [line for line in done.stderr.splitlines() if line.startswith("liandan: error:")]
     assert str(disk / "step-00000008") in error and f"free space on {disk}: 0.0 MiB" in error, error
-    timeline = run_liandan("incidents", run_dir(config, "fulldisk"), check=True)
+    timeline = liandan_here("incidents", run_dir(config, "fulldisk"), check=True)
     shown = [line for line in timeline.stdout.splitlines() if "checkpoint failed" in line]
     assert len(shown) == 2 and "Traceback" not in timeline.stdout, timeline.stdout
     assert len(timeline.stdout.splitlines()) <= 4, timeline.stdout  # a line per event, not a traceback
@@ -301,8 +301,10 @@ class _CreatesFile:
         return self
 
 
-def _liandan(*args, env=None):
-    return run_liandan(*args, timeout=300, env=env)
+def _liandan(*args):
+    """A command that only reads checkpoints (ckpt info, export, incidents), run in this process: a payload
+    that ran would leave its marker just the same, and the exit code and error line are the command line's."""
+    return liandan_here(*args)
 
 
 def _plant_in_metadata(checkpoint: Path, marker: Path) -> None:

@@ -61,27 +61,34 @@ def tasks(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    """A checkpoint of a few steps of real training on the byte tokenizer."""
+    """A checkpoint of a few steps of real training on the byte tokenizer (one process: no supervisor to
+    start beside it)."""
     root = tmp_path_factory.mktemp("bridge-run")
     corpus = write_corpus(root, n_docs=10)
     done = run_liandan("train", ROOT / "configs" / "tiny.toml", *MICRO_MODEL, "--model.max_seq_len=64",
                        "--train.seq_len=64", "--train.steps=3", "--train.eval_every=0", "--schedule.warmup_steps=1",
                        "--data.tokenizer=byte", f'--data.paths=["{corpus}"]', f"--run.output_dir={root}",
                        "--run.name=run", "--checkpoint.every=3", "--doctor.preflight=false", "--track.plot=false",
-                       timeout=300)  # fmt: skip
+                       "--resilience.supervise=false", timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     return root / "run"
 
 
-@pytest.fixture(scope="module")
-def evaluated(run, tasks):
+def local_tasks(directory: Path):
+    """A task manager that knows only the tasks in `directory`: indexing lm-eval's thousands of built-in
+    task files takes seconds, and none of them runs here."""
     from lm_eval.tasks import TaskManager
 
+    return TaskManager(include_path=str(directory), include_defaults=False)
+
+
+@pytest.fixture(scope="module")
+def evaluated(run, tasks):
     import liandan.evaluate.lm_eval_bridge  # noqa: F401 - registers "liandan"
 
     results = lm_eval.simple_evaluate(
         model="liandan", model_args=f"checkpoint={run},batch_size=3", log_samples=True,
-        tasks=["local_choice", "local_generation", "local_rolling"], task_manager=TaskManager(include_path=str(tasks)),
+        tasks=["local_choice", "local_generation", "local_rolling"], task_manager=local_tasks(tasks),
     )  # fmt: skip
     model, tokenizer, cfg = load_for_eval(run)
     assert cfg.model.llama.dim == 32 and cfg.data.tokenizer == "byte"  # the config the run trained with

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import SHARED_DATA, liandan_here, run_liandan, write_corpus
+from helpers import SHARED_DATA, liandan_here, write_corpus
 from liandan.config import ConfigError, DataSection, load_config
 from liandan.data.pipeline.prepare import prepare_store
 from liandan.data.tokens.tokenizer import ByteTokenizer
@@ -94,12 +94,14 @@ def tiny_run(tmp_path_factory) -> Path:
 
 
 @needs_shared
-def test_every_shipped_task_runs_on_the_tiny_config_from_another_directory(tiny_run, tmp_path):
+def test_every_shipped_task_runs_on_the_tiny_config_from_another_directory(tiny_run, tmp_path, monkeypatch):
     """The command `liandan demo` prints at its end, with a few items, from a directory that is not the
-    repository's: `../shared/data` is found, nothing runs past the window, and what was cut is said."""
+    repository's: `../shared/data` is found, nothing runs past the window, and what was cut is said. In this
+    process (evaluation starts no worker), from that directory."""
     out = tmp_path / "eval.json"
-    done = run_liandan("eval", tiny_run, "--tasks", "cloze_en,cloze_zh,gsm8k", "--limit=2", f"--json={out}",
-                       "--eval.heldout_sequences=2", cwd=tmp_path)  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    done = liandan_here("eval", tiny_run, "--tasks", "cloze_en,cloze_zh,gsm8k", "--limit=2", f"--json={out}",
+                        "--eval.heldout_sequences=2")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "flex_attention" not in done.stderr, done.stderr
     report = json.loads(out.read_text())
@@ -133,12 +135,12 @@ def test_short_items_skip_contamination_and_a_slow_regex_is_one_line(tiny_run, t
     names the task and the item, before any scoring."""
     short = write_task(tmp_path, SHORT_MC_TOML, SHORT_MC, "short_mc")
     nested = generation_task(tmp_path, "nested", "^(a+)+$", ["aaaa", "a" * 40 + "b"])
-    done = run_liandan("eval", tiny_run, f"--tasks={short},{nested}", "--eval.heldout_sequences=0", timeout=120)
+    done = liandan_here("eval", tiny_run, f"--tasks={short},{nested}", "--eval.heldout_sequences=0")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "contamination short_mc: not checked: no item has 8 or more words" in done.stdout
     assert "nested: exact_match mean" in done.stdout
     hanging = generation_task(tmp_path, "hanging", "^(a|aa)+$", ["aa", "a" * 60 + "b"])
-    done = run_liandan("eval", tiny_run, f"--tasks={hanging}", timeout=120)
+    done = liandan_here("eval", tiny_run, f"--tasks={hanging}")
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and len(lines) == 1, done.stderr
     assert "task hanging" in lines[0] and "item 2" in lines[0] and "answer_regex" in lines[0]

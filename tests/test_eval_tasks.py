@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import SHARED_DATA, read_run, run_liandan, tiny_config, write_corpus
+from helpers import SHARED_DATA, liandan_here, read_run, run_liandan, tiny_config, write_corpus
 from liandan.config import ConfigError, DataSection
 from liandan.data.pipeline.prepare import prepare_store
 from liandan.data.tokens.loader import PackedLoader
@@ -290,7 +290,7 @@ def test_in_training_evaluation_on_two_fsdp_ranks_records_events_and_metrics(fsd
 @pytest.mark.slow
 def test_sharded_in_training_results_equal_single_process_liandan_eval(fsdp_run, tmp_path):
     out = tmp_path / "eval.json"
-    done = run_liandan("eval", fsdp_run / "checkpoints", *EVAL_SETTINGS, f"--json={out}")
+    done = liandan_here("eval", fsdp_run / "checkpoints", *EVAL_SETTINGS, f"--json={out}")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "gsm8k: exact_match mean" in done.stdout and "spread" in done.stdout
     report = json.loads(out.read_text())
@@ -316,8 +316,8 @@ def test_gsm8k_runs_end_to_end_on_a_tiny_checkpoint(tmp_path):
     run = trainer.train().run_dir
     trainer.close()
     out = tmp_path / "eval.json"
-    done = run_liandan("eval", run, "--tasks=gsm8k", "--limit=2", f"--json={out}", "--record", f"--eval.data_dir={SHARED_DATA}",
-                       "--eval.max_new_tokens=8", "--eval.heldout_sequences=0", "--eval.contamination=false")  # fmt: skip
+    done = liandan_here("eval", run, "--tasks=gsm8k", "--limit=2", f"--json={out}", "--record", f"--eval.data_dir={SHARED_DATA}",
+                        "--eval.max_new_tokens=8", "--eval.heldout_sequences=0", "--eval.contamination=false")  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     (task,) = json.loads(out.read_text())["tasks"]
     assert task["task"] == "gsm8k" and task["n"] == 2 and set(task["scores"]) == set(BUILTIN_FORMATS)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import run_liandan, tiny_config, write_corpus
+from helpers import liandan_here, tiny_config, write_corpus
 from liandan.common.schedule import lr_multiplier
 from liandan.config import ConfigError, ScheduleSection
 from liandan.plan.forecast import (
@@ -143,7 +143,9 @@ def test_the_library_ships_both_sets_of_every_schedule():
     assert {r.schedule for r in heldout} == SCHEDULES == {r.schedule for r in library}
     assert not {r.name for r in library} & {r.name for r in heldout}
     assert all(r.finished for r in library + heldout)
-    assert default_library().priors.runs == len(library)  # fits.json is of the shipped library set
+    assert {t.name for t in default_library().taught} == {r.name for r in library}  # fits.json is of the set
+    adamw = [r for r in library if r.features.optimizer == "adamw"]
+    assert default_library().priors.runs == len(adamw)  # a run of unknown optimizer is taken for an AdamW run
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +189,8 @@ def test_conformal_half_width():
     assert calibration.bias(0.2) == pytest.approx(0.005)
     assert calibration.half_width(0.2, 0.8) == pytest.approx(spread[8])  # ceil(11 * 0.8) = 9th
     assert calibration.half_width(0.2, 0.5) == pytest.approx(spread[5])
-    assert calibration.half_width(0.1, 0.8) == calibration.half_width(0.2, 0.8)
+    # less seen than any share calibrated: wider as 1 / sqrt(the share past a library run's warmup, 5%)
+    assert calibration.half_width(0.1, 0.8) == pytest.approx(calibration.half_width(0.2, 0.8) * math.sqrt(3.0))
     assert calibration.half_width(0.5, 0.8) < calibration.half_width(0.3, 0.8) < calibration.half_width(0.2, 0.8)
     assert calibration.half_width(0.2, 0.8, "power") == 0.0  # the baseline's own scores
 
@@ -315,12 +318,14 @@ def test_a_run_still_writing(runs, tmp_path):
 
 
 def test_cli_forecast_and_reference(runs, tmp_path):
-    done = run_liandan("forecast", runs["wsd"], "--upto=150", f"--reference={runs['linear']}")
+    done = liandan_here("forecast", runs["wsd"], "--upto=150", f"--reference={runs['linear']}")
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "step 150 of 300 (50% observed)" in out
     assert "forecast final loss" in out and "80% interval" in out and "power law" in out
     assert "priors and interval learned from" in out
+    assert "  target: training loss at step 300 (" in out  # what is forecast, stated
+    assert "units from the nearest run learned from" in out
     wsd = forecast_run(runs["wsd"], upto_step=150).final_loss
     linear = measured_final_loss(read_run(runs["linear"]).steps, read_run(runs["linear"]).losses)
     if wsd > linear:
@@ -332,17 +337,18 @@ def test_cli_forecast_and_reference(runs, tmp_path):
     shutil.copytree(runs["cosine"], reference, ignore=shutil.ignore_patterns("data", "*.png"))
     records = [json.loads(line) for line in (reference / "metrics.jsonl").read_text().splitlines()]
     (reference / "metrics.jsonl").write_text("".join(json.dumps({**r, "loss": 0.5}) + "\n" for r in records))
-    done = run_liandan(
+    done = liandan_here(
         "forecast", runs["cosine"], "--upto=60", f"--reference={reference}", "--fail-if-worse", "--json"
     )  # fmt: skip
     record = json.loads(done.stdout)
     assert record["worse"] and record["final_loss"] > record["reference_loss"] == pytest.approx(0.5)
     assert record["observed_step"] == 60 and record["total_steps"] == 300
+    assert record["target"].startswith("training loss at step 300") and record["source"] in ("library", "own fit")
     assert done.returncode == 3
 
 
 def test_cli_backtest(runs):
-    done = run_liandan("forecast", "--backtest", *runs.values(), "--fractions=0.2,0.5")
+    done = liandan_here("forecast", "--backtest", *runs.values(), "--fractions=0.2,0.5")
     assert done.returncode == 0, done.stderr
     for name in runs:
         assert name in done.stdout
@@ -358,9 +364,9 @@ def assert_one_line_error(done, *words):
 
 
 def test_cli_bad_input(runs, tmp_path):
-    assert_one_line_error(run_liandan("forecast", tmp_path), "not a run directory")
-    assert_one_line_error(run_liandan("forecast", runs["cosine"], "--upto=10"), "a forecast needs at least")
-    assert_one_line_error(run_liandan("forecast", "--backtest", runs["cosine"], "--fractions=0,2"), "--fractions")
+    assert_one_line_error(liandan_here("forecast", tmp_path), "not a run directory")
+    assert_one_line_error(liandan_here("forecast", runs["cosine"], "--upto=10"), "a forecast needs at least")
+    assert_one_line_error(liandan_here("forecast", "--backtest", runs["cosine"], "--fractions=0,2"), "--fractions")
 
 
 @pytest.mark.parametrize("bad", ["NaN", "null", "Infinity"])
@@ -379,8 +385,8 @@ def test_a_diverged_run_is_not_forecast_from_its_finite_prefix(runs, tmp_path, b
     with pytest.raises(ConfigError, match="not finite from step 120"):
         forecast_run(copy)
     assert forecast_run(copy, upto_step=119).observed_step == 119
-    assert_one_line_error(run_liandan("forecast", copy), "not finite from step 120", "--upto 119")
+    assert_one_line_error(liandan_here("forecast", copy), "not finite from step 120", "--upto 119")
 
 
 def test_cli_fractions_only_with_backtest(runs):
-    assert_one_line_error(run_liandan("forecast", runs["wsd"], "--fractions=0.5"), "--fractions goes with --backtest")
+    assert_one_line_error(liandan_here("forecast", runs["wsd"], "--fractions=0.5"), "--fractions goes with --backtest")

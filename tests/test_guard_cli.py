@@ -28,7 +28,7 @@ def guarded_run(tmp_path_factory):
 
 
 def test_incidents_show_the_rollback_and_the_skipped_update(guarded_run):
-    lines = run_liandan("incidents", guarded_run, check=True).stdout.splitlines()
+    lines = liandan_here("incidents", guarded_run, check=True).stdout.splitlines()
     rollbacks = [line for line in lines if "ROLLBACK" in line]
     assert len(rollbacks) == 1, lines  # the guard's own record of it is folded into this line
     (line,) = rollbacks
@@ -86,7 +86,7 @@ def test_timeline_tells_each_guard_action_in_one_line(tmp_path):
 
 def test_skipped_lists_the_batches_and_exports_their_documents(guarded_run, tmp_path):
     export = tmp_path / "skipped.jsonl"
-    out = run_liandan("skipped", guarded_run, "--export", export, check=True).stdout.splitlines()
+    out = liandan_here("skipped", guarded_run, "--export", export, check=True).stdout.splitlines()
     assert out[0] == f"11 skipped batch(es) of {guarded_run} (newest checkpoint step-00000040)"
     assert out[1].startswith("data steps 20..30: rollback at step 31 to step 20; report ")
     assert out[1].endswith("spike-step-00000031.json")

@@ -9,7 +9,7 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 
-from helpers import SHARED_DATA, run_liandan
+from helpers import SHARED_DATA, liandan_here
 from liandan.config import ConfigError
 from liandan.data.documents.corpus import DataError, Document
 from liandan.data.documents.readers import read_documents
@@ -292,7 +292,7 @@ def test_malformed_records_are_counted_and_reported(tmp_path):
         + b'{"text": "bad \xff byte"}\n'
         + ("\n".join(good[6:]) + "\n").encode()
     )
-    done = run_liandan("data", "inspect", path, "--out", tmp_path / "report", timeout=300)
+    done = liandan_here("data", "inspect", path, "--out", tmp_path / "report")
     assert done.returncode == 0, done.stderr
     assert "mixed: 3 record(s) skipped" in done.stdout
     assert "1 malformed JSON" in done.stdout and "1 invalid UTF-8" in done.stdout and "no string field" in done.stdout

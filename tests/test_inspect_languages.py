@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers import run_liandan
+from helpers import liandan_here
 from liandan.data.documents.corpus import Document
 from liandan.data.inspect.inspection import Thresholds, inspect_sources
 from liandan.data.pipeline.pipeline import read_jsonl_zst, run_pipeline
@@ -141,7 +141,7 @@ def test_inspect_command_takes_the_expected_languages(tmp_path):
     path = tmp_path / "web.jsonl"
     texts = [EN] * 7 + [ZH] * 3
     path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
-    done = run_liandan("data", "inspect", path, "--out", tmp_path / "report", "--languages", "en", timeout=300)
+    done = liandan_here("data", "inspect", path, "--out", tmp_path / "report", "--languages", "en")
     assert done.returncode == 0, done.stderr
     assert "flag: 30% of documents are in zh, which is not among the expected (en)" in done.stdout
     data = json.loads((tmp_path / "report" / "report.json").read_text(encoding="utf-8"))

@@ -1,11 +1,13 @@
-"""`liandan export` / `liandan import` / `liandan ckpt info` on a real trained run."""
+"""`liandan export` / `liandan import` / `liandan ckpt info` on a real trained run. Those commands only read and
+write files, so they run in this process; the runs train in processes of their own, without a supervisor
+(nothing here crashes), and one export of the run serves every test that reads it."""
 
 import os
 
 import pytest
 import torch
 
-from helpers import read_run, run_liandan, tiny_config, write_corpus
+from helpers import faults_planned, liandan_here, read_run, run_liandan, tiny_config, write_corpus
 from liandan.checkpoint.hf import load_consolidated
 from liandan.checkpoint.loading import load_model
 
@@ -15,27 +17,35 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("interchange")
     config = root / "tiny.toml"
     cfg = tiny_config(root / "runs", write_corpus(root), "--train.steps=4", "--checkpoint.every=4", "--run.name=",
-                      "--data.tokenizer=bpe", "--data.bpe_vocab_size=300")  # fmt: skip
+                      "--data.tokenizer=bpe", "--data.bpe_vocab_size=300", "--resilience.supervise=false")  # fmt: skip
     config.write_text(cfg.to_toml())
     done = run_liandan("train", config, "--run.name=src")
     assert done.returncode == 0, done.stderr
     return config, root / "runs" / "src"
 
 
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    """`liandan export RUN DIR --hf` of the trained run; the tests only read it."""
+    _, run = trained
+    out = tmp_path_factory.mktemp("exported") / "hf"
+    done = liandan_here("export", run, out, "--hf")
+    assert done.returncode == 0, done.stderr
+    return out
+
+
 @pytest.mark.slow
-def test_export_hf_loads_in_transformers_with_matching_logits(trained, tmp_path):
+def test_export_hf_loads_in_transformers_with_matching_logits(trained, exported):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _, run = trained
-    done = run_liandan("export", run, tmp_path / "hf", "--hf")
-    assert done.returncode == 0, done.stderr
     ours, _meta = load_model(run / "checkpoints" / "step-00000004")
-    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
+    theirs = AutoModelForCausalLM.from_pretrained(exported, torch_dtype=torch.float32)
     tokens = torch.randint(0, 300, (2, 32))
     with torch.no_grad():
         diff = (ours(tokens) - theirs(tokens).logits).abs().max().item()
     assert diff < 1e-4
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    tokenizer = AutoTokenizer.from_pretrained(exported)
     from liandan.data import HFTokenizer
 
     text = "The for statement iterates."
@@ -46,7 +56,7 @@ def test_export_hf_loads_in_transformers_with_matching_logits(trained, tmp_path)
 def test_export_consolidated(trained, tmp_path):
     _, run = trained
     out = tmp_path / "model.safetensors"
-    assert run_liandan("export", run, out, "--consolidated").returncode == 0
+    assert liandan_here("export", run, out, "--consolidated").returncode == 0
     state, args = load_consolidated(out)
     ours, _ = load_model(run / "checkpoints" / "step-00000004")
     assert args.dim == 64
@@ -55,13 +65,12 @@ def test_export_consolidated(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_import_hf_then_continue_training(trained, tmp_path):
+def test_import_hf_then_continue_training(trained, exported, tmp_path):
     config, run = trained
-    assert run_liandan("export", run, tmp_path / "hf", "--hf").returncode == 0
-    done = run_liandan("import", tmp_path / "hf", tmp_path / "imported", "--hf")
+    done = liandan_here("import", exported, tmp_path / "imported", "--hf")
     assert done.returncode == 0, done.stderr
     assert "--checkpoint.init_from=" in done.stdout and "[model]" in done.stdout
-    info = run_liandan("ckpt", "info", tmp_path / "imported")
+    info = liandan_here("ckpt", "info", tmp_path / "imported")
     assert "verified" in info.stdout and "NOT" not in info.stdout
     cont = run_liandan("train", config, "--run.name=continued", f"--checkpoint.init_from={tmp_path / 'imported'}",
                    "--train.steps=2", "--schedule.warmup_steps=1",
@@ -107,7 +116,7 @@ def test_init_from_a_hf_directory_streams_into_a_meta_built_model(trained, tmp_p
 def test_bad_paths_are_one_line_errors(tmp_path):
     for args in (["ckpt", "info", tmp_path / "none"], ["export", tmp_path / "none", tmp_path / "o", "--hf"],
                  ["import", tmp_path / "none", tmp_path / "o", "--hf"]):  # fmt: skip
-        done = run_liandan(*args)
+        done = liandan_here(*args)
         assert done.returncode == 2, (args, done.stderr)
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
@@ -128,29 +137,25 @@ def test_export_and_ckpt_info_find_a_run_s_checkpoints_where_its_config_put_them
     assert done.returncode == 0, done.stderr
     run = config.parent / "runs" / "ckpt-elsewhere"
     assert not (run / "checkpoints").exists() and (elsewhere / "step-00000002" / "manifest.json").is_file()
-    exported = run_liandan("export", run, tmp_path / "hf", "--hf")
+    exported = liandan_here("export", run, tmp_path / "hf", "--hf")
     assert exported.returncode == 0, exported.stderr
     assert str(elsewhere / "step-00000002") in exported.stdout
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (run / "data" / "tokenizer.json").read_bytes()
-    info = run_liandan("ckpt", "info", run)
+    info = liandan_here("ckpt", "info", run)
     assert info.returncode == 0 and str(elsewhere / "step-00000002") in info.stdout, info.stdout + info.stderr
     assert info.stdout.rstrip().endswith(", verified"), info.stdout
 
 
-def test_import_refuses_an_existing_target_before_writing_and_never_leaves_staging(trained, tmp_path):
-    _, run = trained
-    assert run_liandan("export", run, tmp_path / "hf", "--hf").returncode == 0
+def test_import_refuses_an_existing_target_before_writing_and_never_leaves_staging(exported, tmp_path):
     parent = tmp_path / "ckpt"
     target = parent / "imported"
     target.mkdir(parents=True)
     (target / "notes.txt").write_text("mine")
-    _one_line_error(run_liandan("import", tmp_path / "hf", target, "--hf"), str(target), "already exists")
+    _one_line_error(liandan_here("import", exported, target, "--hf"), str(target), "already exists")
     assert os.listdir(parent) == ["imported"] and os.listdir(target) == ["notes.txt"]
     # a failure while the checkpoint is written leaves no staging directory behind either
-    env = {**os.environ, "LIANDAN_FAULTS": "enospc@save:0"}
-    _one_line_error(
-        run_liandan("import", tmp_path / "hf", parent / "other", "--hf", env=env), "No space left on device"
-    )
+    with faults_planned("enospc@save:0"):
+        _one_line_error(liandan_here("import", exported, parent / "other", "--hf"), "No space left on device")
     assert os.listdir(parent) == ["imported"]
 
 
@@ -169,7 +174,7 @@ def test_export_hf_of_a_run_on_token_stores_includes_the_store_tokenizer(trained
     assert done.returncode == 0, done.stderr
     run = config.parent / "runs" / "on-store"
     assert not (run / "data").exists()
-    exported = run_liandan("export", run, tmp_path / "hf", "--hf")
+    exported = liandan_here("export", run, tmp_path / "hf", "--hf")
     assert exported.returncode == 0 and "warning" not in exported.stdout, exported.stdout + exported.stderr
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (store / "tokenizer.json").read_bytes()
     text = "The for statement iterates."

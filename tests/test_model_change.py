@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from helpers import run_liandan, tiny_config, write_corpus
+from helpers import liandan_here, tiny_config, write_corpus
 from liandan.checkpoint.verify import write_manifest
 from liandan.config import ConfigError
 from liandan.train.trainer import Trainer
@@ -63,7 +63,7 @@ def test_an_export_whose_model_args_leave_tensors_out_is_refused(tmp_path, corpu
     meta["model_args"]["n_layers"] = 2
     (checkpoint / "meta.json").write_text(json.dumps(meta))
     write_manifest(checkpoint)  # consistent again: only the model_args disagree with the tensors
-    done = run_liandan("export", checkpoint, tmp_path / "out.safetensors", "--consolidated")
+    done = liandan_here("export", checkpoint, tmp_path / "out.safetensors", "--consolidated")
     lines = done.stderr.strip().splitlines()
     assert done.returncode != 0 and len(lines) == 1, done.stderr
     assert "model tensor(s) that its model_args do not describe (layers.2." in lines[0], lines

@@ -4,8 +4,10 @@ Tolerances (fp32 parameters, Newton-Schulz in bf16 as torch.optim.Muon computes 
 - sharded against one process, same gradients (tests/muon_worker.py): each Muon parameter within an absolute
   1e-6 of its largest value (ShardedMuon gathers the whole matrix and runs the same operations; measured: 0);
   AdamW's parameters within 1e-6 too (its sharded kernels differ from the fused one in the last bits);
-- whole runs on 2 processes against one: losses to a relative 1e-5, as tests/test_distributed.py (the
-  gradients of sharded reductions differ in the last bits);
+- whole runs on 2 processes against one: losses to a relative 1e-4. The gradients of sharded reductions differ
+  in the last fp32 bits (AdamW's runs agree to 1e-5, tests/test_distributed.py); Newton-Schulz in bf16 turns a
+  few of those into a bf16 rounding step of an update's element, so Muon's losses drift a little more (seen:
+  1.1e-5 after 6 steps). A lost shard or a matrix orthogonalised in pieces is off by 1e-2 or more;
 - resume in the same layout: bit for bit.
 """
 
@@ -21,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import read_run, run_liandan, tiny_config, write_corpus
+from helpers import liandan_here, read_run, run_liandan, tiny_config, write_corpus
 from liandan.config import ConfigError, load_config
 from liandan.model import ModelArgs, Transformer
 from liandan.model.roles import parameter_roles
@@ -32,7 +34,7 @@ from liandan.train.optimizers.sharded_muon import ShardedMuon, newton_schulz_flo
 
 TESTS = Path(__file__).resolve().parent
 SHARDED_TOLERANCE = 1e-6  # of the parameter's largest value
-RTOL = 1e-5
+RTOL = 1e-4  # whole runs in two layouts
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def test_the_config_selects_muon_and_its_keys(tmp_path):
 )
 def test_bad_muon_settings_are_one_line_config_errors(overrides, message):
     with pytest.raises(ConfigError) as err:
-        build_optimizers([_model()], _section(*overrides), lambda step: 1.0, torch.device("cpu"))
+        _section(*overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
@@ -171,6 +173,34 @@ def test_newton_schulz_flops_count_the_three_matmuls_per_iteration():
     assert newton_schulz_flops(32, 8, 5) == newton_schulz_flops(8, 32, 5)
     plugin = optimizer_plugin("muon")
     assert plugin.state_bytes("hidden") == 4.0 and plugin.state_bytes("embedding") == 8.0
+
+
+def test_the_plan_counts_one_momentum_buffer_per_hidden_matrix_and_newton_schulz():
+    from liandan.plan.devices import resolve_device
+    from liandan.plan.run_plan import plan_config
+
+    shape = ["--model.dim=256", "--model.n_layers=4", "--model.n_heads=4", "--model.vocab_size=1024",
+             "--train.seq_len=256", "--train.global_batch=8"]  # fmt: skip
+    adamw = plan_config(load_config(None, shape), resolve_device("h100"))
+    muon = plan_config(load_config(None, [*shape, "--optim.name=muon"]), resolve_device("h100"))
+    assert adamw.optimizer is None  # AdamW's flat 8 bytes say all
+    o = muon.optimizer
+    model = Transformer(muon.model)
+    hidden = [p for n, p in model.named_parameters() if n.startswith("layers.") and p.dim() == 2]
+    assert o.params_by_role["hidden"] == sum(p.numel() for p in hidden)
+    assert o.state_bytes_by_role == {"embedding": 8.0, "vector": 8.0, "hidden": 4.0, "head": 8.0}
+    saved = 4 * o.params_by_role["hidden"]
+    assert adamw.memory.states.optimizer - muon.memory.states.optimizer == pytest.approx(saved)
+    assert o.step_flops == sum(newton_schulz_flops(*p.shape, 5) for p in hidden)
+    assert 0 < o.step_share < 1 and muon.time.seconds > adamw.time.seconds
+
+
+def test_liandan_plan_shows_muons_state_and_flops(tmp_path):
+    config = tmp_path / "muon.toml"
+    config.write_text(load_config(None, ["--optim.name=muon", "--model.dim=256", "--model.n_layers=2"]).to_toml())
+    done = liandan_here("plan", config, "--device=h100", check=True)
+    assert "muon step FLOPs" in done.stdout and "Newton-Schulz" in done.stdout
+    assert "muon: 4 B per parameter of hidden" in done.stdout
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -259,7 +289,11 @@ def _sharded_run(out: Path, dp_replicate: int, dp_shard: int, tp: int) -> list[d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [(1, 2, 1), (1, 1, 2), (1, 2, 2)], ids=["fsdp2", "tp2", "fsdp2xtp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [(1, 2, 1), (1, 1, 2), (1, 2, 2), (1, 3, 1)],
+    ids=["fsdp2", "tp2", "fsdp2xtp2", "fsdp3-uneven"],  # 3 ranks: the 32-row matrices split 11, 11, 10
+)
 def test_sharded_muon_equals_one_process(tmp_path, layout):
     for report in _sharded_run(tmp_path, *layout):
         assert report["optimizers"] == ["ShardedMuon", "AdamW"]

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import run_liandan
+from helpers import liandan_here, run_liandan
 from liandan.config import ConfigError
 from liandan.data.documents.corpus import DataError
 from liandan.data.pipeline.pipeline import read_jsonl_zst, run_pipeline
@@ -365,5 +365,5 @@ def test_a_directory_stands_for_its_data_files_in_every_command(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match=f"input 'a': {tmp_path / 'empty'}: the directory holds no .txt, .jsonl"):
         expand_paths(InputSpec(name="a", paths=[str(tmp_path / "empty")]))
-    inspected = run_liandan("data", "inspect", docs, "--out", tmp_path / "report")
+    inspected = liandan_here("data", "inspect", docs, "--out", tmp_path / "report")
     assert inspected.returncode == 0, inspected.stderr[-2000:]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import liandan.plan.forecast_callback  # noqa: F401 - registers "forecast", as `liandan train` does
-from helpers import environment_without, faults_planned, run_liandan, tiny_config, write_corpus
+from helpers import environment_without, faults_planned, liandan_here, run_liandan, tiny_config, write_corpus
 from liandan.cli.main import main
 from liandan.resilience.incidents import timeline
 from liandan.run import RunDir
@@ -255,7 +255,7 @@ def test_a_supervised_restart_is_marked_and_reported(tmp_path, corpus):
     done = run_liandan("train", config, "--run.name=killed", env=env, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     run = tmp_path / "killed"
-    made = run_liandan("report", run, "-o", tmp_path / "killed.html", check=True).stdout
+    made = liandan_here("report", run, "-o", tmp_path / "killed.html", check=True).stdout
     assert made.startswith(f"report: {tmp_path / 'killed.html'}")
     page = parse(tmp_path / "killed.html")
     text = " ".join(" ".join(page.text).split())

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy.optimize import minimize_scalar
 
-from helpers import run_liandan
+from helpers import liandan_here
 from liandan.cli.fit_cmd import _num as shown
 from liandan.cli.main import main
 from liandan.config import ConfigError
@@ -218,7 +218,7 @@ def test_read_runs_options(tmp_path):
 def test_cli_fit_csv_save_and_optimal(tmp_path, capsys):
     csv_path = write_csv(tmp_path / "runs.csv", synthetic_runs())
     saved = tmp_path / "fit.json"
-    done = run_liandan("fit", csv_path, "--bootstrap", 12, "--predict-flops", "1e22", "--save", saved)
+    done = liandan_here("fit", csv_path, "--bootstrap", 12, "--predict-flops", "1e22", "--save", saved)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     for words in (
@@ -247,7 +247,7 @@ def test_cli_fit_csv_save_and_optimal(tmp_path, capsys):
 
 def test_cli_fit_run_directories(tmp_path):
     fake_runs(tmp_path / "runs")
-    done = run_liandan(
+    done = liandan_here(
         "fit",
         *sorted((tmp_path / "runs").iterdir())[:6],
         tmp_path / "runs" / "run-8",
@@ -271,7 +271,7 @@ def test_cli_fit_over_a_shell_glob_of_a_project_passes_over_its_databases(tmp_pa
     fake_runs(tmp_path / "runs")
     RunStore(tmp_path / "runs").close()  # liandan.db, as training leaves beside the runs
     sqlite3.connect(tmp_path / "runs" / "mlflow.db").execute("CREATE TABLE t (x)").connection.close()
-    done = run_liandan("fit", *sorted((tmp_path / "runs").iterdir()), "--bootstrap", 5)
+    done = liandan_here("fit", *sorted((tmp_path / "runs").iterdir()), "--bootstrap", 5)
     assert done.returncode == 0, done.stderr
     assert "runs (N = non-embedding parameters" in done.stdout
 
@@ -319,7 +319,7 @@ def test_optimal_default_names_its_law_in_process(capsys):
 
 
 def test_cli_missing_file_is_one_line():
-    done = run_liandan("fit", "/no/such/runs.csv")
+    done = liandan_here("fit", "/no/such/runs.csv")
     assert_one_line_error(done.returncode, done.stderr, "no such file or directory: /no/such/runs.csv")
 
 

@@ -228,7 +228,7 @@ def test_plug_ins_found_through_entry_points_own_their_config(tmp_path):
     env = {"PYTHONPATH": f"{site}:{':'.join(sys.path)}", "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True).stdout
     lines = out.splitlines()
-    assert lines[0] == "0.5 ['adamw', 'lionish']"
+    assert lines[0] == "0.5 ['adamw', 'muon', 'lionish']"
     assert "unknown key 'optim.lionish.bta' (did you mean 'optim.lionish.beta'?)" in lines[1]
 
 

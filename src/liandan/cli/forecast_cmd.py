@@ -96,6 +96,8 @@ def _forecast(args: argparse.Namespace, options: dict) -> int:
         pct = round(100 * f.confidence)
         print(f"run {run}: step {f.observed_step} of {f.total_steps} ({100 * f.observed_fraction:.0f}% observed)")
         print(f"forecast final loss  {f.final_loss:.4f}   {pct}% interval [{f.low:.4f}, {f.high:.4f}]")
+        print(f"  target: {f.target}")
+        print(f"  {_reach_note(f)}")
         print(f"  fitted loss now {f.current_loss:.4f}; " + _annealing_note(f))
         print(f"  schedule-free power law: {f.power_law:.4f} [{f.power_low:.4f}, {f.power_high:.4f}]")
         print(f"  priors and interval learned from {f.prior_runs} finished runs")
@@ -112,6 +114,12 @@ def _forecast(args: argparse.Namespace, options: dict) -> int:
                     f"not worse than reference {args.reference} ({what} {value:.4f}): {f.final_loss - value:+.4f}, {sure}"
                 )
     return WORSE_EXIT if worse and args.fail_if_worse else 0
+
+
+def _reach_note(f) -> str:
+    if f.source == "own fit":
+        return f"far from the library: {f.reach}; the run's own fit alone, its interval {f.widening:.1f}x wider"
+    return f.reach + (f"; its interval {f.widening:.1f}x wider" if f.widening > 1.0 else "")
 
 
 def _annealing_note(f) -> str:
@@ -160,6 +168,7 @@ def _rows_table(rows, confidence: float):
         ("actual", "right"),
         ("error", "right"),
         ("in interval", "center"),
+        ("from library", "right"),
         ("power law", "right"),
         ("power error", "right"),
     ]:
@@ -168,7 +177,7 @@ def _rows_table(rows, confidence: float):
         f = r.forecast
         head = [Path(r.run).name, r.schedule, f"{100 * r.fraction:.0f}%", f"{r.upto_step}/{r.total_steps}"]
         if f is None:
-            table.add_row(*head, "-", r.note, f"{r.actual:.4f}", "-", "-", "-", "-")
+            table.add_row(*head, "-", r.note, f"{r.actual:.4f}", "-", "-", "-", "-", "-")
             continue
         table.add_row(
             *head,
@@ -177,6 +186,7 @@ def _rows_table(rows, confidence: float):
             f"{r.actual:.4f}",
             f"{100 * r.error:+.2f}%",
             "yes" if r.covered else "no",
+            f"{f.distance:.1f}" + (" (own fit)" if f.source == "own fit" else ""),
             f"{f.power_law:.4f}",
             f"{100 * r.power_error:+.2f}%",
         )

@@ -87,6 +87,8 @@ def _jsonable(plan) -> dict:
     out["memory"]["layout"]["kind"] = m.layout.kind
     if plan.smallest is not None:
         out["smallest"]["estimate"]["total"] = plan.smallest.estimate.total
+    if plan.optimizer is None:
+        del out["optimizer"]  # AdamW's plan stays as it was
     _drop_unit_dims(out)
     return out
 
@@ -167,6 +169,12 @@ def print_plan(plan, cfg, config_path: str) -> None:
     )
     table.add_row("tokens", f"{f.tokens:.3e}", f"{t.steps:,} steps x {t.global_batch:,} sequences x {t.seq_len:,}")
     table.add_row("FLOPs for the run", f"{f.total:.3e}", f"6ND alone: {f.six_nd:.3e}")
+    o = plan.optimizer
+    if o is not None and o.step_flops:
+        table.add_row(
+            f"{o.name} step FLOPs", f"{o.step_flops:.3e}",
+            f"per step, {o.step_share:.2%} of the model's (Newton-Schulz; in the time estimate)",
+        )  # fmt: skip
     console.print(table)
 
     title = (
@@ -186,6 +194,12 @@ def print_plan(plan, cfg, config_path: str) -> None:
     table.add_row("gradients", _size(m.states.grads), "fp32")
     k = m.optimizer_state_bytes_per_param
     optimizer_how = "fp32 Adam m and v" if k == ADAMW_STATE_BYTES_PER_PARAM else f"{k:g} bytes per parameter"
+    if o is not None and len(set(o.state_bytes_by_role.values())) > 1:
+        by_bytes: dict[float, list[str]] = {}
+        for role, n in o.params_by_role.items():
+            by_bytes.setdefault(o.state_bytes_by_role[role], []).append(f"{role} {_count(n)}")
+        shares = "; ".join(f"{b:g} B per parameter of {', '.join(roles)}" for b, roles in sorted(by_bytes.items()))
+        optimizer_how = f"{o.name}: {shares} ({k:.3g} B on average)"
     table.add_row("optimizer", _size(m.states.optimizer), optimizer_how)
     table.add_row("transient", _size(m.transient), m.transient_what)
     acts = m.activations

@@ -23,6 +23,13 @@ learned from the others (leave-one-run-out), give log(forecast / actual), and th
 from a share f of the steps is forecast * exp(+-q), q the conformal c-quantile of |score - median| at f. docs/benchmarks.md
 has the held-out backtests and their coverage.
 
+Runs unlike the library (`forecast_features`): a forecast measures its run's distance from the nearest run it
+learns from (model size, tokens per step, learning rate, data, optimizer), widens its interval with it, and
+past `FALLBACK_DISTANCE` is the run's own law alone. The calibration is read where a library run had seen as
+much curve past its warmup, so a long warmup widens the interval too. A curve too short to tell anything is
+refused in one line that names the steps it needs (`Curve.check_length`). Every forecast states its target
+(`Forecast.target`): the training loss at the run's last step.
+
 A schedule-free power law in steps, L = a + b * s^(-c), is fitted alongside for comparison, its interval
 calibrated the same way.
 """
@@ -35,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from liandan.config import ConfigError
+from liandan.plan.forecast_features import library_equivalent
 from liandan.plan.forecast_law import (
     MIN_POINTS,
     Curve,
@@ -95,11 +103,24 @@ class Forecast:
     fit: LawFit = field(repr=False)
     power_fit: PowerLawFit = field(repr=False)
     prior_runs: int = 0  # the finished runs the priors and the interval were learned from
+    target_tokens: int | None = None  # the tokens trained on at the last step (None: tokens per step unknown)
+    distance: float = 0.0  # from the nearest run learned from, in units (`forecast_features`; 0: not compared)
+    nearest: str = ""  # that run
+    reach: str = ""  # the distance in words: what sets this run apart from it
+    source: str = "library"  # "library": its runs' shapes and the run's own law; "own fit": the run's law alone
+    widening: float = 1.0  # the factor on the calibrated interval's half-width for the distance
 
-    def to_dict(self) -> dict[str, float | int]:
+    @property
+    def target(self) -> str:
+        """What is forecast, in words."""
+        tokens = f" ({self.target_tokens:,} tokens)" if self.target_tokens else ""
+        return f"training loss at step {self.total_steps}{tokens}, the last step, its batch noise averaged out"
+
+    def to_dict(self) -> dict[str, float | int | str]:
         keys = ("final_loss", "low", "high", "confidence", "observed_fraction", "observed_step", "total_steps")
         keys += ("current_loss", "annealing_seen", "power_law", "power_low", "power_high", "prior_runs")
-        out: dict[str, float | int] = {k: getattr(self, k) for k in keys}
+        keys += ("target", "target_tokens", "distance", "nearest", "reach", "source", "widening")
+        out: dict[str, float | int | str] = {k: getattr(self, k) for k in keys}
         fit = self.fit
         out.update(L0=fit.L0, A=fit.A, alpha=fit.alpha, C=fit.C, D=fit.D, decay=fit.decay)
         return out
@@ -156,10 +177,11 @@ def forecast_final_loss(
     lr_fractions: the learning rate of every update of the whole run (any scale; divided by its peak).
     total_steps: the run's length (default len(lr_fractions)). decay: lambda, None to choose (see
     `fit_annealing_law`). library: the priors and calibration (default: the shipped library's; see
-    `forecast_library.with_project`); `features` (model size, tokens per step, learning rate, data) let the
-    library's runs most like this one teach most. `samples` and `seed` are accepted for callers of the earlier
-    bootstrap interval and unused: the interval is conformal, one fit per forecast.
-    Raises ConfigError when too few records lie past the warmup.
+    `forecast_library.with_project`); `features` (model size, tokens per step, learning rate, data,
+    optimizer) let the library's runs most like this one teach most and measure how far the run lies from
+    them. `samples` and `seed` are accepted for callers of the earlier bootstrap interval and unused: the
+    interval is conformal, one fit per forecast.
+    Raises ConfigError, one line naming the steps it needs, when the curve is too short.
     """
     del samples, seed
     if not 0.0 < confidence < 1.0:
@@ -167,18 +189,28 @@ def forecast_final_loss(
     library = library or default_library()
     curve = Curve(steps, losses, lr_fractions, total_steps)
     priors = library.priors_for(features)
+    curve.check_length(priors.skip)
     data = curve.window(skip_share=priors.skip)
     if decay is not None:
         priors = replace(priors, log_tau=math.log(1.0 / (1.0 - decay) / curve.total_steps), tau_width=1e-6)
-    point, fit = combined_forecast(curve, data, library.alike(features), priors)
+    reach = library.reach(features)
+    alike = library.alike(features)
+    point, fit = combined_forecast(curve, data, alike, priors, own_only=reach.far)
     power_fit = fit_power(data)
     observed = int(data.updates[-1])
     fraction = min(1.0, curve.observed / curve.total_steps)
-    # corrected by the median error of the library's forecasts from as far into their runs
-    point *= math.exp(-library.calibration.bias(fraction, "law"))
+    # the calibration is read where a library run had seen as much curve after its warmup
+    seen = library_equivalent(curve.observed, curve.warmup_end, curve.total_steps)
+    calibration = library.calibration.of(None if features is None else features.optimizer)
+    q = calibration.half_width(seen, confidence, "law")
+    qp = calibration.half_width(seen, confidence, "power")
+    if reach.far:  # the run's own law, whose errors the calibration does not hold: the wider of the two
+        q = max(q, qp)
+    else:  # corrected by the median error of the library's forecasts from as far into their runs
+        point *= math.exp(-calibration.bias(seen, "law"))
+    widening = reach.widening()
+    q, qp = q * widening, qp * widening
     power_point = float(power_fit.at(curve.end))
-    q = library.calibration.half_width(fraction, confidence, "law")
-    qp = library.calibration.half_width(fraction, confidence, "power")
     return Forecast(
         final_loss=point,
         low=point * math.exp(-q),
@@ -194,7 +226,13 @@ def forecast_final_loss(
         power_high=power_point * math.exp(qp),
         fit=fit,
         power_fit=power_fit,
-        prior_runs=library.priors.runs,
+        prior_runs=len(alike),
+        target_tokens=None if features is None else round(curve.total_steps * features.tokens_per_step),
+        distance=reach.distance,
+        nearest=reach.nearest,
+        reach=reach.describe(),
+        source="own fit" if reach.far else "library",
+        widening=widening,
     )
 
 

@@ -78,6 +78,7 @@ class ForecastCallback(Callback):
         ctx.say(
             f"step {f.step}: forecast final loss {f.final_loss:.4f}, {pct}% interval [{f.low:.4f}, {f.high:.4f}]"
             f" at step {f.total_steps} ({f.seconds:.2f}s, ready at step {now})"
+            + (f"; {f.distance:.1f} units from the library: the run's own fit" if f.source == "own fit" else "")
         )
         if self.forecaster.newly_flagged(f):
             ref = f.reference_loss

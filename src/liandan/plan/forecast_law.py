@@ -29,6 +29,7 @@ from liandan.common.schedule import lr_multiplier
 from liandan.config import ConfigError, ScheduleSection
 
 MIN_POINTS = 8  # loss records in the fit window below which no forecast is made
+MIN_PAST_WARMUP = 0.01  # the share of the steps after the warmup a forecast needs behind the run
 MAX_BINS = 256  # longer curves are averaged into this many bins of consecutive records
 ROBUST_SCALE = 3.0  # soft-L1 loss: residuals beyond 3 noise sigmas count linearly
 SPIKE_SIGMAS = 6.0  # a record this many noise sigmas above its neighbours' median is a spike, left out
@@ -244,14 +245,57 @@ class Curve:
             skip = min(skip, int(np.median(updates)))
         inside = updates >= max(1, skip)
         if inside.sum() < MIN_POINTS:
-            raise ConfigError(
-                f"only {int(inside.sum())} loss records after the warmup; a forecast needs at least {MIN_POINTS}"
-            )
+            raise self.too_short(skip_share, records_only=True)
         noise = record_noise(loss[inside])
         inside &= ~self.spiky[keep]
         if inside.sum() < MIN_POINTS:
             raise ConfigError(f"only {int(inside.sum())} loss records outside spikes; a forecast needs {MIN_POINTS}")
         return Window.make(updates[inside], loss[inside], noise, masked=True)
+
+    def check_length(self, skip_share: float = 0.0) -> None:
+        """A one-line ConfigError unless the curve is long enough to forecast from: MIN_POINTS records in the
+        window (`window`'s rule) and MIN_PAST_WARMUP of the steps after the warmup behind the run, as a few
+        records of a long run say little of its end."""
+        if not self._long_enough(self.updates, skip_share):
+            raise self.too_short(skip_share)
+
+    def _long_enough(self, updates: np.ndarray, skip_share: float, records_only: bool = False) -> bool:
+        if not len(updates):
+            return False
+        last = int(updates[-1]) + 1
+        skip = min(max(self.warmup_end, round(skip_share * last)), int(np.median(updates)))
+        if (updates >= max(1, skip)).sum() < MIN_POINTS:
+            return False
+        return records_only or last >= self.warmup_end + math.ceil(MIN_PAST_WARMUP * self.after_warmup)
+
+    @property
+    def after_warmup(self) -> int:
+        return max(1, self.total_steps - self.warmup_end)
+
+    def too_short(self, skip_share: float, records_only: bool = False) -> ConfigError:
+        """The refusal of a curve too short, saying how many more steps, logged as often as so far, would do."""
+        updates = self.updates
+        spacing = max(1, int(np.median(np.diff(updates)))) if len(updates) > 1 else 1
+        last = int(updates[-1]) if len(updates) else -1
+        more = 0
+        while last + 1 + more * spacing < self.total_steps:
+            more += 1
+            grown = np.append(updates, last + spacing * np.arange(1, more + 1))
+            if self._long_enough(grown, skip_share, records_only):
+                break
+        until = last + 1 + more * spacing
+        past = int((updates >= self.warmup_end).sum())
+        share = max(0, last + 1 - self.warmup_end) / self.after_warmup
+        when = (
+            f"{more * spacing} more steps (to step {until} of {self.total_steps})"
+            if until < self.total_steps
+            else "more steps than the run has"
+        )
+        return ConfigError(
+            f"too short to forecast: {past} loss records and {100 * share:.1f}% of the steps after the warmup (step"
+            f" {self.warmup_end}); a forecast needs at least {MIN_POINTS} records and {100 * MIN_PAST_WARMUP:.0f}%:"
+            f" {when}"
+        )
 
     def reference_loss(self) -> float:
         """The loss just after the warmup (median of the records there): the scale the annealing gain D is

@@ -24,39 +24,30 @@ from pathlib import Path
 
 import numpy as np
 
-from liandan.config import Config, ConfigError, ScheduleSection, load_config
-from liandan.plan.forecast_law import Curve, LawPriors, fit_power
+from liandan.config import ConfigError, ScheduleSection, load_config
+from liandan.plan.forecast_features import (
+    LIBRARY_WARMUP,
+    Reach,
+    RunFeatures,
+    data_key,
+    features_of,
+    fixture_data_key,
+    reach,
+)
+from liandan.plan.forecast_law import MIN_PAST_WARMUP, Curve, LawPriors, fit_power
 from liandan.run import RunDir
 
 LIBRARY = Path(__file__).with_name("library")
 FITS = LIBRARY / "fits.json"
 CALIBRATION_FRACTIONS = (0.1, 0.15, 0.2, 0.3, 0.5, 0.7, 0.9)
-FEATURE_SCALE = math.log(4.0)  # runs 4x apart in size, tokens per step or learning rate are one unit apart
-DATA_DISTANCE = 4.0  # ...and runs on other data two units
 FLOOR_WEIGHT = 0.02  # every run teaches at least this much, so that unlike runs still give a prior
 PROJECT_WEIGHT = 3.0  # a project's own runs count this many times a library run in its priors
 PROJECT_MAX = 16  # the most recently finished runs of a project directory that teach (about 1 s each)
 MIN_WIDTH = {"alpha": 0.1, "gain": 0.2, "tau": 0.3}  # floors on the priors' widths, in e-folds
+DEFAULT_OPTIMIZER = "adamw"  # a run whose optimizer is not known is taken for one of the default's
+MIN_TEACHERS = 2  # an optimizer's runs teach its runs alone once there are this many (`weighed`)
+MIN_CALIBRATION_RUNS = 5  # an optimizer's runs calibrate its forecasts alone once there are this many
 EVIDENCE = 64.0  # the records' weight cap of a forecast without a library (the library's runs choose theirs)
-
-
-@dataclass(frozen=True)
-class RunFeatures:
-    """What makes two runs alike, for weighing what one teaches the other: the size of the model, the tokens
-    of a step, the peak learning rate and the data (tokenizer and files)."""
-
-    params: float  # parameters of the blocks, 12 * layers * dim^2
-    tokens_per_step: float
-    lr: float
-    data: str
-
-    def distance(self, other: RunFeatures) -> float:
-        """Squared distance: one unit per FEATURE_SCALE e-folds of each size, DATA_DISTANCE for other data."""
-        d = sum(
-            (math.log(getattr(self, k) / getattr(other, k)) / FEATURE_SCALE) ** 2
-            for k in ("params", "tokens_per_step", "lr")
-        )
-        return d + (0.0 if self.data == other.data else DATA_DISTANCE)
 
 
 @dataclass(frozen=True)
@@ -106,8 +97,7 @@ def read_run(run_dir: str | Path) -> RunCurve:
         elif "loss" in record and diverged_at is None:
             diverged_at = step
     total = cfg.train.steps
-    data = f"{cfg.data.tokenizer}:" + ",".join(sorted(Path(p).name for p in cfg.data.paths))
-    features = RunFeatures(_block_params(cfg), cfg.train.global_batch * cfg.train.seq_len, cfg.optim.lr, data)
+    features = features_of(cfg)
     return RunCurve(
         run_dir,
         np.array(steps, dtype=np.int64),
@@ -162,11 +152,15 @@ def load_fixture(path: str | Path) -> RunCurve:
     records = data["records"]
     losses = np.array([np.nan if v is None else v for v in records["loss"]], dtype=np.float64)
     model, train = data["model"], data["train"]
+    corpus = (
+        data_key(data["tokenizer"], data["files"]) if "files" in data else fixture_data_key(f"byte:{data['corpus']}")
+    )
     features = RunFeatures(
         12.0 * model["n_layers"] * model["dim"] ** 2,
         train["global_batch"] * train["seq_len"],
         data["optim"]["lr"],
-        f"byte:{data['corpus']}",
+        corpus,
+        data["optim"].get("name", "adamw"),
     )
     return RunCurve(
         data["name"],
@@ -175,7 +169,7 @@ def load_fixture(path: str | Path) -> RunCurve:
         schedule_fractions(schedule, total),
         total,
         schedule.kind,
-        heldout=data["set"] == "heldout",
+        heldout=data["set"] != "library",
         features=features,
     )
 
@@ -240,14 +234,23 @@ def teach(run: RunCurve, weight: float = 1.0) -> Taught:
 
 def weighed(taught: Sequence[Taught], features: RunFeatures | None, likeness: float = 1.0) -> list[Taught]:
     """The runs' weights scaled by their likeness to a run with `features` (unscaled without features):
-    exp(-likeness * distance / 2), plus FLOOR_WEIGHT."""
+    exp(-likeness * distance / 2), plus FLOOR_WEIGHT. Only the runs trained with the run's optimizer teach
+    when there are MIN_TEACHERS of them: the optimizer shapes the curve (Muon's falls faster early)."""
     if features is None:
-        return list(taught)
+        return of_optimizer(taught, None)
     out = []
-    for t in taught:
+    for t in of_optimizer(taught, features.optimizer):
         like = math.exp(-0.5 * likeness * features.distance(t.features)) if t.features is not None else 0.0
         out.append(replace(t, weight=t.weight * (FLOOR_WEIGHT + like)))
     return out
+
+
+def of_optimizer(taught: Sequence[Taught], optimizer: str | None) -> list[Taught]:
+    """The runs trained with `optimizer` (None: DEFAULT_OPTIMIZER) when there are MIN_TEACHERS of them, else
+    all the runs."""
+    optimizer = optimizer or DEFAULT_OPTIMIZER
+    same = [t for t in taught if t.features is not None and t.features.optimizer == optimizer]
+    return same if len(same) >= MIN_TEACHERS else list(taught)
 
 
 def priors_from(taught: Sequence[Taught], evidence: float = EVIDENCE) -> LawPriors:
@@ -291,11 +294,18 @@ class Score:
     fraction: float
     law: float
     power: float
+    optimizer: str = "adamw"  # the run's
 
 
 @dataclass(frozen=True)
 class Calibration:
     scores: tuple[Score, ...]
+
+    def of(self, optimizer: str | None) -> Calibration:
+        """The scores of the runs trained with `optimizer` (None: DEFAULT_OPTIMIZER) when there are MIN_CALIBRATION_RUNS of them (how
+        far a forecast errs depends on the curve's shape, and the optimizer shapes it), else all of them."""
+        mine = tuple(s for s in self.scores if s.optimizer == (optimizer or DEFAULT_OPTIMIZER))
+        return Calibration(mine) if len({s.name for s in mine}) >= MIN_CALIBRATION_RUNS else self
 
     def _by_fraction(self, which: str) -> list[tuple[float, np.ndarray]]:
         out = []
@@ -329,6 +339,9 @@ class Calibration:
             return 0.05 * math.log(1.0 / max(fraction, 1e-3)) + 0.01  # no calibration: a rough guess
         fs = np.array([f for f, _ in qs])
         vs = np.maximum.accumulate(np.array([v for _, v in qs])[::-1])[::-1]
+        if fraction < fs[0]:  # less seen than any calibrated share: wider as 1 / sqrt(the curve past the warmup)
+            past = max(fraction - LIBRARY_WARMUP, MIN_PAST_WARMUP)
+            return float(vs[0] * math.sqrt(max(fs[0] - LIBRARY_WARMUP, past) / past))
         return float(np.interp(math.log(fraction), np.log(fs), vs))
 
 
@@ -369,13 +382,14 @@ def shapes_forecast(curve: Curve, data, taught: Sequence[Taught], priors: LawPri
 OWN_EVIDENCE = 256.0  # the records' weight cap of the run's own fit, which late in a run should follow them
 
 
-def combined_forecast(curve: Curve, data, alike: Sequence[Taught], priors: LawPriors):
+def combined_forecast(curve: Curve, data, alike: Sequence[Taught], priors: LawPriors, own_only: bool = False):
     """(final loss, the run's own fit): the other runs' shapes (`shapes_forecast`) and the run's own law
     (MAP under `priors`) averaged in log, the own law weighing (share of the run seen)^2: little early,
-    when a prefix cannot tell its own future, all at the end, where the curve is its own best witness."""
+    when a prefix cannot tell its own future, all at the end, where the curve is its own best witness.
+    `own_only`: the run's own law alone (no run is like this one: their shapes may mislead)."""
     fit, _ = curve.fit(data, replace(priors, evidence=OWN_EVIDENCE))
     own = float(fit.at(curve.end))
-    shapes = shapes_forecast(curve, data, alike, priors)
+    shapes = None if own_only else shapes_forecast(curve, data, alike, priors)
     if shapes is None or own <= 0:
         return (own if shapes is None else shapes), fit
     w = min(1.0, curve.observed / curve.total_steps) ** 2
@@ -401,7 +415,9 @@ def forecast_scores(
         law_point = combined_forecast(curve, data, alike, priors)[0]
         power_point = float(fit_power(data).at(curve.end))
         if law_point > 0 and power_point > 0:
-            out.append(Score(run.name, fraction, math.log(law_point / actual), math.log(power_point / actual)))
+            optimizer = run.features.optimizer if run.features is not None else "adamw"
+            law, power = math.log(law_point / actual), math.log(power_point / actual)
+            out.append(Score(run.name, fraction, law, power, optimizer))
     return out
 
 
@@ -420,6 +436,11 @@ class Library:
         if features is None or not self.taught:
             return self.priors
         return replace(priors_from(self.alike(features)), **self.law_settings)
+
+    def reach(self, features: RunFeatures | None) -> Reach:
+        """How far a run with `features` lies from the nearest of the runs that teach it (`of_optimizer`)."""
+        pool = of_optimizer(self.taught, None if features is None else features.optimizer)
+        return reach(features, [(t.name, t.features) for t in pool])
 
     def alike(self, features: RunFeatures | None) -> list[Taught]:
         return weighed(self.taught, features, self.settings.get("likeness", 1.0))
@@ -468,15 +489,20 @@ def build(
     names = tuple(r.name for r in runs)
     law_settings = {k: v for k, v in settings.items() if k != "likeness"}
     library = Library(
-        replace(priors_from(taught), **law_settings), Calibration(tuple(scores)), names, tuple(taught), settings
+        replace(priors_from(of_optimizer(taught, None)), **law_settings),
+        Calibration(tuple(scores)),
+        names,
+        tuple(taught),
+        settings,
     )
     return library, taught, settings
 
 
-def save_fits(path: Path = FITS) -> Library:
-    """Fit and calibrate the shipped library set and keep the results in fits.json."""
+def save_fits(path: Path = FITS, settings: dict | None = None) -> Library:
+    """Fit and calibrate the shipped library set and keep the results in fits.json; `settings` as given, or
+    chosen again (None)."""
     runs = library_runs("library")
-    library, taught, settings = build(runs)
+    library, taught, settings = build(runs, settings=settings)
     payload = {
         "settings": settings,
         "runs": [asdict(t) for t in taught],
@@ -492,10 +518,7 @@ def _saved() -> tuple[list[Taught], list[Score], dict] | None:
     if not FITS.is_file():
         return None
     payload = json.loads(FITS.read_text())
-    taught = [
-        Taught(**{**t, "features": RunFeatures(**t["features"]) if t.get("features") else None})
-        for t in payload["runs"]
-    ]
+    taught = [Taught(**{**t, "features": _stored_features(t.get("features"))}) for t in payload["runs"]]
     if tuple(t.name for t in taught) != tuple(r.name for r in library_runs("library")):
         return None
     return taught, [Score(**s) for s in payload["scores"]], payload["settings"]
@@ -511,7 +534,7 @@ def default_library() -> Library:
         taught, scores, settings = saved
         names = tuple(t.name for t in taught)
         law_settings = {k: v for k, v in settings.items() if k != "likeness"}
-        priors = replace(priors_from(taught), **law_settings)
+        priors = replace(priors_from(of_optimizer(taught, None)), **law_settings)
         return Library(priors, Calibration(tuple(scores)), names, tuple(taught), settings)
     if not runs:
         return Library(LawPriors(evidence=EVIDENCE), Calibration(()), ())
@@ -535,12 +558,12 @@ def with_project(directories: Sequence[str | Path], exclude: Iterable[str | Path
         scores += forecast_scores(run, others, settings)
     names = base.runs + tuple(str(r.run_dir) for r in own)
     everyone = tuple(shipped + theirs)
-    priors = replace(priors_from(everyone), **base.law_settings)
+    priors = replace(priors_from(of_optimizer(everyone, None)), **base.law_settings)
     return Library(priors, Calibration(tuple(scores)), names, everyone, settings)
 
 
-def _block_params(cfg: Config) -> float:
-    """The likeness measure of model size: 12 n_layers dim^2, a dense transformer's block parameters (0 for
-    a family whose keys do not say)."""
-    options = cfg.model.options
-    return 12.0 * getattr(options, "n_layers", 0) * getattr(options, "dim", 0) ** 2
+def _stored_features(stored: dict | None) -> RunFeatures | None:
+    """fits.json's features of a run (written before the optimizer was one, and with the corpus by name)."""
+    if not stored:
+        return None
+    return RunFeatures(**{**stored, "data": fixture_data_key(stored["data"])})

@@ -3,7 +3,7 @@
 
 `LiveForecaster` collects a run's (step, loss) records and every `every` steps forecasts its final loss. It
 knows nothing of the trainer: the callback in `liandan.plan.forecast_callback` feeds it and writes each forecast
-as a "forecast" event into the run's events.jsonl. It never raises: with too few records past the warmup it skips
+as a "forecast" event into the run's events.jsonl. It never raises: with a curve too short to forecast from it skips
 quietly, and a fit that fails is skipped with a debug note.
 
 The flag: a run is flagged as worse than `reference_loss` when the forecast's lower bound, not its central
@@ -27,6 +27,7 @@ import numpy as np
 
 from liandan.config import Config, ConfigError
 from liandan.plan.forecast import forecast_final_loss, schedule_fractions
+from liandan.plan.forecast_features import RunFeatures, features_of
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,9 @@ class LiveForecast:
     annealing_seen: float
     power_law: float  # the schedule-free power law's forecast, for comparison
     seconds: float  # what the fit took (in the forecast thread, not the training loop, when run in the background)
+    target: str = ""  # what is forecast, in words (`Forecast.target`)
+    distance: float = 0.0  # from the nearest library run (`Forecast.distance`)
+    source: str = "library"  # "own fit" when the run is far from the library
     reference_loss: float | None = None
     worse_than_reference: bool | None = None  # the flag: the lower bound is worse than the reference
     central_worse_than_reference: bool | None = None  # the softer signal: the central value is
@@ -72,6 +76,7 @@ class LiveForecaster:
         *,
         samples: int = LIVE_SAMPLES,
         confidence: float = 0.8,
+        features: RunFeatures | None = None,
     ):
         if every < 1:
             raise ValueError(f"every = {every} must be at least 1")
@@ -80,6 +85,7 @@ class LiveForecaster:
         self.every = int(every)
         self.reference_loss = float(reference_loss) or None
         self.samples, self.confidence = samples, confidence
+        self.features = features  # the run's, for the library's runs most like it and its distance from them
         self.steps: list[int] = []
         self.losses: list[float] = []
         self.flagged = False  # the flag is raised once; later forecasts still say whether they are worse
@@ -91,6 +97,7 @@ class LiveForecaster:
         if not cfg.forecast.every:
             return None
         lr = schedule_fractions(cfg.schedule, cfg.train.steps)
+        kwargs.setdefault("features", features_of(cfg))
         return cls(lr, cfg.train.steps, cfg.forecast.every, cfg.forecast.reference_loss, **kwargs)
 
     def observe(self, step: int, loss: float) -> None:
@@ -140,8 +147,9 @@ class LiveForecaster:
                 self.total_steps,
                 samples=self.samples,
                 confidence=self.confidence,
+                features=self.features,
             )
-        except ConfigError:  # too few records past the warmup yet
+        except ConfigError:  # the curve is too short yet
             return None
         except Exception as err:  # noqa: BLE001 - a failed fit must never stop the training it describes
             log.debug("forecast at step %d skipped: %s: %s", step, type(err).__name__, err)
@@ -161,6 +169,9 @@ class LiveForecaster:
             annealing_seen=f.annealing_seen,
             power_law=f.power_law,
             seconds=round(time.perf_counter() - started, 4),
+            target=f.target,
+            distance=round(f.distance, 3),
+            source=f.source,
             reference_loss=ref,
             worse_than_reference=None if ref is None else f.low > ref,
             central_worse_than_reference=None if ref is None else f.final_loss > ref,

@@ -26,6 +26,7 @@ from liandan.plan.memory import (
     optimizer_state_bytes,
     usable_bytes,
 )
+from liandan.plan.optimizer_cost import OptimizerCost, optimizer_cost
 from liandan.run.remote import is_url
 
 # ---------------------------------------------------------------------------------------------------------
@@ -169,6 +170,7 @@ class Plan:
     variants: tuple[ActivationVariant, ...]
     init: InitMemory | None = None  # building and initialising the model, before the first step
     fp8: Fp8Count | None = None
+    optimizer: OptimizerCost | None = None  # an optimizer whose state differs by role or that has step FLOPs
 
 
 def plan_config(
@@ -204,8 +206,11 @@ def plan_config(
     dtype, attention = plan_dtype(cfg), plan_attention(cfg)
     p = cfg.parallel
     fp8 = plan_fp8(cfg, args)
+    flops = run_flops(args, seq_len=t.seq_len, steps=t.steps, global_batch=t.global_batch)
+    optimizer = optimizer_cost(cfg, args, flops.per_token * t.global_batch * t.seq_len)
+    state_bytes = optimizer.state_bytes_per_param if optimizer is not None else optimizer_state_bytes(cfg)
     settings = {"sequence_parallel": p.sequence_parallel, "loss_parallel": p.loss_parallel, "ce_chunks": t.ce_chunks,
-                "fp8_params": fp8.params, "optimizer_state_bytes_per_param": optimizer_state_bytes(cfg)}  # fmt: skip
+                "fp8_params": fp8.params, "optimizer_state_bytes_per_param": state_bytes}  # fmt: skip
     memory = memory_per_device(
         args, layout, micro_batch=b, seq_len=t.seq_len, activation_checkpoint=t.activation_checkpoint,
         dtype=dtype, attention=attention, accumulation_steps=t.global_batch // layout.dp_size // b, **settings,
@@ -215,10 +220,11 @@ def plan_config(
         device_memory_gib=device.memory_gib, headroom=headroom, dtype=dtype, attention=attention,
         max_tp=1 if fp8.params else 8, **settings,  # fp8 runs without tensor parallel
     )  # fmt: skip
-    flops = run_flops(args, seq_len=t.seq_len, steps=t.steps, global_batch=t.global_batch)
     share = min(1.0, 6.0 * fp8.params / flops.per_token)
     peak = mixed_peak_flops(device.peak_flops(dtype), device.peak_flops_fp8(dtype), share)
-    time = run_time_estimate(flops.total, nproc, peak, mfu, price_per_device_hour)
+    # The optimizer's own FLOPs (Muon's Newton-Schulz) take device time too; each data-parallel replica does them.
+    optimizer_flops = optimizer.step_flops * t.steps * layout.dp_replicate if optimizer is not None else 0.0
+    time = run_time_estimate(flops.total + optimizer_flops, nproc, peak, mfu, price_per_device_hour)
     variants = []
     for mode in CHECKPOINT_MODES:
         for sp in (False, True):
@@ -236,5 +242,5 @@ def plan_config(
     fits = memory.fits(device.memory_gib, headroom) and init.device <= usable_bytes(device.memory_gib, headroom)
     return Plan(
         args, count_params(args), flops, nproc, device, headroom, memory, fits, smallest, time, tuple(variants), init,
-        fp8,
+        fp8, optimizer,
     )  # fmt: skip

@@ -88,15 +88,20 @@ class Rollback:
 RING_SHARE = 0.5
 
 
-def state_bytes(model_parts: list[Any]) -> int:
-    """About what one state of the ring holds on this rank: its shards of the parameters and two optimizer
-    moments of each (AdamW's; the optimizer has no state yet when this is asked)."""
+def state_bytes(model_parts: list[Any], optimizer_state: Callable[[str], float] | None = None) -> int:
+    """About what one state of the ring holds on this rank: its shards of the parameters and the optimizer's
+    state of each, by the parameter's role (`optimizer_state(role)`: bytes per parameter, e.g. AdamW's two
+    fp32 moments, 8, or Muon's one momentum of a hidden matrix, 4); the optimizer has no state yet when this
+    is asked. Without `optimizer_state`, two moments of the parameter's own size."""
+    from liandan.model.roles import parameter_roles
+
     total = 0
     for part in model_parts:
-        for p in part.parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            total += local.numel() * local.element_size()
-    return 3 * total
+        for r in parameter_roles(part):
+            local = r.param.to_local() if hasattr(r.param, "to_local") else r.param
+            per = optimizer_state(r.role) if optimizer_state else 2 * local.element_size()
+            total += int(local.numel() * (local.element_size() + per))
+    return total
 
 
 def available_host_memory() -> int | None:

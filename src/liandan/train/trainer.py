@@ -38,6 +38,7 @@ from liandan.train.components import Components, build_components
 from liandan.train.context import RunProgress, StepOutput, TrainContext, TrainResult
 from liandan.train.distributed import shutdown_distributed
 from liandan.train.hardware import datasheet_fp8_peak_flops, device_peak_flops
+from liandan.train.optimizers import optimizer_plugin
 from liandan.train.parallelize import reshard
 from liandan.train.preemption import Preempted, StepAbandoned
 from liandan.train.rollback import Rollback, available_host_memory, ranks_on_this_host, ring_refusal, state_bytes
@@ -92,12 +93,21 @@ class Trainer:
         self.logger = self._make_logger()
         self._say_model()
 
+    def _optimizer_state_bytes(self):
+        """Bytes of optimizer state per parameter by role, from the `[optim]` plug-in (None for a train module
+        handed in with optimizers of its own kind)."""
+        try:
+            return optimizer_plugin(self.cfg.optim.name).state_bytes
+        except ConfigError:
+            return None
+
     def _check_ring(self, ring: int) -> None:
         """Refuse a ring of rollback states that host memory cannot hold, before it fills it step by step. The
         same verdict on every rank: the largest state against the least memory available."""
         if not ring:
             return
-        each, scarce = self.env.max_over_ranks([state_bytes(self.module.model_parts), -(available_host_memory() or -1)])
+        each = state_bytes(self.module.model_parts, self._optimizer_state_bytes())
+        each, scarce = self.env.max_over_ranks([each, -(available_host_memory() or -1)])
         available = -scarce if scarce < 0 else None
         refusal = ring_refusal(ring, each, available, ranks_on_this_host(self.dist.world_size))
         if refusal:

@@ -5,6 +5,8 @@ output head, norm weights, biases): two optimizers per model part, under one lea
 `adjust_lr`: "match_rms_adamw" (the default, Moonlight's 0.2 sqrt(max(A, B))) makes its update's RMS that of
 AdamW's, so AdamW's tuned learning rate and weight decay carry over; "spectral" (sqrt(max(1, A/B)), Keller
 Jordan's) keeps the update's spectral norm independent of width, what muP asks for; "none" does not scale.
+Muon's matrices take no width multiplier of their own (`RoledParameter.width_mult` scales AdamW's hidden
+matrices only): under muP, "spectral" is the width-invariant choice.
 
 Plain tensors take `torch.optim.Muon`; sharded ones (FSDP2, tensor parallelism) `ShardedMuon`, which
 orthogonalises whole matrices and gives the same update (`sharded_muon.py`)."""
@@ -14,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from liandan.config import ConfigError, OptimSection
+from liandan.config import OptimSection
 from liandan.model.roles import RoledParameter, parameter_roles
 from liandan.train.optimizers import OptimizerPlugin
 from liandan.train.optimizers.adamw import adamw_over
@@ -39,8 +41,6 @@ def muon_over(roled: list[RoledParameter], section: OptimSection) -> torch.optim
 
     o = section.options
     coefficients = tuple(float(c) for c in o.ns_coefficients)
-    if len(coefficients) != 3:
-        raise ConfigError(f"optim.muon.ns_coefficients must be three numbers (a, b, c), not {len(coefficients)}")
     adjust = ADJUST_LR_FN[o.adjust_lr]
     kwargs = {"lr": section.lr, "weight_decay": o.weight_decay, "momentum": o.momentum, "nesterov": o.nesterov,
               "ns_coefficients": coefficients, "eps": EPS, "ns_steps": o.ns_steps, "adjust_lr_fn": adjust}  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from liandan.config import option
+from liandan.config import ConfigError, option
 from liandan.train.optimizers.adamw_options import AdamWOptions
 
 # Keller Jordan's quintic Newton-Schulz coefficients, torch.optim.Muon's default.
@@ -24,3 +24,9 @@ class MuonOptions(AdamWOptions):
         "Muon's learning rate per matrix (A x B): match_rms_adamw x0.2*sqrt(max(A,B)), AdamW's lr and weight decay"
         " carry over; spectral x sqrt(max(1,A/B)), width-invariant (muP); none x1",
     )
+
+    def __post_init__(self) -> None:
+        if len(self.ns_coefficients) != 3:
+            raise ConfigError(
+                f"optim.muon.ns_coefficients must be three numbers (a, b, c), not {len(self.ns_coefficients)}"
+            )
