@@ -14,7 +14,7 @@ def count_params(args: ModelArgs) -> ParamCounts:
     d, hd, L = args.dim, args.head_dim, args.n_layers
     attn = d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + args.n_heads * hd * d
     qk_norm = 2 * hd if args.qk_norm else 0
-    ffn = 3 * d * args.ffn_dim
+    ffn = _ffn_matrices(args) * d * args.ffn_dim
     per_layer = attn + _qkv_bias(args) + qk_norm + ffn + 2 * d
     embedding = args.vocab_size * d
     head = 0 if args.tie_embeddings else args.vocab_size * d
@@ -37,7 +37,7 @@ def param_split(args: ModelArgs, tp: int = 1) -> ParamSplit:
     by tp), the embedding vocabulary-parallel and the head column-parallel (divided by tp), norms replicated."""
     d, hd = args.dim, args.head_dim
     attn = d * args.n_heads * hd + 2 * d * args.n_kv_heads * hd + args.n_heads * hd * d
-    matrices = _ceil(attn + _qkv_bias(args), tp) + _ceil(3 * d * args.ffn_dim, tp)
+    matrices = _ceil(attn + _qkv_bias(args), tp) + _ceil(_ffn_matrices(args) * d * args.ffn_dim, tp)
     norms = 2 * d + (2 * hd if args.qk_norm else 0)
     table = _ceil(args.vocab_size * d, tp)
     root = table * (1 if args.tie_embeddings else 2) + d
@@ -47,6 +47,11 @@ def param_split(args: ModelArgs, tp: int = 1) -> ParamSplit:
 def _qkv_bias(args: ModelArgs) -> int:
     """Qwen2's biases: not matmul weights, but column-parallel like the projections they follow."""
     return (args.n_heads + 2 * args.n_kv_heads) * args.head_dim if args.qkv_bias else 0
+
+
+def _ffn_matrices(args: ModelArgs) -> int:
+    """SwiGLU's gate, up and down projections; ReLU^2 has no gate."""
+    return 2 if getattr(args, "mlp", "swiglu") == "relu2" else 3
 
 
 def _ceil(a: int, b: int) -> int:

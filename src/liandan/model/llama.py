@@ -1,5 +1,6 @@
 """A Llama-style decoder in one file: RMSNorm, rotary embeddings (optionally with Llama 3's rescaling), SwiGLU,
-grouped-query attention, optional tied embeddings, qk-norm, query/key/value biases and z-loss. The model is
+grouped-query attention, optional tied embeddings, qk-norm, query/key/value biases and z-loss, and the speed-run
+recipe options (ReLU^2 feed-forward, logit soft-capping, zero-initialised output projections). The model is
 plain PyTorch; parallelism, precision and recomputation are applied from outside (liandan.train.parallelize),
 so nothing here knows about them.
 
@@ -19,6 +20,9 @@ from torch import nn
 from liandan.model.attention import MaskSpec, PreparedMask, attend, choose_backend
 from liandan.model.kv_cache import KVCache
 from liandan.model.loss import chunked_lm_loss, full_logits, fused_lm_loss, lm_loss
+
+# The feed-forward kinds: SwiGLU (three matrices) and ReLU^2 (two, as in modded-nanogpt and Primer).
+FEED_FORWARDS = ("swiglu", "relu2")
 
 
 @dataclass
@@ -47,13 +51,18 @@ class ModelArgs:
     parameterization: str = "standard"
     mup_base_dim: int = 0
     attention: str = "auto"
+    mlp: str = "swiglu"
+    logit_softcap: float = 0.0
+    zero_init_out: bool = False
 
     def __post_init__(self) -> None:
         self.n_kv_heads = self.n_kv_heads or self.n_heads
         # Qwen3 and others decouple the head size from the width (Qwen3-0.6B: 16 heads of 128 in 1024).
         self.head_dim = self.head_dim or self.dim // self.n_heads
+        if self.mlp not in FEED_FORWARDS:
+            raise ValueError(f"model.mlp = {self.mlp!r} is not one of {', '.join(FEED_FORWARDS)}")
         if not self.ffn_dim:
-            hidden = int(2 * (4 * self.dim) / 3)
+            hidden = int(2 * (4 * self.dim) / 3) if self.mlp == "swiglu" else 4 * self.dim
             self.ffn_dim = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
 
     @property
@@ -172,10 +181,13 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
-        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        # ReLU^2 has no gate: w2(relu(w1 x)^2).
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False) if args.mlp == "swiglu" else None
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.w3 is None:
+            return self.w2(F.relu(self.w1(x)).square())
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -215,12 +227,15 @@ class Transformer(nn.Module):
         """Normal(0, init_std) everywhere; the projections that write into the residual stream (wo, w2) get
         init_std / sqrt(2 * n_layers) so the residual's variance does not grow with depth. Under muP the
         blocks' matrices (not the embedding, not the head) are further scaled by 1/sqrt(width_mult): std
-        proportional to 1/sqrt(fan_in), equal to init_std at the base width."""
+        proportional to 1/sqrt(fan_in), equal to init_std at the base width. With `zero_init_out` the
+        residual-writing projections, and an untied output head, start at zero instead (see `_zero_at_init`)."""
         std = self.args.init_std
         hidden_std = std / math.sqrt(self.args.width_mult) if self.args.width_mult != 1.0 else std
         out_std = hidden_std / math.sqrt(2 * self.args.n_layers)
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear) and self._zero_at_init(name):
+                nn.init.zeros_(module.weight)
+            elif isinstance(module, nn.Linear):
                 last = name.rsplit(".", 1)[-1]
                 nn.init.normal_(
                     module.weight,
@@ -256,6 +271,14 @@ class Transformer(nn.Module):
         x = self.norm(h)
         mult = self.output_mult
         return x if mult == 1.0 else x * mult
+
+    def _zero_at_init(self, name: str) -> bool:
+        """`zero_init_out` (modded-nanogpt): every block starts as the identity and the first logits are
+        uniform; the gradients still reach these matrices, since their inputs are not zero. A tied head is
+        the embedding table, which keeps its normal init."""
+        if not self.args.zero_init_out:
+            return False
+        return name.rsplit(".", 1)[-1] in ("wo", "w2") or (name == "output" and not self.args.tie_embeddings)
 
     @torch.no_grad()
     def init_buffers(self) -> None:
@@ -302,7 +325,7 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         if targets is None:
-            return full_logits(self.output(self._head_input(_rows(h, logits_at))))
+            return full_logits(self._logits(_rows(h, logits_at)))
         return self.head_loss(h, targets)
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, logits_at: torch.Tensor | None) -> torch.Tensor:
@@ -313,7 +336,7 @@ class Transformer(nn.Module):
         for index, layer in enumerate(self.layers.values()):
             h = layer(h, rope, mask, cache, index)
         cache.advance(seq)
-        return full_logits(self.output(self._head_input(_rows(h, logits_at))))
+        return full_logits(self._logits(_rows(h, logits_at)))
 
     def head_loss(self, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Final norm, output projection and loss: one unit, so it can be compiled as one (the fp32 logits
@@ -324,13 +347,22 @@ class Transformer(nn.Module):
             bias = self.output.bias
             if bias is not None:
                 raise ValueError("train.ce_fused needs an output projection without a bias")
-            return fused_lm_loss(self._head_input(h), self.output.weight, targets, self.args.z_loss, self.ce_chunks)
+            return fused_lm_loss(self._head_input(h), self.output.weight, targets, self.args.z_loss, self.ce_chunks,
+                                 self.args.logit_softcap)  # fmt: skip
         if self.ce_chunks > 1:
             return chunked_lm_loss(self._logits, h, targets, self.args.z_loss, self.ce_chunks)
-        return lm_loss(self.output(self._head_input(h)), targets, self.args.z_loss)
+        return lm_loss(self._logits(h), targets, self.args.z_loss)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.output(self._head_input(h))
+        return softcap(self.output(self._head_input(h)), self.args.logit_softcap)
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap): logits bounded in (-cap, cap), near-linear well inside (Gemma 2,
+    modded-nanogpt); the logits unchanged when cap is 0."""
+    if not cap:
+        return logits
+    return cap * torch.tanh(logits / cap)
 
 
 def _rows(h: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:

@@ -70,6 +70,10 @@ def to_hf_name(name: str) -> str:
 
 def export_type(args: ModelArgs) -> str:
     """The Hugging Face model_type a model of `args` is written as, or a ValueError if none expresses it."""
+    if args.mlp != "swiglu":
+        raise ValueError(f"model.mlp = {args.mlp!r} has no transformers architecture to export to (SwiGLU only)")
+    if args.logit_softcap:
+        raise ValueError("model.logit_softcap has no transformers Llama, Qwen2 or Qwen3 setting to export to")
     if args.qk_norm and args.qkv_bias:
         # Qwen3's attention_bias also puts a bias on the output projection, which liandan does not have.
         raise ValueError("model.qk_norm with model.qkv_bias has no transformers architecture to export to")

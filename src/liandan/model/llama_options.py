@@ -16,7 +16,9 @@ class LlamaOptions:
     n_layers: int = option(4, "transformer blocks", min=1)
     n_heads: int = option(4, "query heads", min=1)
     n_kv_heads: int = option(0, "key/value heads for grouped-query attention; 0 means n_heads", min=0)
-    ffn_dim: int = option(0, "SwiGLU hidden size; 0 derives 8/3*dim rounded to ffn_multiple_of", min=0)
+    ffn_dim: int = option(
+        0, "feed-forward hidden size; 0 derives 8/3*dim (swiglu) or 4*dim (relu2) rounded to ffn_multiple_of", min=0
+    )
     ffn_multiple_of: int = option(64, "rounding of the derived SwiGLU hidden size", min=1)
     head_dim: int = option(0, "size of one attention head; 0 means dim / n_heads (Qwen3 sets it apart)", min=0)
     norm_eps: float = option(1e-5, "RMSNorm epsilon", min=0.0)
@@ -32,7 +34,9 @@ class LlamaOptions:
     rope_original_max_seq_len: int = option(
         8192, "llama3 rope_scaling: the context the model was first trained at", min=1
     )
-    tie_embeddings: bool = option(False, "share the input embedding with the output head")
+    tie_embeddings: bool = option(
+        False, "share the input embedding with the output head; false (the default) is an untied head"
+    )
     qk_norm: bool = option(False, "RMSNorm on queries and keys per head (attention-logit growth fix)")
     qkv_bias: bool = option(False, "biases on the query, key and value projections (Qwen2)")
     z_loss: float = option(0.0, "weight of the z-loss term log(Z)^2 on the output logits (PaLM uses 1e-4)", min=0.0)
@@ -47,6 +51,14 @@ class LlamaOptions:
     mup_base_dim: int = option(0, "mup: the width whose hyperparameters are the tuned ones (required under mup)", min=0)
     attention: Literal["auto", "flex", "sdpa", "eager"] = option(
         "auto", "attention kernel: flex (FlexAttention block masks), sdpa, or eager (reference-style matmuls)"
+    )
+    # Speed-run recipe options (modded-nanogpt), each off by default.
+    mlp: Literal["swiglu", "relu2"] = option("swiglu", "feed-forward: swiglu, or relu2 (w2(relu(w1 x)^2), no gate)")
+    logit_softcap: float = option(
+        0.0, "soft-cap the output logits to cap*tanh(logits/cap) (modded-nanogpt uses 15-30); 0 is off", min=0.0
+    )
+    zero_init_out: bool = option(
+        False, "start the residual-writing projections (wo, w2) and an untied head at zero instead of a normal init"
     )
 
     def check(self) -> None:

@@ -48,7 +48,8 @@ def state_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             shapes[p + "attention.k_norm.weight"] = (hd,)
         shapes[p + "ffn_norm.weight"] = (args.dim,)
         shapes[p + "feed_forward.w1.weight"] = (args.ffn_dim, args.dim)
-        shapes[p + "feed_forward.w3.weight"] = (args.ffn_dim, args.dim)
+        if args.mlp == "swiglu":
+            shapes[p + "feed_forward.w3.weight"] = (args.ffn_dim, args.dim)
         shapes[p + "feed_forward.w2.weight"] = (args.dim, args.ffn_dim)
     shapes["norm.weight"] = (args.dim,)
     shapes["output.weight"] = (args.vocab_size, args.dim)
@@ -58,10 +59,12 @@ def state_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 def function_fields(args: ModelArgs) -> tuple[str, ...]:
     """Fields that change what a model of the same shapes computes: weights trained under other values give
     another function (a wrong RoPE base or epsilon loads cleanly and quietly degrades the model). The
-    rescaling's parameters count only when rescaling is on."""
+    rescaling's parameters count only when rescaling is on, the recipe options only when set (a model with
+    or without them is named the same way as before they existed)."""
     scaling = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
     mup = ("parameterization", "mup_base_dim") if args.parameterization == "mup" else ()
-    return ("rope_theta", "norm_eps", "rope_scaling") + (scaling if args.rope_scaling != "none" else ()) + mup
+    recipe = (("mlp",) if args.mlp != "swiglu" else ()) + (("logit_softcap",) if args.logit_softcap else ())
+    return ("rope_theta", "norm_eps", "rope_scaling") + (scaling if args.rope_scaling != "none" else ()) + mup + recipe
 
 
 def tied(args: ModelArgs) -> dict[str, str]:
@@ -107,6 +110,8 @@ def tp_plan(args: ModelArgs, *, loss_parallel: bool = False, sequence_parallel: 
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=between),
     }
+    if args.mlp != "swiglu":
+        del block["feed_forward.w3"]
     if sequence_parallel:
         top["norm"] = SequenceParallel()
         block["attention_norm"] = SequenceParallel()

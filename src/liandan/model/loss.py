@@ -164,10 +164,13 @@ def chunked_lm_loss(
 # fused head and loss
 
 
-def _fused_pass(hidden, weight, targets, z_loss: float, chunks: int, compute_dtype, count, need_grad: bool):
-    """(mean loss, grad of hidden, grad of weight (fp32)) of the cross-entropy of `hidden @ weight.T`, a slice
-    of the tokens at a time; the gradients are None unless `need_grad`. The matmuls run in `compute_dtype`,
-    the softmax in fp32, as the unfused path does under autocast."""
+def _fused_pass(
+    hidden, weight, targets, z_loss: float, chunks: int, compute_dtype, count, need_grad: bool, softcap: float = 0.0
+):
+    """(mean loss, grad of hidden, grad of weight (fp32)) of the cross-entropy of `hidden @ weight.T` (soft-capped
+    to softcap * tanh(logits / softcap) when `softcap` is not 0), a slice of the tokens at a time; the
+    gradients are None unless `need_grad`. The matmuls run in `compute_dtype`, the softmax in fp32, as the
+    unfused path does under autocast."""
     h, w = hidden.to(compute_dtype), weight.to(compute_dtype)
     grad_h = torch.empty_like(hidden) if need_grad else None
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_grad else None
@@ -180,6 +183,9 @@ def _fused_pass(hidden, weight, targets, z_loss: float, chunks: int, compute_dty
         keep = (part_targets >= 0).float()
         column = part_targets.clamp(min=0)[:, None]
         logits = (part @ w.t()).float()
+        if softcap:
+            squashed = torch.tanh(logits / softcap)
+            logits = softcap * squashed
         lse = torch.logsumexp(logits, dim=-1)
         total = total + ((lse - logits.gather(1, column).squeeze(1)) * keep).sum()
         if z_loss:
@@ -191,6 +197,8 @@ def _fused_pass(hidden, weight, targets, z_loss: float, chunks: int, compute_dty
         soft_scale = scale * (1 + 2 * z_loss * lse) if z_loss else scale
         grad = (logits - lse[:, None]).exp_().mul_(soft_scale[:, None])
         grad.scatter_add_(1, column, -scale[:, None])
+        if softcap:  # d(c tanh(x / c))/dx = 1 - tanh(x / c)^2
+            grad.mul_(1 - squashed.square())
         grad = grad.to(compute_dtype)
         grad_h[rows] = (grad @ w).to(hidden.dtype)
         grad_w += (grad.t() @ part).float()
@@ -202,8 +210,8 @@ class _FusedHeadLoss(torch.autograd.Function):
     scales them, so no logits are kept for it, and none are made twice (`chunked_lm_loss` makes them twice)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, z_loss: float, chunks: int, compute_dtype, count):
-        loss, grad_h, grad_w = _fused_pass(hidden, weight, targets, z_loss, chunks, compute_dtype, count, True)
+    def forward(ctx, hidden, weight, targets, z_loss: float, chunks: int, compute_dtype, count, softcap: float):
+        loss, grad_h, grad_w = _fused_pass(hidden, weight, targets, z_loss, chunks, compute_dtype, count, True, softcap)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -211,14 +219,20 @@ class _FusedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_out, (grad_w * grad_out).to(ctx.weight_dtype), None, None, None, None, None
+        return grad_h * grad_out, (grad_w * grad_out).to(ctx.weight_dtype), None, None, None, None, None, None
 
 
 def fused_lm_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, z_loss: float, chunks: int = 1
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    z_loss: float,
+    chunks: int = 1,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """`lm_loss(hidden @ weight.T, targets, z_loss)` for hidden (..., D) and the output projection's weight
-    (V, D), the gradients computed with the loss, `chunks` slices of the tokens at a time. Under autocast the
+    (V, D), the gradients computed with the loss, `chunks` slices of the tokens at a time; the logits
+    soft-capped first when `softcap` is not 0 (`liandan.model.llama.softcap`). Under autocast the
     matmuls run in its dtype. Equal to the unfused loss to rounding (the sums add up in another order), not
     bit for bit; deterministic like it. Without gradients (evaluation, replays) the same arithmetic gives the
     same loss."""
@@ -228,5 +242,5 @@ def fused_lm_loss(
     count = (targets >= 0).sum().clamp(min=1).float()
     with torch.autocast(device, enabled=False):
         if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-            return _FusedHeadLoss.apply(hidden, weight, targets, z_loss, chunks, compute_dtype, count)
-        return _fused_pass(hidden, weight, targets, z_loss, chunks, compute_dtype, count, False)[0]
+            return _FusedHeadLoss.apply(hidden, weight, targets, z_loss, chunks, compute_dtype, count, softcap)
+        return _fused_pass(hidden, weight, targets, z_loss, chunks, compute_dtype, count, False, softcap)[0]
