@@ -74,12 +74,14 @@ def test_softcap_bounds_the_logits_and_is_tanh_of_the_uncapped_ones():
     assert capped(tokens).abs().max() <= 0.5
 
 
-@pytest.mark.parametrize("cap", [0.0, 3.0])
-def test_softcap_gives_the_same_loss_and_gradients_on_every_loss_path(cap):
+@pytest.mark.parametrize("cap, mup", [(0.0, False), (3.0, False), (3.0, True)], ids=["plain", "softcap", "softcap+mup"])
+def test_softcap_gives_the_same_loss_and_gradients_on_every_loss_path(cap, mup):
     tokens, targets = _batch()
     results = []
+    # under muP (half the base width) the logit multiplier goes before the cap on every path as well
+    parameterization = {"parameterization": "mup", "mup_base_dim": 16} if mup else {}
     for chunks, fused in ((1, False), (3, False), (2, True)):
-        model = _model(logit_softcap=cap)
+        model = _model(logit_softcap=cap, **parameterization)
         with torch.no_grad():
             model.output.weight.mul_(30.0)  # logits past the cap, so that it matters
         model.configure_loss(chunks, fused=fused)
