@@ -101,6 +101,18 @@ def specs() -> list[Spec]:
     add("linear", "s", 800, 2e-3, tag="-muon", optimizer="muon")
     add("constant", "m", 800, 2e-3, tag="-muon", optimizer="muon")
     add("cosine", "s", 600, 3e-3, tag="-muon", optimizer="muon")
+    # ...and more Muon runs, sizes, rates and schedules varied as the AdamW runs are: with 5 the conformal
+    # 80% band of Muon forecasts was their largest error
+    add("cosine", "s", 1000, 2e-3, tag="-muon", optimizer="muon")
+    add("cosine", "m", 800, 4e-3, tag="-muon", optimizer="muon", corpus="shakespeare")
+    add("cosine", "l", 600, 1e-3, tag="-muon", optimizer="muon")
+    add("wsd", "s", 1000, 4e-3, tag="-muon", optimizer="muon")
+    add("wsd", "m", 600, 1e-3, tag="-muon", optimizer="muon", corpus="zh")
+    add("wsd", "xl", 600, 2e-3, tag="-d30-muon", optimizer="muon", decay_fraction=0.3)
+    add("linear", "m", 1000, 3e-3, tag="-muon", optimizer="muon")
+    add("linear", "s", 600, 4e-3, tag="-floor0-muon", optimizer="muon", min_lr_ratio=0.0)
+    add("constant", "s", 1000, 1e-3, tag="-muon", optimizer="muon", corpus="zh")
+    add("constant", "l", 600, 3e-3, tag="-muon", optimizer="muon", corpus="shakespeare")
     # held out: every schedule, sizes and lengths the library also spans
     add("cosine", "l", 1200, 2e-3, heldout=True)
     add("cosine", "m", 800, 3e-3, heldout=True, corpus="zh")
