@@ -40,11 +40,19 @@ SIZES = {  # dim, layers, heads, kv heads, seq_len, global batch: beside the lib
     "b2": (64, 2, 4, 2, 64, 2),  # 128 tokens per step
     "b48": (48, 2, 4, 2, 64, 48),  # 3072 tokens per step
     "xs-b2": (24, 2, 2, 1, 64, 2),  # narrower and 128 tokens per step
+    # the second set, defined before any of its runs was trained
+    "n32": (32, 2, 2, 1, 64, 8),  # narrower
+    "w160": (160, 2, 4, 2, 64, 8),  # wider
+    "deep8": (48, 8, 4, 2, 64, 8),  # deeper and narrow
+    "b4": (48, 2, 4, 2, 64, 4),  # 256 tokens per step
+    "b32": (64, 2, 4, 2, 64, 32),  # 2048 tokens per step
 }
 DATA = {  # corpus name: (files, jsonl text field)
     "en": (["corpus/en-shakespeare.txt", "corpus/en-wikitext2.jsonl"], "text"),
     "wikitext": (["corpus/en-wikitext2.jsonl"], "text"),
     "gsm8k": (["eval/gsm8k-test.jsonl"], "question"),
+    "gsm8k-answers": (["eval/gsm8k-test.jsonl"], "answer"),
+    "zh": (["corpus/zh-classics.jsonl"], "text"),
 }
 
 
@@ -83,6 +91,33 @@ def runs() -> list[Unlike]:
     add("several", "wsd", "xs-b2", 800, 1e-2, tag="-gsm8k", corpus="gsm8k")  # far: the run's own fit
     add("optimizer", "cosine", "m", 600, 2e-3, tag="-muon", optimizer="muon")
     add("optimizer", "wsd", "m", 800, 2e-3, tag="-muon", optimizer="muon")
+    # The second set: 15 more, defined (and committed) before any of them was trained, so that no choice among
+    # them follows from their forecasts. Each differs from the runs above and from the library's.
+    add("width", "linear", "n32", 800, 3e-3)
+    add("width", "wsd", "w160", 500, 2e-3)
+    add("width", "cosine", "deep8", 500, 2e-3)
+    add("lr", "cosine", "m", 800, 5e-4)
+    add("lr", "linear", "s", 600, 1.5e-2)
+    add("schedule", "cosine", "s", 800, 3e-3, tag="-warmup15-floor30", warmup=120, min_lr_ratio=0.3)
+    add("schedule", "wsd", "s", 600, 3e-3, tag="-d05", decay_fraction=0.05)
+    add("schedule", "constant", "m", 600, 2e-3, tag="-warmup25", warmup=150)
+    add("data", "cosine", "s", 600, 3e-3, tag="-gsm8k-answers", corpus="gsm8k-answers")
+    add(
+        "data",
+        "linear",
+        "m",
+        600,
+        2e-3,
+        tag="-zh-bpe1024",
+        corpus="zh",
+        tokenizer="bpe",
+        extra=("--data.bpe_vocab_size=1024",),
+    )
+    add("batch", "linear", "b4", 800, 2e-3)
+    add("batch", "cosine", "b32", 400, 2e-3)
+    add("optimizer", "constant", "m", 600, 3e-3, tag="-muon", optimizer="muon")
+    add("several", "cosine", "w160", 600, 5e-4, tag="-wikitext", corpus="wikitext")
+    add("several", "wsd", "n32", 600, 5e-3, tag="-gsm8k-muon", corpus="gsm8k", optimizer="muon")
     return out
 
 
