@@ -184,7 +184,7 @@ def test_backtest_on_the_kept_runs_unlike_the_library():
         "schedule-cosine-s-800-lr0.003-warmup15-floor30",
     }
     assert all(r.note.startswith("too short to forecast") for r in rows if r.forecast is None)
-    assert 0.7 <= sum(r.covered for r in done) / len(done) <= 0.95  # 82 of 88 when written
+    assert 0.7 <= sum(r.covered for r in done) / len(done) <= 0.9  # 78 of 88 when written
     kinds = {Path(r.run).name.split("-")[0] for r in done}
     for kind in kinds:
         assert any(r.covered for r in done if Path(r.run).name.startswith(kind + "-")), kind
