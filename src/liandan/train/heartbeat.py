@@ -1,22 +1,14 @@
 """Heartbeats: every rank says, in a small file, which step and phase it is in, so a watchdog outside the
-process can tell a slow step from a hang and name the rank and the phase that stopped.
-
-A step passes six phases or more, and replacing a file costs about a millisecond (more on a busy disk): on a
-small model that is a tenth of the step. So a beat is written at once only when the last write is
-`WRITE_INTERVAL_S` old; otherwise a writer thread writes the newest beat when that interval is up. The file
-thus lags the rank by at most the interval, far below any hang timeout, and a rank that hangs (in a
-collective, a sleep, I/O: anything that lets the thread run) still gets its last phase written."""
+process can tell a slow step from a hang and name the rank and the phase that stopped."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import faulthandler
-import math
 import os
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -32,13 +24,12 @@ STEP_PHASES = ("data", "forward", "backward", "optimizer", "collective", "step_e
 # step (its logged loss, evaluation, checkpoint) is beaten with the new count, and so are the next step's
 # parts. Forward and backward repeat for each micro-batch. A guard's rollback replays steps from the state it
 # restored, beaten with that state's step, before the step after it starts.
-WRITE_INTERVAL_S = 0.05
 _PROGRESS = ("startup", "collective", "step_end", "eval", "checkpoint", "rollback", "data", "micro_batches",
              "optimizer", "done")  # fmt: skip
 
 
 class Heartbeat:
-    def __init__(self, room: RunDir, rank: int, write_interval: float = WRITE_INTERVAL_S):
+    def __init__(self, room: RunDir, rank: int):
         self.room = room
         room.heartbeats.mkdir(parents=True, exist_ok=True)
         self.rank = rank
@@ -53,12 +44,6 @@ class Heartbeat:
         # Recent durations of each part of a step, so the watchdog can tell a part that usually takes
         # milliseconds (loading a batch) from the step as a whole.
         self._durations: dict[str, collections.deque] = {p: collections.deque(maxlen=50) for p in STEP_PHASES}
-        self.write_interval = write_interval
-        self._lock = threading.Condition()  # guards the pending record and the writes
-        self._pending: str | None = None
-        self._written_at = -math.inf  # time.monotonic() of the last write
-        self._writer: threading.Thread | None = None
-        self._closed = False
 
     def beat(self, step: int, phase: str, micro: int = 0) -> None:
         """`micro`: the micro-batch a forward or backward is for."""
@@ -68,36 +53,7 @@ class Heartbeat:
         self._last = (phase, now)
         record = {"rank": self.rank, "pid": os.getpid(), "host": self.host, "step": step, "phase": phase,
                   "micro": micro, "time": now, "longest": {p: round(max(d), 4) for p, d in self._durations.items() if d}}  # fmt: skip
-        with self._lock:
-            self._pending = dumps_json(record)
-            if time.monotonic() - self._written_at >= self.write_interval:
-                self._write_pending()
-            else:
-                if self._writer is None:
-                    self._writer = threading.Thread(target=self._write_when_due, name="heartbeat", daemon=True)
-                    self._writer.start()
-                self._lock.notify()
-
-    def flush(self) -> None:
-        """Write the newest beat now if it is still pending."""
-        with self._lock:
-            self._write_pending()
-
-    def _write_pending(self) -> None:
-        """Holding the lock: write the pending record, if any."""
-        text, self._pending = self._pending, None
-        if text is not None:
-            self._write(text)
-            self._written_at = time.monotonic()
-
-    def _write_when_due(self) -> None:
-        with self._lock:
-            while not self._closed:
-                wait = self._written_at + self.write_interval - time.monotonic()
-                if self._pending is None or wait > 0:
-                    self._lock.wait(None if self._pending is None else wait)
-                else:
-                    self._write_pending()
+        self._write(dumps_json(record))
 
     def _write(self, text: str) -> None:
         """Best-effort: a heartbeat that cannot be written (a full disk) must not end training. Replacing the
@@ -133,10 +89,6 @@ class Heartbeat:
         return path
 
     def close(self) -> None:
-        with self._lock:
-            self._write_pending()
-            self._closed = True
-            self._lock.notify()
         if self._stacks is not None:
             faulthandler.unregister(signal.SIGUSR1)
             self._stacks.close()
