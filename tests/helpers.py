@@ -281,3 +281,16 @@ def dedup_phase_one(directory: Path, tasks: list[list[str]], params) -> tuple[li
         np.save(exact[-1], exact_hashes(texts))
         np.save(signatures[-1], hasher.signatures(texts))
     return exact, signatures
+
+
+def train_named(config, name, nproc, *overrides, faults=None):
+    """`liandan train CONFIG --nproc=N --run.name=NAME` in a real process, with `faults` (or none) planned."""
+    env = {k: v for k, v in os.environ.items() if k != "LIANDAN_FAULTS"}
+    if faults:
+        env["LIANDAN_FAULTS"] = faults
+    return run_liandan("train", config, f"--nproc={nproc}", f"--run.name={name}", *overrides, env=env, timeout=300)
+
+
+def run_losses(config, name):
+    """The per-step losses of run NAME under the config's `runs` directory."""
+    return [r["loss"] for r in read_run(config.parent / "runs" / name).metrics]

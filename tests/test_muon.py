@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import liandan_here, read_run, run_liandan, tiny_config, write_corpus
+from helpers import liandan_here, read_run, run_losses, tiny_config, train_named, write_corpus
 from liandan.config import ConfigError, load_config
 from liandan.model import ModelArgs, Transformer
 from liandan.model.roles import parameter_roles
@@ -312,20 +312,9 @@ def reshard_setup(tmp_path_factory):
                       "--checkpoint.every=4", "--run.name=", "--resilience.supervise=false")  # fmt: skip
     config = root / "tiny.toml"
     config.write_text(cfg.to_toml())
-    done = _train_cli(config, "reference", 1)
+    done = train_named(config, "reference", 1)
     assert done.returncode == 0, done.stderr[-3000:]
-    return config, _cli_losses(config, "reference")
-
-
-def _train_cli(config, name, nproc, *overrides, faults=None):
-    env = {k: v for k, v in os.environ.items() if k != "LIANDAN_FAULTS"}
-    if faults:
-        env["LIANDAN_FAULTS"] = faults
-    return run_liandan("train", config, f"--nproc={nproc}", f"--run.name={name}", *overrides, env=env, timeout=300)
-
-
-def _cli_losses(config, name):
-    return [r["loss"] for r in read_run(config.parent / "runs" / name).metrics]
+    return config, run_losses(config, "reference")
 
 
 @pytest.mark.slow
@@ -335,10 +324,10 @@ def test_a_sharded_muon_run_resumes_in_another_layout(reshard_setup, after):
     one process (the 2-rank steps too), to the distributed tolerance."""
     config, reference = reshard_setup
     name = f"muon-fsdp2-to-{after[0]}{''.join(after[1])}".replace("--parallel.", "-")
-    killed = _train_cli(config, name, 2, "--checkpoint.async_save=false", faults="kill@step:6:0")
+    killed = train_named(config, name, 2, "--checkpoint.async_save=false", faults="kill@step:6:0")
     assert killed.returncode != 0
-    assert _cli_losses(config, name) == pytest.approx(reference[:6], rel=RTOL)
-    done = _train_cli(config, name, after[0], *after[1])
+    assert run_losses(config, name) == pytest.approx(reference[:6], rel=RTOL)
+    done = train_named(config, name, after[0], *after[1])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "at step 4" in done.stdout
-    assert _cli_losses(config, name) == pytest.approx(reference, rel=RTOL)
+    assert run_losses(config, name) == pytest.approx(reference, rel=RTOL)

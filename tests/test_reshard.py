@@ -6,11 +6,9 @@ test_distributed.py (relative 1e-5, fp32): model, optimizer, scheduler and loade
 with the same global batch on any number of data-parallel ranks.
 """
 
-import os
-
 import pytest
 
-from helpers import read_run, run_liandan, tiny_config, write_corpus
+from helpers import read_run, run_losses, tiny_config, train_named, write_corpus
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -29,19 +27,8 @@ def setup(tmp_path_factory):
         "--resilience.supervise=false",
     )
     config.write_text(cfg.to_toml())
-    _train(config, "reference", 1)
-    return config, _losses(config, "reference")
-
-
-def _train(config, name, nproc, *overrides, faults=None):
-    env = {k: v for k, v in os.environ.items() if k != "LIANDAN_FAULTS"}
-    if faults:
-        env["LIANDAN_FAULTS"] = faults
-    return run_liandan("train", config, f"--nproc={nproc}", f"--run.name={name}", *overrides, env=env, timeout=300)
-
-
-def _losses(config, name):
-    return [r["loss"] for r in read_run(config.parent / "runs" / name).metrics]
+    train_named(config, "reference", 1)
+    return config, run_losses(config, "reference")
 
 
 @pytest.mark.parametrize(
@@ -58,12 +45,12 @@ def test_resume_in_another_layout(setup, before, after):
     config, reference = setup
     name = f"reshard-{before[0]}{''.join(before[1])}-to-{after[0]}{''.join(after[1])}".replace("--parallel.", "-")
     # synchronous saves, so the checkpoint of step 4 is complete when the kill after step 6 comes
-    killed = _train(config, name, before[0], *before[1], "--checkpoint.async_save=false", faults="kill@step:6:0")
+    killed = train_named(config, name, before[0], *before[1], "--checkpoint.async_save=false", faults="kill@step:6:0")
     assert killed.returncode != 0
-    assert len(_losses(config, name)) == 6
-    done = _train(config, name, after[0], *after[1])
+    assert len(run_losses(config, name)) == 6
+    done = train_named(config, name, after[0], *after[1])
     assert done.returncode == 0, done.stderr[-3000:]
     assert "at step 4" in done.stdout
-    assert _losses(config, name) == pytest.approx(reference, rel=RTOL)
+    assert run_losses(config, name) == pytest.approx(reference, rel=RTOL)
     resumed = read_run(config.parent / "runs" / name).of_kind("resumed")
     assert resumed and resumed[-1]["step"] == 4
