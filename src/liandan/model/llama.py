@@ -20,6 +20,7 @@ from torch import nn
 from liandan.model.attention import MaskSpec, PreparedMask, attend, choose_backend
 from liandan.model.kv_cache import KVCache
 from liandan.model.loss import chunked_lm_loss, full_logits, fused_lm_loss, lm_loss
+from liandan.model.moe import GroupedExperts, MoE, MoEConfig
 
 # The feed-forward kinds: SwiGLU (three matrices) and ReLU^2 (two, as in modded-nanogpt and Primer).
 FEED_FORWARDS = ("swiglu", "relu2")
@@ -54,6 +55,20 @@ class ModelArgs:
     mlp: str = "swiglu"
     logit_softcap: float = 0.0
     zero_init_out: bool = False
+    # Mixture of experts (liandan.model.moe): 0 experts is a dense model.
+    moe_experts: int = 0
+    moe_top_k: int = 2
+    moe_ffn_dim: int = 0
+    moe_shared_experts: int = 0
+    moe_dense_layers: int = 0
+    moe_score: str = "softmax"
+    moe_route_norm: bool = True
+    moe_route_scale: float = 1.0
+    moe_balance: str = "bias"
+    moe_bias_rate: float = 1e-3
+    moe_aux_loss: float = 0.0
+    moe_z_loss: float = 0.0
+    moe_capacity_factor: float = 0.0
 
     def __post_init__(self) -> None:
         self.n_kv_heads = self.n_kv_heads or self.n_heads
@@ -64,6 +79,32 @@ class ModelArgs:
         if not self.ffn_dim:
             hidden = int(2 * (4 * self.dim) / 3) if self.mlp == "swiglu" else 4 * self.dim
             self.ffn_dim = self.ffn_multiple_of * math.ceil(hidden / self.ffn_multiple_of)
+        if self.moe_experts:
+            self.moe_ffn_dim = self.moe_ffn_dim or self.ffn_dim
+            if self.mlp != "swiglu":
+                raise ValueError("model.moe_experts needs model.mlp = swiglu (the experts are SwiGLU feed-forwards)")
+            if self.moe_balance not in ("bias", "none"):
+                raise ValueError(f"model.moe_balance = {self.moe_balance!r} is not one of bias, none")
+            self.moe_config()  # checks the rest
+
+    def moe_config(self) -> MoEConfig:
+        return MoEConfig(
+            experts=self.moe_experts,
+            top_k=self.moe_top_k,
+            ffn_dim=self.moe_ffn_dim,
+            shared_experts=self.moe_shared_experts,
+            score=self.moe_score,
+            route_norm=self.moe_route_norm,
+            route_scale=self.moe_route_scale,
+            bias_balance=self.moe_balance == "bias",
+            aux_loss=self.moe_aux_loss,
+            z_loss=self.moe_z_loss,
+            capacity_factor=self.moe_capacity_factor,
+        )
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether block `index` has routed experts (the first `moe_dense_layers` blocks stay dense)."""
+        return self.moe_experts > 0 and index >= self.moe_dense_layers
 
     @property
     def width_mult(self) -> float:
@@ -178,12 +219,13 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, hidden: int = 0):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)
+        hidden = hidden or args.ffn_dim
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)
         # ReLU^2 has no gate: w2(relu(w1 x)^2).
-        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False) if args.mlp == "swiglu" else None
-        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False) if args.mlp == "swiglu" else None
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.w3 is None:
@@ -191,13 +233,22 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def feed_forward(args: ModelArgs, index: int) -> nn.Module:
+    """Block `index`'s feed-forward: dense, or routed experts (and shared ones) in a MoE layer."""
+    if not args.is_moe_layer(index):
+        return FeedForward(args)
+    cfg = args.moe_config()
+    shared = FeedForward(args, cfg.shared_experts * cfg.ffn_dim) if cfg.shared_experts else None
+    return MoE(args.dim, cfg, shared)
+
+
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, index: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = feed_forward(args, index)
 
     def forward(
         self, x: torch.Tensor, rope: torch.Tensor, mask: PreparedMask, cache: KVCache | None = None, layer: int = 0
@@ -212,7 +263,7 @@ class Transformer(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         # A ModuleDict keyed by layer index keeps parameter names stable when layers are wrapped or pruned.
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
@@ -244,6 +295,10 @@ class Transformer(nn.Module):
                 )
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+            elif isinstance(module, GroupedExperts):
+                module.reset_parameters(hidden_std, out_std)
+                if self.args.zero_init_out:
+                    nn.init.zeros_(module.w2)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, std)
             elif isinstance(module, RMSNorm):
@@ -282,9 +337,14 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_buffers(self) -> None:
-        """Buffers computed from the args (the rotary table), where the model's storage was allocated after
-        construction (meta-device initialisation)."""
+        """Buffers computed from the args (the rotary table) or starting at zero (the routers' balancing
+        biases and counters), where the model's storage was allocated after construction (meta-device
+        initialisation)."""
         self.rope.copy_(model_rope_table(self.args))
+        for layer in self.layers.values():
+            if isinstance(layer.feed_forward, MoE):
+                for buffer in layer.feed_forward.router.buffers():
+                    buffer.zero_()
 
     def configure_loss(self, ce_chunks: int, fused: bool = False) -> None:
         """Compute the head and its loss over `ce_chunks` slices of the tokens (1: all at once); `fused`: with
@@ -326,7 +386,20 @@ class Transformer(nn.Module):
             h = layer(h, rope, mask)
         if targets is None:
             return full_logits(self._logits(_rows(h, logits_at)))
-        return self.head_loss(h, targets)
+        return self._with_aux_gradients(self.head_loss(h, targets))
+
+    def _with_aux_gradients(self, loss: torch.Tensor) -> torch.Tensor:
+        """The routers' auxiliary losses (load balance, z-loss) join the gradient but not the value: the
+        loss a MoE run reports is the language-model loss, comparable with a dense run's."""
+        aux = [
+            layer.feed_forward.aux_loss
+            for layer in self.layers.values()
+            if isinstance(layer.feed_forward, MoE) and layer.feed_forward.aux_loss is not None
+        ]
+        if not aux or not self.training:
+            return loss
+        total = torch.stack(aux).sum()
+        return loss + (total - total.detach()).to(loss.dtype)
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, logits_at: torch.Tensor | None) -> torch.Tensor:
         bsz, seq = tokens.shape

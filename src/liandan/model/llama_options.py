@@ -61,6 +61,34 @@ class LlamaOptions:
         False, "start the residual-writing projections (wo, w2) and an untied head at zero instead of a normal init"
     )
 
+    # Mixture of experts (liandan.model.moe): every block after the first moe_dense_layers routes each token
+    # to moe_top_k of moe_experts SwiGLU experts.
+    moe_experts: int = option(0, "routed experts per MoE block; 0 is a dense model", min=0)
+    moe_top_k: int = option(2, "experts each token is routed to", min=1)
+    moe_ffn_dim: int = option(0, "each expert's hidden size; 0 means ffn_dim", min=0)
+    moe_shared_experts: int = option(0, "shared experts every token goes through (DeepSeek, Qwen2-MoE)", min=0)
+    moe_dense_layers: int = option(0, "the first blocks that keep a dense feed-forward (DeepSeek-V3: 3)", min=0)
+    moe_score: Literal["softmax", "sigmoid"] = option(
+        "softmax", "router scores: softmax over experts (Mixtral, Qwen3-MoE) or sigmoid per expert (DeepSeek-V3)"
+    )
+    moe_route_norm: bool = option(True, "renormalise the chosen experts' weights to sum to one")
+    moe_route_scale: float = option(1.0, "factor on the routed experts' output weights (DeepSeek-V3: 2.5)", min=0.0)
+    moe_balance: Literal["bias", "none"] = option(
+        "bias", "bias: auxiliary-loss-free balancing by a per-expert bias on the choice (DeepSeek-V3); none"
+    )
+    moe_bias_rate: float = option(1e-3, "step of the balancing bias's update per training step", min=0.0)
+    moe_aux_loss: float = option(
+        0.0,
+        "weight of the global load-balancing loss (Switch: 1e-2); its gradient only, not in the logged loss",
+        min=0.0,
+    )
+    moe_z_loss: float = option(0.0, "weight of the router z-loss (ST-MoE: 1e-3)", min=0.0)
+    moe_capacity_factor: float = option(
+        0.0,
+        "0: dropless; otherwise each expert takes at most factor * tokens * top_k / experts, the rest dropped",
+        min=0.0,
+    )
+
     def check(self) -> None:
         """Checks that involve more than one key (a one-line ConfigError)."""
         if self.head_dim and self.head_dim % 2:
@@ -79,6 +107,17 @@ class LlamaOptions:
         if self.parameterization == "mup" and not self.mup_base_dim:
             raise ConfigError(
                 "model.parameterization = mup needs model.mup_base_dim, the width its hyperparameters were tuned at"
+            )
+        if self.moe_experts and self.moe_top_k > self.moe_experts:
+            raise ConfigError(
+                f"model.moe_top_k = {self.moe_top_k} must not exceed model.moe_experts = {self.moe_experts}"
+            )
+        if self.moe_experts and self.mlp != "swiglu":
+            raise ConfigError("model.moe_experts needs model.mlp = swiglu (the experts are SwiGLU feed-forwards)")
+        if self.moe_experts and self.moe_dense_layers >= self.n_layers:
+            raise ConfigError(
+                f"model.moe_dense_layers = {self.moe_dense_layers} leaves no MoE block of model.n_layers = "
+                f"{self.n_layers}"
             )
         kv = self.n_kv_heads or self.n_heads
         if self.n_heads % kv:

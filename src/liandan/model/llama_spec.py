@@ -16,6 +16,7 @@ DERIVED_FIELDS = ("vocab_size",)
 SHAPE_FIELDS = (
     *("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"),
     *("tie_embeddings", "qk_norm", "qkv_bias"),
+    *("moe_experts", "moe_ffn_dim", "moe_shared_experts", "moe_dense_layers"),
 )
 
 
@@ -47,12 +48,32 @@ def state_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
             shapes[p + "attention.q_norm.weight"] = (hd,)
             shapes[p + "attention.k_norm.weight"] = (hd,)
         shapes[p + "ffn_norm.weight"] = (args.dim,)
+        if args.is_moe_layer(i):
+            shapes.update(_moe_shapes(args, p + "feed_forward."))
+            continue
         shapes[p + "feed_forward.w1.weight"] = (args.ffn_dim, args.dim)
         if args.mlp == "swiglu":
             shapes[p + "feed_forward.w3.weight"] = (args.ffn_dim, args.dim)
         shapes[p + "feed_forward.w2.weight"] = (args.dim, args.ffn_dim)
     shapes["norm.weight"] = (args.dim,)
     shapes["output.weight"] = (args.vocab_size, args.dim)
+    return shapes
+
+
+def _moe_shapes(args: ModelArgs, p: str) -> dict[str, tuple[int, ...]]:
+    experts, hidden, d = args.moe_experts, args.moe_ffn_dim, args.dim
+    shapes = {
+        p + "router.expert_bias": (experts,),
+        p + "router.gate.weight": (experts, d),
+        p + "experts.w1": (experts, hidden, d),
+        p + "experts.w2": (experts, d, hidden),
+        p + "experts.w3": (experts, hidden, d),
+    }
+    if args.moe_shared_experts:
+        shared = args.moe_shared_experts * hidden
+        shapes[p + "shared_experts.w1.weight"] = (shared, d)
+        shapes[p + "shared_experts.w3.weight"] = (shared, d)
+        shapes[p + "shared_experts.w2.weight"] = (d, shared)
     return shapes
 
 
@@ -64,7 +85,14 @@ def function_fields(args: ModelArgs) -> tuple[str, ...]:
     scaling = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
     mup = ("parameterization", "mup_base_dim") if args.parameterization == "mup" else ()
     recipe = (("mlp",) if args.mlp != "swiglu" else ()) + (("logit_softcap",) if args.logit_softcap else ())
-    return ("rope_theta", "norm_eps", "rope_scaling") + (scaling if args.rope_scaling != "none" else ()) + mup + recipe
+    moe = ("moe_top_k", "moe_score", "moe_route_norm", "moe_route_scale") if args.moe_experts else ()
+    return (
+        ("rope_theta", "norm_eps", "rope_scaling")
+        + (scaling if args.rope_scaling != "none" else ())
+        + mup
+        + recipe
+        + moe
+    )
 
 
 def tied(args: ModelArgs) -> dict[str, str]:
@@ -130,7 +158,9 @@ def tp_plan(args: ModelArgs, *, loss_parallel: bool = False, sequence_parallel: 
 
 
 def tp_check(args: ModelArgs, tp: int) -> str | None:
-    """The plan splits heads, so tp must divide both head counts."""
+    """The plan splits heads, so tp must divide both head counts; experts are not split by it."""
+    if args.moe_experts:
+        return "parallel.tp > 1 with model.moe_experts: tensor parallelism does not split the routed experts yet"
     if args.n_heads % tp or args.n_kv_heads % tp:
         return f"parallel.tp = {tp} must divide model.n_heads = {args.n_heads} and n_kv_heads = {args.n_kv_heads}"
     return None

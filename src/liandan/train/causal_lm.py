@@ -16,6 +16,7 @@ from liandan.common.layout import Layout, uses_fsdp
 from liandan.config import Config, ConfigError
 from liandan.data.tokens.loader import Batch
 from liandan.faults import faulty_matmuls, planned_at, slow_forward
+from liandan.model.moe import routing_step
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
 from liandan.train.fp8 import Fp8, dims_refusal, fp8_param_count, fp8_refusal
@@ -115,6 +116,20 @@ class CausalLMTrainModule(TrainModule):
         self.params = self.spec.count_params(self.args)
         self.flops_per_token = self.spec.flops_per_token(self.args, t.seq_len)
         self.fp8_share = min(1.0, 6.0 * self.fp8_params / self.flops_per_token)  # of the FLOPs, run in fp8
+
+    def optim_step(self, factor: float = 1.0) -> None:
+        super().optim_step(factor)
+        self._route(getattr(self.args, "moe_bias_rate", 0.0))
+
+    def skip_step(self) -> None:
+        super().skip_step()
+        self._route(0.0)  # the step's routing is read and cleared; the balancing biases stay
+
+    def _route(self, bias_rate: float) -> None:
+        """After the update: the routers' loads of the step summed over the ranks, their balancing biases
+        moved (the same on every rank), the step's routing kept in `routing` for metrics and the guard."""
+        if getattr(self.args, "moe_experts", 0):
+            self.routing = routing_step(self.model, bias_rate)
 
     @staticmethod
     def _fp8_plan(t, device: torch.device) -> Fp8 | None:

@@ -37,6 +37,7 @@ class TrainModule(ABC):
     autocast: bool = False  # forward passes run under torch.autocast (evaluation copies it)
     init_peak: Any = None  # liandan.train.hardware.PeakMemory of building the model, when measured
     allreduce_audit: Any = None  # the audited DDP all-reduce hook, when the sdc check reads it
+    routing: Any = None  # liandan.model.moe.RoutingStats of the last step, for a model with routed experts
 
     # -- a step ---------------------------------------------------------------------------------------------
     @abstractmethod
