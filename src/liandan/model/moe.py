@@ -103,9 +103,10 @@ class Router(nn.Module):
 
 
 def _counting(module: nn.Module) -> bool:
-    """Whether this forward's routing is counted: in training, and not when activation checkpointing
-    recomputes the forward during the backward (the pairs were counted the first time)."""
-    if not module.training:
+    """Whether this forward's routing is counted: a training forward (with gradients: not a replay or a probe
+    without them), and not when activation checkpointing recomputes the forward during the backward (the
+    pairs were counted the first time)."""
+    if not module.training or not torch.is_grad_enabled():
         return False
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is None or task() == -1
