@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from liandan.common import tokens
-from liandan.model.spec import HFAdapter, ModelSpec, spec_for, specs
+from liandan.model.spec import HFAdapter, ModelSpec, Stacked, spec_for, specs
 from liandan.model.spec import get as get_model_spec
 from liandan.run import atomic_write, replacing, umask_mode
 
@@ -57,11 +57,48 @@ def _adapter(spec: ModelSpec) -> HFAdapter:
     return spec.hf
 
 
-def _hf_to_liandan_names(args: Any) -> dict[str, str]:
-    """Hugging Face name -> liandan name for every tensor a checkpoint of `args` stores."""
+def hf_tensor_names(args: Any) -> dict[str, str | Stacked | None]:
+    """Where each stored (untied) key of a model of `args` is in a Hugging Face checkpoint: one tensor's name,
+    the names of the tensors stacked to make it (`Stacked`: a MoE layer's experts, one per expert on the
+    Hub), or None when the checkpoint holds nothing for it (a buffer that is then zero)."""
     spec = spec_for(args)
-    to_hf, tied = _adapter(spec).to_hf_name, spec.tied(args)
-    return {to_hf(key): key for key in spec.state_shapes(args) if key not in tied}
+    adapter, tied = _adapter(spec), spec.tied(args)
+    if adapter.tensor_names is not None:
+        return adapter.tensor_names(args)
+    return {key: adapter.to_hf_name(key) for key in spec.state_shapes(args) if key not in tied}
+
+
+def _hf_to_liandan_names(args: Any) -> dict[str, tuple[str, int | None]]:
+    """Hugging Face name -> (liandan name, the index of its slice when stacked, else None) for every tensor a
+    checkpoint of `args` stores."""
+    out: dict[str, tuple[str, int | None]] = {}
+    for key, where in hf_tensor_names(args).items():
+        if isinstance(where, Stacked):
+            out.update({name: (key, i) for i, name in enumerate(where.names)})
+        elif where is not None:
+            out[where] = (key, None)
+    return out
+
+
+def unstored_keys(args: Any) -> list[str]:
+    """The keys of a model of `args` that a Hugging Face checkpoint holds nothing for: zero on import."""
+    return [key for key, where in hf_tensor_names(args).items() if where is None]
+
+
+def to_hf_tensors(args: Any, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A state dict without tied keys in Hugging Face naming: stacked tensors split into their slices (views),
+    keys HF stores nothing for left out after checking that they are zero."""
+    names = hf_tensor_names(args)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        where = names[key]
+        if isinstance(where, Stacked):
+            out.update(zip(where.names, tensor.unbind(0), strict=True))
+        elif where is not None:
+            out[where] = tensor
+        elif torch.count_nonzero(tensor):
+            raise ValueError(f"{key} is not zero and a Hugging Face checkpoint has no place for it")
+    return out
 
 
 def _plain_state_dict(state_dict: dict[str, torch.Tensor], what: str) -> dict[str, torch.Tensor]:
@@ -214,7 +251,7 @@ def export_hf(
 
     out_dir.mkdir(parents=True, exist_ok=True)
     adapter = _adapter(spec_for(args))
-    hf_tensors = {adapter.to_hf_name(k): v for k, v in adapter.export_weights(args, tensors).items()}
+    hf_tensors = to_hf_tensors(args, adapter.export_weights(args, tensors))
     _save_safetensors(_prepare_for_save(hf_tensors, dtype), out_dir / "model.safetensors", {"format": "pt"})
     _write_json(out_dir / "config.json", hf_config(args, dtype, eos_id))
     if tokenizer_json is not None:
@@ -321,10 +358,12 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 
 def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
-    """Read a Hugging Face checkpoint directory of a supported architecture (Llama, Qwen2, Qwen3, Mistral):
-    `config.json` and one or more `.safetensors` files. Returns a state dict in liandan naming, in the stored dtype, that the
-    family's model (`Transformer(args)` for Llama) loads with `load_state_dict`, and the args. Tied keys (Llama's
-    `output.weight` with tied embeddings) are the same tensor as the one they are tied to."""
+    """Read a Hugging Face checkpoint directory of a supported architecture (Llama, Qwen2, Qwen3, Mistral,
+    Mixtral, Qwen3-MoE): `config.json` and one or more `.safetensors` files. Returns a state dict in liandan
+    naming, in the stored dtype, that the family's model (`Transformer(args)` for Llama) loads with
+    `load_state_dict`, and the args. Tied keys (Llama's `output.weight` with tied embeddings) are the same
+    tensor as the one they are tied to; tensors stored one per expert are stacked; keys the checkpoint holds
+    nothing for (a MoE router's balancing bias) are zeros."""
     from safetensors.torch import load_file
 
     model_dir = Path(model_dir)
@@ -338,6 +377,7 @@ def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
     tied_hf = {adapter.to_hf_name(key) for key in tied}
 
     state_dict: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[int, torch.Tensor]] = {}  # stacked keys: their slices as read
     unexpected: list[str] = []
     for path in _weight_files(model_dir):
         try:
@@ -346,14 +386,16 @@ def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
             raise ValueError(f"cannot read {path}: {err}") from None
         for hf_name, tensor in tensors.items():
             if hf_name in names:
-                key = names[hf_name]
-                if key in state_dict:
+                key, index = names[hf_name]
+                if key in state_dict or index in parts.get(key, {}):
                     raise ValueError(f"{path}: {hf_name} is stored more than once")
-                if tuple(tensor.shape) != shapes[key]:
-                    raise ValueError(
-                        f"{path}: {hf_name} has shape {tuple(tensor.shape)}, config.json implies {shapes[key]}"
-                    )
-                state_dict[key] = tensor
+                shape = shapes[key] if index is None else shapes[key][1:]
+                if tuple(tensor.shape) != shape:
+                    raise ValueError(f"{path}: {hf_name} has shape {tuple(tensor.shape)}, config.json implies {shape}")
+                if index is None:
+                    state_dict[key] = tensor
+                else:
+                    parts.setdefault(key, {})[index] = tensor
             elif hf_name in tied_hf:
                 continue  # tied: transformers uses the tensor it is tied to and ignores a stored copy
             elif adapter.ignored_suffixes and hf_name.endswith(adapter.ignored_suffixes):
@@ -362,9 +404,15 @@ def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
                 unexpected.append(hf_name)
     if unexpected:
         raise ValueError(f"{model_dir}: tensors liandan has no place for: {_preview(sorted(unexpected))}")
-    missing = sorted(hf for hf, key in names.items() if key not in state_dict)
+    missing = sorted(
+        hf for hf, (key, index) in names.items() if key not in state_dict and index not in parts.get(key, {})
+    )
     if missing:
         raise ValueError(f"{model_dir}: checkpoint lacks {_preview(missing)}")
+    for key, slices in parts.items():
+        state_dict[key] = torch.stack([slices[i] for i in range(len(slices))])
+    for key in unstored_keys(args):
+        state_dict[key] = torch.zeros(shapes[key])
     for key, source in tied.items():
         state_dict[key] = state_dict[source]
     return {k: state_dict[k] for k in shapes}, args

@@ -8,9 +8,11 @@ every projection moves across unchanged:
 * Qwen3: a per-head RMSNorm on queries and keys before the rotary embedding (`qk_norm`), often with a head
   size apart from the width (`head_dim`).
 * Mistral: Llama's layers with sliding-window attention in some versions (see `_sliding_window`).
+* Mixtral and Qwen3-MoE: Mistral's and Qwen3's layers with routed experts (`liandan.model.llama_hf_moe`).
 
 A model is written as `Qwen3ForCausalLM` when it uses qk-norm, `Qwen2ForCausalLM` when it has query/key/value
-biases, and `LlamaForCausalLM` otherwise (an imported Mistral comes back as a Llama with the same logits).
+biases, and `LlamaForCausalLM` otherwise (an imported Mistral comes back as a Llama with the same logits); a
+model with experts as `Qwen3MoeForCausalLM` with qk-norm and `MixtralForCausalLM` without.
 The file handling (safetensors, shards, state-dict checks) is model-agnostic and lives in
 `liandan.checkpoint.hf`.
 """
@@ -20,14 +22,19 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from liandan.model import llama_hf_moe
 from liandan.model.llama import ModelArgs
+from liandan.model.spec import Stacked
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    **llama_hf_moe.ARCHITECTURES,
 }
+_WINDOWED = ("mistral", "mixtral")  # a global sliding window (`sliding_window`) whatever use_sliding_window says
+_QK_NORM = ("qwen3", "qwen3_moe")
 
 # liandan name -> Hugging Face name, per layer ("{i}" is the layer index).
 _LAYER_NAMES = {
@@ -68,6 +75,18 @@ def to_hf_name(name: str) -> str:
     raise KeyError(name)
 
 
+def tensor_names(args: ModelArgs, keys: list[str]) -> dict[str, str | Stacked | None]:
+    """Each of `keys` (a model's state-dict keys but the tied ones) -> its Hugging Face name, the names of the
+    per-expert tensors it stacks, or None where the checkpoint holds nothing (see `llama_hf_moe`)."""
+    moe = {}
+    if args.moe_experts:
+        model_type = export_type(args)
+        for i in range(args.n_layers):
+            if args.is_moe_layer(i):
+                moe.update({f"layers.{i}.{k}": v for k, v in llama_hf_moe.layer_names(model_type, args, i).items()})
+    return {key: moe[key] if key in moe else to_hf_name(key) for key in keys}
+
+
 def export_type(args: ModelArgs) -> str:
     """The Hugging Face model_type a model of `args` is written as, or a ValueError if none expresses it."""
     if args.mlp != "swiglu":
@@ -83,13 +102,22 @@ def export_type(args: ModelArgs) -> str:
             "model.parameterization = mup with model.tie_embeddings scales the logits by a multiplier that "
             "Hugging Face's tied head cannot hold; train with tie_embeddings = false to export"
         )
+    if args.moe_experts:
+        return llama_hf_moe.export_type(args)
     return "qwen3" if args.qk_norm else "qwen2" if args.qkv_bias else "llama"
 
 
-def fold_output_multiplier(args: ModelArgs, tensors: dict) -> dict:
-    """The tensors with muP's logit multiplier (1 / width_mult) folded into the head's weight: Hugging Face's
-    Llama computes plain `lm_head(norm(h))`, the same logits then. Unchanged under the standard one."""
+def export_weights(args: ModelArgs, tensors: dict) -> dict:
+    """The tensors to write: muP's logit multiplier (1 / width_mult) folded into the head's weight (Hugging
+    Face's Llama computes plain `lm_head(norm(h))`, the same logits then; unchanged under the standard one).
+    A MoE router's balancing bias has no place in Mixtral or Qwen3-MoE: refused unless zero."""
     export_type(args)
+    for key, tensor in tensors.items():
+        if key.endswith("router.expert_bias") and tensor.count_nonzero():
+            raise ValueError(
+                f'{key} is not zero (model.moe_balance = "bias"): Mixtral and Qwen3-MoE route without a bias, so '
+                'the exported model would choose other experts; export a model trained with moe_balance = "none"'
+            )
     mult = 1.0 / args.width_mult
     if mult == 1.0:
         return tensors
@@ -138,7 +166,11 @@ def hf_config(args: ModelArgs, dtype_name: str, eos_token_id: int | None) -> dic
     }
     if args.rope_scaling != "none":
         config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    if model_type == "llama":
+    if model_type in llama_hf_moe.ARCHITECTURES:
+        config.update(llama_hf_moe.config_fields(args, model_type))
+        if model_type == "qwen3_moe":
+            config.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
+    elif model_type == "llama":
         config.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
     else:
         if model_type == "qwen3":
@@ -202,8 +234,9 @@ def _sliding_window(config: dict, model_type: str, positions: int, where: Path) 
     Mistral 7B v0.1 attends over a sliding window of 4096 positions; v0.2 and later have none. On sequences no
     longer than the window the two attentions are the same, so such a model is imported with `max_seq_len`
     set to the window (training at longer sequences is refused by `train.seq_len <= model.max_seq_len`).
-    Qwen2/Qwen3's optional per-layer windows (`use_sliding_window`) are refused."""
-    if model_type == "mistral":
+    Mixtral's window is Mistral's. Qwen2/Qwen3's optional per-layer windows (`use_sliding_window`) are
+    refused."""
+    if model_type in _WINDOWED:
         window = config.get("sliding_window")
         return min(positions, int(window)) if window else positions
     if config.get("use_sliding_window"):
@@ -217,15 +250,16 @@ def _sliding_window(config: dict, model_type: str, positions: int, where: Path) 
 def import_notes(config: dict) -> list[str]:
     """What a user should know about an import beyond the `[model]` block: lines for the import to print."""
     window, positions = config.get("sliding_window"), config.get("max_position_embeddings")
-    if config.get("model_type") == "mistral" and window and (not positions or int(window) < int(positions)):
+    notes = llama_hf_moe.import_notes(config)
+    if config.get("model_type") in _WINDOWED and window and (not positions or int(window) < int(positions)):
         why = "full causal attention equals the model's sliding-window attention; longer sequences are refused"
-        return [f"sliding_window = {window}: max_seq_len is set to the window, within which {why}"]
-    return []
+        notes.insert(0, f"sliding_window = {window}: max_seq_len is set to the window, within which {why}")
+    return notes
 
 
 def args_from_hf_config(config: dict, where: Path | str = "config.json") -> ModelArgs:
-    """The liandan `ModelArgs` equal to a Hugging Face Llama, Qwen2, Qwen3 or Mistral config, or a ValueError
-    naming the field that liandan cannot express."""
+    """The liandan `ModelArgs` equal to a Hugging Face Llama, Qwen2, Qwen3, Mistral, Mixtral or Qwen3-MoE config,
+    or a ValueError naming the field that liandan cannot express."""
 
     def need(field: str):
         if config.get(field) is None:
@@ -258,21 +292,29 @@ def args_from_hf_config(config: dict, where: Path | str = "config.json") -> Mode
         raise ValueError(
             f"{where}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}"
         )
-    default_positions = 32768 if model_type in ("qwen2", "qwen3", "mistral") else 2048
+    default_positions = 2048 if model_type == "llama" else 32768
     positions = int(config.get("max_position_embeddings") or default_positions)
+    n_layers = int(need("num_hidden_layers"))
+    ffn_dim = int(need("intermediate_size"))
+    moe = (
+        llama_hf_moe.args_fields(config, model_type, n_layers, Path(where))
+        if model_type in llama_hf_moe.ARCHITECTURES
+        else {}
+    )
     return ModelArgs(
         vocab_size=int(need("vocab_size")),
         dim=dim,
-        n_layers=int(need("num_hidden_layers")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        ffn_dim=int(need("intermediate_size")),
+        ffn_dim=ffn_dim,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         **_rope_settings(config, Path(where)),
         max_seq_len=_sliding_window(config, model_type, positions, Path(where)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in _QK_NORM,
         qkv_bias=model_type == "qwen2",
         init_std=float(config.get("initializer_range", 0.02)),
+        **moe,
     )

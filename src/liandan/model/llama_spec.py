@@ -99,6 +99,12 @@ def tied(args: ModelArgs) -> dict[str, str]:
     return {"output.weight": "tok_embeddings.weight"} if args.tie_embeddings else {}
 
 
+def hf_tensor_names(args: ModelArgs) -> dict:
+    """Where each stored key goes in a Hugging Face checkpoint (`llama_hf.tensor_names`)."""
+    untied = [key for key in state_shapes(args) if key not in tied(args)]
+    return llama_hf.tensor_names(args, untied)
+
+
 def tp_plan(args: ModelArgs, *, loss_parallel: bool = False, sequence_parallel: bool = False) -> TensorParallelPlan:
     """Megatron-style: column-parallel q/k/v and w1/w3, row-parallel wo and w2, vocabulary-parallel
     embedding and column-parallel head. Each rank holds n_heads / tp heads.
@@ -191,6 +197,7 @@ LLAMA = ModelSpec(
         args_from_config=llama_hf.args_from_hf_config,
         ignored_suffixes=("rotary_emb.inv_freq",),  # a buffer some older checkpoints store
         notes=llama_hf.import_notes,
-        export_weights=llama_hf.fold_output_multiplier,
+        export_weights=llama_hf.export_weights,
+        tensor_names=hf_tensor_names,
     ),
 )

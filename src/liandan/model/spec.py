@@ -56,6 +56,14 @@ class TensorParallelPlan:
 
 
 @dataclass(frozen=True)
+class Stacked:
+    """A liandan tensor that Hugging Face checkpoints store as several: `names[i]` holds its slice `[i]` (a MoE
+    layer's experts, stacked on their first dimension in liandan, one tensor per expert on the Hub)."""
+
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class HFAdapter:
     """How a family's weights and config move to and from Hugging Face `transformers`."""
 
@@ -67,6 +75,10 @@ class HFAdapter:
     notes: Callable[[dict], list[str]] = lambda config: []  # config.json -> lines the import should print
     # (args, state dict without tied keys) -> the tensors to write: folds multipliers HF has no place for
     export_weights: Callable[[Any, dict], dict] = lambda args, tensors: tensors
+    # args -> where each stored (untied) liandan key goes, when not all go one to one by `to_hf_name`: an HF
+    # name, a `Stacked` of names, or None where HF stores nothing (a buffer that must then be zero: it is
+    # zero on import, and an export of another value is refused)
+    tensor_names: Callable[[Any], dict[str, str | Stacked | None]] | None = None
 
 
 def _no_tp_check(args: Any, tp: int) -> str | None:

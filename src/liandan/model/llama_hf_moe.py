@@ -1,0 +1,172 @@
+"""The mixture-of-experts part of Llama's Hugging Face adapter: Mixtral and Qwen3-MoE.
+
+Both are liandan Llamas with routed experts (`moe_experts`), softmax scores and top-k token choice:
+
+* Mixtral: Mistral's attention, every layer's feed-forward a MoE whose chosen weights are always renormalised
+  to sum to one; `intermediate_size` is each expert's hidden size.
+* Qwen3-MoE: Qwen3's attention (per-head qk-norm); the chosen weights renormalised when `norm_topk_prob`;
+  experts of `moe_intermediate_size`; dense layers of `intermediate_size` where `mlp_only_layers` and
+  `decoder_sparse_step` say, which liandan expresses when they are the first layers (`moe_dense_layers`).
+
+Hub checkpoints store one tensor per expert and projection; liandan stacks each projection's experts into
+one tensor (`Stacked` names). Neither has a routing bias: liandan's (`router.expert_bias`, auxiliary-loss-free
+balancing) is zero on import and must be zero to export. Both balanced their routers with a load-balancing
+loss (`router_aux_loss_coef`), which becomes `moe_aux_loss`, with `moe_balance = "none"`.
+OLMoE is not read: its query/key RMSNorm spans the whole projection, not each head as liandan's qk-norm does.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from liandan.model.llama import ModelArgs
+from liandan.model.spec import Stacked
+
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+# liandan stacked projection -> its per-expert Hugging Face name, and the MoE block's name, per model type
+_EXPERT_NAMES = {
+    "mixtral": {"w1": "w1", "w2": "w2", "w3": "w3"},
+    "qwen3_moe": {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"},
+}
+_BLOCK = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp"}
+
+
+def routes_normalised(args: ModelArgs) -> bool:
+    """Whether the chosen experts' weights sum to one: liandan renormalises only more than one expert."""
+    return args.moe_route_norm and args.moe_top_k > 1
+
+
+def export_type(args: ModelArgs) -> str:
+    """The Hugging Face model_type a MoE model is written as: Qwen3-MoE with qk-norm, Mixtral without; a
+    ValueError naming the setting neither expresses."""
+    if args.moe_score != "softmax":
+        raise ValueError(f"model.moe_score = {args.moe_score!r}: Mixtral and Qwen3-MoE score experts by softmax")
+    if args.moe_shared_experts:
+        raise ValueError("model.moe_shared_experts: Mixtral and Qwen3-MoE have no shared experts")
+    if args.moe_route_scale != 1.0:
+        raise ValueError("model.moe_route_scale != 1: Mixtral and Qwen3-MoE do not scale the experts' weights")
+    if args.qkv_bias:
+        raise ValueError("model.qkv_bias with model.moe_experts has no transformers architecture to export to")
+    if args.qk_norm:
+        return "qwen3_moe"
+    if args.moe_dense_layers:
+        raise ValueError(
+            "model.moe_dense_layers: Mixtral has no dense layers (with model.qk_norm the model would go out as "
+            "Qwen3-MoE, which has them)"
+        )
+    if not routes_normalised(args):
+        raise ValueError(
+            "model.moe_route_norm = false (or one expert per token): Mixtral renormalises the chosen experts' "
+            "weights (Qwen3-MoE, which need not, needs model.qk_norm)"
+        )
+    return "mixtral"
+
+
+def layer_names(model_type: str, args: ModelArgs, layer: int) -> dict[str, str | Stacked | None]:
+    """A MoE layer's liandan keys (after `layers.{i}.`) -> their Hugging Face names."""
+    block = f"model.layers.{layer}.{_BLOCK[model_type]}"
+    names: dict[str, str | Stacked | None] = {
+        "feed_forward.router.gate.weight": f"{block}.gate.weight",
+        "feed_forward.router.expert_bias": None,  # no routing bias in these models
+    }
+    for ours, theirs in _EXPERT_NAMES[model_type].items():
+        experts = tuple(f"{block}.experts.{e}.{theirs}.weight" for e in range(args.moe_experts))
+        names[f"feed_forward.experts.{ours}"] = Stacked(experts)
+    return names
+
+
+def config_fields(args: ModelArgs, model_type: str) -> dict:
+    """The MoE fields of the `config.json` of a model of `args`."""
+    common = {
+        "num_experts_per_tok": args.moe_top_k,
+        "output_router_logits": False,
+        "router_aux_loss_coef": args.moe_aux_loss,
+    }
+    if model_type == "mixtral":
+        return {
+            **common,
+            "num_local_experts": args.moe_experts,
+            "intermediate_size": args.moe_ffn_dim,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+        }
+    return {
+        **common,
+        "num_experts": args.moe_experts,
+        "moe_intermediate_size": args.moe_ffn_dim,
+        "intermediate_size": args.ffn_dim,
+        "norm_topk_prob": routes_normalised(args),
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": list(range(args.moe_dense_layers)),
+    }
+
+
+def _dense_layers(config: dict, experts: int, n_layers: int, where: Path) -> int:
+    """How many first layers of a Qwen3-MoE config are dense; a ValueError when its dense layers are not the
+    first ones (transformers: a layer is dense when in `mlp_only_layers` or when (i + 1) is not a multiple of
+    `decoder_sparse_step`)."""
+    step = int(config.get("decoder_sparse_step") or 1)
+    only = config.get("mlp_only_layers") or []
+    if step < 1:
+        raise ValueError(f"{where}: decoder_sparse_step {step} must be at least 1")
+    dense = [i for i in range(n_layers) if i in only or not (experts > 0 and (i + 1) % step == 0)]
+    if dense != list(range(len(dense))):
+        raise ValueError(
+            f"{where}: mlp_only_layers {list(only)} with decoder_sparse_step {step} make layers {dense} dense; "
+            "liandan keeps only the first layers dense (model.moe_dense_layers)"
+        )
+    return len(dense)
+
+
+def args_fields(config: dict, model_type: str, n_layers: int, where: Path) -> dict:
+    """The ModelArgs `moe_*` fields of a Mixtral or Qwen3-MoE config, or a ValueError naming the field."""
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    expert_field = "num_local_experts" if "num_local_experts" in config else "num_experts"
+    if experts is None:
+        raise ValueError(f"{where}: required field {expert_field} is missing")
+    experts = int(experts)
+    if model_type == "qwen3_moe" and experts == 0:
+        return {}  # every layer dense: a Qwen3
+    top_k = int(config.get("num_experts_per_tok") or (2 if model_type == "mixtral" else 8))
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"{where}: num_experts_per_tok {top_k} must be between 1 and {expert_field} {experts}")
+    if model_type == "mixtral":
+        route_norm = True
+        ffn = config.get("intermediate_size")
+        dense = 0
+    else:
+        route_norm = bool(config.get("norm_topk_prob", False))
+        ffn = config.get("moe_intermediate_size")
+        if ffn is None:
+            raise ValueError(f"{where}: required field moe_intermediate_size is missing")
+        dense = _dense_layers(config, experts, n_layers, where)
+    if route_norm and top_k == 1:
+        # liandan weighs a lone expert by its score (its router then learns from the loss); renormalised it is 1
+        raise ValueError(f"{where}: num_experts_per_tok 1 with renormalised weights is not supported")
+    return {
+        "moe_experts": experts,
+        "moe_top_k": top_k,
+        "moe_ffn_dim": int(ffn),
+        "moe_dense_layers": dense,
+        "moe_score": "softmax",
+        "moe_route_norm": route_norm,
+        "moe_balance": "none",
+        "moe_aux_loss": float(config.get("router_aux_loss_coef") or 0.0),
+    }
+
+
+def import_notes(config: dict) -> list[str]:
+    """What an import of a Mixtral or Qwen3-MoE should say about its routing."""
+    if config.get("model_type") not in ARCHITECTURES or not config.get("num_local_experts", config.get("num_experts")):
+        return []
+    coef = float(config.get("router_aux_loss_coef") or 0.0)
+    balancing = (
+        f"the checkpoint's routers have no bias and were balanced by a load-balancing loss: to go on as it was "
+        f'trained, add moe_balance = "none" and moe_aux_loss = {coef} (its router_aux_loss_coef) to [model]; '
+        'liandan\'s default bias balancing (moe_balance = "bias") starts from a zero bias'
+    )
+    notes = [balancing]
+    if config.get("router_jitter_noise"):
+        notes.append(f"router_jitter_noise = {config['router_jitter_noise']} is not reproduced (no jitter in training)")
+    return notes

@@ -1,0 +1,238 @@
+"""Mixtral and Qwen3-MoE in and out of liandan: random tiny models made by transformers give the same logits
+once imported, liandan MoE models give the same logits in transformers once exported (written in the Hub's
+one-tensor-per-expert layout), both round trips hold, and what neither architecture expresses is refused in
+one line."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from liandan.checkpoint.hf import export_hf, import_hf
+from liandan.checkpoint.streaming import stream_into, weight_source
+from liandan.model import ModelArgs, Transformer
+
+transformers = pytest.importorskip("transformers")
+safetensors = pytest.importorskip("safetensors")
+if not hasattr(transformers, "Qwen3MoeForCausalLM"):
+    pytest.skip("this transformers has no Qwen3-MoE", allow_module_level=True)
+
+VOCAB = 96
+SHAPE = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5}  # fmt: skip
+HF_CASES = {
+    "mixtral": lambda: transformers.MixtralConfig(
+        **SHAPE,
+        intermediate_size=40,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_theta=5000.0,
+        router_aux_loss_coef=0.02,
+    ),
+    # Two dense layers first, a head size apart from the width, the chosen weights renormalised.
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **SHAPE,
+        head_dim=12,
+        intermediate_size=48,
+        moe_intermediate_size=24,
+        num_experts=6,
+        num_experts_per_tok=3,
+        mlp_only_layers=[0, 1],
+        norm_topk_prob=True,
+        rope_theta=2000.0,
+    ),
+    # Every layer routed, the chosen weights as softmax gave them (Qwen3-30B-A3B renormalises; others not).
+    "qwen3_moe-unnormalised": lambda: transformers.Qwen3MoeConfig(
+        **SHAPE,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        norm_topk_prob=False,
+    ),
+}
+# liandan MoE models and the architecture each is written as.
+LIANDAN_CASES = {
+    "mixtral": ({}, "MixtralForCausalLM"),
+    "qwen3_moe": ({"qk_norm": True, "moe_dense_layers": 1, "ffn_dim": 40}, "Qwen3MoeForCausalLM"),
+    "qwen3_moe-unnormalised": ({"qk_norm": True, "moe_route_norm": False}, "Qwen3MoeForCausalLM"),
+}
+
+
+def randomised(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every weight drawn anew: norms away from 1 (a norm in the wrong place shows), the rest wide enough for
+    the routers' choices to be far from ties."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+    return model.eval()
+
+
+def hf_model(case: str, seed: int = 0):
+    config = HF_CASES[case]()
+    config._attn_implementation = "eager"
+    return randomised(transformers.AutoModelForCausalLM.from_config(config), seed)
+
+
+def liandan_model(case: str, seed: int = 0) -> Transformer:
+    overrides, _ = LIANDAN_CASES[case]
+    args = {"vocab_size": VOCAB, "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "ffn_dim": 24,
+            "max_seq_len": 64, "rope_theta": 500.0, "moe_experts": 4, "moe_top_k": 2, "moe_balance": "none",
+            "moe_aux_loss": 0.01} | overrides  # fmt: skip
+    return randomised(Transformer(ModelArgs(**args)), seed)
+
+
+def hf_load(path: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def tokens(seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits_far_from_ties(hf, batch: torch.Tensor) -> torch.Tensor:
+    """transformers' logits, after checking that in every MoE layer each token's k-th and (k+1)-th expert
+    scores differ by far more than the two implementations' rounding: equal logits then test the weights and
+    the routing, not how each breaks a tie."""
+    with torch.no_grad():
+        out = hf(batch, output_router_logits=True)
+    k = hf.config.num_experts_per_tok
+    for logits in out.router_logits:
+        if logits.shape[-1] > k:
+            top = logits.float().softmax(-1).topk(k + 1, dim=-1).values
+            assert (top[:, k - 1] - top[:, k]).min().item() > 1e-5
+    return out.logits
+
+
+def max_diff(model: Transformer, hf, batch: torch.Tensor) -> float:
+    theirs = hf_logits_far_from_ties(hf, batch)
+    with torch.no_grad():
+        return (model(batch) - theirs).abs().max().item()
+
+
+@pytest.mark.parametrize("case", list(HF_CASES))
+def test_import_of_transformers_moe_gives_the_same_logits(tmp_path, case):
+    hf = hf_model(case)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="40KB")  # sharded: experts spread over files
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    state_dict, args = import_hf(tmp_path / "hf")
+    config = hf.config
+    assert (args.moe_experts, args.moe_top_k) == (config.num_local_experts, config.num_experts_per_tok)
+    assert args.moe_route_norm is (case == "mixtral" or config.norm_topk_prob)
+    assert args.moe_balance == "none" and args.moe_aux_loss == config.router_aux_loss_coef
+    assert args.moe_dense_layers == len(getattr(config, "mlp_only_layers", []))
+    assert args.qk_norm is case.startswith("qwen3")
+    assert state_dict["layers.2.feed_forward.router.expert_bias"].count_nonzero() == 0
+    model = Transformer(args).eval()
+    model.load_state_dict(state_dict)
+    assert max_diff(model, hf, tokens()) < 1e-4
+
+
+@pytest.mark.parametrize("case", list(LIANDAN_CASES))
+def test_exported_moe_loads_in_transformers_with_the_same_logits(tmp_path, case):
+    model = liandan_model(case)
+    out = export_hf(model.state_dict(), model.args, tmp_path / "hf")
+    with safetensors.safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    experts = "block_sparse_moe.experts.3.w2" if case == "mixtral" else "mlp.experts.3.down_proj"
+    assert f"model.layers.1.{experts}.weight" in names  # the Hub's layout, one tensor per expert
+    assert not any("expert_bias" in n or "gate_up_proj" in n for n in names)
+    hf = hf_load(out)
+    assert type(hf).__name__ == LIANDAN_CASES[case][1]
+    assert max_diff(model, hf, tokens(2)) < 1e-4
+
+
+@pytest.mark.parametrize("case", list(LIANDAN_CASES))
+def test_export_then_import_gives_the_same_tensors(tmp_path, case):
+    model = liandan_model(case)
+    export_hf(model.state_dict(), model.args, tmp_path / "hf")
+    state_dict, args = import_hf(tmp_path / "hf")
+    assert args == model.args
+    expected = model.state_dict()
+    assert list(state_dict) == list(expected)
+    assert [k for k, t in expected.items() if not torch.equal(state_dict[k], t)] == []
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen3_moe"])
+def test_import_then_export_gives_transformers_the_same_model(tmp_path, case):
+    hf = hf_model(case, seed=3)
+    hf.save_pretrained(tmp_path / "hf")
+    state_dict, args = import_hf(tmp_path / "hf")
+    export_hf(state_dict, args, tmp_path / "again")
+    again = hf_load(tmp_path / "again")
+    batch = tokens(4)
+    with torch.no_grad():
+        assert (again(batch).logits - hf_logits_far_from_ties(hf, batch)).abs().max().item() < 1e-5
+    for key, value in json.loads((tmp_path / "hf" / "config.json").read_text()).items():
+        if key not in ("transformers_version", "bos_token_id", "eos_token_id", "initializer_range", "head_dim"):
+            assert again.config.to_dict().get(key) == value, key
+
+
+def test_streamed_into_a_model_built_on_the_meta_device(tmp_path):
+    """A Hugging Face MoE read tensor by tensor (experts assembled from their per-expert tensors) into a model
+    built without storage, as `checkpoint.init_from` does: the routers' bias, which the files lack, is zero."""
+    hf = hf_model("qwen3_moe", seed=5)
+    hf.save_pretrained(tmp_path / "hf")
+    with weight_source(tmp_path / "hf") as weights:
+        with torch.device("meta"):
+            model = Transformer(weights.args)
+        model.to_empty(device="cpu")
+        model.init_buffers()
+        model.layers["2"].feed_forward.router.expert_bias.fill_(1.0)  # what a run's own init might leave
+        stream_into(model, weights)
+    assert model.layers["2"].feed_forward.router.expert_bias.count_nonzero() == 0
+    assert max_diff(model.eval(), hf, tokens(6)) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "case, change, words",
+    [
+        ("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": []}, "decoder_sparse_step 2 make layers [0, 2] dense"),
+        ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers [1] with decoder_sparse_step 1 make layers [1]"),
+        ("qwen3_moe", {"num_experts_per_tok": 7}, "num_experts_per_tok 7 must be between 1 and num_local_experts 6"),
+        ("qwen3_moe", {"moe_intermediate_size": None}, "moe_intermediate_size is missing"),
+        ("mixtral", {"num_experts_per_tok": 1}, "num_experts_per_tok 1 with renormalised weights"),
+        ("mixtral", {"model_type": "olmoe"}, "model_type 'olmoe' is not supported (supported: llama, qwen2, qwen3, mistral, mixtral, qwen3_moe)"),
+        ("mixtral", {"num_local_experts": 8}, "block_sparse_moe.gate.weight has shape (4, 32), config.json implies (8, 32)"),
+    ],
+)  # fmt: skip
+def test_import_refuses_what_liandan_cannot_express(tmp_path, case, change, words):
+    hf_model(case).save_pretrained(tmp_path / "hf")
+    path = tmp_path / "hf" / "config.json"
+    path.write_text(json.dumps(json.loads(path.read_text()) | change))
+    with pytest.raises(ValueError, match=re.escape(words)) as refused:
+        import_hf(tmp_path / "hf")
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        ({"moe_score": "sigmoid"}, "model.moe_score = 'sigmoid'"),
+        ({"moe_shared_experts": 1}, "model.moe_shared_experts"),
+        ({"moe_route_scale": 2.5}, "model.moe_route_scale"),
+        ({"moe_dense_layers": 1}, "model.moe_dense_layers: Mixtral has no dense layers"),
+        ({"moe_route_norm": False}, "model.moe_route_norm = false"),
+        ({"qkv_bias": True}, "model.qkv_bias with model.moe_experts"),
+        ({"moe_balance": "bias"}, "layers.0.feed_forward.router.expert_bias is not zero"),
+    ],
+)
+def test_export_refuses_what_mixtral_and_qwen3_moe_cannot_express(tmp_path, overrides, words):
+    args = liandan_model("mixtral").args
+    model = Transformer(ModelArgs(**{**args.__dict__, **overrides}))
+    if overrides.get("moe_balance") == "bias":  # a trained run's bias
+        model.layers["0"].feed_forward.router.expert_bias.uniform_(-0.1, 0.1)
+    with pytest.raises(ValueError, match=words) as refused:
+        export_hf(model.state_dict(), model.args, tmp_path / "hf")
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "hf" / "model.safetensors").exists()
