@@ -6,7 +6,10 @@ one line."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +24,7 @@ safetensors = pytest.importorskip("safetensors")
 if not hasattr(transformers, "Qwen3MoeForCausalLM"):
     pytest.skip("this transformers has no Qwen3-MoE", allow_module_level=True)
 
+STREAM_WORKER = Path(__file__).with_name("hf_moe_stream_worker.py")
 VOCAB = 96
 SHAPE = {"vocab_size": VOCAB, "hidden_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
          "num_key_value_heads": 2, "max_position_embeddings": 64, "rms_norm_eps": 1e-5}  # fmt: skip
@@ -236,3 +240,37 @@ def test_export_refuses_what_mixtral_and_qwen3_moe_cannot_express(tmp_path, over
         export_hf(model.state_dict(), model.args, tmp_path / "hf")
     assert "\n" not in str(refused.value)
     assert not (tmp_path / "hf" / "model.safetensors").exists()
+
+
+@pytest.fixture(scope="module")
+def two_ranks_streamed(tmp_path_factory):
+    """Both ranks of the streaming worker: what each read from each source into its FSDP shards."""
+    out = tmp_path_factory.mktemp("moe_stream")
+    env = {**os.environ, "WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, str(STREAM_WORKER), str(out / "store"), str(out)],
+                              env={**env, "RANK": str(rank)}, stderr=subprocess.PIPE, text=True)
+             for rank in range(2)]  # fmt: skip
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    return [torch.load(out / f"rank{rank}.pt") for rank in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", ["hf", "whole.safetensors"])
+def test_weights_stream_into_fsdp_shards_reading_only_their_experts(two_ranks_streamed, source):
+    """Two ranks, FSDP over both, three experts (two on one rank, one on the other): each rank's shards equal
+    its slices of the whole model, it read no more bytes than they hold (a Hugging Face checkpoint's experts
+    read one by one, only those of the rank's shard), and the routers' bias is the consolidated file's, or zero
+    from a Hugging Face checkpoint, which has none."""
+    experts_held = []
+    for rank in two_ranks_streamed:
+        streamed, expected = rank[f"{source}/streamed"], rank[f"{source}/expected"]
+        assert [k for k in expected if not torch.equal(streamed[k], expected[k])] == []
+        bias, expected_bias = rank[f"{source}/bias"], rank[f"{source}/expected_bias"]
+        assert list(bias) == ["layers.1.feed_forward.router.expert_bias"]
+        assert all(torch.equal(bias[k], expected_bias[k]) for k in bias)
+        bias_bytes = 0 if source == "hf" else 4 * sum(t.numel() for t in bias.values())
+        assert rank[f"{source}/read"] == 4 * sum(t.numel() for t in streamed.values()) + bias_bytes
+        experts_held.append(streamed["layers.1.feed_forward.experts.w1"].shape[0])
+    assert experts_held == [2, 1]
