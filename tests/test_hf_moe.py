@@ -182,6 +182,27 @@ def test_import_then_export_gives_transformers_the_same_model(tmp_path, case):
             assert again.config.to_dict().get(key) == value, key
 
 
+def test_liandan_import_and_export_commands(tmp_path):
+    """`liandan import --hf` of a Mixtral prints its `[model]` block and what to add for its balancing, and
+    `liandan export --hf` of the imported checkpoint gives transformers the same model."""
+    from helpers import liandan_here
+
+    hf = hf_model("mixtral", seed=7)
+    hf.config.router_jitter_noise = 0.01
+    hf.save_pretrained(tmp_path / "hf")
+    done = liandan_here("import", tmp_path / "hf", tmp_path / "imported", "--hf")
+    assert done.returncode == 0, done.stderr
+    for line in ("moe_experts = 4", "moe_top_k = 2", "moe_route_norm = true", "moe_ffn_dim = 40"):
+        assert line in done.stdout.splitlines()
+    assert 'add moe_balance = "none" and moe_aux_loss = 0.02' in done.stdout
+    assert "router_jitter_noise = 0.01" in done.stdout
+    done = liandan_here("export", tmp_path / "imported", tmp_path / "out", "--hf")
+    assert done.returncode == 0, done.stderr
+    batch = tokens(8)
+    with torch.no_grad():
+        assert (hf_load(tmp_path / "out")(batch).logits - hf_logits_far_from_ties(hf, batch)).abs().max() < 1e-5
+
+
 def test_streamed_into_a_model_built_on_the_meta_device(tmp_path):
     """A Hugging Face MoE read tensor by tensor (experts assembled from their per-expert tensors) into a model
     built without storage, as `checkpoint.init_from` does: the routers' bias, which the files lack, is zero."""
@@ -217,6 +238,20 @@ def test_import_refuses_what_liandan_cannot_express(tmp_path, case, change, word
     with pytest.raises(ValueError, match=re.escape(words)) as refused:
         import_hf(tmp_path / "hf")
     assert "\n" not in str(refused.value)
+
+
+def test_a_checkpoint_lacking_one_expert_is_refused_by_import_and_streaming(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf_model("mixtral").save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.2.block_sparse_moe.experts.1.w2.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    words = "checkpoint lacks model.layers.2.block_sparse_moe.experts.1.w2.weight"
+    with pytest.raises(ValueError, match=re.escape(words)):
+        import_hf(tmp_path)
+    with pytest.raises(ValueError, match=re.escape(words)), weight_source(tmp_path):
+        pass
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,15 @@ architectures) comes from its spec's `hf` adapter (`liandan.model.spec`); for Ll
 `liandan.model.llama_hf`.
 
 * `export_hf` writes a directory that `transformers` loads (Llama: `LlamaForCausalLM`, `Qwen2ForCausalLM` with
-  query/key/value biases, `Qwen3ForCausalLM` with qk-norm), optionally with the tokenizer.
+  query/key/value biases, `Qwen3ForCausalLM` with qk-norm; with experts `MixtralForCausalLM` or
+  `Qwen3MoeForCausalLM`), optionally with the tokenizer.
 * `import_hf` reads such a directory (one safetensors file or a sharded one with an index) back into liandan
-  naming, choosing the family by the config's `model_type` (Llama's adapter reads llama, qwen2, qwen3 and
-  mistral), and refuses configurations the family cannot express, naming the field.
+  naming, choosing the family by the config's `model_type` (Llama's adapter reads llama, qwen2, qwen3,
+  mistral, mixtral and qwen3_moe), and refuses configurations the family cannot express, naming the field.
+
+Names map one to one, except where the adapter's `tensor_names` says otherwise: a MoE layer's experts, one
+stacked tensor in liandan and one tensor per expert on the Hub (`Stacked`), and a router's balancing bias,
+which the Hub's MoE models do not have (zero on import; export refuses any other value).
 * `save_consolidated` / `load_consolidated` keep a model in liandan naming in one `.safetensors` file with its
   family and args in its metadata.
 """

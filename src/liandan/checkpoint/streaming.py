@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from liandan.checkpoint import hf
-from liandan.model.spec import spec_for
+from liandan.model.spec import Stacked, spec_for
 
 # Module wrappers that insert a path component into parameter names (activation checkpointing,
 # torch.compile, DDP).
@@ -156,15 +156,17 @@ def _locate_hf(path: Path, args: Any, open_file) -> dict[str, Stored]:
                 unexpected.append(hf_name)
     if unexpected:
         raise ValueError(f"{path}: tensors liandan has no place for: {hf._preview(sorted(unexpected))}")
-    missing = sorted(set(names) - set(found))
-    if missing:
-        raise ValueError(f"{path}: checkpoint lacks {hf._preview(missing)}")
     stored: dict[str, Stored] = {}
+    lacking: list[str] = []  # some of a stack's tensors (a key missing whole is named by `_locate`)
     for key, where in hf.hf_tensor_names(args).items():
-        if isinstance(where, hf.Stacked):
-            stored[key] = Stored(tuple(found[name] for name in where.names), stacked=True)
-        elif where is not None:
-            stored[key] = Stored((found[where],))
+        parts = where.names if isinstance(where, Stacked) else (where,) if where is not None else ()
+        present = [name for name in parts if name in found]
+        if parts and len(present) == len(parts):
+            stored[key] = Stored(tuple(found[name] for name in parts), stacked=isinstance(where, Stacked))
+        elif present:
+            lacking += [name for name in parts if name not in found]
+    if lacking:
+        raise ValueError(f"{path}: checkpoint lacks {hf._preview(sorted(lacking))}")
     return _locate(path, args, stored, absent=hf.unstored_keys(args))
 
 

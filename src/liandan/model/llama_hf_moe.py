@@ -168,5 +168,6 @@ def import_notes(config: dict) -> list[str]:
     )
     notes = [balancing]
     if config.get("router_jitter_noise"):
-        notes.append(f"router_jitter_noise = {config['router_jitter_noise']} is not reproduced (no jitter in training)")
+        jitter = config["router_jitter_noise"]
+        notes.append(f"router_jitter_noise = {jitter} (noise on the routers' input in training) is not reproduced")
     return notes
