@@ -277,6 +277,21 @@ def test_export_refuses_what_mixtral_and_qwen3_moe_cannot_express(tmp_path, over
     assert not (tmp_path / "hf" / "model.safetensors").exists()
 
 
+def test_a_stack_is_read_by_the_slice_a_shard_holds(tmp_path):
+    """The slices an expert-sharded, row-split or empty shard asks of a stack of per-expert tensors."""
+    hf = hf_model("mixtral", seed=9)
+    hf.save_pretrained(tmp_path)
+    whole, _ = import_hf(tmp_path)
+    key = "layers.1.feed_forward.experts.w3"
+    with weight_source(tmp_path) as weights:
+        stack = weights.located[key]
+        assert stack.stacked and len(stack.parts) == 4 and stack.shape() == (4, 40, 32)
+        for index in [(slice(1, 3), slice(0, 40), slice(0, 32)), (slice(0, 4), slice(10, 20), slice(0, 32))]:
+            assert torch.equal(stack.read(index), whole[key][index])
+        assert stack.read((slice(4, 4), slice(0, 40), slice(0, 16))).shape == (0, 40, 16)
+        assert torch.equal(stack.read(None), whole[key])
+
+
 @pytest.fixture(scope="module")
 def two_ranks_streamed(tmp_path_factory):
     """Both ranks of the streaming worker: what each read from each source into its FSDP shards."""
