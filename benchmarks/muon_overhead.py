@@ -3,6 +3,7 @@
     python benchmarks/muon_overhead.py                         # the ~10M model, 30 counted steps each
     python benchmarks/muon_overhead.py --steps 60 --threads 2 --json out.json
     python benchmarks/muon_overhead.py --nproc 2               # FSDP2 on 2 gloo ranks: ShardedMuon
+    python benchmarks/muon_overhead.py --newton-schulz         # liandan's Muon step against torch.optim.Muon's
 
 Two copies of the ~10M-parameter Llama of benchmarks/train_step.py (width 320, 4 layers, SwiGLU 896, 8192-token
 vocabulary, batch 8 x 256, fp32), built from the same seed, one with `[optim] name = "adamw"`, one with
@@ -13,6 +14,12 @@ backward, update) and the update alone, in ms (medians of the per-step times), t
 share of the step's model FLOPs that `liandan plan` counts for Newton-Schulz. The batches are random tokens:
 the losses say nothing here. With `--nproc N` both train under FSDP2 on N gloo ranks (global batch 8 split
 over them), Muon as `ShardedMuon` (gather, orthogonalise on the owner rank, broadcast); rank 0's times.
+
+With `--newton-schulz`, the Muon update alone over the hidden matrices of a model (by default
+configs/shakespeare-char.toml's: 4 layers of width 128, 28 matrices of 128 x 128 and 128 x 384), two ways on
+the same parameters and gradients: liandan's (`ShardedMuon` on plain tensors: Newton-Schulz of the matrices
+of one shape in one batched product) and `torch.optim.Muon`'s (one matrix at a time), alternating, medians of
+`--steps` each, and the largest relative difference of their updates.
 """
 
 from __future__ import annotations
@@ -86,6 +93,43 @@ def measure(a: argparse.Namespace, rank: int = 0, world: int = 1) -> dict:
             for name, run in runs.items()}  # fmt: skip
 
 
+def newton_schulz_times(a: argparse.Namespace) -> dict:
+    """Milliseconds of one Muon update over the hidden matrices of a model of `--dim` x `--layers`: liandan's
+    batched one and torch.optim.Muon's (medians), and how far apart their updates are."""
+    from liandan.model.roles import parameter_roles
+    from liandan.train.optimizers.muon import muon_over, muon_roles
+
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=a.dim, n_layers=a.layers, n_heads=4, vocab_size=320, max_seq_len=64))
+    hidden, _ = muon_roles(parameter_roles(model))
+    section = load_config(None, ["--optim.name=muon", f"--optim.lr={a.lr}"]).optim
+    mine = muon_over(hidden, section)
+    params = [r.param for r in hidden]
+    theirs_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    g = mine.param_groups[0]
+    theirs = torch.optim.Muon(theirs_params, **{k: v for k, v in g.items() if k != "params"})
+    grads = [torch.randn_like(p) for p in params]
+    times: dict[str, list[float]] = {"liandan": [], "torch": []}
+    worst = 0.0
+    for step in range(a.steps + 1):  # the first is warm-up
+        for name, optimizer, ps in (("liandan", mine, params), ("torch", theirs, theirs_params)):
+            before = [p.detach().clone() for p in ps]
+            for p, grad in zip(ps, grads, strict=True):
+                p.grad = grad.clone()
+            start = time.perf_counter()
+            optimizer.step()
+            if step:
+                times[name].append(time.perf_counter() - start)
+            moves = [p.detach() - b for p, b in zip(ps, before, strict=True)]
+            if name == "liandan":
+                mine_moves = moves
+        worst = max(worst, *(float((m - t).norm() / t.norm()) for m, t in zip(mine_moves, moves, strict=True)))
+    shapes = sorted({tuple(sorted(p.shape)) for p in params})
+    return {"matrices": len(params), "shapes": [list(s) for s in shapes], "worst_relative_difference": worst,
+            **{f"{name}_ms": 1e3 * statistics.median(t) for name, t in times.items()}}  # fmt: skip
+
+
 def _rank(rank: int, world: int, port: int, a: argparse.Namespace, out: str) -> None:
     import torch.distributed as dist
 
@@ -105,7 +149,21 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1, help="FSDP2 ranks on gloo (ShardedMuon)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument("--newton-schulz", action="store_true",
+                        help="the Muon update alone: liandan's batched against torch.optim.Muon")  # fmt: skip
+    parser.add_argument("--dim", type=int, default=128, help="--newton-schulz: the model's width")
+    parser.add_argument("--layers", type=int, default=4, help="--newton-schulz: the model's layers")
     a = parser.parse_args()
+    if a.newton_schulz:
+        out = {"threads": a.threads, "steps": a.steps, "load_average": os.getloadavg(), **newton_schulz_times(a)}
+        print(f"Muon update over {out['matrices']} matrices of shapes {out['shapes']} (width {a.dim}, {a.layers} layers),"
+              f" {a.threads} thread(s): liandan (batched by shape) {out['liandan_ms']:.1f} ms, torch.optim.Muon"
+              f" {out['torch_ms']:.1f} ms: {out['liandan_ms'] / out['torch_ms']:.2f}x; updates differ by at most"
+              f" {out['worst_relative_difference']:.1e} (relative); load average {out['load_average'][0]:.1f}")  # fmt: skip
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=2)
+        return
     if a.nproc > 1:
         import socket
         import tempfile

@@ -1,8 +1,8 @@
 """One rank of the sharded-Muon test: `python muon_worker.py OUT DP_REPLICATE DP_SHARD TP` under
 RANK/WORLD_SIZE/MASTER_* with DP_REPLICATE x DP_SHARD x TP ranks.
 
-A tiny model is trained for a few steps twice in every rank: whole (`torch.optim.Muon` + AdamW, as one process
-builds them) and parallelized in the given layout (`ShardedMuon` + AdamW over DTensors), both by the Muon
+A tiny model is trained for a few steps twice in every rank: whole (`ShardedMuon` on plain tensors, Newton-Schulz
+batched by shape, + AdamW, as one process builds them) and parallelized in the given layout (`ShardedMuon` + AdamW over DTensors), both by the Muon
 plug-in. Both take the same gradients each step (the whole model's, each rank given its shards), so only the
 optimizers differ. Writes, per parameter, the largest difference of the whole parameters and of the momentum
 buffers, and the parameter's largest value, to OUT/rank<r>.json.

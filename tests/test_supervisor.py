@@ -219,7 +219,15 @@ def test_goodput_counts_every_launch_of_the_run(tmp_path):
     assert summary["goodput"] == pytest.approx(140 / 170, rel=0.01)
 
 
-def test_heartbeats_survive_a_full_disk(small_disk, capsys):
+@pytest.mark.parametrize("in_place", [True, False], ids=["local-disk", "network-disk"])
+def test_heartbeats_survive_a_full_disk(small_disk, capsys, monkeypatch, in_place):
+    """On a local disk a beat is written in place, into the block the file already has: a full disk does not
+    stop it. Where the file is replaced each beat (a network file system; here the tmpfs taken for one), a
+    full disk falls back to rewriting it in place."""
+    from liandan.train import heartbeat
+
+    if not in_place:
+        monkeypatch.setattr(heartbeat, "LOCAL_FILE_SYSTEMS", frozenset())
     disk = small_disk("64k")
     beat = Heartbeat(RunDir(disk), rank=0)
     beat.beat(1, "data")
@@ -227,12 +235,13 @@ def test_heartbeats_survive_a_full_disk(small_disk, capsys):
     for step in range(2, 6):
         beat.beat(step, "forward")  # best-effort: never an exception that would end the worker
     [record] = read_heartbeats(RunDir(disk))
-    assert record["step"] == 5  # no room for a new file: the record was rewritten in place
+    assert record["step"] == 5
     late = Heartbeat(RunDir(disk), rank=1)
-    late.beat(1, "data")  # not even that: skipped
+    late.beat(1, "data")  # no room for its first block: skipped
     err = capsys.readouterr().err
     warnings = [line for line in err.splitlines() if "heartbeat" in line]
-    assert len(warnings) == 2 and all("No space left on device" in w for w in warnings), err  # once per rank
+    assert len(warnings) == (1 if in_place else 2), err  # once per rank that could not write
+    assert all("No space left on device" in w and "rank-" in w for w in warnings), err
     (disk / "filler").unlink()
     late.beat(2, "data")
     assert [b["step"] for b in read_heartbeats(RunDir(disk))] == [5, 2]

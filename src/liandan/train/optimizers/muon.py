@@ -8,8 +8,10 @@ Jordan's) keeps the update's spectral norm independent of width, what muP asks f
 Under muP (`model.parameterization = "mup"`) "match_rms_adamw" divides each matrix's rate by sqrt(width_mult)
 so that its update's spectral norm stays flat across widths, as "spectral" does by construction.
 
-Plain tensors take `torch.optim.Muon`; sharded ones (FSDP2, tensor parallelism) `ShardedMuon`, which
-orthogonalises whole matrices and gives the same update (`sharded_muon.py`)."""
+The update is `torch.optim.Muon`'s, made by liandan's `ShardedMuon` (`sharded_muon.py`): on sharded matrices
+(FSDP2, tensor parallelism) it orthogonalises the whole matrix on one rank, and on plain ones it orthogonalises
+the matrices of one shape together in one batched product, where `torch.optim.Muon` goes one at a time (the
+same update to a bf16 rounding step now and then, in less time: `sharded_muon.py`)."""
 
 from __future__ import annotations
 
@@ -37,20 +39,13 @@ def muon_roles(roled: list[RoledParameter]) -> tuple[list[RoledParameter], list[
 
 
 def muon_over(roled: list[RoledParameter], section: OptimSection) -> torch.optim.Optimizer:
-    """Muon over the 2-D matrices `roled`: `torch.optim.Muon` when all are plain tensors and it takes the
-    learning-rate scale asked for, `ShardedMuon` otherwise."""
-    from torch.distributed.tensor import DTensor
-
+    """Muon over the 2-D matrices `roled` (plain tensors, DTensors or both)."""
     o = section.options
     coefficients = tuple(float(c) for c in o.ns_coefficients)
     adjust = ADJUST_LR_FN[o.adjust_lr]
     kwargs = {"lr": section.lr, "weight_decay": o.weight_decay, "momentum": o.momentum, "nesterov": o.nesterov,
               "ns_coefficients": coefficients, "eps": EPS, "ns_steps": o.ns_steps, "adjust_lr_fn": adjust}  # fmt: skip
-    params = [r.param for r in roled]
-    groups = _width_groups(roled, section)
-    if adjust != "none" and not any(isinstance(p, DTensor) for p in params):
-        return torch.optim.Muon(groups or params, **kwargs)
-    return ShardedMuon(groups or params, **kwargs)
+    return ShardedMuon(_width_groups(roled, section) or [r.param for r in roled], **kwargs)
 
 
 def _width_groups(roled: list[RoledParameter], section: OptimSection) -> list[dict] | None:
