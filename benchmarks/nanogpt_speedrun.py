@@ -8,7 +8,10 @@ nanoGPT (a checkout of karpathy/nanoGPT) runs its README's CPU command ("I only 
 --block_size=64 --batch_size=12 --n_layer=4 --n_head=4 --n_embd=128 --max_iters=2000 --lr_decay_iters=2000
 --dropout=0.0`, in a scratch copy whose data/shakespeare_char/input.txt is the shared Shakespeare text (its
 prepare.py then downloads nothing). liandan trains `configs/shakespeare-char.toml` on the same text with the
-byte tokenizer (the text is ASCII: bytes are characters). Both start at once, each with one thread
+byte tokenizer (the text is ASCII: bytes are characters). Each side's data is prepared before any clock starts,
+as nanoGPT's README has it (`prepare.py`, then `train.py`): nanoGPT's train.bin and val.bin, and liandan's token
+store, made by the same pipeline `liandan train` runs on `[data] paths` and then opened by the timed run
+through `[data] stores`. Both start at once, each with one thread
 (OMP_NUM_THREADS=1) and pinned to its own core.
 
 The measure. nanoGPT's figure is the train loss its last evaluation prints: the mean loss of its final model
@@ -67,6 +70,22 @@ def nanogpt_copy(checkout: Path, corpus: Path, root: Path) -> Path:
     return work
 
 
+def liandan_store(config: Path, corpus: Path, root: Path) -> Path:
+    """liandan's counterpart of nanoGPT's prepare.py, also run before any clock starts: the corpus tokenized
+    into a token store by the same pipeline `liandan train` runs on `[data] paths` (the same store, so the
+    same batches), which the timed run then opens through `[data] stores`."""
+    store = root / "liandan-store"
+    script = (
+        "import sys; from pathlib import Path; from liandan.config import load_config; "
+        "from liandan.data.pipeline.prepare import prepare_store; "
+        "cfg = load_config(Path(sys.argv[1]), [f'--data.paths=[\"{sys.argv[2]}\"]']); "
+        "prepare_store(cfg.data, Path(sys.argv[3]), say=lambda line: None)"
+    )
+    env = single_thread_env(PYTHONPATH=str(REPO / "src"))
+    subprocess.run([sys.executable, "-c", script, str(config), str(corpus.resolve()), str(store)], env=env, check=True)
+    return store
+
+
 def _mkdir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     return path
@@ -111,6 +130,7 @@ def main() -> None:
     nanogpt_core, liandan_core = (int(c) for c in args.cores.split(","))
     with tempfile.TemporaryDirectory(prefix="nanogpt-speedrun-") as tmp:
         root = Path(tmp)
+        store = liandan_store(args.config, args.corpus, root)
         nanogpt = None
         if args.target is None:
             work = nanogpt_copy(args.nanogpt.resolve(), args.corpus, root)
@@ -128,7 +148,7 @@ def main() -> None:
 
             reader = threading.Thread(target=read_nanogpt)
             reader.start()
-        command = [*pinned(liandan_core), sys.executable, "-m", "liandan.cli", "train", str(args.config), f'--data.paths=["{args.corpus.resolve()}"]',
+        command = [*pinned(liandan_core), sys.executable, "-m", "liandan.cli", "train", str(args.config), "--data.paths=[]", f'--data.stores=["{store}"]',
                    f"--run.output_dir={root}", "--run.name=liandan", *args.setting]  # fmt: skip
         liandan_start = time.time()
         liandan = subprocess.Popen(command, env=single_thread_env(PYTHONPATH=str(REPO / "src")), stdout=subprocess.PIPE,
