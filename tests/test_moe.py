@@ -285,3 +285,27 @@ def test_muon_trains_a_moe_model(corpus, tmp_path):
     trainer, result, _, _ = _train(tmp_path, corpus, "muon", "--optim.name=muon", "--train.steps=3")
     assert [type(o).__name__ for o in trainer.module.optimizers.per_part[0]] == ["Muon", "AdamW"]
     assert all(math.isfinite(loss) for loss in result.losses) and result.losses[-1] < result.losses[0]
+
+
+@pytest.mark.slow
+def test_a_moe_run_resumes_bit_exact_in_one_process_and_fsdp2_with_uneven_experts(tmp_path):
+    """The resume oracle over a MoE model of 3 experts (FSDP2 over 2 ranks splits them 2 + 1), its balancing
+    bias moving fast: resumed in the same layout, losses and final weights (the biases among them) are those
+    of the run that never stopped, bit for bit; across layouts within the oracle's tolerance."""
+    import json
+
+    from helpers import MICRO_MODEL, run_liandan
+
+    cfg = tiny_config(tmp_path / "runs", write_corpus(tmp_path, n_docs=8), *MICRO_MODEL, "--model.moe_experts=3",
+                      "--model.moe_top_k=2", "--model.moe_shared_experts=1", "--model.moe_bias_rate=1e-2")  # fmt: skip
+    config, report_path = tmp_path / "moe.toml", tmp_path / "report.json"
+    config.write_text(cfg.to_toml())
+    done = run_liandan("doctor", "--resume", config, "--layouts=1,fsdp2", "--resume-steps=4", f"--json={report_path}",
+                       timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    checks = json.loads(report_path.read_text())["checks"]
+    assert len(checks) == 4
+    for check in checks:
+        assert check["passed"], check
+        if check["saved_in"] == check["resumed_in"]:
+            assert check["exact"] and check["loss_diff"] == 0 and check["weight_diff"] == 0

@@ -456,6 +456,7 @@ class Trainer:
             "val_loss": result.val_loss,
             "parameters": params.total if params else None,
             "non_embedding_parameters": params.non_embedding if params else None,
+            "active_parameters": params.active if params else None,  # of a MoE: per token; else = parameters
             "flops_per_token": self.module.flops_per_token,
             "tokens_per_s": tokens_trained_now / result.seconds if result.seconds else None,
             "peak_flops": self.peak_flops,
