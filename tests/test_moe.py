@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import read_metrics, tiny_config, write_corpus
+from helpers import liandan_here, read_metrics, tiny_config, write_corpus
 from liandan.model import ModelArgs, Transformer
 from liandan.model.counts import count_params, flops_per_token, param_split
 from liandan.model.moe import MoE, MoEConfig, Router, grouped_matmul, moe_layers, routing_step
@@ -240,7 +240,7 @@ def moe_run(tmp_path_factory, corpus):
     return _train(tmp_path_factory.mktemp("moe-runs"), corpus, "run", '--track.exporters=["tensorboard"]')
 
 
-def test_routing_metrics_reach_metrics_jsonl_the_run_store_and_tensorboard(moe_run):
+def test_routing_metrics_reach_metrics_jsonl_the_run_store_tensorboard_and_the_report(moe_run, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from liandan.run import RunDir
@@ -255,6 +255,7 @@ def test_routing_metrics_reach_metrics_jsonl_the_run_store_and_tensorboard(moe_r
         loads = [record[f"moe/1/expert/{e}"] for e in range(4)]
         assert sum(loads) == pytest.approx(4.0) and max(loads) == pytest.approx(record["moe/1/load_max"])
         assert not any(key.startswith("moe/0/") for key in record)
+        assert record["moe/load_max"] == record["moe/1/load_max"]  # the one MoE block is the worst
     assert records[-1]["moe/1/bias_max"] == pytest.approx(bias[0].max().item())
     assert records[-1]["moe/1/bias_max"] > records[-1]["moe/1/bias_min"]  # the balancing moved the biases
     room = RunDir(result.run_dir)
@@ -264,6 +265,9 @@ def test_routing_metrics_reach_metrics_jsonl_the_run_store_and_tensorboard(moe_r
     scalars = EventAccumulator(str(room.tensorboard), size_guidance={"scalars": 0}).Reload()
     curve = [(e.step, e.value) for e in scalars.Scalars("moe/1/load_max")]
     assert curve == [(r["step"], pytest.approx(r["moe/1/load_max"])) for r in records]
+    page = tmp_path / "report.html"
+    liandan_here("report", result.run_dir, "-o", page, check=True)
+    assert "expert load (the most loaded expert of any MoE block)" in page.read_text()
     [model_line] = [line for line in said if line.startswith("model:")]
     counts = trainer.module.params
     assert f"{counts.total / 1e6:.2f}M parameters" in model_line

@@ -80,7 +80,7 @@ class RoutingCallback(Callback):
     """A MoE model's routing of the step (`TrainModule.routing`, summed over the ranks) into the step's
     metrics on the steps MetricsCallback logs: per MoE layer the load's max and min over the mean, its entropy,
     the share of pairs dropped, the balancing bias's range and every expert's load over the mean
-    (`moe/<layer>/...`). Before the guard (5) and the health checks, which read the same `metrics`."""
+    (`moe/<layer>/...`), and the largest load of any block (`moe/load_max`). Before the guard (5) and the health checks, which read the same `metrics`."""
 
     order = 3
 
@@ -89,7 +89,10 @@ class RoutingCallback(Callback):
         routing = getattr(ctx.module, "routing", None)
         if routing is None or (step % t.log_every and step != t.steps):
             return
-        metrics.update(routing.summary())
+        summary = routing.summary()
+        metrics.update(summary)
+        # the worst block's most loaded expert: one number for the console and the report's chart
+        metrics["moe/load_max"] = max(v for k, v in summary.items() if k.endswith("/load_max"))
         for row, layer in enumerate(routing.layers):
             bias = routing.bias[row]
             metrics[f"moe/{layer}/bias_min"] = float(bias.min())
