@@ -149,7 +149,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--bias-rate", type=float, default=5e-3)
+    parser.add_argument("--bias-rate", type=float, default=1e-3)
     parser.add_argument("--log-every", type=int, default=5)
     a = parser.parse_args()
     if not all(p.is_file() for p in CORPORA):
