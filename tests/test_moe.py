@@ -313,3 +313,28 @@ def test_a_moe_run_resumes_bit_exact_in_one_process_and_fsdp2_with_uneven_expert
         assert check["passed"], check
         if check["saved_in"] == check["resumed_in"]:
             assert check["exact"] and check["loss_diff"] == 0 and check["weight_diff"] == 0
+
+
+def test_the_plan_counts_every_expert_in_memory_and_the_active_ones_in_flops_and_activations():
+    from pathlib import Path
+
+    from liandan.config import load_config
+    from liandan.plan.activations import activation_memory
+    from liandan.plan.devices import resolve_device
+    from liandan.plan.run_plan import plan_config, plan_model_args
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "moe-tiny.toml"
+    cfg = load_config(config, [])
+    plan = plan_config(cfg, resolve_device("h100"), nproc=2)
+    counts, args = plan.params, plan_model_args(cfg)
+    assert counts.sparse and counts.active < counts.total
+    assert plan.memory.params_per_rank == counts.total  # every expert's weights, and their optimizer state
+    assert plan.memory.states.optimizer == 8.0 * counts.total / 2  # AdamW, FSDP over 2 ranks
+    assert plan.flops.six_nd == 6.0 * counts.active_matmul * plan.flops.tokens
+    kw = {"micro_batch": 8, "seq_len": 256, "checkpoint": "none"}
+    moe_acts = activation_memory(args, **kw)
+    dense_acts = activation_memory(plan_model_args(load_config(config, ["--model.moe_experts=0"])), **kw)
+    extra = moe_acts.per_layer - dense_acts.per_layer  # a MoE block's active experts above a dense MLP
+    assert extra > 0 and moe_acts.layers == pytest.approx(dense_acts.layers + 3 * extra)  # 3 MoE blocks of 4
+    shown = liandan_here("plan", config, "--device=h100", check=True).stdout
+    assert f"{counts.active:,}" in shown and "every expert" in shown
