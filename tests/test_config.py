@@ -8,7 +8,7 @@ from liandan.config import Config, ConfigError, describe, from_dict, load_config
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2-124m", "llama-1b", "llama-8b"])
+@pytest.mark.parametrize("name", ["tiny", "moe-tiny", "gpt2-124m", "llama-1b", "llama-8b"])
 def test_shipped_configs_load(name):
     cfg = load_config(CONFIGS / f"{name}.toml")
     assert cfg.model.llama.dim % cfg.model.llama.n_heads == 0

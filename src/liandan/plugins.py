@@ -115,6 +115,7 @@ BUILTIN: tuple[Plugin, ...] = (
         for name, target in (
             ("heartbeat", "train.builtin_callbacks:_heartbeat"),
             ("metrics", "train.builtin_callbacks:_metrics"),
+            ("routing", "train.builtin_callbacks:_routing"),
             ("eval", "train.builtin_callbacks:_eval"),
             ("memory_snapshots", "train.builtin_callbacks:_snapshots"),
             ("checkpoint", "train.builtin_callbacks:_checkpoint"),

@@ -162,6 +162,9 @@ def print_plan(plan, cfg, config_path: str) -> None:
         "  embedding", f"{p.embedding:,}", _count(p.embedding) + (" (tied with the head)" if a.tie_embeddings else "")
     )
     table.add_row("  non-embedding", f"{p.non_embedding:,}", _count(p.non_embedding))
+    if p.sparse:
+        experts = f"top-{a.moe_top_k} of {a.moe_experts} routed experts"
+        table.add_row("  active per token", f"{p.active:,}", f"{_count(p.active)} ({experts}; the FLOPs count these)")
     f = plan.flops
     attn = 12.0 * a.n_layers * a.n_heads * a.head_dim * t.seq_len
     table.add_row(
@@ -188,9 +191,13 @@ def print_plan(plan, cfg, config_path: str) -> None:
     table.add_column("how")
     shard = {"fsdp": f"sharded over dp_shard={m.layout.dp_shard}", "ddp": "replicated", "single": "whole"}[m.sharding]
     tp_note = f", /tp={m.layout.tp}" if m.layout.tp > 1 else ""
+    # Expert weights and their optimizer state count in full: without expert parallelism each rank keeps every
+    # expert (or its FSDP share); the activations count the active experts only.
+    experts = ", every expert" if p.sparse else ""
     table.add_row(
-        "parameters", _size(m.states.params), f"fp32, {_count(m.params_per_device)} per device ({shard}{tp_note})"
-    )
+        "parameters", _size(m.states.params),
+        f"fp32, {_count(m.params_per_device)} per device ({shard}{tp_note}{experts})",
+    )  # fmt: skip
     table.add_row("gradients", _size(m.states.grads), "fp32")
     k = m.optimizer_state_bytes_per_param
     optimizer_how = "fp32 Adam m and v" if k == ADAMW_STATE_BYTES_PER_PARAM else f"{k:g} bytes per parameter"

@@ -10,8 +10,8 @@ terms open MoE models train with.
   E * sum_e f_e * P_e) and the router z-loss (ST-MoE: mean log(sum exp(logits))^2), whose gradients are added
   to the training loss while its value stays the language-model loss (`Transformer.forward`).
 - Dropless by default: every chosen (token, expert) pair is computed, the tokens sorted by expert and each
-  expert's rows multiplied as one group (`grouped_matmul`: `torch._grouped_mm` where the device has it, one
-  matmul per expert elsewhere). With `capacity_factor` > 0 an expert takes at most
+  expert's rows multiplied as one group (`grouped_matmul`: `torch._grouped_mm` on the CPU and on recent GPUs,
+  one matmul per expert elsewhere). With `capacity_factor` > 0 an expert takes at most
   ceil(factor * tokens * top_k / experts) rows, the first in token order; the rest are dropped (their
   weight's share of the output is lost, the residual carries the token on) and counted.
 
@@ -150,15 +150,19 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
 
 
 def _grouped_mm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """torch._grouped_mm runs on CUDA devices of compute capability 9.0 and up in bf16 with aligned rows;
-    the per-group loop serves everywhere else (CPU, fp32, older GPUs)."""
-    if x.device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
+    """torch._grouped_mm runs on the CPU in fp32 and bf16 (forward and backward equal to the loop, and faster:
+    benchmarks/moe_grouped.py; bf16 only under torch.compile) and on CUDA devices of compute capability 9.0
+    and up in bf16; rows must be 16-byte aligned on both. The per-group loop serves everywhere else."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != weight.dtype:
         return False
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+    if any(n * x.element_size() % 16 for n in (x.shape[-1], weight.shape[1])):
         return False
-    if torch.cuda.get_device_capability(x.device) < (9, 0):
+    if x.device.type == "cpu":
+        # Compiled, the kernel's shape function takes bf16 only (torch 2.13); fp32 compiles the loop.
+        return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
+    if x.device.type != "cuda" or x.dtype != torch.bfloat16:
         return False
-    return x.shape[-1] % 8 == 0 and weight.shape[1] % 8 == 0
+    return torch.cuda.get_device_capability(x.device) >= (9, 0)
 
 
 class MoE(nn.Module):

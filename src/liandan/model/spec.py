@@ -27,10 +27,26 @@ from liandan.config import Config, ConfigError, ModelSection
 
 @dataclass(frozen=True)
 class ParamCounts:
+    """A model's parameters. Of a mixture of experts only some are used per token: `active` counts the
+    routed experts' weights at top_k / experts (what a token goes through: its top_k experts, the shared
+    experts and the router whole); a dense model's active counts equal its totals."""
+
     total: int
     embedding: int  # the input token table (shared with the head when tied)
     non_embedding: int
-    matmul: int  # parameters used in a matmul per token: all but the input lookup, which counts when tied
+    matmul: int  # parameters used in a matmul: all but the input lookup, which counts when tied
+    active: int = -1  # parameters a token goes through; -1: all of them (a dense model)
+    active_matmul: int = -1  # of `matmul`, those a token's matmuls use: the N of 6N FLOPs per token
+
+    def __post_init__(self) -> None:
+        if self.active < 0:
+            object.__setattr__(self, "active", self.total)
+        if self.active_matmul < 0:
+            object.__setattr__(self, "active_matmul", self.matmul)
+
+    @property
+    def sparse(self) -> bool:
+        return self.active != self.total
 
 
 @dataclass(frozen=True)
@@ -38,13 +54,15 @@ class ParamSplit:
     """Parameters one tensor-parallel rank holds, before any data-parallel sharding."""
 
     n_layers: int
-    block: int  # one repeated block (its tensor-parallel matrices / tp, what stays replicated whole)
+    block: int  # one repeated block (its tensor-parallel matrices / tp, what stays replicated whole); the
+    # largest where blocks differ (a MoE model's dense first layers): what FSDP2 gathers at a time
     root: int  # the rest, which FSDP2 wraps as the root unit (for Llama: embedding, final norm, head)
     matmul: int  # of all these, the weights used in matmuls (the ones autocast copies to bf16)
+    blocks: int = -1  # every block together where they differ; -1: n_layers * block
 
     @property
     def total(self) -> int:
-        return self.n_layers * self.block + self.root
+        return (self.blocks if self.blocks >= 0 else self.n_layers * self.block) + self.root
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,13 @@ def activation_memory(
     recompute = 0.0
     if checkpoint == "full":
         recompute, _ = activation_bytes_per_layer(s, b, h, args.n_heads, checkpoint="none", **kw)
+    layers = args.n_layers * per_layer
+    moe_layers, extra = _moe_activations(args, s * b * h / (tp if sequence_parallel else 1), c, checkpoint)
+    if moe_layers:
+        layers += moe_layers * extra
+        per_layer, formula = per_layer + extra, formula + " + active experts"
+        if checkpoint == "full":
+            recompute += _moe_activations(args, s * b * h, c, "none")[1]
     mask_one = b * s * s * c if attention == "dense-mask" else 0
     masks = mask_one * (1 if checkpoint == "full" else args.n_layers)
     sbh = s * b * h / (tp if sequence_parallel else 1)
@@ -122,4 +129,21 @@ def activation_memory(
     if ce_chunks > 1 and c == 2:
         # Recomputing a chunk in the backward pass casts the head's weight to bf16 again (measured on an H100).
         head += c * args.vocab_size * args.dim
-    return Activations(per_layer, args.n_layers * per_layer, recompute, masks, head, formula)
+    return Activations(per_layer, layers, recompute, masks, head, formula)
+
+
+def _moe_activations(args: Any, sbh: float, c: int, checkpoint: str) -> tuple[int, float]:
+    """(MoE blocks, bytes one keeps above a dense block). The paper's 19·sbh of an MLP of hidden size 4h
+    scales with the hidden size a token goes through, here its top_k experts' and the shared experts';
+    the routed rows are gathered once and weighted once more (2·top_k·sbh). Expert parallelism would add its
+    all-to-all buffers here. Nothing under full recomputation, which keeps the block's input alone."""
+    experts = getattr(args, "moe_experts", 0)
+    if not experts or checkpoint == "full":
+        return (0, 0.0) if not experts else (_moe_block_count(args), 0.0)
+    active_hidden = (args.moe_top_k + args.moe_shared_experts) * args.moe_ffn_dim
+    values = sbh * (19 * active_hidden / (4 * args.dim) - 19 + 2 * args.moe_top_k)
+    return _moe_block_count(args), values * c / 2
+
+
+def _moe_block_count(args: Any) -> int:
+    return sum(1 for i in range(args.n_layers) if args.is_moe_layer(i))

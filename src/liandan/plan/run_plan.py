@@ -38,13 +38,13 @@ class RunFlops:
     tokens: int  # steps x global batch x sequence length
     per_token: float  # PaLM: 6N + 12·L·H·Q·T
     total: float  # per_token x tokens
-    six_nd: float  # 6 x parameters used in matmuls x tokens, without the attention term
+    six_nd: float  # 6 x parameters used in matmuls x tokens, without the attention term (of a MoE: the active)
 
 
 def run_flops(args: Any, *, seq_len: int, steps: int, global_batch: int) -> RunFlops:
     tokens = steps * global_batch * seq_len
     per_token = flops_per_token(args, seq_len)
-    return RunFlops(tokens, per_token, per_token * tokens, 6.0 * count_params(args).matmul * tokens)
+    return RunFlops(tokens, per_token, per_token * tokens, 6.0 * count_params(args).active_matmul * tokens)
 
 
 @dataclass(frozen=True)

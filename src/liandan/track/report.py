@@ -41,6 +41,7 @@ CHARTS = (  # metric key, chart title, y-axis title
     ("lr", "learning rate", "lr"),
     ("tokens_per_s", "throughput", "tokens / s"),
     ("mfu", "MFU", "model FLOPs utilisation"),
+    ("moe/load_max", "expert load (the most loaded expert of any MoE block)", "max / mean"),  # MoE runs only
 )
 
 

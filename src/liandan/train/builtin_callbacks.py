@@ -1,7 +1,7 @@
 """liandan's own callbacks, registered by name and chosen by the config like any other: heartbeats for the
 supervisor, metric logging, evaluation, memory snapshots and checkpoints. Their `order` leaves room for
-callbacks that must run between them: metrics 10, forecast 12, heartbeat 15, evaluation 20, a callback's
-default 50, snapshots 80, checkpoints 90, the preemption guard 95."""
+callbacks that must run between them: routing 3, metrics 10, forecast 12, heartbeat 15, evaluation 20, a
+callback's default 50, snapshots 80, checkpoints 90, the preemption guard 95."""
 
 from __future__ import annotations
 
@@ -74,6 +74,30 @@ class MetricsCallback(Callback):
         ctx.logger.log_metrics(step, metrics)
         if not math.isfinite(loss):
             ctx.logger.log_event("nonfinite_loss", step=step, loss=str(loss))
+
+
+class RoutingCallback(Callback):
+    """A MoE model's routing of the step (`TrainModule.routing`, summed over the ranks) into the step's
+    metrics on the steps MetricsCallback logs: per MoE layer the load's max and min over the mean, its entropy,
+    the share of pairs dropped, the balancing bias's range and every expert's load over the mean
+    (`moe/<layer>/...`), and the largest load of any block (`moe/load_max`). Before the guard (5) and the health checks, which read the same `metrics`."""
+
+    order = 3
+
+    def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
+        t = ctx.cfg.train
+        routing = getattr(ctx.module, "routing", None)
+        if routing is None or (step % t.log_every and step != t.steps):
+            return
+        summary = routing.summary()
+        metrics.update(summary)
+        # the worst block's most loaded expert: one number for the console and the report's chart
+        metrics["moe/load_max"] = max(v for k, v in summary.items() if k.endswith("/load_max"))
+        for row, layer in enumerate(routing.layers):
+            bias = routing.bias[row]
+            metrics[f"moe/{layer}/bias_min"] = float(bias.min())
+            metrics[f"moe/{layer}/bias_max"] = float(bias.max())
+        metrics.update(routing.expert_loads())
 
 
 class EvalCallback(Callback):
@@ -189,6 +213,10 @@ def _heartbeat(cfg: Config) -> Callback:
 
 def _metrics(cfg: Config) -> Callback:
     return MetricsCallback()
+
+
+def _routing(cfg: Config) -> Callback:
+    return RoutingCallback()  # idle unless the train module routes (a MoE model)
 
 
 def _eval(cfg: Config) -> Callback | None:

@@ -129,11 +129,12 @@ class Trainer:
 
     def _say_model(self) -> None:
         cfg, env, module, params = self.cfg, self.env, self.module, self.module.params
-        counted = (
-            f"{params.total / 1e6:.2f}M parameters ({params.non_embedding / 1e6:.2f}M non-embedding), "
-            if params
-            else ""
-        )
+        counted = ""
+        if params:
+            active = f", {params.active / 1e6:.2f}M active per token" if params.sparse else ""
+            counted = (
+                f"{params.total / 1e6:.2f}M parameters ({params.non_embedding / 1e6:.2f}M non-embedding{active}), "
+            )
         self.say(
             f"model: {counted}{cfg.train.seq_len} tokens per sequence, attention {module.attention},"
             f" {_dtype_name(env.dtype)}, layout {env.layout}, {self.dist.world_size} process(es) on {env.device.type}"
@@ -455,6 +456,7 @@ class Trainer:
             "val_loss": result.val_loss,
             "parameters": params.total if params else None,
             "non_embedding_parameters": params.non_embedding if params else None,
+            "active_parameters": params.active if params else None,  # of a MoE: per token; else = parameters
             "flops_per_token": self.module.flops_per_token,
             "tokens_per_s": tokens_trained_now / result.seconds if result.seconds else None,
             "peak_flops": self.peak_flops,

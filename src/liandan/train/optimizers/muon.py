@@ -32,7 +32,8 @@ ADJUST_LR_FN = {"match_rms_adamw": "match_rms_adamw", "spectral": "original", "n
 
 def muon_roles(roled: list[RoledParameter]) -> tuple[list[RoledParameter], list[RoledParameter]]:
     """(Muon's, AdamW's): Muon takes the hidden 2-D matrices; the embedding (the head too when tied), the
-    head, norm weights and biases go to AdamW."""
+    head, norm weights and biases go to AdamW, and so do a MoE block's stacked 3-D expert weights (hidden, but
+    torch.optim.Muon orthogonalises 2-D matrices only, not each expert's slice)."""
     muon = [r for r in roled if r.role == "hidden" and r.param.dim() == 2]
     taken = {id(r.param) for r in muon}
     return muon, [r for r in roled if id(r.param) not in taken]

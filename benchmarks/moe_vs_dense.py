@@ -1,0 +1,179 @@
+"""Quality per FLOP: a mixture of experts against a dense model with the same active parameters, trained on
+the same tokens of the shared English and Chinese text.
+
+The dense model's SwiGLU feed-forward has hidden size F; the MoE model's blocks route each token to top-2 of
+8 experts of hidden size F/3 and through one shared expert of F/3, so a token goes through 3 x F/3 = F hidden
+units as in the dense model (the router's dim x 8 weights are the only extra active parameters): the same
+FLOPs per token within a few percent, 3x the feed-forward parameters. Balanced by the auxiliary-loss-free
+expert bias (DeepSeek-V3). Everything else is shared: attention, width, depth, data split (a mixture of both
+corpora), seed, schedule, batch, steps.
+
+Printed: each run's final validation loss; the steps the MoE model takes to first reach the dense model's
+final validation loss (linearly between evaluations) over the dense model's steps (the target is <= 0.8);
+and the load balance after warm-up (the first fifth of the steps): the mean and the largest, over logged steps
+and MoE blocks, of max/mean expert load (1.0 is perfect balance; the target is < 1.3). A run whose
+summary.json exists is not trained again.
+
+    python benchmarks/moe_vs_dense.py --out runs/moe-vs-dense                     # ~15 min on 2 busy cores
+    python benchmarks/moe_vs_dense.py --out runs/moe-vs-dense --dim 192 --steps 600
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared" / "data" / "corpus"
+CORPORA = [SHARED / "en-wikitext2.jsonl", SHARED / "zh-classics.jsonl"]
+EXPERTS, TOP_K, SHARED_EXPERTS = 8, 2, 1
+
+
+def run_config(a: argparse.Namespace, name: str, out: Path) -> str:
+    heads = max(1, a.dim // 64)
+    ffn = a.ffn or 3 * a.dim
+    expert = ffn // (TOP_K + SHARED_EXPERTS)
+    moe = ""
+    if name == "moe":
+        moe = f"""moe_experts = {EXPERTS}
+moe_top_k = {TOP_K}
+moe_ffn_dim = {expert}
+moe_shared_experts = {SHARED_EXPERTS}
+moe_balance = "bias"
+moe_bias_rate = {a.bias_rate}
+"""
+    paths = ", ".join(f'"{p}"' for p in CORPORA)
+    return f"""[run]
+seed = 1
+output_dir = "{out}"
+name = "{name}"
+
+[model]
+max_seq_len = {a.seq}
+
+[model.llama]
+dim = {a.dim}
+n_layers = {a.layers}
+n_heads = {heads}
+n_kv_heads = {heads}
+ffn_dim = {ffn}
+{moe}
+[optim]
+lr = {a.lr}
+grad_clip = 1.0
+
+[schedule]
+kind = "cosine"
+warmup_steps = {max(5, a.steps // 20)}
+min_lr_ratio = 0.1
+
+[train]
+steps = {a.steps}
+global_batch = {a.batch}
+seq_len = {a.seq}
+dtype = "fp32"
+log_every = {a.log_every}
+eval_every = {max(1, a.steps // 20)}
+eval_batches = 8
+
+[resilience]
+supervise = false
+
+[doctor]
+preflight = false
+
+[checkpoint]
+enabled = false
+
+[data]
+paths = [{paths}]
+tokenizer = "bpe"
+bpe_vocab_size = 4096
+val_fraction = 0.05
+"""
+
+
+def train(config: Path) -> float:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "liandan.cli", "train", str(config)], check=True, env=env,
+                   stdout=subprocess.DEVNULL)  # fmt: skip
+    return time.perf_counter() - start
+
+
+def eval_curve(run: Path) -> list[tuple[int, float]]:
+    """(step, validation loss) at each evaluation of the run."""
+    curve = []
+    for line in (run / "events.jsonl").read_text().splitlines():
+        event = json.loads(line)
+        if event.get("kind") == "eval":
+            curve.append((int(event["step"]), float(event["loss"])))
+    return sorted(curve)
+
+
+def steps_to_reach(curve: list[tuple[int, float]], target: float) -> float | None:
+    previous = None
+    for step, loss in curve:
+        if loss <= target:
+            if previous is None:
+                return float(step)
+            s0, l0 = previous
+            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
+        previous = (step, loss)
+    return None
+
+
+def load_balance(run: Path, after_step: int) -> tuple[float, float]:
+    """(mean, largest) max/mean expert load over the logged steps after `after_step` and every MoE block."""
+    values = []
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if record.get("step", 0) > after_step:
+            values += [v for k, v in record.items() if k.startswith("moe/") and k.endswith("/load_max")]
+    return statistics.fmean(values), max(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dim", type=int, default=128)
+    parser.add_argument("--ffn", type=int, default=0, help="the dense hidden size F (0: 3 x dim)")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--bias-rate", type=float, default=1e-3)
+    parser.add_argument("--log-every", type=int, default=5)
+    a = parser.parse_args()
+    if not all(p.is_file() for p in CORPORA):
+        sys.exit(f"the shared corpora are not at {SHARED}")
+    a.out.mkdir(parents=True, exist_ok=True)
+    summaries = {}
+    for name in ("dense", "moe"):
+        run = a.out / name
+        if not (run / "summary.json").is_file():
+            config = a.out / f"{name}.toml"
+            config.write_text(run_config(a, name, a.out))
+            print(f"training {name} ... ", end="", flush=True)
+            print(f"{train(config):.0f} s", flush=True)
+        summaries[name] = s = json.loads((run / "summary.json").read_text())
+        print(f"{name:5s}: final validation loss {s['val_loss']:.4f}, {s['parameters']:,} parameters"
+              f" ({s['active_parameters']:,} active),"
+              f" {s['flops_per_token']:.3e} FLOPs per token")  # fmt: skip
+    target = summaries["dense"]["val_loss"]
+    reached = steps_to_reach(eval_curve(a.out / "moe"), target)
+    ratio = f"{reached:.0f} steps, {reached / a.steps:.2f}x the dense model's {a.steps}" if reached else "not reached"
+    print(f"MoE reaches the dense model's final validation loss {target:.4f} at {ratio} (target <= 0.80x)")
+    mean, largest = load_balance(a.out / "moe", a.steps // 5)
+    print(f"max/mean expert load after step {a.steps // 5}: mean {mean:.3f}, largest {largest:.3f} (target < 1.3)")
+
+
+if __name__ == "__main__":
+    main()
