@@ -287,7 +287,7 @@ def test_meta_init_and_recomputation_change_no_number(moe_run, corpus, tmp_path,
 
 def test_muon_trains_a_moe_model(corpus, tmp_path):
     trainer, result, _, _ = _train(tmp_path, corpus, "muon", "--optim.name=muon", "--train.steps=3")
-    assert [type(o).__name__ for o in trainer.module.optimizers.per_part[0]] == ["Muon", "AdamW"]
+    assert [type(o).__name__ for o in trainer.module.optimizers.per_part[0]] == ["ShardedMuon", "AdamW"]
     assert all(math.isfinite(loss) for loss in result.losses) and result.losses[-1] < result.losses[0]
 
 
