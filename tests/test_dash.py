@@ -22,6 +22,7 @@ from helpers import (
     INCIDENT_STEPS,
     MICRO_MODEL,
     environment_without,
+    faults_planned,
     run_liandan,
     start_liandan,
     tiny_config,
@@ -46,10 +47,15 @@ def environment(**extra: str) -> dict[str, str]:
 
 
 def train(project: Path, corpus: Path, name: str, *overrides: str) -> None:
-    config = project.parent / f"{name}.toml"
-    config.write_text(tiny_config(project, corpus, f"--run.name={name}", *overrides).to_toml())
-    done = run_liandan("train", config, env=environment(), timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    """A finished run trained in this process (the dashboard reads its files; who wrote them does not matter)."""
+    from liandan.train import Trainer
+
+    with faults_planned():
+        trainer = Trainer(tiny_config(project, corpus, f"--run.name={name}", *overrides), say=lambda m: None)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
 
 
 def plant_escapes(project: Path, outside: Path) -> None:
@@ -87,7 +93,7 @@ def project(tmp_path_factory, corpus, incident_run):
     and the planted escapes."""
     root = tmp_path_factory.mktemp("dash")
     project = incident_run.path.parent
-    train(project, corpus, CLEAN, *MICRO_MODEL, "--train.steps=40", "--resilience.supervise=false")
+    train(project, corpus, CLEAN, *MICRO_MODEL, "--train.steps=40")
     outside = root / "outside"
     outside.mkdir()
     plant_escapes(project, outside)
