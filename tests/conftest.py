@@ -2,6 +2,12 @@ import os
 
 import pytest
 
+# One thread per process, for the suite and the processes it starts (they inherit os.environ; the supervisor's
+# own default only fills an unset variable). Its models are tiny, so a second thread gains little, and on a
+# shared 2-core machine threads that wait on each other at every operation cost most: under load the same
+# scoring took 7x as long on two threads as on one. Set before torch is imported, which reads it then.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @pytest.fixture(autouse=True, scope="session")
 def liandan_cache_dir(tmp_path_factory):
@@ -14,6 +20,35 @@ def liandan_cache_dir(tmp_path_factory):
         os.environ.pop("LIANDAN_CACHE_DIR", None)
     else:
         os.environ["LIANDAN_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def incident_run(tmp_path_factory):
+    """helpers.INCIDENT_RUN, trained once for the session: a `helpers.TrainedRun`. Its project directory (the run
+    directory's parent) is the dashboard's; tests may add runs beside it, and leave this one as it is."""
+    from helpers import (
+        INCIDENT_FAULTS,
+        INCIDENT_OVERRIDES,
+        INCIDENT_RUN,
+        TrainedRun,
+        environment_without,
+        run_liandan,
+        tiny_config,
+        tracker_env,
+        write_corpus,
+    )
+
+    root = tmp_path_factory.mktemp("incident-run")
+    project = root / "runs"
+    project.mkdir()
+    cfg = tiny_config(project, write_corpus(root, 200), f"--run.name={INCIDENT_RUN}", *INCIDENT_OVERRIDES)
+    config = root / f"{INCIDENT_RUN}.toml"
+    config.write_text(cfg.to_toml())
+    env = environment_without(LIANDAN_CACHE_DIR=os.environ["LIANDAN_CACHE_DIR"], LIANDAN_FAULTS=INCIDENT_FAULTS,
+                              **tracker_env(root))  # fmt: skip
+    done = run_liandan("train", config, "--nproc=2", env=env, timeout=500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return TrainedRun(project / INCIDENT_RUN, done.stdout, done.stderr)
 
 
 @pytest.fixture

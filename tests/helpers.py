@@ -42,6 +42,44 @@ MICRO_MODEL = [
 ]
 
 
+# Trackers with no network, as the exporters' tests and the shared incident run use them.
+TRACKER_ENV = {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DISABLE_CODE": "true",
+               "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}  # fmt: skip
+
+
+def tracker_env(directory: Path) -> dict[str, str]:
+    """No network, and W&B's own logs and settings under `directory` rather than the home directory."""
+    homes = {name: str(directory / name.lower()) for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")}
+    return {**TRACKER_ENV, **homes}
+
+
+# The incident run: one supervised two-rank run, trained once per session (conftest.py's `incident_run`) for
+# the tests that read such a run (the dashboard's, the exporters', the report's). The guard rolls back a
+# learning-rate burst at update 30; rank 1 is killed after step 45 and the run resumes from its checkpoint of
+# step 40 (saved synchronously, so it is whole when the kill comes); every exporter, the preflight doctor, the
+# health checks, validation and training.png are on.
+INCIDENT_RUN = "faulty"
+INCIDENT_STEPS = 60
+INCIDENT_BATCH = 16  # sequences of tiny_config's 64 tokens
+INCIDENT_KILL_STEP = 45
+INCIDENT_RESUME_STEP = 40
+INCIDENT_FAULTS = f"burst@update:30,kill@step:{INCIDENT_KILL_STEP}:1"
+INCIDENT_OVERRIDES = [f"--train.steps={INCIDENT_STEPS}", "--optim.lr=3e-3", f"--train.global_batch={INCIDENT_BATCH}",
+                      "--guard.ring_every=10", "--guard.stats_every=20", "--train.eval_every=20",
+                      "--train.eval_batches=2", "--health.straggler_every=10", "--doctor.preflight=true",
+                      "--checkpoint.every=10", "--checkpoint.async_save=false", "--resilience.backoff_s=0",
+                      "--track.plot=true", '--track.exporters=["tensorboard", "wandb", "mlflow"]']  # fmt: skip
+
+
+@dataclass
+class TrainedRun:
+    """A run trained by `liandan train` in a process of its own: its directory and what the command printed."""
+
+    path: Path
+    stdout: str
+    stderr: str
+
+
 def tiny_config(run_dir: Path, corpus: Path, *overrides: str) -> Config:
     return load_config(
         None,

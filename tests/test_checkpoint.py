@@ -71,6 +71,20 @@ def straight(config):
     return losses(config, "straight"), final_weights(config, "straight")
 
 
+@pytest.fixture(scope="module")
+def killed_after_the_last_save(config):
+    """A run killed after step 8, its saves synchronous so that step 8's checkpoint is complete when the kill
+    comes; each test that damages that checkpoint takes a copy (`copy_of_killed`)."""
+    train(config, "killed-after-8", "--checkpoint.async_save=false", faults="kill@step:8", expect="killed")
+    return run_dir(config, "killed-after-8")
+
+
+def copy_of_killed(config, killed: Path, name: str) -> Path:
+    """A copy of the killed run as run `name`, to damage and resume as if it had been killed there."""
+    shutil.copytree(killed, run_dir(config, name), symlinks=True)
+    return run_dir(config, name)
+
+
 def assert_same_weights(a, b):
     assert a.keys() == b.keys()
     for key in a:
@@ -118,11 +132,9 @@ def _shard(directory: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no-manifest", "missing-file"])
-def test_damaged_newest_checkpoint_falls_back(config, straight, damage):
+def test_damaged_newest_checkpoint_falls_back(config, straight, killed_after_the_last_save, damage):
     name = f"damaged-{damage}"
-    # synchronous saves: step 8's checkpoint is complete when the kill after step 8 comes
-    train(config, name, "--checkpoint.async_save=false", faults="kill@step:8", expect="killed")
-    newest = run_dir(config, name) / "checkpoints" / "step-00000008"
+    newest = copy_of_killed(config, killed_after_the_last_save, name) / "checkpoints" / "step-00000008"
     assert (newest / "manifest.json").is_file()
     shard = _shard(newest)
     if damage == "flip":
@@ -442,13 +454,14 @@ def test_ckpt_info_without_checksums_does_not_claim_verified(config, straight):
 
 
 @pytest.mark.parametrize("tamper", ["metadata-payload", "inconsistent-shard"])
-def test_checkpoint_that_fails_to_load_falls_back_to_the_previous(config, straight, tmp_path, tamper):
+def test_checkpoint_that_fails_to_load_falls_back_to_the_previous(
+    config, straight, killed_after_the_last_save, tmp_path, tamper
+):
     from liandan.checkpoint.verify import write_manifest
 
     name = f"unloadable-{tamper}"
     marker = tmp_path / "payload-ran"
-    train(config, name, "--checkpoint.async_save=false", faults="kill@step:8", expect="killed")
-    newest = run_dir(config, name) / "checkpoints" / "step-00000008"
+    newest = copy_of_killed(config, killed_after_the_last_save, name) / "checkpoints" / "step-00000008"
     if tamper == "metadata-payload":
         _plant_in_metadata(newest, marker)
         file = ".metadata"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MICRO_MODEL, run_liandan, write_corpus
+from helpers import MICRO_MODEL, faults_planned, run_liandan, write_corpus
 from liandan.checkpoint.verify import CheckpointError
 from liandan.evaluate import scoring
 from liandan.evaluate.loading import load_for_eval
@@ -61,16 +61,23 @@ def tasks(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Path:
-    """A checkpoint of a few steps of real training on the byte tokenizer (one process: no supervisor to
-    start beside it)."""
+    """A checkpoint of a few steps of real training on the byte tokenizer, trained in this process (what is
+    tested is reading it: a process of its own would only add its start-up)."""
+    from liandan.config import load_config
+    from liandan.train import Trainer
+
     root = tmp_path_factory.mktemp("bridge-run")
     corpus = write_corpus(root, n_docs=10)
-    done = run_liandan("train", ROOT / "configs" / "tiny.toml", *MICRO_MODEL, "--model.max_seq_len=64",
-                       "--train.seq_len=64", "--train.steps=3", "--train.eval_every=0", "--schedule.warmup_steps=1",
-                       "--data.tokenizer=byte", f'--data.paths=["{corpus}"]', f"--run.output_dir={root}",
-                       "--run.name=run", "--checkpoint.every=3", "--doctor.preflight=false", "--track.plot=false",
-                       "--resilience.supervise=false", timeout=300)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    overrides = [*MICRO_MODEL, "--model.max_seq_len=64", "--train.seq_len=64", "--train.steps=3",
+                 "--train.eval_every=0", "--schedule.warmup_steps=1", "--data.tokenizer=byte",
+                 f'--data.paths=["{corpus}"]', f"--run.output_dir={root}", "--run.name=run", "--checkpoint.every=3",
+                 "--doctor.preflight=false", "--track.plot=false", "--resilience.supervise=false"]  # fmt: skip
+    with faults_planned():
+        trainer = Trainer(load_config(str(ROOT / "configs" / "tiny.toml"), overrides), say=lambda m: None)
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
     return root / "run"
 
 

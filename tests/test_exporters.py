@@ -1,6 +1,6 @@
 """The exporters to TensorBoard, Weights & Biases (offline) and MLflow (SQLite): a real supervised 2-rank run
-with a rank killed part-way, read back with each library's own reader; and the config errors, a missing
-library and a tracker that fails while training."""
+with a rank killed part-way (the session's incident run), read back with each library's own reader; and the
+config errors, a missing library and a tracker that fails while training."""
 
 import json
 import os
@@ -9,37 +9,28 @@ import sys
 
 import pytest
 
-from helpers import environment_without, read_run, run_liandan, tiny_config, write_corpus
+from helpers import (
+    INCIDENT_KILL_STEP,
+    INCIDENT_RESUME_STEP,
+    INCIDENT_RUN,
+    INCIDENT_STEPS,
+    read_run,
+    tiny_config,
+    tracker_env,
+    write_corpus,
+)
 from liandan.config import ConfigError, load_config
 from liandan.run import RunDir, read_json
 from liandan.track import JsonlLogger
 from liandan.track.exporters.events import describe, marker_of
 
-TRACKER_ENV = {"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DISABLE_CODE": "true",
-               "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}  # fmt: skip
-
-
-def tracker_env(directory) -> dict[str, str]:
-    """No network, and W&B's own logs and settings under `directory` rather than the home directory."""
-    homes = {name: str(directory / name.lower()) for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")}
-    return {**TRACKER_ENV, **homes}
-
 
 @pytest.fixture(scope="module")
-def tracked_run(tmp_path_factory):
-    """`liandan train --nproc=2` under the supervisor with every exporter on; rank 1 is killed after step 5
-    and the run resumes from the checkpoint of step 4."""
-    root = tmp_path_factory.mktemp("exporters")
-    cfg = tiny_config(root / "runs", write_corpus(root), "--train.steps=8", "--checkpoint.every=2",
-                      "--checkpoint.async_save=false", "--resilience.backoff_s=0", "--doctor.preflight=false",
-                      '--track.exporters=["tensorboard", "wandb", "mlflow"]')  # fmt: skip
-    config = root / "tracked.toml"
-    config.write_text(cfg.to_toml())
-    env = environment_without(LIANDAN_FAULTS="kill@step:5:1", **tracker_env(root))
-    done = run_liandan("train", config, "--nproc=2", env=env, timeout=500)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "warning:" not in done.stderr, done.stderr[-3000:]  # no tracker failed
-    return read_run(root / "runs" / "run")
+def tracked_run(incident_run):
+    """`liandan train --nproc=2` under the supervisor with every exporter on; rank 1 is killed after step 45
+    and the run resumes from the checkpoint of step 40 (helpers.INCIDENT_*)."""
+    assert "warning:" not in incident_run.stderr, incident_run.stderr[-3000:]  # no tracker failed
+    return read_run(incident_run.path)
 
 
 def _losses(run) -> dict[int, float]:
@@ -54,28 +45,31 @@ def test_tensorboard_holds_the_kept_curve_the_incidents_and_the_config(tracked_r
 
     run = tracked_run
     [incident] = run.of_kind("incident")
-    assert incident["step"] == 5 and incident["resume_step"] == 4
+    assert incident["step"] == INCIDENT_KILL_STEP and incident["resume_step"] == INCIDENT_RESUME_STEP
     room = RunDir(run.path)
     metrics = EventAccumulator(str(room.tensorboard), size_guidance={"scalars": 0, "tensors": 0}).Reload()
-    # the killed attempt's step 5 is superseded by the resumed one's: exactly the kept curve
+    # the killed attempt's steps 41-45 and the steps the guard rolled back are superseded by those trained again:
+    # exactly the kept curve
     curve = {e.step: e.value for e in metrics.Scalars("loss")}
-    assert list(curve) == list(range(1, 9))
+    assert list(curve) == list(range(1, INCIDENT_STEPS + 1))
     assert curve == pytest.approx(_losses(run), rel=1e-6)
     configs = metrics.Tensors("config/text_summary")
-    assert [c.step for c in configs] == [0, 4]  # each process says which config it trains with
-    assert b"steps = 8" in tensor_util.make_ndarray(configs[-1].tensor_proto).item()
+    assert [c.step for c in configs] == [0, INCIDENT_RESUME_STEP]  # each process says which config it trains with
+    assert f"steps = {INCIDENT_STEPS}".encode() in tensor_util.make_ndarray(configs[-1].tensor_proto).item()
     content = metrics.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     session = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
-    assert session.hparams["train.steps"].number_value == 8
+    assert session.hparams["train.steps"].number_value == INCIDENT_STEPS
     assert session.hparams["track.exporters"].string_value == '["tensorboard", "wandb", "mlflow"]'
 
     events = EventAccumulator(str(room.tensorboard / "events"), size_guidance={"scalars": 0, "tensors": 0}).Reload()
     [text] = events.Tensors("events/incident/text_summary")
     said = tensor_util.make_ndarray(text.tensor_proto).item().decode()
-    assert text.step == 5 and "signal SIGKILL" in said and "resume_step=4" in said
-    assert [e.step for e in events.Scalars("incidents/incident")] == [5]
-    assert [e.step for e in events.Scalars("incidents/restart")] == [5]
-    assert [e.step for e in events.Scalars("incidents/resumed")] == [4]
+    assert (
+        text.step == INCIDENT_KILL_STEP and "signal SIGKILL" in said and f"resume_step={INCIDENT_RESUME_STEP}" in said
+    )
+    assert [e.step for e in events.Scalars("incidents/incident")] == [INCIDENT_KILL_STEP]
+    assert [e.step for e in events.Scalars("incidents/restart")] == [INCIDENT_KILL_STEP]
+    assert [e.step for e in events.Scalars("incidents/resumed")] == [INCIDENT_RESUME_STEP]
     # the supervisor's last word, handed on by the supervisor itself once its workers had ended
     assert len(events.Tensors("events/supervisor_end/text_summary")) == 1
     assert read_json(room.trackers)["events_offset"] == room.events.stat().st_size
@@ -121,7 +115,7 @@ def test_wandb_offline_files_hold_the_metrics_the_incidents_and_the_config(track
     starts = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert {s.run_id for s in starts} == {state["id"]}  # every process resumed the one W&B run
     config = {item.key: json.loads(item.value_json) for item in starts[0].config.update}
-    assert config["train"]["steps"] == 8 and config["track"]["wandb"]["mode"] == "offline"
+    assert config["train"]["steps"] == INCIDENT_STEPS and config["track"]["wandb"]["mode"] == "offline"
     rows = _wandb_rows(records)
     last = {}
     for row in rows:
@@ -129,10 +123,10 @@ def test_wandb_offline_files_hold_the_metrics_the_incidents_and_the_config(track
             last[row["step"]] = row["loss"]
     assert last == pytest.approx(_losses(run), rel=1e-6)  # the later row of a step trained twice is the kept one
     [incident] = [row for row in rows if "incidents/incident" in row]
-    assert incident["step"] == 5 and "signal SIGKILL" in incident["incident"]
+    assert incident["step"] == INCIDENT_KILL_STEP and "signal SIGKILL" in incident["incident"]
     assert {"incident", "restart", "resumed"} <= set(starts[-1].tags)
     alerts = [r.alert for r in records if r.WhichOneof("record_type") == "alert"]
-    assert [a.title for a in alerts] == ["incident at step 5"]
+    assert [a.title for a in alerts] == [f"incident at step {INCIDENT_KILL_STEP}"]
 
 
 @pytest.mark.slow
@@ -144,12 +138,12 @@ def test_mlflow_holds_the_metrics_the_incidents_and_the_params(tracked_run):
     assert state["uri"] == f"sqlite:///{run.path.parent.resolve() / 'mlflow.db'}"
     client = MlflowClient(state["uri"])
     found = client.get_run(state["run_id"])
-    assert found.info.status == "FINISHED" and found.info.run_name == "run"
-    assert found.data.params["train.steps"] == "8" and found.data.params["model.llama.dim"] == "64"
+    assert found.info.status == "FINISHED" and found.info.run_name == INCIDENT_RUN
+    assert found.data.params["train.steps"] == str(INCIDENT_STEPS) and found.data.params["model.llama.dim"] == "64"
     history = sorted(client.get_metric_history(state["run_id"], "loss"), key=lambda m: m.timestamp)
     last = {m.step: m.value for m in history}
     assert last == pytest.approx(_losses(run), rel=1e-6)
-    assert [m.step for m in client.get_metric_history(state["run_id"], "incidents/incident")] == [5]
+    assert [m.step for m in client.get_metric_history(state["run_id"], "incidents/incident")] == [INCIDENT_KILL_STEP]
     last_incident = [e for e in run.events if marker_of(e)][-1]
     assert found.data.tags["liandan.last_incident"] == describe(last_incident)
     assert {a.path for a in client.list_artifacts(state["run_id"])} >= {"config.toml", "events.jsonl"}
