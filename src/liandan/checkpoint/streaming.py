@@ -152,6 +152,8 @@ def _locate_hf(path: Path, args: Any, open_file) -> dict[str, Stored]:
                 found[hf_name] = (handle, hf_name)
             elif hf_name in tied_hf or (adapter.ignored_suffixes and hf_name.endswith(adapter.ignored_suffixes)):
                 continue  # a tied copy transformers ignores, or a buffer recomputed from the config
+            elif 0 in handle.get_slice(hf_name).get_shape():
+                continue  # holds nothing (a GLM-4.5 without shared experts stores their empty weights)
             else:
                 unexpected.append(hf_name)
     if unexpected:

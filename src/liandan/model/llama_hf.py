@@ -9,10 +9,13 @@ every projection moves across unchanged:
   size apart from the width (`head_dim`).
 * Mistral: Llama's layers with sliding-window attention in some versions (see `_sliding_window`).
 * Mixtral and Qwen3-MoE: Mistral's and Qwen3's layers with routed experts (`liandan.model.llama_hf_moe`).
+* GLM-4.5 (Glm4Moe): routed experts scored by sigmoid with DeepSeek-V3's balancing bias, shared experts,
+  optional qk-norm and query/key/value biases (`liandan.model.llama_hf_moe`).
 
 A model is written as `Qwen3ForCausalLM` when it uses qk-norm, `Qwen2ForCausalLM` when it has query/key/value
 biases, and `LlamaForCausalLM` otherwise (an imported Mistral comes back as a Llama with the same logits); a
-model with experts as `Qwen3MoeForCausalLM` with qk-norm and `MixtralForCausalLM` without.
+model with experts as `Glm4MoeForCausalLM` when they are scored by sigmoid, otherwise as `Qwen3MoeForCausalLM`
+with qk-norm and `MixtralForCausalLM` without.
 The file handling (safetensors, shards, state-dict checks) is model-agnostic and lives in
 `liandan.checkpoint.hf`.
 """
@@ -93,9 +96,6 @@ def export_type(args: ModelArgs) -> str:
         raise ValueError(f"model.mlp = {args.mlp!r} has no transformers architecture to export to (SwiGLU only)")
     if args.logit_softcap:
         raise ValueError("model.logit_softcap has no transformers Llama, Qwen2 or Qwen3 setting to export to")
-    if args.qk_norm and args.qkv_bias:
-        # Qwen3's attention_bias also puts a bias on the output projection, which liandan does not have.
-        raise ValueError("model.qk_norm with model.qkv_bias has no transformers architecture to export to")
     if args.width_mult != 1.0 and args.tie_embeddings:
         # The output multiplier folds into an untied head only: the shared table is the embedding's too.
         raise ValueError(
@@ -104,19 +104,23 @@ def export_type(args: ModelArgs) -> str:
         )
     if args.moe_experts:
         return llama_hf_moe.export_type(args)
+    if args.qk_norm and args.qkv_bias:
+        # Qwen3's attention_bias also puts a bias on the output projection, which liandan does not have.
+        raise ValueError("model.qk_norm with model.qkv_bias has no transformers architecture to export to")
     return "qwen3" if args.qk_norm else "qwen2" if args.qkv_bias else "llama"
 
 
 def export_weights(args: ModelArgs, tensors: dict) -> dict:
     """The tensors to write: muP's logit multiplier (1 / width_mult) folded into the head's weight (Hugging
     Face's Llama computes plain `lm_head(norm(h))`, the same logits then; unchanged under the standard one).
-    A MoE router's balancing bias has no place in Mixtral or Qwen3-MoE: refused unless zero."""
-    export_type(args)
+    A MoE router's balancing bias has no place in Mixtral or Qwen3-MoE: refused unless zero (GLM-4.5 has it)."""
+    model_type = export_type(args)
     for key, tensor in tensors.items():
-        if key.endswith("router.expert_bias") and tensor.count_nonzero():
+        if model_type != "glm4_moe" and key.endswith("router.expert_bias") and tensor.count_nonzero():
             raise ValueError(
                 f'{key} is not zero (model.moe_balance = "bias"): Mixtral and Qwen3-MoE route without a bias, so '
-                'the exported model would choose other experts; export a model trained with moe_balance = "none"'
+                "the exported model would choose other experts, and GLM-4.5, which has one, scores by sigmoid; "
+                'export a model trained with moe_balance = "none", or with moe_score = "sigmoid"'
             )
     mult = 1.0 / args.width_mult
     if mult == 1.0:
@@ -168,6 +172,8 @@ def hf_config(args: ModelArgs, dtype_name: str, eos_token_id: int | None) -> dic
         config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     if model_type in llama_hf_moe.ARCHITECTURES:
         config.update(llama_hf_moe.config_fields(args, model_type))
+        if model_type == "glm4_moe":  # transformers takes half a head for an absent partial_rotary_factor
+            config["rope_parameters"]["partial_rotary_factor"] = 1.0
         if model_type == "qwen3_moe":
             config.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
     elif model_type == "llama":
@@ -186,9 +192,11 @@ def hf_config(args: ModelArgs, dtype_name: str, eos_token_id: int | None) -> dic
 
 def _rope_settings(config: dict, where: Path) -> dict:
     """The ModelArgs rotary fields of a config: plain RoPE or Llama 3's rescaling; refuses other scalings and
-    partial rotary embeddings, naming the field."""
+    partial rotary embeddings, naming the field (GLM-4.5's, absent, is half the head in transformers)."""
     theta = config.get("rope_theta")
     partial = config.get("partial_rotary_factor")
+    if partial is None and config.get("model_type") == "glm4_moe":
+        partial = 0.5
     settings: dict = {"rope_scaling": "none"}
     for field in ("rope_parameters", "rope_scaling"):
         params = config.get(field)
@@ -258,8 +266,8 @@ def import_notes(config: dict) -> list[str]:
 
 
 def args_from_hf_config(config: dict, where: Path | str = "config.json") -> ModelArgs:
-    """The liandan `ModelArgs` equal to a Hugging Face Llama, Qwen2, Qwen3, Mistral, Mixtral or Qwen3-MoE config,
-    or a ValueError naming the field that liandan cannot express."""
+    """The liandan `ModelArgs` equal to a Hugging Face Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE or GLM-4.5
+    config, or a ValueError naming the field that liandan cannot express."""
 
     def need(field: str):
         if config.get(field) is None:
@@ -277,7 +285,8 @@ def args_from_hf_config(config: dict, where: Path | str = "config.json") -> Mode
     act = config.get("hidden_act", config.get("hidden_activation", "silu"))
     if act != "silu":
         raise ValueError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
-    if config.get("attention_bias"):  # Qwen2 has no such field: its q/k/v biases are fixed
+    glm = model_type == "glm4_moe"  # its attention_bias is on the query, key and value projections only
+    if config.get("attention_bias") and not glm:  # Qwen2 has no such field: its q/k/v biases are fixed
         raise ValueError(f"{where}: attention_bias is true; liandan has no bias on the attention output projection")
     if config.get("mlp_bias"):
         raise ValueError(f"{where}: mlp_bias is true; liandan's feed-forward projections have no bias")
@@ -313,8 +322,8 @@ def args_from_hf_config(config: dict, where: Path | str = "config.json") -> Mode
         **_rope_settings(config, Path(where)),
         max_seq_len=_sliding_window(config, model_type, positions, Path(where)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qk_norm=model_type in _QK_NORM,
-        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type in _QK_NORM or (glm and bool(config.get("use_qk_norm"))),
+        qkv_bias=model_type == "qwen2" or (glm and bool(config.get("attention_bias"))),
         init_std=float(config.get("initializer_range", 0.02)),
         **moe,
     )

@@ -36,13 +36,10 @@ def state_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     for i in range(args.n_layers):
         p = f"layers.{i}."
         shapes[p + "attention_norm.weight"] = (args.dim,)
-        shapes[p + "attention.wq.weight"] = (args.n_heads * hd, args.dim)
-        shapes[p + "attention.wk.weight"] = (args.n_kv_heads * hd, args.dim)
-        shapes[p + "attention.wv.weight"] = (args.n_kv_heads * hd, args.dim)
-        if args.qkv_bias:
-            shapes[p + "attention.wq.bias"] = (args.n_heads * hd,)
-            shapes[p + "attention.wk.bias"] = (args.n_kv_heads * hd,)
-            shapes[p + "attention.wv.bias"] = (args.n_kv_heads * hd,)
+        for name, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads), ("wv", args.n_kv_heads)):
+            shapes[p + f"attention.{name}.weight"] = (heads * hd, args.dim)
+            if args.qkv_bias:
+                shapes[p + f"attention.{name}.bias"] = (heads * hd,)
         shapes[p + "attention.wo.weight"] = (args.dim, args.n_heads * hd)
         if args.qk_norm:
             shapes[p + "attention.q_norm.weight"] = (hd,)
@@ -196,6 +193,7 @@ LLAMA = ModelSpec(
         config=llama_hf.hf_config,
         args_from_config=llama_hf.args_from_hf_config,
         ignored_suffixes=("rotary_emb.inv_freq",),  # a buffer some older checkpoints store
+        fp32_suffixes=("e_score_correction_bias",),  # GLM-4.5's routing bias: transformers keeps it in fp32
         notes=llama_hf.import_notes,
         export_weights=llama_hf.export_weights,
         tensor_names=hf_tensor_names,

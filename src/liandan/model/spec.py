@@ -72,6 +72,7 @@ class HFAdapter:
     config: Callable[[Any, str, int | None], dict]  # (args, dtype name, eos id) -> config.json
     args_from_config: Callable[[dict, str], Any]  # (config.json, where) -> args, or a ValueError naming the field
     ignored_suffixes: tuple[str, ...] = ()  # HF tensors skipped on import (buffers recomputed from the config)
+    fp32_suffixes: tuple[str, ...] = ()  # HF tensors written in fp32 whatever the export dtype (as HF keeps them)
     notes: Callable[[dict], list[str]] = lambda config: []  # config.json -> lines the import should print
     # (args, state dict without tied keys) -> the tensors to write: folds multipliers HF has no place for
     export_weights: Callable[[Any, dict], dict] = lambda args, tensors: tensors
