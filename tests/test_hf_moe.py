@@ -5,6 +5,7 @@ line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from liandan.checkpoint.hf import export_hf, import_hf
+from liandan.checkpoint.streaming import differences as weight_differences
 from liandan.checkpoint.streaming import stream_into, weight_source
 from liandan.model import ModelArgs, Transformer
 
@@ -304,6 +306,23 @@ def test_a_bf16_export_keeps_glm_routing_bias_in_fp32(tmp_path):
     assert torch.equal(bias, model.layers["1"].feed_forward.router.expert_bias)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert torch.equal(hf.model.layers[1].mlp.gate.e_score_correction_bias, bias)
+
+
+def test_a_config_leaving_ffn_dim_at_its_default_starts_from_an_all_moe_model(tmp_path):
+    """Every block of a Mixtral has experts, so the dense feed-forward width shapes no tensor: a config that
+    leaves model.ffn_dim at its default starts from its weights; with a dense first block the width counts.
+    A dense model's expert fields count no more."""
+    hf_model("mixtral").save_pretrained(tmp_path)
+    with weight_source(tmp_path) as weights:
+        theirs = weights.args
+    ours = ModelArgs(**{**dataclasses.asdict(theirs), "ffn_dim": 0})  # a [model] block without ffn_dim
+    assert (ours.ffn_dim, theirs.ffn_dim) == (128, 40)
+    assert weight_differences(ours, theirs) == []
+    dense_first = dataclasses.replace(theirs, moe_dense_layers=1)
+    ours = dataclasses.replace(ours, moe_dense_layers=1)
+    assert weight_differences(ours, dense_first) == ["model.ffn_dim = 128 (weights: 40)"]
+    dense = ModelArgs(**{**dataclasses.asdict(theirs), "moe_experts": 0, "moe_ffn_dim": 0})
+    assert weight_differences(dataclasses.replace(dense, moe_dense_layers=2, moe_shared_experts=1), dense) == []
 
 
 @pytest.mark.parametrize(

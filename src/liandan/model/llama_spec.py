@@ -92,6 +92,14 @@ def function_fields(args: ModelArgs) -> tuple[str, ...]:
     )
 
 
+def unused_fields(args: ModelArgs) -> tuple[str, ...]:
+    """Shape fields no tensor depends on: the dense feed-forward's width when every block has routed experts,
+    the experts' fields in a dense model."""
+    if not args.moe_experts:
+        return ("moe_ffn_dim", "moe_shared_experts", "moe_dense_layers")
+    return ("ffn_dim",) if args.moe_dense_layers == 0 else ()
+
+
 def tied(args: ModelArgs) -> dict[str, str]:
     return {"output.weight": "tok_embeddings.weight"} if args.tie_embeddings else {}
 
@@ -179,6 +187,7 @@ LLAMA = ModelSpec(
     flops_per_token=counts.flops_per_token,
     param_split=counts.param_split,
     shape_fields=SHAPE_FIELDS,
+    unused_fields=unused_fields,
     function_fields=function_fields,
     tied=tied,
     tie_setting="tie_embeddings",
