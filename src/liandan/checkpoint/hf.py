@@ -368,8 +368,8 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
     """Read a Hugging Face checkpoint directory of a supported architecture (Llama, Qwen2, Qwen3, Mistral,
-    Mixtral, Qwen3-MoE): `config.json` and one or more `.safetensors` files. Returns a state dict in liandan
-    naming, in the stored dtype, that the family's model (`Transformer(args)` for Llama) loads with
+    Mixtral, Qwen3-MoE, GLM-4.5): `config.json` and one or more `.safetensors` files. Returns a state dict in
+    liandan naming, in the stored dtype, that the family's model (`Transformer(args)` for Llama) loads with
     `load_state_dict`, and the args. Tied keys (Llama's `output.weight` with tied embeddings) are the same
     tensor as the one they are tied to; tensors stored one per expert are stacked; keys the checkpoint holds
     nothing for (a MoE router's balancing bias) are zeros."""
