@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from liandan.checkpoint.hf import export_hf, import_hf
+from liandan.checkpoint.hf import export_hf, import_hf, import_notes
 from liandan.checkpoint.streaming import differences as weight_differences
 from liandan.checkpoint.streaming import stream_into, weight_source
 from liandan.model import ModelArgs, Transformer
@@ -197,6 +197,7 @@ def test_import_of_transformers_moe_gives_the_same_logits(tmp_path, case):
         assert args.moe_dense_layers == config.first_k_dense_replace
         assert args.qk_norm is args.qkv_bias is config.use_qk_norm
         assert torch.equal(bias, hf.model.layers[2].mlp.gate.e_score_correction_bias)
+        assert "set moe_bias_rate" in " ".join(import_notes(tmp_path / "hf"))
     else:
         assert args.moe_balance == "none" and args.moe_aux_loss == config.router_aux_loss_coef
         assert args.moe_dense_layers == len(getattr(config, "mlp_only_layers", []))
