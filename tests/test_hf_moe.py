@@ -89,7 +89,21 @@ HF_CASES = {
         norm_topk_prob=False,
         partial_rotary_factor=1.0,
     ),
+    # dots.llm1: Qwen3's attention (qk-norm always) with GLM-4.5's routing, two shared experts.
+    "dots1": lambda: transformers.Dots1Config(
+        **SHAPE,
+        head_dim=12,
+        intermediate_size=40,
+        moe_intermediate_size=16,
+        n_routed_experts=6,
+        num_experts_per_tok=2,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.0,
+    ),
 }
+BIASED = ("glm4_moe", "dots1")  # the architectures with a routing bias
 GLM_ROUTING = {"moe_score": "sigmoid", "moe_balance": "bias", "moe_aux_loss": 0.0}
 # liandan MoE models and the architecture each is written as.
 LIANDAN_CASES = {
@@ -133,7 +147,7 @@ def randomised(model: torch.nn.Module, seed: int, routing_bias: bool = False) ->
 def hf_model(case: str, seed: int = 0):
     config = HF_CASES[case]()
     config._attn_implementation = "eager"
-    return randomised(transformers.AutoModelForCausalLM.from_config(config), seed, case.startswith("glm"))
+    return randomised(transformers.AutoModelForCausalLM.from_config(config), seed, case.startswith(BIASED))
 
 
 def liandan_model(case: str, seed: int = 0) -> Transformer:
@@ -161,7 +175,7 @@ def hf_logits_far_from_ties(hf, batch: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = hf(batch, output_router_logits=True)
     k = hf.config.num_experts_per_tok
-    glm = hf.config.model_type == "glm4_moe"
+    glm = hf.config.model_type in BIASED
     biases = [layer.mlp.gate.e_score_correction_bias for layer in hf.model.layers if glm and hasattr(layer.mlp, "gate")]
     for i, logits in enumerate(out.router_logits):
         if glm:  # chosen by sigmoid score plus bias
@@ -190,12 +204,13 @@ def test_import_of_transformers_moe_gives_the_same_logits(tmp_path, case):
     assert (args.moe_experts, args.moe_top_k) == (config.num_local_experts, config.num_experts_per_tok)
     assert args.moe_route_norm is (case == "mixtral" or config.norm_topk_prob)
     bias = state_dict["layers.2.feed_forward.router.expert_bias"]
-    if case.startswith("glm"):
+    if case.startswith(BIASED):
         assert (args.moe_score, args.moe_balance) == ("sigmoid", "bias")
         assert args.moe_shared_experts == config.n_shared_experts
         assert args.moe_route_scale == config.routed_scaling_factor
         assert args.moe_dense_layers == config.first_k_dense_replace
-        assert args.qk_norm is args.qkv_bias is config.use_qk_norm
+        assert args.qk_norm is getattr(config, "use_qk_norm", True)
+        assert args.qkv_bias is getattr(config, "use_qk_norm", False)  # the GLM case has both or neither
         assert torch.equal(bias, hf.model.layers[2].mlp.gate.e_score_correction_bias)
         assert "set moe_bias_rate" in " ".join(import_notes(tmp_path / "hf"))
     else:
@@ -274,6 +289,20 @@ def test_liandan_import_and_export_commands(tmp_path):
         assert (hf_load(tmp_path / "out")(batch).logits - hf_logits_far_from_ties(hf, batch)).abs().max() < 1e-5
 
 
+def test_dots1_goes_out_as_glm_with_the_same_logits(tmp_path):
+    """dots.llm1 is GLM-4.5's routing on Qwen3's layers: read, it is written back as GLM-4.5, which computes
+    the same function."""
+    hf = hf_model("dots1", seed=3)
+    hf.save_pretrained(tmp_path / "hf")
+    state_dict, args = import_hf(tmp_path / "hf")
+    export_hf(state_dict, args, tmp_path / "again")
+    again = hf_load(tmp_path / "again")
+    assert type(again).__name__ == "Glm4MoeForCausalLM"
+    batch = tokens(4)
+    with torch.no_grad():
+        assert (again(batch).logits - hf_logits_far_from_ties(hf, batch)).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("case", ["qwen3_moe", "glm4_moe-plain"])
 def test_streamed_into_a_model_built_on_the_meta_device(tmp_path, case):
     """A Hugging Face MoE read tensor by tensor (experts assembled from their per-expert tensors) into a model
@@ -334,7 +363,7 @@ def test_a_config_leaving_ffn_dim_at_its_default_starts_from_an_all_moe_model(tm
         ("qwen3_moe", {"num_experts_per_tok": 7}, "num_experts_per_tok 7 must be between 1 and num_local_experts 6"),
         ("qwen3_moe", {"moe_intermediate_size": None}, "moe_intermediate_size is missing"),
         ("mixtral", {"num_experts_per_tok": 1}, "num_experts_per_tok 1 with renormalised weights"),
-        ("mixtral", {"model_type": "olmoe"}, "model_type 'olmoe' is not supported (supported: llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, glm4_moe)"),
+        ("mixtral", {"model_type": "olmoe"}, "model_type 'olmoe' is not supported (supported: llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, glm4_moe, dots1)"),
         ("mixtral", {"num_local_experts": 8}, "block_sparse_moe.gate.weight has shape (4, 32), config.json implies (8, 32)"),
         # GLM-4.5's own checkpoints rotate half of each head, which is transformers' default when unsaid
         ("glm4_moe", {"partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "rope_theta": 3000.0}},
@@ -343,6 +372,9 @@ def test_a_config_leaving_ffn_dim_at_its_default_starts_from_an_all_moe_model(tm
          "partial_rotary_factor 0.5 is not supported"),
         ("glm4_moe", {"n_group": 2, "topk_group": 1}, "topk_group 1 of n_group 2: group-limited routing is not supported"),
         ("glm4_moe", {"num_experts_per_tok": 1}, "num_experts_per_tok 1 with renormalised weights"),
+        ("dots1", {"n_shared_experts": None}, "required field n_shared_experts is missing"),
+        ("dots1", {"attention_bias": True}, "attention_bias is true; liandan has no bias on the attention output"),
+        ("dots1", {"layer_types": None, "max_window_layers": 2}, "layer_types ['full_attention', 'sliding_attention']"),
     ],
 )  # fmt: skip
 def test_import_refuses_what_liandan_cannot_express(tmp_path, case, change, words):

@@ -10,7 +10,8 @@ every projection moves across unchanged:
 * Mistral: Llama's layers with sliding-window attention in some versions (see `_sliding_window`).
 * Mixtral and Qwen3-MoE: Mistral's and Qwen3's layers with routed experts (`liandan.model.llama_hf_moe`).
 * GLM-4.5 (Glm4Moe): routed experts scored by sigmoid with DeepSeek-V3's balancing bias, shared experts,
-  optional qk-norm and query/key/value biases (`liandan.model.llama_hf_moe`).
+  optional qk-norm and query/key/value biases; dots.llm1 (Dots1): the same experts on Qwen3's layers, read
+  and written back as GLM-4.5 (`liandan.model.llama_hf_moe`).
 
 A model is written as `Qwen3ForCausalLM` when it uses qk-norm, `Qwen2ForCausalLM` when it has query/key/value
 biases, and `LlamaForCausalLM` otherwise (an imported Mistral comes back as a Llama with the same logits); a
@@ -37,7 +38,7 @@ ARCHITECTURES = {
     **llama_hf_moe.ARCHITECTURES,
 }
 _WINDOWED = ("mistral", "mixtral")  # a global sliding window (`sliding_window`) whatever use_sliding_window says
-_QK_NORM = ("qwen3", "qwen3_moe")
+_QK_NORM = ("qwen3", "qwen3_moe", "dots1")
 
 # liandan name -> Hugging Face name, per layer ("{i}" is the layer index).
 _LAYER_NAMES = {
@@ -236,7 +237,7 @@ def _rope_settings(config: dict, where: Path) -> dict:
     return settings
 
 
-def _sliding_window(config: dict, model_type: str, positions: int, where: Path) -> int:
+def _sliding_window(config: dict, model_type: str, positions: int, n_layers: int, where: Path) -> int:
     """The longest sequence liandan's full causal attention computes exactly as the config's attention does.
 
     Mistral 7B v0.1 attends over a sliding window of 4096 positions; v0.2 and later have none. On sequences no
@@ -250,6 +251,10 @@ def _sliding_window(config: dict, model_type: str, positions: int, where: Path) 
     if config.get("use_sliding_window"):
         raise ValueError(f"{where}: use_sliding_window is true; sliding-window attention is not supported")
     layer_types = config.get("layer_types") or []
+    if model_type == "dots1" and not layer_types and config.get("sliding_window") is not None:
+        # transformers' Dots1Config: layers from max_window_layers on attend over the sliding window
+        first = int(config.get("max_window_layers", 62))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(int(n_layers))]
     if any(t != "full_attention" for t in layer_types):
         raise ValueError(f"{where}: layer_types {sorted(set(layer_types))} has non-full attention layers")
     return positions
@@ -266,8 +271,8 @@ def import_notes(config: dict) -> list[str]:
 
 
 def args_from_hf_config(config: dict, where: Path | str = "config.json") -> ModelArgs:
-    """The liandan `ModelArgs` equal to a Hugging Face Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE or GLM-4.5
-    config, or a ValueError naming the field that liandan cannot express."""
+    """The liandan `ModelArgs` equal to a Hugging Face Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE, GLM-4.5
+    or dots.llm1 config, or a ValueError naming the field that liandan cannot express."""
 
     def need(field: str):
         if config.get(field) is None:
@@ -320,7 +325,7 @@ def args_from_hf_config(config: dict, where: Path | str = "config.json") -> Mode
         ffn_dim=ffn_dim,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         **_rope_settings(config, Path(where)),
-        max_seq_len=_sliding_window(config, model_type, positions, Path(where)),
+        max_seq_len=_sliding_window(config, model_type, positions, n_layers, Path(where)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qk_norm=model_type in _QK_NORM or (glm and bool(config.get("use_qk_norm"))),
         qkv_bias=model_type == "qwen2" or (glm and bool(config.get("attention_bias"))),

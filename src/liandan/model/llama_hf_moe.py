@@ -8,7 +8,8 @@ score the experts by softmax, GLM-4.5 by sigmoid:
 * Qwen3-MoE: Qwen3's attention (per-head qk-norm); the chosen weights renormalised when `norm_topk_prob`;
   experts of `moe_intermediate_size`; dense layers of `intermediate_size` where `mlp_only_layers` and
   `decoder_sparse_step` say, which liandan expresses when they are the first layers (`moe_dense_layers`).
-* GLM-4.5: DeepSeek-V3's routing on grouped-query attention: sigmoid scores, a per-expert bias
+* GLM-4.5 (and dots.llm1, `Dots1ForCausalLM`, read only: Qwen3's attention with GLM-4.5's routing, written
+  back as GLM-4.5 with the same logits): DeepSeek-V3's routing on grouped-query attention: sigmoid scores, a per-expert bias
   (`e_score_correction_bias`) added for the choice only, the chosen scores renormalised when
   `norm_topk_prob` and multiplied by `routed_scaling_factor`, shared experts of `n_shared_experts *
   moe_intermediate_size`, the first `first_k_dense_replace` layers dense; optional qk-norm (`use_qk_norm`)
@@ -38,16 +39,27 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "glm4_moe": "Glm4MoeForCausalLM",
+    "dots1": "Dots1ForCausalLM",
 }
+# DeepSeek-V3's routing (sigmoid scores, a balancing bias, shared experts) on grouped-query attention
+BIASED = ("glm4_moe", "dots1")
+# transformers' defaults for the routing fields a config may leave out; None: required (no usable default)
+_BIASED_DEFAULTS = {
+    "glm4_moe": {"n_routed_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 1408,
+                 "n_shared_experts": 1, "first_k_dense_replace": 1, "norm_topk_prob": True},
+    "dots1": {"n_routed_experts": None, "num_experts_per_tok": None, "moe_intermediate_size": 1408,
+              "n_shared_experts": None, "first_k_dense_replace": 0, "norm_topk_prob": False},
+}  # fmt: skip
 
 # liandan stacked projection -> its per-expert Hugging Face name, and the MoE block's name, per model type
 _EXPERT_NAMES = {
     "mixtral": {"w1": "w1", "w2": "w2", "w3": "w3"},
     "qwen3_moe": {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"},
     "glm4_moe": {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"},
+    "dots1": {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"},
 }
-_BLOCK = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp", "glm4_moe": "mlp"}
-_SHARED_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # GLM-4.5's shared experts
+_BLOCK = {"mixtral": "block_sparse_moe", "qwen3_moe": "mlp", "glm4_moe": "mlp", "dots1": "mlp"}
+_SHARED_NAMES = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}  # GLM-4.5's and dots.llm1's
 
 
 def routes_normalised(args: ModelArgs) -> bool:
@@ -88,7 +100,7 @@ def export_type(args: ModelArgs) -> str:
 def layer_names(model_type: str, args: ModelArgs, layer: int) -> dict[str, str | Stacked | None]:
     """A MoE layer's liandan keys (after `layers.{i}.`) -> their Hugging Face names."""
     block = f"model.layers.{layer}.{_BLOCK[model_type]}"
-    glm = model_type == "glm4_moe"
+    glm = model_type in BIASED
     names: dict[str, str | Stacked | None] = {
         "feed_forward.router.gate.weight": f"{block}.gate.weight",
         # Mixtral and Qwen3-MoE have no routing bias
@@ -167,8 +179,8 @@ def _dense_layers(config: dict, experts: int, n_layers: int, where: Path) -> int
 def args_fields(config: dict, model_type: str, n_layers: int, where: Path) -> dict:
     """The ModelArgs `moe_*` fields of a Mixtral, Qwen3-MoE or GLM-4.5 config, or a ValueError naming the
     field."""
-    if model_type == "glm4_moe":
-        return _glm_fields(config, n_layers, where)
+    if model_type in BIASED:
+        return _biased_fields(config, model_type, n_layers, where)
     experts = config.get("num_local_experts", config.get("num_experts"))
     expert_field = "num_local_experts" if "num_local_experts" in config else "num_experts"
     if experts is None:
@@ -204,15 +216,20 @@ def args_fields(config: dict, model_type: str, n_layers: int, where: Path) -> di
     }
 
 
-def _glm_fields(config: dict, n_layers: int, where: Path) -> dict:
-    """The `moe_*` fields of a GLM-4.5 config; fields it lacks take transformers' defaults (`Glm4MoeConfig`)."""
+def _biased_fields(config: dict, model_type: str, n_layers: int, where: Path) -> dict:
+    """The `moe_*` fields of a GLM-4.5 or dots.llm1 config; fields it lacks take transformers' defaults."""
+    defaults = _BIASED_DEFAULTS[model_type]
 
-    def field(name: str, default):
+    def field(name: str, default=None):
         value = config.get(name)
-        return default if value is None else value
+        if value is None:
+            value = defaults.get(name, default)
+        if value is None:
+            raise ValueError(f"{where}: required field {name} is missing")
+        return value
 
-    experts = int(field("n_routed_experts", field("num_local_experts", 128)))
-    top_k = int(field("num_experts_per_tok", 8))
+    experts = int(config.get("num_local_experts") or field("n_routed_experts"))
+    top_k = int(field("num_experts_per_tok"))
     if not 1 <= top_k <= experts:
         raise ValueError(f"{where}: num_experts_per_tok {top_k} must be between 1 and n_routed_experts {experts}")
     groups, kept = int(field("n_group", 1)), int(field("topk_group", 1))
@@ -222,15 +239,15 @@ def _glm_fields(config: dict, n_layers: int, where: Path) -> dict:
             f"{where}: topk_group {kept} of n_group {groups}: group-limited routing is not supported "
             "(topk_group must equal n_group)"
         )
-    route_norm = bool(field("norm_topk_prob", True))
+    route_norm = bool(field("norm_topk_prob"))
     if route_norm and top_k == 1:
         raise ValueError(f"{where}: num_experts_per_tok 1 with renormalised weights is not supported")
     return {
         "moe_experts": experts,
         "moe_top_k": top_k,
-        "moe_ffn_dim": int(field("moe_intermediate_size", 1408)),
-        "moe_shared_experts": int(field("n_shared_experts", 1)),
-        "moe_dense_layers": min(int(field("first_k_dense_replace", 1)), n_layers),
+        "moe_ffn_dim": int(field("moe_intermediate_size")),
+        "moe_shared_experts": int(field("n_shared_experts")),
+        "moe_dense_layers": min(int(field("first_k_dense_replace")), n_layers),
         "moe_score": "sigmoid",
         "moe_route_norm": route_norm,
         "moe_route_scale": float(field("routed_scaling_factor", 1.0)),
@@ -240,8 +257,8 @@ def _glm_fields(config: dict, n_layers: int, where: Path) -> dict:
 
 
 def import_notes(config: dict) -> list[str]:
-    """What an import of a Mixtral, Qwen3-MoE or GLM-4.5 should say about its routing."""
-    if config.get("model_type") == "glm4_moe":
+    """What an import of a Mixtral, Qwen3-MoE, GLM-4.5 or dots.llm1 should say about its routing."""
+    if config.get("model_type") in BIASED:
         bias = (
             "the checkpoint's routers carry DeepSeek-V3's balancing bias (e_score_correction_bias), imported as "
             'liandan\'s (moe_balance = "bias"); its update rate is not in the checkpoint: set moe_bias_rate'
