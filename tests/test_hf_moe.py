@@ -61,7 +61,7 @@ HF_CASES = {
         norm_topk_prob=False,
     ),
     # Sigmoid scores with a balancing bias, a shared expert, scaled weights, one dense layer first, qk-norm and
-    # query/key/value biases, the rotary embedding over the whole head.
+    # query/key/value biases, the rotary embedding on half of each head (transformers' default, GLM-4.5's).
     "glm4_moe": lambda: transformers.Glm4MoeConfig(
         **SHAPE,
         head_dim=12,
@@ -74,10 +74,10 @@ HF_CASES = {
         first_k_dense_replace=1,
         use_qk_norm=True,
         attention_bias=True,
-        partial_rotary_factor=1.0,
         rope_theta=3000.0,
     ),
-    # No shared experts (transformers stores their empty weights), no dense layer, the weights not renormalised.
+    # No shared experts (transformers stores their empty weights), no dense layer, the weights not renormalised,
+    # the rotary embedding over the whole head.
     "glm4_moe-plain": lambda: transformers.Glm4MoeConfig(
         **SHAPE,
         intermediate_size=40,
@@ -120,6 +120,7 @@ LIANDAN_CASES = {
             "ffn_dim": 40,
             "qkv_bias": True,
             "qk_norm": True,
+            "rope_fraction": 0.25,
         },
         "Glm4MoeForCausalLM",
     ),
@@ -208,6 +209,7 @@ def test_import_of_transformers_moe_gives_the_same_logits(tmp_path, case):
         assert (args.moe_score, args.moe_balance) == ("sigmoid", "bias")
         assert args.moe_shared_experts == config.n_shared_experts
         assert args.moe_route_scale == config.routed_scaling_factor
+        assert args.rope_fraction == (0.5 if case == "glm4_moe" else 1.0)  # transformers' GLM default: half
         assert args.moe_dense_layers == config.first_k_dense_replace
         assert args.qk_norm is getattr(config, "use_qk_norm", True)
         assert args.qkv_bias is getattr(config, "use_qk_norm", False)  # the GLM case has both or neither
@@ -365,11 +367,7 @@ def test_a_config_leaving_ffn_dim_at_its_default_starts_from_an_all_moe_model(tm
         ("mixtral", {"num_experts_per_tok": 1}, "num_experts_per_tok 1 with renormalised weights"),
         ("mixtral", {"model_type": "olmoe"}, "model_type 'olmoe' is not supported (supported: llama, qwen2, qwen3, mistral, mixtral, qwen3_moe, glm4_moe, dots1)"),
         ("mixtral", {"num_local_experts": 8}, "block_sparse_moe.gate.weight has shape (4, 32), config.json implies (8, 32)"),
-        # GLM-4.5's own checkpoints rotate half of each head, which is transformers' default when unsaid
-        ("glm4_moe", {"partial_rotary_factor": 0.5, "rope_parameters": {"rope_type": "default", "rope_theta": 3000.0}},
-         "partial_rotary_factor 0.5 is not supported"),
-        ("glm4_moe", {"partial_rotary_factor": None, "rope_parameters": {"rope_type": "default", "rope_theta": 3000.0}},
-         "partial_rotary_factor 0.5 is not supported"),
+        ("qwen3_moe", {"partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5 is not supported in qwen3_moe"),
         ("glm4_moe", {"n_group": 2, "topk_group": 1}, "topk_group 1 of n_group 2: group-limited routing is not supported"),
         ("glm4_moe", {"num_experts_per_tok": 1}, "num_experts_per_tok 1 with renormalised weights"),
         ("dots1", {"n_shared_experts": None}, "required field n_shared_experts is missing"),

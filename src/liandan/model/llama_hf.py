@@ -39,6 +39,7 @@ ARCHITECTURES = {
 }
 _WINDOWED = ("mistral", "mixtral")  # a global sliding window (`sliding_window`) whatever use_sliding_window says
 _QK_NORM = ("qwen3", "qwen3_moe", "dots1")
+_PARTIAL_ROTARY = ("glm4_moe",)  # transformers turns only the first partial_rotary_factor of each head
 
 # liandan name -> Hugging Face name, per layer ("{i}" is the layer index).
 _LAYER_NAMES = {
@@ -103,8 +104,14 @@ def export_type(args: ModelArgs) -> str:
             "model.parameterization = mup with model.tie_embeddings scales the logits by a multiplier that "
             "Hugging Face's tied head cannot hold; train with tie_embeddings = false to export"
         )
-    if args.moe_experts:
-        return llama_hf_moe.export_type(args)
+    model_type = llama_hf_moe.export_type(args) if args.moe_experts else None
+    if args.rope_fraction != 1.0 and model_type not in _PARTIAL_ROTARY:
+        raise ValueError(
+            f"model.rope_fraction = {args.rope_fraction}: of the architectures liandan writes only GLM-4.5 (experts "
+            'with moe_score = "sigmoid") has a partial rotary embedding'
+        )
+    if model_type:
+        return model_type
     if args.qk_norm and args.qkv_bias:
         # Qwen3's attention_bias also puts a bias on the output projection, which liandan does not have.
         raise ValueError("model.qk_norm with model.qkv_bias has no transformers architecture to export to")
@@ -174,7 +181,8 @@ def hf_config(args: ModelArgs, dtype_name: str, eos_token_id: int | None) -> dic
     if model_type in llama_hf_moe.ARCHITECTURES:
         config.update(llama_hf_moe.config_fields(args, model_type))
         if model_type == "glm4_moe":  # transformers takes half a head for an absent partial_rotary_factor
-            config["rope_parameters"]["partial_rotary_factor"] = 1.0
+            config["rope_parameters"]["partial_rotary_factor"] = args.rope_fraction
+            config["partial_rotary_factor"] = args.rope_fraction
         if model_type == "qwen3_moe":
             config.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
     elif model_type == "llama":
@@ -192,8 +200,9 @@ def hf_config(args: ModelArgs, dtype_name: str, eos_token_id: int | None) -> dic
 
 
 def _rope_settings(config: dict, where: Path) -> dict:
-    """The ModelArgs rotary fields of a config: plain RoPE or Llama 3's rescaling; refuses other scalings and
-    partial rotary embeddings, naming the field (GLM-4.5's, absent, is half the head in transformers)."""
+    """The ModelArgs rotary fields of a config: plain RoPE or Llama 3's rescaling, over the whole head or, in
+    GLM-4.5, its first `partial_rotary_factor` (half when absent, as transformers reads it); refuses other
+    scalings and partial rotary embeddings elsewhere, naming the field."""
     theta = config.get("rope_theta")
     partial = config.get("partial_rotary_factor")
     if partial is None and config.get("model_type") == "glm4_moe":
@@ -232,7 +241,12 @@ def _rope_settings(config: dict, where: Path) -> dict:
             theta = params["rope_theta"]
         partial = params.get("partial_rotary_factor", partial)
     if partial is not None and float(partial) != 1.0:
-        raise ValueError(f"{where}: partial_rotary_factor {partial} is not supported (rotary on all dimensions only)")
+        if config.get("model_type") not in _PARTIAL_ROTARY:
+            raise ValueError(
+                f"{where}: partial_rotary_factor {partial} is not supported in {config.get('model_type')} "
+                "(rotary on all dimensions only)"
+            )
+        settings["rope_fraction"] = float(partial)
     settings["rope_theta"] = float(theta if theta is not None else 10000.0)
     return settings
 

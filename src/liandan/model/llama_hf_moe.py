@@ -9,14 +9,14 @@ score the experts by softmax, GLM-4.5 by sigmoid:
   experts of `moe_intermediate_size`; dense layers of `intermediate_size` where `mlp_only_layers` and
   `decoder_sparse_step` say, which liandan expresses when they are the first layers (`moe_dense_layers`).
 * GLM-4.5 (and dots.llm1, `Dots1ForCausalLM`, read only: Qwen3's attention with GLM-4.5's routing, written
-  back as GLM-4.5 with the same logits): DeepSeek-V3's routing on grouped-query attention: sigmoid scores, a per-expert bias
-  (`e_score_correction_bias`) added for the choice only, the chosen scores renormalised when
-  `norm_topk_prob` and multiplied by `routed_scaling_factor`, shared experts of `n_shared_experts *
+  back as GLM-4.5 with the same logits): DeepSeek-V3's routing on grouped-query attention: sigmoid scores,
+  a per-expert bias (`e_score_correction_bias`) added for the choice only, the chosen scores renormalised
+  when `norm_topk_prob` and multiplied by `routed_scaling_factor`, shared experts of `n_shared_experts *
   moe_intermediate_size`, the first `first_k_dense_replace` layers dense; optional qk-norm (`use_qk_norm`)
-  and query/key/value biases (`attention_bias`, none on the output projection). That is liandan's MoE with
-  `moe_score = "sigmoid"` and its balancing bias exactly, when the rotary embedding spans the whole head
-  (`partial_rotary_factor` 1; GLM-4.5's own checkpoints rotate half of it) and group-limited routing is off
-  (`topk_group` = `n_group`).
+  and query/key/value biases (`attention_bias`, none on the output projection); the rotary embedding on the
+  first `partial_rotary_factor` of each head (`rope_fraction`; GLM-4.5's own checkpoints turn half). That
+  is liandan's MoE with `moe_score = "sigmoid"` and its balancing bias exactly when group-limited routing
+  is off (`topk_group` = `n_group`).
 
 Hub checkpoints store one tensor per expert and projection; liandan stacks each projection's experts into
 one tensor (`Stacked` names). Mixtral and Qwen3-MoE have no routing bias: liandan's (`router.expert_bias`,
@@ -137,7 +137,6 @@ def config_fields(args: ModelArgs, model_type: str) -> dict:
             "topk_group": 1,
             "use_qk_norm": args.qk_norm,
             "attention_bias": args.qkv_bias,
-            "partial_rotary_factor": 1.0,
             "num_nextn_predict_layers": 0,  # no multi-token prediction layers
         }
     if model_type == "mixtral":

@@ -82,6 +82,7 @@ def function_fields(args: ModelArgs) -> tuple[str, ...]:
     scaling = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
     mup = ("parameterization", "mup_base_dim") if args.parameterization == "mup" else ()
     recipe = (("mlp",) if args.mlp != "swiglu" else ()) + (("logit_softcap",) if args.logit_softcap else ())
+    recipe += ("rope_fraction",) if args.rope_fraction != 1.0 else ()
     moe = ("moe_top_k", "moe_score", "moe_route_norm", "moe_route_scale") if args.moe_experts else ()
     return (
         ("rope_theta", "norm_eps", "rope_scaling")
