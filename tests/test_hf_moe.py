@@ -327,6 +327,34 @@ def test_streamed_into_a_model_built_on_the_meta_device(tmp_path, case):
     assert max_diff(model.eval(), hf, tokens(6)) < 1e-4
 
 
+def test_glm_multi_token_prediction_layers_are_passed_over(tmp_path):
+    """GLM-4.5's checkpoints store their multi-token-prediction layer after the decoder's (transformers does not
+    load it): import and streaming pass over it while the config announces it, and refuse it otherwise."""
+    from safetensors.torch import load_file, save_file
+
+    hf = hf_model("glm4_moe-plain", seed=2)
+    hf.save_pretrained(tmp_path)
+    assert hf.config.num_nextn_predict_layers == 1
+    tensors = load_file(tmp_path / "model.safetensors")
+    tensors["model.layers.3.eh_proj.weight"] = torch.ones(32, 64)
+    tensors["model.layers.3.mlp.experts.0.gate_proj.weight"] = torch.ones(16, 32)
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    state_dict, args = import_hf(tmp_path)
+    model = Transformer(args).eval()
+    model.load_state_dict(state_dict)
+    assert args.n_layers == 3 and max_diff(model, hf, tokens()) < 1e-4
+    assert any("multi-token-prediction layers (model.layers.3.* on" in note for note in import_notes(tmp_path))
+    with weight_source(tmp_path) as weights:
+        assert weights.args == args
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 0}))
+    words = re.escape("tensors liandan has no place for: model.layers.3.eh_proj")
+    with pytest.raises(ValueError, match=words):
+        import_hf(tmp_path)
+    with pytest.raises(ValueError, match=words), weight_source(tmp_path):
+        pass
+
+
 def test_a_bf16_export_keeps_glm_routing_bias_in_fp32(tmp_path):
     """transformers keeps GLM-4.5's routing bias in fp32 whatever the model's dtype; a bf16 export writes it
     so, since rounding it would change which experts are chosen."""
@@ -371,6 +399,7 @@ def test_a_config_leaving_ffn_dim_at_its_default_starts_from_an_all_moe_model(tm
         ("glm4_moe", {"n_group": 2, "topk_group": 1}, "topk_group 1 of n_group 2: group-limited routing is not supported"),
         ("glm4_moe", {"num_experts_per_tok": 1}, "num_experts_per_tok 1 with renormalised weights"),
         ("dots1", {"n_shared_experts": None}, "required field n_shared_experts is missing"),
+        ("glm4_moe", {"first_k_dense_replace": 3}, "first_k_dense_replace 3 leaves no MoE layer of num_hidden_layers 3"),
         ("dots1", {"attention_bias": True}, "attention_bias is true; liandan has no bias on the attention output"),
         ("dots1", {"layer_types": None, "max_window_layers": 2}, "layer_types ['full_attention', 'sliding_attention']"),
     ],

@@ -378,7 +378,8 @@ def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
-    args = args_from_hf_config(_read_config(model_dir), model_dir / "config.json")
+    config = _read_config(model_dir)
+    args = args_from_hf_config(config, model_dir / "config.json")
     spec = spec_for(args)
     adapter, tied = _adapter(spec), spec.tied(args)
     names = _hf_to_liandan_names(args)
@@ -409,6 +410,8 @@ def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
                 continue  # tied: transformers uses the tensor it is tied to and ignores a stored copy
             elif adapter.ignored_suffixes and hf_name.endswith(adapter.ignored_suffixes):
                 continue  # a buffer some checkpoints store, recomputed from the config
+            elif adapter.skipped(config, hf_name):
+                continue  # layers transformers does not use either
             elif tensor.numel() == 0:
                 continue  # holds nothing (a GLM-4.5 without shared experts stores their empty weights)
             else:

@@ -274,6 +274,17 @@ def _sliding_window(config: dict, model_type: str, positions: int, n_layers: int
     return positions
 
 
+def skipped_tensor(config: dict, name: str) -> bool:
+    """Whether `name` is in one of GLM-4.5's multi-token-prediction layers, stored after the decoder's
+    (`num_nextn_predict_layers` of them): speculative decoding's, which transformers does not load either."""
+    extra = int(config.get("num_nextn_predict_layers") or 0)
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    if config.get("model_type") != "glm4_moe" or not extra or not match:
+        return False
+    decoder = int(config.get("num_hidden_layers") or 0)
+    return decoder <= int(match.group(1)) < decoder + extra
+
+
 def import_notes(config: dict) -> list[str]:
     """What a user should know about an import beyond the `[model]` block: lines for the import to print."""
     window, positions = config.get("sliding_window"), config.get("max_position_embeddings")

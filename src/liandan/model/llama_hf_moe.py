@@ -238,6 +238,9 @@ def _biased_fields(config: dict, model_type: str, n_layers: int, where: Path) ->
             f"{where}: topk_group {kept} of n_group {groups}: group-limited routing is not supported "
             "(topk_group must equal n_group)"
         )
+    dense = int(field("first_k_dense_replace"))
+    if dense >= n_layers:
+        raise ValueError(f"{where}: first_k_dense_replace {dense} leaves no MoE layer of num_hidden_layers {n_layers}")
     route_norm = bool(field("norm_topk_prob"))
     if route_norm and top_k == 1:
         raise ValueError(f"{where}: num_experts_per_tok 1 with renormalised weights is not supported")
@@ -246,7 +249,7 @@ def _biased_fields(config: dict, model_type: str, n_layers: int, where: Path) ->
         "moe_top_k": top_k,
         "moe_ffn_dim": int(field("moe_intermediate_size")),
         "moe_shared_experts": int(field("n_shared_experts")),
-        "moe_dense_layers": min(int(field("first_k_dense_replace")), n_layers),
+        "moe_dense_layers": dense,
         "moe_score": "sigmoid",
         "moe_route_norm": route_norm,
         "moe_route_scale": float(field("routed_scaling_factor", 1.0)),
@@ -262,7 +265,13 @@ def import_notes(config: dict) -> list[str]:
             "the checkpoint's routers carry DeepSeek-V3's balancing bias (e_score_correction_bias), imported as "
             'liandan\'s (moe_balance = "bias"); its update rate is not in the checkpoint: set moe_bias_rate'
         )
-        return [bias]
+        extra = int(config.get("num_nextn_predict_layers") or 0) if config.get("model_type") == "glm4_moe" else 0
+        first = config.get("num_hidden_layers")
+        mtp = (
+            f"num_nextn_predict_layers = {extra}: multi-token-prediction layers (model.layers.{first}.* on, for "
+            "speculative decoding), where the checkpoint stores them, are not read"
+        )
+        return [bias, mtp] if extra else [bias]
     if config.get("model_type") not in ARCHITECTURES or not config.get("num_local_experts", config.get("num_experts")):
         return []
     coef = float(config.get("router_aux_loss_coef") or 0.0)

@@ -203,6 +203,7 @@ LLAMA = ModelSpec(
         config=llama_hf.hf_config,
         args_from_config=llama_hf.args_from_hf_config,
         ignored_suffixes=("rotary_emb.inv_freq",),  # a buffer some older checkpoints store
+        skipped=llama_hf.skipped_tensor,
         fp32_suffixes=("e_score_correction_bias",),  # GLM-4.5's routing bias: transformers keeps it in fp32
         notes=llama_hf.import_notes,
         export_weights=llama_hf.export_weights,

@@ -72,6 +72,9 @@ class HFAdapter:
     config: Callable[[Any, str, int | None], dict]  # (args, dtype name, eos id) -> config.json
     args_from_config: Callable[[dict, str], Any]  # (config.json, where) -> args, or a ValueError naming the field
     ignored_suffixes: tuple[str, ...] = ()  # HF tensors skipped on import (buffers recomputed from the config)
+    # (config.json, HF tensor name) -> whether import passes over a tensor the model has no place for (layers
+    # transformers does not use either, as GLM-4.5's multi-token prediction)
+    skipped: Callable[[dict, str], bool] = lambda config, name: False
     fp32_suffixes: tuple[str, ...] = ()  # HF tensors written in fp32 whatever the export dtype (as HF keeps them)
     notes: Callable[[dict], list[str]] = lambda config: []  # config.json -> lines the import should print
     # (args, state dict without tied keys) -> the tensors to write: folds multipliers HF has no place for
