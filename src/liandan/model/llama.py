@@ -75,7 +75,9 @@ class ModelArgs:
         self.n_kv_heads = self.n_kv_heads or self.n_heads
         # Qwen3 and others decouple the head size from the width (Qwen3-0.6B: 16 heads of 128 in 1024).
         self.head_dim = self.head_dim or self.dim // self.n_heads
-        if not 0.0 < self.rope_fraction <= 1.0 or self.rope_dims < 2 or self.rope_dims % 2:
+        if self.rope_fraction != 1.0 and (
+            not 0.0 < self.rope_fraction < 1.0 or self.rope_dims < 2 or self.rope_dims % 2
+        ):
             raise ValueError(
                 f"model.rope_fraction = {self.rope_fraction} must be in (0, 1] and turn an even number of the "
                 f"{self.head_dim} dimensions of a head (it turns {self.rope_dims})"

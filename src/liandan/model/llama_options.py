@@ -104,7 +104,7 @@ class LlamaOptions:
             )
         head = self.head_dim or self.dim // self.n_heads
         rotary = int(head * self.rope_fraction)
-        if not 0.0 < self.rope_fraction <= 1.0 or rotary < 2 or rotary % 2:
+        if self.rope_fraction != 1.0 and (not 0.0 < self.rope_fraction < 1.0 or rotary < 2 or rotary % 2):
             raise ConfigError(
                 f"model.rope_fraction = {self.rope_fraction} must be in (0, 1] and turn an even number of the "
                 f"{head} dimensions of a head (it turns {rotary})"
