@@ -9,7 +9,7 @@ import torch
 
 from liandan.model import MaskSpec, ModelArgs, Transformer, count_params, flops_per_token, lm_loss
 from liandan.model.attention import PreparedMask, attend, eager_attention, reference_attention
-from liandan.model.llama import apply_rope, rope_table
+from liandan.model.llama import apply_rope, model_rope_table, rope_table
 
 # FlexAttention on the CPU runs unfused (forward only) and says so on every call.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -419,6 +419,22 @@ def test_rope_per_row_table():
     torch.testing.assert_close(out[0], apply_rope(x[:1], TABLE[:6])[0], atol=0, rtol=0)
     for t, pos in enumerate(positions[1].tolist()):
         torch.testing.assert_close(out[1, t], apply_rope(x[1:2, t : t + 1], TABLE[pos : pos + 1])[0, 0])
+
+
+def test_partial_rope_turns_the_first_dimensions_and_passes_the_rest():
+    """`rope_fraction` (GLM-4.5's partial_rotary_factor): the first rope_dims of each head turn as a head of
+    that size would, over frequencies of that size; the rest pass through untouched."""
+    args = ModelArgs(dim=64, n_heads=2, rope_fraction=0.25, max_seq_len=16)
+    assert args.rope_dims == 8
+    table = model_rope_table(args)
+    assert table.shape == (16, 8)
+    torch.testing.assert_close(table, rope_table(8, 16, args.rope_theta), atol=0, rtol=0)
+    x = torch.randn(2, 16, 3, 32)
+    out = apply_rope(x, table)
+    torch.testing.assert_close(out[..., :8], apply_rope(x[..., :8], table), atol=0, rtol=0)
+    torch.testing.assert_close(out[..., 8:], x[..., 8:], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="model.rope_fraction = 0.1 must be in"):
+        ModelArgs(dim=64, n_heads=2, rope_fraction=0.1)
 
 
 # ------------------------------------------------------------------------------ fp16 overflow in eager

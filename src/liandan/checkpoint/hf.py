@@ -169,13 +169,16 @@ def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _prepare_for_save(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Detached, on the CPU, contiguous, cast to `dtype` if given, and never two sharing one storage (safetensors
-    refuses shared storage)."""
+def _prepare_for_save(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, fp32_suffixes: tuple[str, ...] = ()
+) -> dict[str, torch.Tensor]:
+    """Detached, on the CPU, contiguous, cast to `dtype` if given (to fp32 for names ending in one of
+    `fp32_suffixes`), and never two sharing one storage (safetensors refuses shared storage)."""
     out = {}
     seen: set[int] = set()
     for key, tensor in tensors.items():
-        t = tensor.detach().to(device="cpu", dtype=dtype or tensor.dtype).contiguous()
+        cast = torch.float32 if fp32_suffixes and key.endswith(fp32_suffixes) else dtype or tensor.dtype
+        t = tensor.detach().to(device="cpu", dtype=cast).contiguous()
         ptr = t.untyped_storage().data_ptr()
         if ptr in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
             t = t.clone()
@@ -257,7 +260,8 @@ def export_hf(
     out_dir.mkdir(parents=True, exist_ok=True)
     adapter = _adapter(spec_for(args))
     hf_tensors = to_hf_tensors(args, adapter.export_weights(args, tensors))
-    _save_safetensors(_prepare_for_save(hf_tensors, dtype), out_dir / "model.safetensors", {"format": "pt"})
+    hf_tensors = _prepare_for_save(hf_tensors, dtype, adapter.fp32_suffixes)
+    _save_safetensors(hf_tensors, out_dir / "model.safetensors", {"format": "pt"})
     _write_json(out_dir / "config.json", hf_config(args, dtype, eos_id))
     if tokenizer_json is not None:
         _write_tokenizer(tokenizer_json, out_dir, eos_token, args.max_seq_len)
@@ -364,8 +368,8 @@ def _weight_files(model_dir: Path) -> list[Path]:
 
 def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
     """Read a Hugging Face checkpoint directory of a supported architecture (Llama, Qwen2, Qwen3, Mistral,
-    Mixtral, Qwen3-MoE): `config.json` and one or more `.safetensors` files. Returns a state dict in liandan
-    naming, in the stored dtype, that the family's model (`Transformer(args)` for Llama) loads with
+    Mixtral, Qwen3-MoE, GLM-4.5): `config.json` and one or more `.safetensors` files. Returns a state dict in
+    liandan naming, in the stored dtype, that the family's model (`Transformer(args)` for Llama) loads with
     `load_state_dict`, and the args. Tied keys (Llama's `output.weight` with tied embeddings) are the same
     tensor as the one they are tied to; tensors stored one per expert are stacked; keys the checkpoint holds
     nothing for (a MoE router's balancing bias) are zeros."""
@@ -374,7 +378,8 @@ def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
-    args = args_from_hf_config(_read_config(model_dir), model_dir / "config.json")
+    config = _read_config(model_dir)
+    args = args_from_hf_config(config, model_dir / "config.json")
     spec = spec_for(args)
     adapter, tied = _adapter(spec), spec.tied(args)
     names = _hf_to_liandan_names(args)
@@ -405,6 +410,10 @@ def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
                 continue  # tied: transformers uses the tensor it is tied to and ignores a stored copy
             elif adapter.ignored_suffixes and hf_name.endswith(adapter.ignored_suffixes):
                 continue  # a buffer some checkpoints store, recomputed from the config
+            elif adapter.skipped(config, hf_name):
+                continue  # layers transformers does not use either
+            elif tensor.numel() == 0:
+                continue  # holds nothing (a GLM-4.5 without shared experts stores their empty weights)
             else:
                 unexpected.append(hf_name)
     if unexpected:

@@ -121,8 +121,10 @@ def weight_source(path: Path) -> Iterator[WeightSource]:
                 raise ValueError(f"cannot read {file}: {err}") from None
 
         if _is_hf_dir(path):
-            args = hf.args_from_hf_config(json.loads((path / "config.json").read_text()), path / "config.json")
-            yield WeightSource(path, args, _locate_hf(path, args, open_file), tuple(hf.unstored_keys(args)))
+            config = json.loads((path / "config.json").read_text())
+            args = hf.args_from_hf_config(config, path / "config.json")
+            located = _locate_hf(path, args, config, open_file)
+            yield WeightSource(path, args, located, tuple(hf.unstored_keys(args)))
         elif path.is_file():
             handle = open_file(path)
             metadata = handle.metadata() or {}
@@ -136,7 +138,7 @@ def weight_source(path: Path) -> Iterator[WeightSource]:
             raise FileNotFoundError(f"no Hugging Face directory or consolidated .safetensors file at {path}")
 
 
-def _locate_hf(path: Path, args: Any, open_file) -> dict[str, Stored]:
+def _locate_hf(path: Path, args: Any, config: dict, open_file) -> dict[str, Stored]:
     spec = spec_for(args)
     adapter = hf._adapter(spec)
     names = hf._hf_to_liandan_names(args)
@@ -152,6 +154,10 @@ def _locate_hf(path: Path, args: Any, open_file) -> dict[str, Stored]:
                 found[hf_name] = (handle, hf_name)
             elif hf_name in tied_hf or (adapter.ignored_suffixes and hf_name.endswith(adapter.ignored_suffixes)):
                 continue  # a tied copy transformers ignores, or a buffer recomputed from the config
+            elif adapter.skipped(config, hf_name):
+                continue  # layers transformers does not use either
+            elif 0 in handle.get_slice(hf_name).get_shape():
+                continue  # holds nothing (a GLM-4.5 without shared experts stores their empty weights)
             else:
                 unexpected.append(hf_name)
     if unexpected:

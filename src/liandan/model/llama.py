@@ -38,6 +38,7 @@ class ModelArgs:
     head_dim: int = 0
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    rope_fraction: float = 1.0  # the share of each head's dimensions the rotary embedding turns (the first ones)
     rope_scaling: str = "none"
     rope_factor: float = 8.0
     rope_low_freq_factor: float = 1.0
@@ -74,6 +75,13 @@ class ModelArgs:
         self.n_kv_heads = self.n_kv_heads or self.n_heads
         # Qwen3 and others decouple the head size from the width (Qwen3-0.6B: 16 heads of 128 in 1024).
         self.head_dim = self.head_dim or self.dim // self.n_heads
+        if self.rope_fraction != 1.0 and (
+            not 0.0 < self.rope_fraction < 1.0 or self.rope_dims < 2 or self.rope_dims % 2
+        ):
+            raise ValueError(
+                f"model.rope_fraction = {self.rope_fraction} must be in (0, 1] and turn an even number of the "
+                f"{self.head_dim} dimensions of a head (it turns {self.rope_dims})"
+            )
         if self.mlp not in FEED_FORWARDS:
             raise ValueError(f"model.mlp = {self.mlp!r} is not one of {', '.join(FEED_FORWARDS)}")
         if not self.ffn_dim:
@@ -101,6 +109,12 @@ class ModelArgs:
             z_loss=self.moe_z_loss,
             capacity_factor=self.moe_capacity_factor,
         )
+
+    @property
+    def rope_dims(self) -> int:
+        """How many of each head's dimensions the rotary embedding turns: the first ones, in the rotate-half
+        layout among themselves; the rest pass through (transformers' `partial_rotary_factor`)."""
+        return int(self.head_dim * self.rope_fraction)
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether block `index` has routed experts (the first `moe_dense_layers` blocks stay dense)."""
@@ -130,11 +144,11 @@ class RMSNorm(nn.Module):
 
 
 def rope_frequencies(args: ModelArgs) -> torch.Tensor:
-    """The rotary angular frequencies (head_dim / 2), in fp64, with Llama 3's long-context rescaling when
+    """The rotary angular frequencies (rope_dims / 2), in fp64, with Llama 3's long-context rescaling when
     `rope_scaling = "llama3"`: frequencies whose wavelength is short against the original context keep their
     value, those whose wavelength exceeds it are divided by `rope_factor`, and a band in between blends the
     two linearly in (original context / wavelength)."""
-    hd = args.head_dim
+    hd = args.rope_dims
     freq = 1.0 / args.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
     if args.rope_scaling == "none":
         return freq
@@ -156,11 +170,15 @@ def rope_table(head_dim: int, max_seq_len: int, theta: float, frequencies: torch
 
 
 def model_rope_table(args: ModelArgs) -> torch.Tensor:
-    return rope_table(args.head_dim, args.max_seq_len, args.rope_theta, rope_frequencies(args))
+    return rope_table(args.rope_dims, args.max_seq_len, args.rope_theta, rope_frequencies(args))
 
 
 def apply_rope(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
-    """x: (B, T, H, D); table: (T, D) or (B, T, D) rows for each position."""
+    """x: (B, T, H, D); table: (T, R) or (B, T, R) rows for each position. With R < D (a partial rotary
+    embedding) the first R dimensions turn and the rest pass through."""
+    rotary = table.shape[-1]
+    if rotary < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rotary], table), x[..., rotary:]], dim=-1)
     half = x.shape[-1] // 2
     cos, sin = table[..., :half], table[..., half:]
     if table.dim() == 2:

@@ -9,10 +9,14 @@ every projection moves across unchanged:
   size apart from the width (`head_dim`).
 * Mistral: Llama's layers with sliding-window attention in some versions (see `_sliding_window`).
 * Mixtral and Qwen3-MoE: Mistral's and Qwen3's layers with routed experts (`liandan.model.llama_hf_moe`).
+* GLM-4.5 (Glm4Moe): routed experts scored by sigmoid with DeepSeek-V3's balancing bias, shared experts,
+  optional qk-norm and query/key/value biases; dots.llm1 (Dots1): the same experts on Qwen3's layers, read
+  and written back as GLM-4.5 (`liandan.model.llama_hf_moe`).
 
 A model is written as `Qwen3ForCausalLM` when it uses qk-norm, `Qwen2ForCausalLM` when it has query/key/value
 biases, and `LlamaForCausalLM` otherwise (an imported Mistral comes back as a Llama with the same logits); a
-model with experts as `Qwen3MoeForCausalLM` with qk-norm and `MixtralForCausalLM` without.
+model with experts as `Glm4MoeForCausalLM` when they are scored by sigmoid, otherwise as `Qwen3MoeForCausalLM`
+with qk-norm and `MixtralForCausalLM` without.
 The file handling (safetensors, shards, state-dict checks) is model-agnostic and lives in
 `liandan.checkpoint.hf`.
 """
@@ -34,7 +38,8 @@ ARCHITECTURES = {
     **llama_hf_moe.ARCHITECTURES,
 }
 _WINDOWED = ("mistral", "mixtral")  # a global sliding window (`sliding_window`) whatever use_sliding_window says
-_QK_NORM = ("qwen3", "qwen3_moe")
+_QK_NORM = ("qwen3", "qwen3_moe", "dots1")
+_PARTIAL_ROTARY = ("glm4_moe",)  # transformers turns only the first partial_rotary_factor of each head
 
 # liandan name -> Hugging Face name, per layer ("{i}" is the layer index).
 _LAYER_NAMES = {
@@ -93,30 +98,37 @@ def export_type(args: ModelArgs) -> str:
         raise ValueError(f"model.mlp = {args.mlp!r} has no transformers architecture to export to (SwiGLU only)")
     if args.logit_softcap:
         raise ValueError("model.logit_softcap has no transformers Llama, Qwen2 or Qwen3 setting to export to")
-    if args.qk_norm and args.qkv_bias:
-        # Qwen3's attention_bias also puts a bias on the output projection, which liandan does not have.
-        raise ValueError("model.qk_norm with model.qkv_bias has no transformers architecture to export to")
     if args.width_mult != 1.0 and args.tie_embeddings:
         # The output multiplier folds into an untied head only: the shared table is the embedding's too.
         raise ValueError(
             "model.parameterization = mup with model.tie_embeddings scales the logits by a multiplier that "
             "Hugging Face's tied head cannot hold; train with tie_embeddings = false to export"
         )
-    if args.moe_experts:
-        return llama_hf_moe.export_type(args)
+    model_type = llama_hf_moe.export_type(args) if args.moe_experts else None
+    if args.rope_fraction != 1.0 and model_type not in _PARTIAL_ROTARY:
+        raise ValueError(
+            f"model.rope_fraction = {args.rope_fraction}: of the architectures liandan writes only GLM-4.5 (experts "
+            'with moe_score = "sigmoid") has a partial rotary embedding'
+        )
+    if model_type:
+        return model_type
+    if args.qk_norm and args.qkv_bias:
+        # Qwen3's attention_bias also puts a bias on the output projection, which liandan does not have.
+        raise ValueError("model.qk_norm with model.qkv_bias has no transformers architecture to export to")
     return "qwen3" if args.qk_norm else "qwen2" if args.qkv_bias else "llama"
 
 
 def export_weights(args: ModelArgs, tensors: dict) -> dict:
     """The tensors to write: muP's logit multiplier (1 / width_mult) folded into the head's weight (Hugging
     Face's Llama computes plain `lm_head(norm(h))`, the same logits then; unchanged under the standard one).
-    A MoE router's balancing bias has no place in Mixtral or Qwen3-MoE: refused unless zero."""
-    export_type(args)
+    A MoE router's balancing bias has no place in Mixtral or Qwen3-MoE: refused unless zero (GLM-4.5 has it)."""
+    model_type = export_type(args)
     for key, tensor in tensors.items():
-        if key.endswith("router.expert_bias") and tensor.count_nonzero():
+        if model_type != "glm4_moe" and key.endswith("router.expert_bias") and tensor.count_nonzero():
             raise ValueError(
                 f'{key} is not zero (model.moe_balance = "bias"): Mixtral and Qwen3-MoE route without a bias, so '
-                'the exported model would choose other experts; export a model trained with moe_balance = "none"'
+                "the exported model would choose other experts, and GLM-4.5, which has one, scores by sigmoid; "
+                'export a model trained with moe_balance = "none", or with moe_score = "sigmoid"'
             )
     mult = 1.0 / args.width_mult
     if mult == 1.0:
@@ -168,6 +180,9 @@ def hf_config(args: ModelArgs, dtype_name: str, eos_token_id: int | None) -> dic
         config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     if model_type in llama_hf_moe.ARCHITECTURES:
         config.update(llama_hf_moe.config_fields(args, model_type))
+        if model_type == "glm4_moe":  # transformers takes half a head for an absent partial_rotary_factor
+            config["rope_parameters"]["partial_rotary_factor"] = args.rope_fraction
+            config["partial_rotary_factor"] = args.rope_fraction
         if model_type == "qwen3_moe":
             config.update(attention_bias=False, use_sliding_window=False, sliding_window=None)
     elif model_type == "llama":
@@ -185,10 +200,13 @@ def hf_config(args: ModelArgs, dtype_name: str, eos_token_id: int | None) -> dic
 
 
 def _rope_settings(config: dict, where: Path) -> dict:
-    """The ModelArgs rotary fields of a config: plain RoPE or Llama 3's rescaling; refuses other scalings and
-    partial rotary embeddings, naming the field."""
+    """The ModelArgs rotary fields of a config: plain RoPE or Llama 3's rescaling, over the whole head or, in
+    GLM-4.5, its first `partial_rotary_factor` (half when absent, as transformers reads it); refuses other
+    scalings and partial rotary embeddings elsewhere, naming the field."""
     theta = config.get("rope_theta")
     partial = config.get("partial_rotary_factor")
+    if partial is None and config.get("model_type") == "glm4_moe":
+        partial = 0.5
     settings: dict = {"rope_scaling": "none"}
     for field in ("rope_parameters", "rope_scaling"):
         params = config.get(field)
@@ -223,12 +241,17 @@ def _rope_settings(config: dict, where: Path) -> dict:
             theta = params["rope_theta"]
         partial = params.get("partial_rotary_factor", partial)
     if partial is not None and float(partial) != 1.0:
-        raise ValueError(f"{where}: partial_rotary_factor {partial} is not supported (rotary on all dimensions only)")
+        if config.get("model_type") not in _PARTIAL_ROTARY:
+            raise ValueError(
+                f"{where}: partial_rotary_factor {partial} is not supported in {config.get('model_type')} "
+                "(rotary on all dimensions only)"
+            )
+        settings["rope_fraction"] = float(partial)
     settings["rope_theta"] = float(theta if theta is not None else 10000.0)
     return settings
 
 
-def _sliding_window(config: dict, model_type: str, positions: int, where: Path) -> int:
+def _sliding_window(config: dict, model_type: str, positions: int, n_layers: int, where: Path) -> int:
     """The longest sequence liandan's full causal attention computes exactly as the config's attention does.
 
     Mistral 7B v0.1 attends over a sliding window of 4096 positions; v0.2 and later have none. On sequences no
@@ -242,9 +265,24 @@ def _sliding_window(config: dict, model_type: str, positions: int, where: Path) 
     if config.get("use_sliding_window"):
         raise ValueError(f"{where}: use_sliding_window is true; sliding-window attention is not supported")
     layer_types = config.get("layer_types") or []
+    if model_type == "dots1" and not layer_types and config.get("sliding_window") is not None:
+        # transformers' Dots1Config: layers from max_window_layers on attend over the sliding window
+        first = int(config.get("max_window_layers", 62))
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(int(n_layers))]
     if any(t != "full_attention" for t in layer_types):
         raise ValueError(f"{where}: layer_types {sorted(set(layer_types))} has non-full attention layers")
     return positions
+
+
+def skipped_tensor(config: dict, name: str) -> bool:
+    """Whether `name` is in one of GLM-4.5's multi-token-prediction layers, stored after the decoder's
+    (`num_nextn_predict_layers` of them): speculative decoding's, which transformers does not load either."""
+    extra = int(config.get("num_nextn_predict_layers") or 0)
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    if config.get("model_type") != "glm4_moe" or not extra or not match:
+        return False
+    decoder = int(config.get("num_hidden_layers") or 0)
+    return decoder <= int(match.group(1)) < decoder + extra
 
 
 def import_notes(config: dict) -> list[str]:
@@ -258,8 +296,8 @@ def import_notes(config: dict) -> list[str]:
 
 
 def args_from_hf_config(config: dict, where: Path | str = "config.json") -> ModelArgs:
-    """The liandan `ModelArgs` equal to a Hugging Face Llama, Qwen2, Qwen3, Mistral, Mixtral or Qwen3-MoE config,
-    or a ValueError naming the field that liandan cannot express."""
+    """The liandan `ModelArgs` equal to a Hugging Face Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE, GLM-4.5
+    or dots.llm1 config, or a ValueError naming the field that liandan cannot express."""
 
     def need(field: str):
         if config.get(field) is None:
@@ -277,7 +315,8 @@ def args_from_hf_config(config: dict, where: Path | str = "config.json") -> Mode
     act = config.get("hidden_act", config.get("hidden_activation", "silu"))
     if act != "silu":
         raise ValueError(f"{where}: hidden_act {act!r} is not supported (SwiGLU with silu only)")
-    if config.get("attention_bias"):  # Qwen2 has no such field: its q/k/v biases are fixed
+    glm = model_type == "glm4_moe"  # its attention_bias is on the query, key and value projections only
+    if config.get("attention_bias") and not glm:  # Qwen2 has no such field: its q/k/v biases are fixed
         raise ValueError(f"{where}: attention_bias is true; liandan has no bias on the attention output projection")
     if config.get("mlp_bias"):
         raise ValueError(f"{where}: mlp_bias is true; liandan's feed-forward projections have no bias")
@@ -311,10 +350,10 @@ def args_from_hf_config(config: dict, where: Path | str = "config.json") -> Mode
         ffn_dim=ffn_dim,
         norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         **_rope_settings(config, Path(where)),
-        max_seq_len=_sliding_window(config, model_type, positions, Path(where)),
+        max_seq_len=_sliding_window(config, model_type, positions, n_layers, Path(where)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qk_norm=model_type in _QK_NORM,
-        qkv_bias=model_type == "qwen2",
+        qk_norm=model_type in _QK_NORM or (glm and bool(config.get("use_qk_norm"))),
+        qkv_bias=model_type == "qwen2" or (glm and bool(config.get("attention_bias"))),
         init_std=float(config.get("initializer_range", 0.02)),
         **moe,
     )

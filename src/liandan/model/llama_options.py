@@ -23,6 +23,9 @@ class LlamaOptions:
     head_dim: int = option(0, "size of one attention head; 0 means dim / n_heads (Qwen3 sets it apart)", min=0)
     norm_eps: float = option(1e-5, "RMSNorm epsilon", min=0.0)
     rope_theta: float = option(10000.0, "rotary embedding base", min=1.0)
+    rope_fraction: float = option(
+        1.0, "share of each head's dimensions the rotary embedding turns, the first ones (GLM-4.5: 0.5)", min=0.0
+    )
     rope_scaling: Literal["none", "llama3"] = option("none", "rotary rescaling for long context: llama3 (Llama 3.1+)")
     rope_factor: float = option(8.0, "llama3 rope_scaling: divisor of the slow frequencies", min=1.0)
     rope_low_freq_factor: float = option(
@@ -98,6 +101,13 @@ class LlamaOptions:
         if not self.head_dim and (self.dim // self.n_heads) % 2:
             raise ConfigError(
                 f"head size model.dim / model.n_heads = {self.dim // self.n_heads} must be even for rotary embeddings"
+            )
+        head = self.head_dim or self.dim // self.n_heads
+        rotary = int(head * self.rope_fraction)
+        if self.rope_fraction != 1.0 and (not 0.0 < self.rope_fraction < 1.0 or rotary < 2 or rotary % 2):
+            raise ConfigError(
+                f"model.rope_fraction = {self.rope_fraction} must be in (0, 1] and turn an even number of the "
+                f"{head} dimensions of a head (it turns {rotary})"
             )
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ConfigError(

@@ -36,13 +36,10 @@ def state_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     for i in range(args.n_layers):
         p = f"layers.{i}."
         shapes[p + "attention_norm.weight"] = (args.dim,)
-        shapes[p + "attention.wq.weight"] = (args.n_heads * hd, args.dim)
-        shapes[p + "attention.wk.weight"] = (args.n_kv_heads * hd, args.dim)
-        shapes[p + "attention.wv.weight"] = (args.n_kv_heads * hd, args.dim)
-        if args.qkv_bias:
-            shapes[p + "attention.wq.bias"] = (args.n_heads * hd,)
-            shapes[p + "attention.wk.bias"] = (args.n_kv_heads * hd,)
-            shapes[p + "attention.wv.bias"] = (args.n_kv_heads * hd,)
+        for name, heads in (("wq", args.n_heads), ("wk", args.n_kv_heads), ("wv", args.n_kv_heads)):
+            shapes[p + f"attention.{name}.weight"] = (heads * hd, args.dim)
+            if args.qkv_bias:
+                shapes[p + f"attention.{name}.bias"] = (heads * hd,)
         shapes[p + "attention.wo.weight"] = (args.dim, args.n_heads * hd)
         if args.qk_norm:
             shapes[p + "attention.q_norm.weight"] = (hd,)
@@ -85,6 +82,7 @@ def function_fields(args: ModelArgs) -> tuple[str, ...]:
     scaling = ("rope_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len")
     mup = ("parameterization", "mup_base_dim") if args.parameterization == "mup" else ()
     recipe = (("mlp",) if args.mlp != "swiglu" else ()) + (("logit_softcap",) if args.logit_softcap else ())
+    recipe += ("rope_fraction",) if args.rope_fraction != 1.0 else ()
     moe = ("moe_top_k", "moe_score", "moe_route_norm", "moe_route_scale") if args.moe_experts else ()
     return (
         ("rope_theta", "norm_eps", "rope_scaling")
@@ -93,6 +91,14 @@ def function_fields(args: ModelArgs) -> tuple[str, ...]:
         + recipe
         + moe
     )
+
+
+def unused_fields(args: ModelArgs) -> tuple[str, ...]:
+    """Shape fields no tensor depends on: the dense feed-forward's width when every block has routed experts,
+    the experts' fields in a dense model."""
+    if not args.moe_experts:
+        return ("moe_ffn_dim", "moe_shared_experts", "moe_dense_layers")
+    return ("ffn_dim",) if args.moe_dense_layers == 0 else ()
 
 
 def tied(args: ModelArgs) -> dict[str, str]:
@@ -182,6 +188,7 @@ LLAMA = ModelSpec(
     flops_per_token=counts.flops_per_token,
     param_split=counts.param_split,
     shape_fields=SHAPE_FIELDS,
+    unused_fields=unused_fields,
     function_fields=function_fields,
     tied=tied,
     tie_setting="tie_embeddings",
@@ -196,6 +203,8 @@ LLAMA = ModelSpec(
         config=llama_hf.hf_config,
         args_from_config=llama_hf.args_from_hf_config,
         ignored_suffixes=("rotary_emb.inv_freq",),  # a buffer some older checkpoints store
+        skipped=llama_hf.skipped_tensor,
+        fp32_suffixes=("e_score_correction_bias",),  # GLM-4.5's routing bias: transformers keeps it in fp32
         notes=llama_hf.import_notes,
         export_weights=llama_hf.export_weights,
         tensor_names=hf_tensor_names,

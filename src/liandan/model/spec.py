@@ -90,6 +90,10 @@ class HFAdapter:
     config: Callable[[Any, str, int | None], dict]  # (args, dtype name, eos id) -> config.json
     args_from_config: Callable[[dict, str], Any]  # (config.json, where) -> args, or a ValueError naming the field
     ignored_suffixes: tuple[str, ...] = ()  # HF tensors skipped on import (buffers recomputed from the config)
+    # (config.json, HF tensor name) -> whether import passes over a tensor the model has no place for (layers
+    # transformers does not use either, as GLM-4.5's multi-token prediction)
+    skipped: Callable[[dict, str], bool] = lambda config, name: False
+    fp32_suffixes: tuple[str, ...] = ()  # HF tensors written in fp32 whatever the export dtype (as HF keeps them)
     notes: Callable[[dict], list[str]] = lambda config: []  # config.json -> lines the import should print
     # (args, state dict without tied keys) -> the tensors to write: folds multipliers HF has no place for
     export_weights: Callable[[Any, dict], dict] = lambda args, tensors: tensors
@@ -127,6 +131,9 @@ class ModelSpec:
     # args -> the fields that change what the model computes without changing its shapes (RoPE base, norm
     # epsilon): weights from a checkpoint must have been trained under the same values
     function_fields: Callable[[Any], tuple[str, ...]] = _no_function_fields
+    # args -> the shape fields no tensor of a model of these args depends on (Llama's dense feed-forward width
+    # when every block has routed experts): two models that both leave one unused may differ in it
+    unused_fields: Callable[[Any], tuple[str, ...]] = _no_function_fields
     tied: Callable[[Any], dict[str, str]] = _untied  # key -> the key whose tensor it shares
     tie_setting: str = ""  # the args field that ties them, for messages
     # (args, *, loss_parallel, sequence_parallel) -> the plan; None: no tensor parallelism. With loss_parallel
@@ -145,17 +152,19 @@ class ModelSpec:
 
     def differences(self, ours: Any, theirs: dict[str, Any], source: str = "checkpoint") -> list[str]:
         """How a checkpoint's args (`theirs`, as saved in its metadata; fields it lacks take their defaults)
-        differ from `ours` in shape or function, one 'model.FIELD = OURS (SOURCE: THEIRS)' each."""
+        differ from `ours` in shape or function, one 'model.FIELD = OURS (SOURCE: THEIRS)' each. A shape
+        field that neither model uses is not compared."""
         known = {f.name for f in dataclasses.fields(self.args_type)}
         try:
-            full = dataclasses.asdict(self.args_type(**{k: v for k, v in theirs.items() if k in known}))
+            their_args = self.args_type(**{k: v for k, v in theirs.items() if k in known})
         except (TypeError, ValueError) as err:
             return [f"the {source}'s model arguments do not make a {self.name} model: {err}"]
-        mine = dataclasses.asdict(ours)
-        fields = dict.fromkeys(
-            self.shape_fields + self.function_fields(ours) + self.function_fields(self.args_type(**full))
-        )
-        return [f"model.{k} = {mine[k]} ({source}: {full[k]})" for k in fields if mine[k] != full[k]]
+        mine, full = dataclasses.asdict(ours), dataclasses.asdict(their_args)
+        unused = set(self.unused_fields(ours)) & set(self.unused_fields(their_args))
+        fields = dict.fromkeys(self.shape_fields + self.function_fields(ours) + self.function_fields(their_args))
+        return [
+            f"model.{k} = {mine[k]} ({source}: {full[k]})" for k in fields if k not in unused and mine[k] != full[k]
+        ]
 
     def tp_refusal(self, args: Any, tp: int) -> str | None:
         """Why a tensor-parallel degree of `tp` cannot split a model of `args` (one line), or None."""
