@@ -129,7 +129,8 @@ def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, layout: Layout, mp_pol
     for moe in moe_layers(model).values():
         fully_shard(moe.experts, mesh=mesh[dims], mp_policy=mp_policy, reshard_after_forward=reshard)
         moe.experts.set_gradient_divide_factor(float(layout.dp_size))
-        if mesh.device_type == "cpu":
+        if mesh.device_type == "cpu" and layout.expert_shard > 1:
             # A divide factor other than the group's size is NCCL's pre-multiplied sum, which gloo lacks: sum,
-            # then divide.
+            # then divide. Not over a single rank: FSDP2 then divides while copying the gradient and would
+            # divide again after.
             moe.experts.set_force_sum_reduction_for_comms(True)

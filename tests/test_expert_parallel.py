@@ -1,0 +1,149 @@
+"""Expert parallelism (parallel.ep): the layout and its refusals, the same training as without it, and
+checkpoints moving between expert-parallel degrees.
+
+Tolerances (fp32):
+- the worker (tests/ep_worker.py), whole model in one process against FSDP2 x EP on 2 or 4 gloo ranks, same
+  global batch: losses and global gradient norms to a relative 1e-6 (measured: equal losses, norms 1e-8
+  apart), every gradient within 1e-6 (measured: 3e-8; a gradient divided by the wrong data-parallel size is
+  off by 1e-3), parameters after 3 AdamW steps at lr 1e-2 within 2e-5 (measured: 4.5e-6; AdamW turns the last
+  bits of near-zero gradient elements into whole updates), router biases equal;
+- whole runs through `liandan train`: losses to a relative 1e-5, as tests/test_reshard.py (different reduction
+  orders); resume in the same layout: bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import read_run, run_losses, tiny_config, train_named, write_corpus
+from liandan.common.layout import Layout, resolve_layout
+from liandan.config import load_config
+from liandan.model import ModelArgs
+from liandan.train.expert_parallel import ep_refusal
+
+TESTS = Path(__file__).resolve().parent
+MOE = ["--model.moe_experts=4", "--model.moe_top_k=2", "--model.moe_ffn_dim=32", "--model.moe_shared_experts=1"]
+RTOL = 1e-5
+
+
+def test_layout_takes_ep_from_dp_shard():
+    layout = resolve_layout(load_config(None, ["--parallel.ep=2"]).parallel, 4)
+    assert (layout.dp_shard, layout.ep, layout.expert_shard, layout.world_size) == (4, 2, 2, 4)
+    assert str(layout) == "fsdp (dp_replicate=1, dp_shard=4, tp=1, ep=2)"
+    assert Layout.parse(str(layout)) == layout
+    assert resolve_layout(load_config(None, []).parallel, 4).ep == 1
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (["--parallel.ep=3"], 4, "parallel.ep = 3 must divide parallel.dp_shard = 4"),
+        (["--parallel.ep=2", "--parallel.dp_replicate=2"], 2, "parallel.ep = 2 must divide parallel.dp_shard = 1"),
+    ],
+)
+def test_layout_refuses_ep_not_dividing_dp_shard(overrides, world, message):
+    with pytest.raises(ValueError, match=message):
+        resolve_layout(load_config(None, overrides).parallel, world)
+
+
+def test_ep_refuses_dense_models_and_uneven_experts():
+    dense = ModelArgs(vocab_size=64, dim=32, n_layers=1, n_heads=2)
+    moe = ModelArgs(vocab_size=64, dim=32, n_layers=1, n_heads=2, moe_experts=6, moe_top_k=2)
+    assert ep_refusal(dense, 1) is None and ep_refusal(moe, 3) is None
+    assert "needs a mixture-of-experts model" in ep_refusal(dense, 2)
+    assert ep_refusal(moe, 4) == "model.moe_experts = 6 must divide evenly over parallel.ep = 4 ranks"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ep_run(out: Path, dp_replicate: int, dp_shard: int, ep: int) -> list[dict]:
+    """One run of tests/ep_worker.py on dp_replicate x dp_shard gloo ranks; each rank's report."""
+    world, port = dp_replicate * dp_shard, str(_free_port())
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=port, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+        command = [sys.executable, str(TESTS / "ep_worker.py"), str(out), str(dp_replicate), str(dp_shard), str(ep)]
+        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-3000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout, local_experts",
+    [((1, 2, 2), 2), ((1, 4, 2), 1), ((2, 2, 2), 2)],
+    ids=["ep2", "fsdp2xep2", "hsdp2xep2"],  # ep4: test_resume_ep_checkpoint_in_another_layout
+)
+def test_expert_parallel_equals_one_process(tmp_path, layout, local_experts):
+    for report in _ep_run(tmp_path, *layout):
+        for step in report["steps"]:
+            assert step["split_loss"] == pytest.approx(step["whole_loss"], rel=1e-6)
+            assert step["split_norm"] == pytest.approx(step["whole_norm"], rel=1e-6)
+            assert step["grad_diff"] <= 1e-6, step["worst"]
+        for name, diff in report["params"].items():
+            assert diff <= 2e-5, name
+        assert report["bias_diff"] == 0.0 and report["bias_moved"] > 0
+        for placements in report["expert_placements"].values():
+            assert placements[-2] == "S(0)"  # over ep
+            assert placements[-1][0] == local_experts  # this rank's share of the experts, after FSDP2's
+
+
+@pytest.fixture(scope="module")
+def moe_setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep-reshard")
+    config = root / "tiny.toml"
+    cfg = tiny_config(root / "runs", write_corpus(root), "--train.steps=8", "--checkpoint.every=4", "--run.name=",
+                      "--resilience.supervise=false", *MOE)  # fmt: skip
+    config.write_text(cfg.to_toml())
+    done = train_named(config, "reference", 1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return config, run_losses(config, "reference")
+
+
+@pytest.mark.slow
+def test_ep_refused_for_a_dense_model_in_one_line(tmp_path):
+    config = tmp_path / "dense.toml"
+    config.write_text(tiny_config(tmp_path / "runs", write_corpus(tmp_path), "--resilience.supervise=false").to_toml())
+    done = train_named(config, "dense", 2, "--parallel.ep=2")
+    assert done.returncode == 2
+    assert "parallel.ep = 2 needs a mixture-of-experts model" in done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "after",
+    [(2, ["--parallel.ep=2"]), (1, []), (4, ["--parallel.ep=4"])],
+    ids=["ep2-same-layout", "ep2-to-1", "ep2-to-ep4"],
+)
+def test_resume_ep_checkpoint_in_another_layout(moe_setup, after):
+    config, reference = moe_setup
+    name = f"ep2-to-{after[0]}{''.join(after[1])}".replace("--parallel.", "-")
+    killed = train_named(config, name, 2, "--parallel.ep=2", "--checkpoint.async_save=false",
+                         faults="kill@step:6:0")  # fmt: skip
+    assert killed.returncode != 0
+    assert len(run_losses(config, name)) == 6
+    before = run_losses(config, name)
+    done = train_named(config, name, after[0], *after[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "at step 4" in done.stdout
+    losses = run_losses(config, name)
+    assert losses == pytest.approx(reference, rel=RTOL)
+    if after[0] == 2:  # the same layout: what the killed run computed for steps 5 and 6, bit for bit
+        assert losses[4:6] == before[4:6]
+    resumed = read_run(config.parent / "runs" / name).of_kind("resumed")
+    assert resumed and resumed[-1]["step"] == 4
