@@ -22,9 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import read_run, run_losses, tiny_config, train_named, write_corpus
+from helpers import read_run, run_liandan, run_losses, tiny_config, train_named, write_corpus
 from liandan.common.layout import Layout, resolve_layout
-from liandan.config import load_config
+from liandan.config import ConfigError, load_config
+from liandan.doctor.resume import parse_layout
 from liandan.model import ModelArgs
 from liandan.train.expert_parallel import ep_refusal
 
@@ -147,3 +148,45 @@ def test_resume_ep_checkpoint_in_another_layout(moe_setup, after):
         assert losses[4:6] == before[4:6]
     resumed = read_run(config.parent / "runs" / name).of_kind("resumed")
     assert resumed and resumed[-1]["step"] == 4
+
+
+def test_doctor_names_expert_parallel_layouts():
+    assert parse_layout("fsdp2+ep2").layout == Layout(1, 2, 1, ep=2)
+    assert parse_layout("fsdp2+ep2").overrides()[-1] == "--parallel.ep=2"
+    with pytest.raises(ConfigError, match=r"^--layouts: 'fsdp2\+ep4': parallel.ep = 4 must divide"):
+        parse_layout("fsdp2+ep4")
+
+
+@pytest.mark.slow
+def test_doctor_resume_covers_an_expert_parallel_layout(moe_setup, tmp_path):
+    config, _ = moe_setup
+    report_path = tmp_path / "report.json"
+    done = run_liandan("doctor", "--resume", config, "--layouts=1,fsdp2+ep2", "--resume-steps=4",
+                       f"--json={report_path}", timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    checks = json.loads(report_path.read_text())["checks"]
+    assert {(c["saved_in"], c["resumed_in"]) for c in checks} == {
+        ("1", "1"),
+        ("fsdp2+ep2", "fsdp2+ep2"),
+        ("1", "fsdp2+ep2"),
+        ("fsdp2+ep2", "1"),
+    }
+    for check in checks:
+        assert check["passed"]
+        if check["saved_in"] == check["resumed_in"]:
+            assert check["loss_diff"] == 0 and check["weight_diff"] == 0
+
+
+@pytest.mark.slow
+def test_guard_rolls_back_expert_shards_from_its_ring(moe_setup):
+    """A learning-rate burst on 2 ranks with ep = 2: the guard rolls every rank's shards (its experts
+    included) back to the ring's state of step 20, from memory, and the run ends."""
+    config, _ = moe_setup
+    guarded = ["--train.steps=40", "--optim.lr=3e-3", "--train.global_batch=16", "--guard.ring_every=10",
+               "--train.seq_len=32", "--model.max_seq_len=32"]  # fmt: skip
+    done = train_named(config, "ep-guard", 2, "--parallel.ep=2", *guarded, faults="burst@update:30")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_run(config.parent / "runs" / "ep-guard")
+    [rollback] = records.of_kind("rollback")
+    assert (rollback["to"], rollback["from"]) == (20, "memory")
+    assert [m["step"] for m in records.metrics] == list(range(1, 41))
