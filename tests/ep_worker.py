@@ -1,5 +1,6 @@
-"""One rank of the expert-parallel test: `python ep_worker.py OUT DP_REPLICATE DP_SHARD EP` under
-RANK/WORLD_SIZE/MASTER_* with DP_REPLICATE x DP_SHARD ranks.
+"""One rank of the expert-parallel test: `python ep_worker.py OUT DP_REPLICATE DP_SHARD EP COLLAPSED` under
+RANK/WORLD_SIZE/MASTER_* with DP_REPLICATE x DP_SHARD ranks; COLLAPSED = 1 biases every router to experts 0
+and 1, so that the ranks holding the others receive no rows.
 
 Every rank trains a tiny MoE model twice for a few steps on the same global batch: whole, in this process
 (the mean of the loss over every rank's micro-batch, the routing's loads summed over all of them), and
@@ -27,7 +28,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def main(out_dir: str, dp_replicate: int, dp_shard: int, ep: int) -> None:
+def main(out_dir: str, dp_replicate: int, dp_shard: int, ep: int, collapsed: int = 0) -> None:
     from liandan.common.layout import Layout
     from liandan.model.moe import routing_step
     from liandan.train.optimizers.container import clip_grad_norm
@@ -45,6 +46,11 @@ def main(out_dir: str, dp_replicate: int, dp_shard: int, ep: int) -> None:
     whole = Transformer(args)
     torch.manual_seed(0)
     split = parallelize(Transformer(args), mesh, layout)
+    if collapsed:  # every token's choice is experts 0 and 1: the ranks holding 2 and 3 receive no rows
+        for model in (whole, split):
+            for name, bias in model.named_buffers():
+                if name.endswith("expert_bias"):
+                    bias.copy_(torch.tensor([10.0, 10.0, 0.0, 0.0]))
     whole_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2, foreach=False)
     split_opt = torch.optim.AdamW(split.parameters(), lr=1e-2, foreach=False)
     dp_rank, dp_size = dp_coordinates(mesh, layout)
@@ -89,4 +95,4 @@ def main(out_dir: str, dp_replicate: int, dp_shard: int, ep: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *map(int, sys.argv[2:5]))
+    main(sys.argv[1], *map(int, sys.argv[2:6]))

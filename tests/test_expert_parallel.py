@@ -5,7 +5,7 @@ Tolerances (fp32):
 - the worker (tests/ep_worker.py), whole model in one process against FSDP2 x EP on 2 or 4 gloo ranks, same
   global batch: losses and global gradient norms to a relative 1e-6 (measured: equal losses, norms 1e-8
   apart), every gradient within 1e-6 (measured: 3e-8; a gradient divided by the wrong data-parallel size is
-  off by 1e-3), parameters after 3 AdamW steps at lr 1e-2 within 2e-5 (measured: 4.5e-6; AdamW turns the last
+  off by 1e-3), parameters after 3 AdamW steps at lr 1e-2 within 5e-5 (measured: up to 1.5e-5; AdamW turns the last
   bits of near-zero gradient elements into whole updates), router biases equal;
 - whole runs through `liandan train`: losses to a relative 1e-5, as tests/test_reshard.py (different reduction
   orders); resume in the same layout: bit for bit.
@@ -68,7 +68,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ep_run(out: Path, dp_replicate: int, dp_shard: int, ep: int) -> list[dict]:
+def _ep_run(out: Path, dp_replicate: int, dp_shard: int, ep: int, collapsed: bool) -> list[dict]:
     """One run of tests/ep_worker.py on dp_replicate x dp_shard gloo ranks; each rank's report."""
     world, port = dp_replicate * dp_shard, str(_free_port())
     procs = []
@@ -76,7 +76,8 @@ def _ep_run(out: Path, dp_replicate: int, dp_shard: int, ep: int) -> list[dict]:
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-        command = [sys.executable, str(TESTS / "ep_worker.py"), str(out), str(dp_replicate), str(dp_shard), str(ep)]
+        command = [sys.executable, str(TESTS / "ep_worker.py"), str(out), str(dp_replicate), str(dp_shard), str(ep),
+                   str(int(collapsed))]  # fmt: skip
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for proc in procs:
         _, err = proc.communicate(timeout=300)
@@ -86,18 +87,20 @@ def _ep_run(out: Path, dp_replicate: int, dp_shard: int, ep: int) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout, local_experts",
-    [((1, 2, 2), 2), ((1, 4, 2), 1), ((2, 2, 2), 2)],
-    ids=["ep2", "fsdp2xep2", "hsdp2xep2"],  # ep4: test_resume_ep_checkpoint_in_another_layout
+    "layout, local_experts, collapsed",
+    [((1, 2, 2), 2, False), ((1, 4, 2), 1, False), ((2, 2, 2), 2, False), ((1, 4, 2), 1, True)],
+    # ep4: test_resume_ep_checkpoint_in_another_layout. collapsed: half the ranks' experts get no rows, and
+    # their zero gradients still go through FSDP2's reduction with their peers'
+    ids=["ep2", "fsdp2xep2", "hsdp2xep2", "fsdp2xep2-collapsed"],
 )
-def test_expert_parallel_equals_one_process(tmp_path, layout, local_experts):
-    for report in _ep_run(tmp_path, *layout):
+def test_expert_parallel_equals_one_process(tmp_path, layout, local_experts, collapsed):
+    for report in _ep_run(tmp_path, *layout, collapsed):
         for step in report["steps"]:
             assert step["split_loss"] == pytest.approx(step["whole_loss"], rel=1e-6)
             assert step["split_norm"] == pytest.approx(step["whole_norm"], rel=1e-6)
             assert step["grad_diff"] <= 1e-6, step["worst"]
         for name, diff in report["params"].items():
-            assert diff <= 2e-5, name
+            assert diff <= 5e-5, name
         assert report["bias_diff"] == 0.0 and report["bias_moved"] > 0
         for placements in report["expert_placements"].values():
             assert placements[-2] == "S(0)"  # over ep

@@ -71,8 +71,8 @@ def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
 class _Routes:
     """Where the rows of one forward came from, for the output hook to send the results back."""
 
-    def __init__(self, sent: list[int], received: list[int], order: torch.Tensor):
-        self.sent, self.received, self.order = sent, received, order
+    def __init__(self, sent: list[int], received: list[int], order: torch.Tensor, rows: torch.Tensor):
+        self.sent, self.received, self.order, self.rows = sent, received, order, rows
 
 
 def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
@@ -95,8 +95,9 @@ def _dispatch(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
     )
     by_expert = (segment % local) * ranks + segment // local
     order = torch.argsort(by_expert, stable=True)
-    module._ep_routes = _Routes(sent_splits, received_splits, order)
-    return arrived[order], received.sum(0)
+    rows = arrived[order]
+    module._ep_routes = _Routes(sent_splits, received_splits, order, rows)
+    return rows, received.sum(0)
 
 
 def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
@@ -106,9 +107,12 @@ def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch
     unsorted = torch.empty_like(routes.order)
     unsorted[routes.order] = torch.arange(routes.order.numel(), device=routes.order.device)
     if not unsorted.numel():
-        # No rows came to this rank's experts: their weights still get a (zero) gradient, so that every rank
-        # of their FSDP2 group reduces the same tensors.
-        output = output + sum(w.to_local().sum() * 0.0 for w in module.parameters())
+        # No rows came to this rank's experts, and the experts' empty output depends on nothing. Tie it to
+        # the rows that came (none) and to the weights: the backward pass must still take this rank through
+        # the dispatch's all-to-all, which the others wait in, and give the weights a (zero) gradient, so
+        # that every rank of their FSDP2 group reduces the same tensors.
+        weights = sum(w.to_local().sum() for w in module.parameters())
+        output = output + (routes.rows.sum() + weights) * 0.0
     return all_to_all_single_autograd(output[unsorted], routes.sent, routes.received, mesh.get_group())
 
 
