@@ -5,8 +5,8 @@ Tolerances (fp32):
 - the worker (tests/ep_worker.py), whole model in one process against FSDP2 x EP on 2 or 4 gloo ranks, same
   global batch: losses and global gradient norms to a relative 1e-6 (measured: equal losses, norms 1e-8
   apart), every gradient within 1e-6 (measured: 3e-8; a gradient divided by the wrong data-parallel size is
-  off by 1e-3), parameters after 3 AdamW steps at lr 1e-2 within 5e-5 (measured: up to 1.5e-5; AdamW turns the last
-  bits of near-zero gradient elements into whole updates), router biases equal;
+  off by 1e-3), parameters after 3 AdamW steps at lr 1e-2 within 5e-5 (measured: up to 1.5e-5; AdamW turns
+  the last bits of near-zero gradient elements into whole updates), router biases equal;
 - whole runs through `liandan train`: losses to a relative 1e-5, as tests/test_reshard.py (different reduction
   orders); resume in the same layout: bit for bit.
 """
@@ -186,7 +186,7 @@ def test_guard_rolls_back_expert_shards_from_its_ring(moe_setup):
     included) back to the ring's state of step 20, from memory, and the run ends."""
     config, _ = moe_setup
     guarded = ["--train.steps=40", "--optim.lr=3e-3", "--train.global_batch=16", "--guard.ring_every=10",
-               "--train.seq_len=32", "--model.max_seq_len=32"]  # fmt: skip
+               "--train.seq_len=32", "--model.max_seq_len=32", "--checkpoint.every=100"]  # fmt: skip
     done = train_named(config, "ep-guard", 2, "--parallel.ep=2", *guarded, faults="burst@update:30")
     assert done.returncode == 0, done.stderr[-3000:]
     records = read_run(config.parent / "runs" / "ep-guard")
