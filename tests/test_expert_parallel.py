@@ -193,3 +193,19 @@ def test_guard_rolls_back_expert_shards_from_its_ring(moe_setup):
     [rollback] = records.of_kind("rollback")
     assert (rollback["to"], rollback["from"]) == (20, "memory")
     assert [m["step"] for m in records.metrics] == list(range(1, 41))
+
+
+@pytest.mark.slow
+def test_hsdp_x_ep_fingerprints_agree_until_a_bit_flips(moe_setup):
+    """2 replicas x 2 shards with ep = 2: the replicas' fingerprints (expert shards included) and replays agree
+    at step 5; a bit flipped on rank 3 after step 7 is found at step 10 in its replica group (ranks 1 and 3),
+    and the run rolls back to step 5 and finishes."""
+    config, _ = moe_setup
+    checked = ["--parallel.dp_replicate=2", "--parallel.ep=2", "--train.steps=12", "--health.check_every=5",
+               "--health.replay_every=5", "--guard.ring_every=5", "--checkpoint.every=0"]  # fmt: skip
+    done = train_named(config, "ep-sdc", 4, *checked, faults="flip@param:7:3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_run(config.parent / "runs" / "ep-sdc")
+    [sdc] = records.of_kind("sdc")
+    assert sdc["step"] == 10 and sdc["checks"] == ["fingerprint"] and sdc["to"] == 5
+    assert "ranks 1, 3 disagree" in sdc["detail"] and records.summary["steps"] == 12
