@@ -164,16 +164,13 @@ def test_doctor_names_expert_parallel_layouts():
 def test_doctor_resume_covers_an_expert_parallel_layout(moe_setup, tmp_path):
     config, _ = moe_setup
     report_path = tmp_path / "report.json"
-    done = run_liandan("doctor", "--resume", config, "--layouts=1,fsdp2+ep2", "--resume-steps=4",
-                       f"--json={report_path}", timeout=600)  # fmt: skip
+    # saved in the first layout only (half the runs): test_resume_ep_checkpoint_in_another_layout resumes
+    # checkpoints saved under ep
+    done = run_liandan("doctor", "--resume", config, "--layouts=1,fsdp2+ep2", "--save-in=first",
+                       "--resume-steps=4", f"--json={report_path}", timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     checks = json.loads(report_path.read_text())["checks"]
-    assert {(c["saved_in"], c["resumed_in"]) for c in checks} == {
-        ("1", "1"),
-        ("fsdp2+ep2", "fsdp2+ep2"),
-        ("1", "fsdp2+ep2"),
-        ("fsdp2+ep2", "1"),
-    }
+    assert {(c["saved_in"], c["resumed_in"]) for c in checks} == {("1", "1"), ("1", "fsdp2+ep2")}
     for check in checks:
         assert check["passed"]
         if check["saved_in"] == check["resumed_in"]:
