@@ -1,9 +1,12 @@
 """The parallel layout of a run: how many ranks each named dimension of the device mesh has.
 
 Dimensions, outermost first: `dp_replicate` (DDP replicas, or HSDP's replica groups), `dp_shard` (FSDP2's
-shard group), `tp` (tensor parallel). `pp` (pipeline stages) and `ep` (expert parallel) have their place in
-the layout but are fixed at 1 until the trainer has a pipeline schedule and expert layers: a layout asking
-for more is refused in one line.
+shard group), `tp` (tensor parallel). `ep` (expert parallel) borrows its ranks from `dp_shard`, as torchtitan's
+dp2ep does: the shard group splits into `dp_shard / ep` groups of `ep` neighbouring ranks, each of which
+divides the routed experts among its ranks; the experts' weights are then sharded by FSDP2 over what is left
+(`dp_shard / ep`), the dense weights over the whole `dp_shard`. It adds no processes. `pp` (pipeline stages)
+has its place in the layout but is fixed at 1 until the trainer has a pipeline schedule: a layout asking for
+more is refused in one line.
 
 `str(layout)` is what checkpoints, memory snapshots, events and summaries record, e.g.
 `fsdp (dp_replicate=1, dp_shard=2, tp=1)`; `Layout.parse` reads it back.
@@ -31,8 +34,11 @@ class Layout:
     def __post_init__(self) -> None:
         if self.pp != 1:
             raise ValueError(f"pipeline parallelism is not supported yet: pp = {self.pp} must be 1")
-        if self.ep != 1:
-            raise ValueError(f"expert parallelism is not supported yet: ep = {self.ep} must be 1")
+        if self.ep < 1 or self.dp_shard % self.ep:
+            raise ValueError(
+                f"parallel.ep = {self.ep} must divide parallel.dp_shard = {self.dp_shard}: expert parallelism"
+                " borrows its ranks from the FSDP shard group"
+            )
 
     @property
     def dp_size(self) -> int:
@@ -41,6 +47,12 @@ class Layout:
     @property
     def world_size(self) -> int:
         return self.dp_size * self.tp * self.pp
+
+    @property
+    def expert_shard(self) -> int:
+        """Over how many ranks FSDP2 shards each expert-parallel rank's experts: what `ep` leaves of
+        `dp_shard`."""
+        return self.dp_shard // self.ep
 
     @property
     def kind(self) -> str:
@@ -78,7 +90,7 @@ def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:
                 f" but {world_size} were launched (set --nproc or the torchrun/srun task count)"
             )
         shard = world_size // rest
-    layout = Layout(cfg.dp_replicate, shard, cfg.tp)
+    layout = Layout(cfg.dp_replicate, shard, cfg.tp, ep=cfg.ep)
     if layout.world_size != world_size:
         raise ValueError(
             f"parallel layout dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x tp={layout.tp}"

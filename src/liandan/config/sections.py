@@ -101,6 +101,12 @@ class ParallelSection:
     dp_replicate: int = _f(1, "data-parallel replicas (DDP, or HSDP with dp_shard > 1)", min=1)
     dp_shard: int = _f(-1, "FSDP2 shard group size; -1 takes whatever the other dims leave", min=-1)
     tp: int = _f(1, "tensor-parallel degree", min=1)
+    ep: int = _f(
+        1,
+        "expert-parallel degree: the routed experts are divided among groups of ep data-parallel ranks (borrowed"
+        " from dp_shard, which it must divide) and tokens travel to their experts by all-to-all",
+        min=1,
+    )
     loss_parallel: bool = _f(
         True,
         "with tp > 1, the head's logits stay split over the vocabulary and the cross-entropy is computed on"

@@ -41,8 +41,8 @@ RELATIVE_TOLERANCE = 1e-5
 DEFAULT_STEPS = 8
 # each: every layout saves a checkpoint (3 runs per layout); first: only the first layout does (1 per layout + 1)
 SAVE_IN = ("each", "first")
-_PART = re.compile(r"^(ddp|fsdp|tp)(\d+)$")
-_LAYOUT_HELP = "1, ddpN, fsdpN, tpN or a combination such as fsdp2+tp2"
+_PART = re.compile(r"^(ddp|fsdp|tp|ep)(\d+)$")
+_LAYOUT_HELP = "1, ddpN, fsdpN, tpN, epN (experts over N of the fsdp ranks) or a combination such as fsdp2+tp2"
 
 
 class OracleError(Exception):
@@ -67,14 +67,14 @@ class LayoutChoice:
     def overrides(self) -> list[str]:
         lay = self.layout
         return [f"--parallel.dp_replicate={lay.dp_replicate}", f"--parallel.dp_shard={lay.dp_shard}",
-                f"--parallel.tp={lay.tp}"]  # fmt: skip
+                f"--parallel.tp={lay.tp}", f"--parallel.ep={lay.ep}"]  # fmt: skip
 
 
 def parse_layout(text: str) -> LayoutChoice:
     name = text.strip().lower()
     if name in ("1", "single"):
         return LayoutChoice("1", Layout(1, 1, 1))
-    sizes = {"ddp": 1, "fsdp": 1, "tp": 1}
+    sizes = {"ddp": 1, "fsdp": 1, "tp": 1, "ep": 1}
     seen = set()
     for part in re.split(r"[+x]", name):
         match = _PART.match(part)
@@ -82,7 +82,11 @@ def parse_layout(text: str) -> LayoutChoice:
             raise ConfigError(f"--layouts: '{text}' is not a layout; use {_LAYOUT_HELP}")
         seen.add(match.group(1))
         sizes[match.group(1)] = int(match.group(2))
-    return LayoutChoice(name, Layout(sizes["ddp"], sizes["fsdp"], sizes["tp"]))
+    try:
+        layout = Layout(sizes["ddp"], sizes["fsdp"], sizes["tp"], ep=sizes["ep"])
+    except ValueError as err:
+        raise ConfigError(f"--layouts: '{text}': {err}") from None
+    return LayoutChoice(name, layout)
 
 
 def parse_layouts(text: str) -> list[LayoutChoice]:
@@ -98,25 +102,31 @@ def parse_layouts(text: str) -> list[LayoutChoice]:
 def layout_refusal(cfg: Config, choice: LayoutChoice) -> str | None:
     """Why the config cannot train in this layout (one line), or None."""
     from liandan.model.spec import get, model_args
+    from liandan.train.expert_parallel import ep_refusal
 
     lay, t = choice.layout, cfg.train
     per_rank = t.global_batch // lay.dp_size
     if t.global_batch % lay.dp_size or (t.micro_batch and per_rank % t.micro_batch):
         return (f"train.global_batch = {t.global_batch} does not split into {lay.dp_size} data-parallel ranks"
                 f" of train.micro_batch = {t.micro_batch or per_rank}")  # fmt: skip
-    if lay.tp > 1:
-        return get(cfg.model.family).tp_refusal(model_args(cfg.model, 256), lay.tp)  # the vocabulary is not split
-    return None
+    args = model_args(cfg.model, 256)  # the vocabulary is not split
+    if lay.tp > 1 and (refusal := get(cfg.model.family).tp_refusal(args, lay.tp)):
+        return refusal
+    return ep_refusal(args, lay.ep)
 
 
 def default_layouts(cfg: Config, on_gpu: bool) -> tuple[list[LayoutChoice], list[str]]:
     """One process and every two-process layout the config trains in (two processes exercise every way a
-    checkpoint is split and joined again); one process alone on a single GPU. Returns them and, for each
-    layout left out, why."""
+    checkpoint is split and joined again; for a mixture-of-experts model, experts split over both ranks too);
+    one process alone on a single GPU. Returns them and, for each layout left out, why."""
     import torch
+
+    from liandan.model.spec import model_args
 
     two = not on_gpu or torch.cuda.device_count() >= 2
     names = ["1", "ddp2", "fsdp2", "tp2"] if two else ["1"]
+    if two and getattr(model_args(cfg.model, 256), "moe_experts", 0):
+        names.append("fsdp2+ep2")
     chosen, skipped = [], []
     for choice in map(parse_layout, names):
         why = layout_refusal(cfg, choice)

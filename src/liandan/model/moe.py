@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -123,14 +124,21 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(experts, hidden, dim))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x (M, D): rows sorted by expert, `counts[e]` of them for expert e."""
-        h = F.silu(grouped_matmul(x, self.w1, counts)) * grouped_matmul(x, self.w3, counts)
-        return grouped_matmul(h, self.w2, counts)
+        """x (M, D): rows sorted by expert, `counts[e]` of them for expert e. Under expert parallelism the
+        weights are DTensors sharded on the experts' dimension and `x` holds the rows of this rank's experts
+        (`liandan.train.expert_parallel`): the local shards serve them."""
+        w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        h = F.silu(grouped_matmul(x, w1, counts)) * grouped_matmul(x, w3, counts)
+        return grouped_matmul(h, w2, counts)
 
     def reset_parameters(self, std: float, out_std: float) -> None:
         nn.init.normal_(self.w1, 0.0, std)
         nn.init.normal_(self.w3, 0.0, std)
         nn.init.normal_(self.w2, 0.0, out_std)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from liandan.faults import faulty_matmuls, planned_at, slow_forward
 from liandan.model.moe import routing_step
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
+from liandan.train.expert_parallel import ep_refusal
 from liandan.train.fp8 import Fp8, dims_refusal, fp8_param_count, fp8_refusal
 from liandan.train.hardware import PeakMemory
 from liandan.train.health.allreduce import AllReduceAudit
@@ -50,7 +51,7 @@ class CausalLMTrainModule(TrainModule):
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.spec: ModelSpec = get_model_spec(cfg.model.family)
         self.args = model_args(cfg, tokenizer_vocab)
-        refusal = self.spec.tp_refusal(self.args, layout.tp)
+        refusal = self.spec.tp_refusal(self.args, layout.tp) or ep_refusal(self.args, layout.ep)
         if refusal:
             raise ConfigError(refusal)
         par = cfg.parallel
@@ -112,7 +113,7 @@ class CausalLMTrainModule(TrainModule):
         self.autocast = dtype != torch.float32 and not fsdp
         self.model_parts = [model]
         self.optimizers = build_optimizers(self.model_parts, cfg.optim, schedule(t.steps, cfg.schedule), device,
-                                           mixed_tensor_kinds=layout.tp > 1)  # fmt: skip
+                                           mixed_tensor_kinds=layout.tp > 1 or layout.ep > 1)  # fmt: skip
         self.params = self.spec.count_params(self.args)
         self.flops_per_token = self.spec.flops_per_token(self.args, t.seq_len)
         self.fp8_share = min(1.0, 6.0 * self.fp8_params / self.flops_per_token)  # of the FLOPs, run in fp8

@@ -1,8 +1,10 @@
 """Parallelism, recomputation and compilation, applied to a plain model from outside, as its family's spec
 (`liandan.model.spec`) describes: the tensor-parallel plan, the container of repeated blocks, what to compile.
 
-One DeviceMesh with named dims ("dp_replicate", "dp_shard", "tp"). The order of application follows
-torchtitan: fp8 linear layers first (they replace modules, which the rest then wraps), tensor parallel next (it rewrites the linear layers into DTensor shards), then activation
+One DeviceMesh with named dims ("dp_replicate", "dp_shard", "tp"); under expert parallelism its dp_shard
+dim is split into ("dp_shard_mod_ep", "ep") for the routed experts (`liandan.train.expert_parallel`). The order of application follows
+torchtitan: fp8 linear layers first (they replace modules, which the rest then wraps), tensor parallel next (it rewrites the linear layers into DTensor shards), expert parallel (the experts'
+weights into DTensor shards over `ep`), then activation
 checkpointing and torch.compile per block, then data parallelism (FSDP2 `fully_shard`, HSDP on a 2-D
 mesh, or DDP when only replication is asked for).
 """
@@ -19,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from liandan.common.layout import Layout, uses_fsdp
 from liandan.model.spec import ModelSpec, spec_for
+from liandan.train.expert_parallel import apply_ep, apply_expert_fsdp, ep_refusal, expert_mesh
 from liandan.train.fp8 import Fp8, convert_to_fp8
 from liandan.train.health.allreduce import AllReduceAudit, audited_allreduce
 
@@ -148,15 +151,23 @@ def apply_compile(model: nn.Module, spec: ModelSpec | None = None) -> None:
 
 
 def apply_fsdp(
-    model: nn.Module, dp_mesh: DeviceMesh, param_dtype: torch.dtype | None, spec: ModelSpec | None = None
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    param_dtype: torch.dtype | None,
+    spec: ModelSpec | None = None,
+    experts: tuple[DeviceMesh, Layout] | None = None,
 ) -> None:
-    """One FSDP2 unit per block of the family's block container, and the root unit for the rest."""
+    """One FSDP2 unit per block of the family's block container, and the root unit for the rest. With
+    `experts` (the expert mesh and the layout, under expert parallelism), each block's routed experts get a
+    unit of their own over the data-parallel ranks that hold the same experts."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     blocks = list(_blocks(model, spec or spec_for(model.args)).children())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once for backward: keep them gathered.
+        if experts is not None:
+            apply_expert_fsdp(block, *experts, mp_policy=mp, reshard=i < len(blocks) - 1)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp)
 
@@ -203,6 +214,13 @@ def parallelize(
         convert_to_fp8(model, fp8)
     if layout.tp > 1:
         apply_tp(model, mesh["tp"], spec, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
+    experts = None
+    if layout.ep > 1:
+        refusal = ep_refusal(model.args, layout.ep)
+        if refusal:
+            raise ValueError(refusal)
+        experts = (expert_mesh(mesh, layout), layout)
+        apply_ep(model, experts[0])
     apply_activation_checkpointing(model, activation_checkpoint, spec)
     if compile and (uses_fsdp(layout) or layout.tp > 1):
         apply_compile(model, spec)  # per block: FSDP2 and TP hooks sit between blocks
@@ -210,7 +228,7 @@ def parallelize(
         model.compile(dynamic=False)  # whole graph, in place (parameter names unchanged)
     if uses_fsdp(layout):
         dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
-        apply_fsdp(model, mesh[dims], fsdp_param_dtype, spec)
+        apply_fsdp(model, mesh[dims], fsdp_param_dtype, spec, experts)
     if materialize is not None:
         materialize(model)
     if not uses_fsdp(layout) and layout.dp_replicate > 1:
