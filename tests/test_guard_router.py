@@ -17,6 +17,7 @@ from liandan.train.guard.diagnosis import routers_moved_first
 from liandan.train.guard.rules import RouterWatch
 
 MOE = ["--model.moe_experts=4", "--model.moe_top_k=2", "--model.moe_dense_layers=1", "--guard.ring_every=5",
+       "--guard.router_warmup=4",
        "--guard.router_window=6"]  # fmt: skip
 PLANTED = 12  # the step the drill pushes layer 1's router towards expert 0
 
@@ -38,7 +39,7 @@ def train(out, corpus, *overrides, fault="", steps=24):
 
 
 def test_a_clean_moe_run_raises_no_router_alarm(tmp_path, corpus):
-    trainer, records = train(tmp_path, corpus, "--guard.router_warmup=10", steps=30)
+    trainer, records = train(tmp_path, corpus, steps=30)
     assert records.of_kind("guard") == [] and records.of_kind("rollback") == []
     assert trainer.module.routing is not None and trainer.module.routing.layers == [1]
 

@@ -250,8 +250,8 @@ class GuardSection:
         " MADs); 0 disables", min=0.0,
     )  # fmt: skip
     router_window: int = _f(
-        20, "mixture of experts: steps a router collapse must last to be named, and the steps of max/mean load"
-        " whose median the drift rule follows", min=2,
+        20, "mixture of experts: steps a router collapse must last to be named (after router_warmup), and the"
+        " steps of max/mean load whose median the drift rule follows", min=2,
     )  # fmt: skip
     router_dead: float = _f(
         0.02, "router collapse: an expert's load below this fraction of the layer's mean load...; 0 disables",
@@ -262,10 +262,10 @@ class GuardSection:
         " router gives each expert fewer: top_k/experts below it); 0 disables", min=0.0, max=1.0,
     )  # fmt: skip
     router_drift: float = _f(
-        0.5, "imbalance drift: after router_warmup steps, a layer's max/mean load (median over router_window steps)"
+        0.5, "imbalance drift: a layer's max/mean load (median over router_window steps)"
         " this much above the lowest such median since; 0 disables", min=0.0,
     )  # fmt: skip
-    router_warmup: int = _f(100, "steps before the drift rule judges (the balancing settles first)", min=0)
+    router_warmup: int = _f(100, "steps before the router rules judge (the balancing settles first)", min=0)
     router_lr_factor: float = _f(
         0.5, "after a rollback for a router collapse or drift, scale the learning rate by this for the rest of the"
         " run (compounding), and train on the same batches again", min=0.0, max=1.0,

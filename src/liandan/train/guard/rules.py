@@ -228,10 +228,11 @@ class RouterWatch:
     """The routers of a mixture of experts, layer by layer, from each step's loads (the share of the step's
     (token, expert) pairs each expert got, summed over every rank) and balancing biases.
 
+    Both are judged after `warmup` steps (a router's balancing takes a while to settle from its start):
     - Collapse: an expert's load below `dead` times the mean, or one expert chosen by more than `hot` of the
       layer's tokens (its share of the pairs times top_k; judged only where a balanced router gives every
       expert less than that), on `window` steps in a row. Named once per streak.
-    - Drift: after `warmup` steps, the median max/mean load of the newest `window` steps risen more than
+    - Drift: the median max/mean load of the newest `window` steps risen more than
       `drift` above the lowest such median since; named once, after which the new level is the bar.
 
     Layers are kept by name and made on first sight, so a checkpoint's state loads before any step. `recent`
@@ -263,6 +264,8 @@ class RouterWatch:
             entropy = -sum(s * math.log(s) for s in shares if s > 0) / math.log(experts)
             seen[name] = {"entropy": entropy, "max": max(ratios), "bias": list(biases.get(name, []))}
             router = self._of(name)
+            if step <= self.warmup:
+                continue  # the balancing is still settling: early imbalance is not judged
             low = min(range(experts), key=ratios.__getitem__)
             high = max(range(experts), key=ratios.__getitem__)
             dead = bool(self.dead) and ratios[low] < self.dead
@@ -271,7 +274,7 @@ class RouterWatch:
                 what = (f"{name}: expert {high} chosen by {shares[high] * self.top_k:.0%} of the tokens"
                         if hot else f"{name}: expert {low} gets {ratios[low]:.3g} of the mean load")  # fmt: skip
                 found.append(("collapse", router.streak.began, f"{what} for {self.window} steps: router collapse"))
-            if self.drift and step > self.warmup:
+            if self.drift:
                 router.levels.append(max(ratios))
                 if len(router.levels) == self.window:
                     level = median(router.levels)
