@@ -6,10 +6,12 @@ report names the routers that moved first."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
-from helpers import faults_planned, read_run, tiny_config, write_corpus
+from helpers import faults_planned, read_run, run_liandan, tiny_config, write_corpus
+from liandan import faults
 from liandan.model.moe import moe_layers
 from liandan.train import Trainer
 from liandan.train.guard.callback import GuardCallback
@@ -72,6 +74,23 @@ def test_a_planted_collapse_is_rolled_back_with_the_learning_rate_cut(tmp_path, 
     bias = moe_layers(trainer.module.model)[1].router.expert_bias
     assert bias.abs().max() < 0.1
     assert trainer.module.routing.load.min() > 0.05
+    assert [m["step"] for m in records.metrics] == list(range(1, 25))
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_roll_back_a_planted_collapse_together(tmp_path, corpus):
+    """Every rank judges the routing summed over both and plants the same bias: they roll back together, and
+    the run ends with the bias they restored (FSDP leaves buffers whole on every rank)."""
+    config = tmp_path / "moe.toml"
+    config.write_text(tiny_config(tmp_path, corpus, "--train.steps=24", *MOE).to_toml())
+    env = {**{k: v for k, v in os.environ.items() if k != faults.ENV}, faults.ENV: f"collapse@router:{PLANTED}:1"}
+    done = run_liandan("train", config, "--nproc=2", "--run.name=fsdp", "--guard.on_collapse=rollback", env=env,
+                       timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_run(tmp_path / "fsdp")
+    [rollback] = records.of_kind("rollback")
+    assert (rollback["step"], rollback["began"], rollback["to"]) == (PLANTED + 5, PLANTED, 10)
+    assert rollback["routers_first"] == ["layers.1"] and rollback["lr_scale"] == 0.5
     assert [m["step"] for m in records.metrics] == list(range(1, 25))
 
 
