@@ -15,6 +15,8 @@ Format: comma-separated `ACTION@POINT:STEP[:RANK]`, for example
     LIANDAN_FAULTS="stall@forward:1"      every rank sleeps STALL_S in every forward pass from step 1 on
     LIANDAN_FAULTS="corrupt@allreduce:40:1"  rank 1's contribution to the gradient all-reduce of step 40 is wrong
     LIANDAN_FAULTS="forget@loader:0"      on every resume the loader ignores its saved position (a resume bug)
+    LIANDAN_FAULTS="collapse@router:40:1" before step 40, MoE layer 1's router is pushed to send every token to
+                                          expert 0 (its balancing bias raised by COLLAPSE_BIAS)
 
 Points: `data` (loading the batch of step STEP), `step` (after optimizer step STEP), `save` (a checkpoint's
 shards written, its manifest not yet), `saved` (a checkpoint complete; its path is passed along); in the data
@@ -30,6 +32,13 @@ back over that step does not meet them again, as with a real transient fault. So
 `corrupt@allreduce`. Device faults are persistent, as a bad device is: `perturb@matmul` and `slow@forward` hold
 on their rank from their step on, for the rest of the process (step 0: from before the first step, so the
 preflight doctor meets them too); so does `stall@forward`, long steps for drills of a preemption's grace period.
+
+`collapse@router:STEP[:LAYER]` is a drill of router collapse in a mixture of experts: before the forward of
+step STEP, expert 0's balancing bias in the router of block LAYER (the first MoE block when absent) is raised
+by COLLAPSE_BIAS, far above any router score, so that every token chooses expert 0 from that step on (the bias
+update moves it back by the bias rate a step, which takes thousands of steps). The third field names a layer,
+not a rank: the biases are replicated, so every rank plants the same. It fires once per process, like the
+gradient faults; a rollback restores the bias with the rest of the state (it is a buffer).
 
 `forget@loader` is a planted resume bug, for the resume oracle (`liandan doctor --resume`) to find: when the
 data loader is handed a saved state (a resume, or a rollback of the loss-spike guard), it keeps its fresh
@@ -60,7 +69,8 @@ SLOW_S = 0.05  # the sleep of a `slow` forward pass
 STALL_S = 2.5  # the sleep of a `stall`ed forward pass
 PERTURBATION = 0.5  # added to the rare elements a `perturb`ed matrix product gets wrong
 PERTURB_EVERY = 997  # one output element in this many is wrong (and at least one per product)
-_fired: set[tuple[str, str, int]] = set()
+COLLAPSE_BIAS = 10.0  # added to one expert's balancing bias by `collapse@router` (router scores are in [0, 1])
+_fired: set[tuple] = set()  # (action, point, step[, layer]) of the faults that fired once
 
 
 def _parse(spec: str) -> list[tuple[str, str, int, int | None]]:
@@ -234,6 +244,30 @@ def flip_parameter_bit(step: int, parameters: Iterable[Any]) -> str | None:
         as_int ^= 1 << (flat.element_size() * 8 - 3)  # the exponent's second-highest bit
         return f"parameter {index}, element {element}"
     return None
+
+
+def collapse_router(step: int, modules: Iterable[Any]) -> str | None:
+    """`collapse@router`: before the forward of `step`, raise expert 0's balancing bias in one MoE layer's
+    router (the buffers named `...router.expert_bias` of `modules`); returns the buffer's name (or None)."""
+    if ENV not in os.environ and ENV_ALWAYS not in os.environ:
+        return None
+    planted = None
+    for action, where, at_step, layer in _active():
+        if where != "router" or at_step != step or (action, where, step, layer) in _fired:
+            continue
+        _fired.add((action, where, step, layer))
+        if action != "collapse":
+            raise ValueError(f"{ENV}: cannot do '{action}' at 'router'")
+        biases = [(name, b) for module in modules for name, b in module.named_buffers()
+                  if name.endswith("router.expert_bias")]  # fmt: skip
+        chosen = [(name, b) for name, b in biases if layer is None or f".{layer}." in f".{name}"]
+        if not chosen:
+            raise ValueError(f"{ENV}: collapse@router:{step}:{layer}: no MoE router there")
+        name, bias = chosen[0]
+        local = bias.to_local() if hasattr(bias, "to_local") else bias
+        local.data[0] += COLLAPSE_BIAS
+        planted = name
+    return planted
 
 
 def corrupt_contribution(step: int, tensor: Any) -> bool:

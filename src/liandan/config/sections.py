@@ -255,12 +255,37 @@ class GuardSection:
         4.0, "...or its loss relative to the other stores' this many times below its running median (and drop_mads"
         " MADs); 0 disables", min=0.0,
     )  # fmt: skip
+    router_window: int = _f(
+        20, "mixture of experts: steps a router collapse must last to be named (after router_warmup), and the"
+        " steps of max/mean load whose median the drift rule follows", min=2,
+    )  # fmt: skip
+    router_dead: float = _f(
+        0.02, "router collapse: an expert's load below this fraction of the layer's mean load...; 0 disables",
+        min=0.0, max=1.0,
+    )  # fmt: skip
+    router_hot: float = _f(
+        0.9, "...or one expert chosen by more than this fraction of the layer's tokens (judged where a balanced"
+        " router gives each expert fewer: top_k/experts below it); 0 disables", min=0.0, max=1.0,
+    )  # fmt: skip
+    router_drift: float = _f(
+        0.5, "imbalance drift: a layer's max/mean load (median over router_window steps)"
+        " this much above the lowest such median since; 0 disables", min=0.0,
+    )  # fmt: skip
+    router_warmup: int = _f(100, "steps before the router rules judge (the balancing settles first)", min=0)
+    router_lr_factor: float = _f(
+        0.5, "after a rollback for a router collapse or drift, scale the learning rate by this for the rest of the"
+        " run (compounding), and train on the same batches again", min=0.0, max=1.0,
+    )  # fmt: skip
     on_nonfinite: Literal["warn", "skip", "rollback", "stop"] = _f("skip", "what a non-finite loss or gradient does")
     on_spike: Literal["warn", "skip", "rollback", "stop"] = _f("rollback", "what a loss spike does")
     on_grad: Literal["warn", "skip", "rollback", "stop"] = _f("skip", "what a gradient-norm explosion does")
     on_logits: Literal["warn", "skip", "rollback", "stop"] = _f("warn", "what output/attention logit growth does")
     on_drop: Literal["warn", "stop"] = _f("warn", "what a too-good-to-be-true loss drop does")
     on_diverge: Literal["warn", "skip", "rollback", "stop"] = _f("rollback", "what early divergence does")
+    on_collapse: Literal["warn", "rollback", "stop"] = _f(
+        "warn", "what a router collapse does (judged after the update)"
+    )
+    on_drift: Literal["warn", "rollback", "stop"] = _f("warn", "what an imbalance drift of the routers does")
     escalate_after: int = _f(3, "skipped updates in a row that become a rollback; 0 never escalates", min=0)
     ring_every: int = _f(25, "steps between the in-memory states kept to roll back to", min=1)
     ring_size: int = _f(

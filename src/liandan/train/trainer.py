@@ -27,7 +27,7 @@ from liandan.checkpoint.train_state import parts_parameters
 from liandan.checkpoint.verify import step_of
 from liandan.common.peaks import mixed_peak_flops
 from liandan.config import Config, ConfigError
-from liandan.faults import corrupt_gradients, flip_parameter_bit, learning_rate_burst, maybe_inject
+from liandan.faults import collapse_router, corrupt_gradients, flip_parameter_bit, learning_rate_burst, maybe_inject
 from liandan.run import META, naming
 from liandan.run.remote import locate
 from liandan.run.worker_env import WorkerEnv
@@ -175,6 +175,7 @@ class Trainer:
                     self.phase("data")
                     batches = self.loader.next_step(micro_batch)
                     maybe_inject("data", progress.step + 1)
+                    collapse_router(progress.step + 1, self.module.model_parts)
                     loss = self.module.train_batch(batches, self.phase, progress.step + 1)
                     corrupt_gradients(progress.step + 1, self._parameters())
                     self.phase("optimizer")

@@ -32,6 +32,7 @@ SYNC_EVERY_S = 1.0  # the store reads new lines of the run files at most this of
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=@-]{0,199}")
 _KEY = re.compile(r"[A-Za-z0-9_./:-]{1,100}")
+_EXPERT_KEY = re.compile(r"moe/(\d{1,6})/expert/(\d{1,6})")  # a MoE layer's expert load over the mean
 
 
 class ApiError(Exception):
@@ -261,6 +262,33 @@ class Dashboard:
             beat = _read_json(self.project, path)
             if isinstance(beat, dict):
                 out["heartbeats"].append({k: beat.get(k) for k in ("rank", "host", "step", "phase", "time")})
+        return out
+
+    def experts(self, name: str, step: int | None = None) -> dict[str, Any]:
+        """The expert-load heat map of a mixture-of-experts run: each MoE layer's experts' loads over the
+        layer's mean (`moe/<layer>/expert/<e>`, 1.0 is balanced) at the newest logged step at or before `step`
+        (the newest of all when None), and the first and last steps there are, for a slider. A run without
+        such metrics answers with no layers."""
+        self.sync()
+        self.check_run(name)
+        with self._lock:
+            keys = [(k, m) for k in self.store.metric_keys(name) if (m := _EXPERT_KEY.fullmatch(k))]
+            out: dict[str, Any] = {"run": name, "step": None, "first": None, "last": None, "layers": [],
+                                   "experts": 0, "load": []}  # fmt: skip
+            if not keys:
+                return out
+            steps = self.store.curve(name, keys[0][0], "step", None, step)["step"]
+            everywhere = self.store.curve(name, keys[0][0])["step"]
+            values = {k: self.store.curve(name, k, "step", steps[-1], steps[-1])["y"] for k, _ in keys} if steps else {}
+        layers = sorted({int(m[1]) for _, m in keys})
+        experts = max(int(m[2]) for _, m in keys) + 1
+        load = [[None] * experts for _ in layers]
+        row = {layer: i for i, layer in enumerate(layers)}
+        for key, m in keys:
+            found = values.get(key)
+            load[row[int(m[1])]][int(m[2])] = found[0] if found else None
+        out.update(step=steps[-1] if steps else None, first=everywhere[0], last=everywhere[-1], layers=layers,
+                   experts=experts, load=_finite(load))  # fmt: skip
         return out
 
     def layers(self, name: str, around: int | None = None, window: int = 50) -> dict[str, Any]:

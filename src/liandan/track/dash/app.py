@@ -75,6 +75,9 @@ def create_app(dash: Dashboard, token: str | None = None, loopback: bool = True)
         run = name(request)
         return dash.layers(run, query(request, "around", 0, MAX_STEP), query(request, "window", 0, 10_000, 50))
 
+    def experts(request: Request) -> Any:
+        return dash.experts(name(request), query(request, "step", 0, MAX_STEP))
+
     async def compare(request: Request) -> Response:
         body = b""
         async for chunk in request.stream():
@@ -118,6 +121,7 @@ def create_app(dash: Dashboard, token: str | None = None, loopback: bool = True)
         Route("/api/runs/{name}/forecasts", api(lambda r: {"forecasts": dash.forecasts(name(r))})),
         Route("/api/runs/{name}/health", api(lambda r: dash.health(name(r)))),
         Route("/api/runs/{name}/layers", api(layers)),
+        Route("/api/runs/{name}/experts", api(experts)),
         Route("/api/runs/{name}/stream", stream),
         Route("/api/compare", compare, methods=["POST"]),
     ]  # fmt: skip

@@ -22,16 +22,18 @@ import torch.distributed as dist
 from liandan.checkpoint.ring import HeldState
 from liandan.checkpoint.saving import SaveOutcome
 from liandan.config import Config, GuardSection
+from liandan.model.moe import moe_layers
 from liandan.run import RunStopped
 from liandan.train.callbacks import Callback
 from liandan.train.guard import diagnosis
-from liandan.train.guard.rules import Rise, Rule, SourceWatch, Streak
+from liandan.train.guard.rules import Rise, RouterWatch, Rule, SourceWatch, Streak
 from liandan.train.guard.stats import BlockProbe, HeadProbe, parameters_now, submodule, update_norms
 
 if TYPE_CHECKING:
     from liandan.train.context import TrainContext
 
 SEVERITY = {"ok": 0, "warn": 1, "skip": 2, "rollback": 3, "stop": 4}
+ROUTER_DETECTORS = {"collapse", "drift"}  # judged after the update, from the step's routing
 
 
 class GuardCallback(Callback):
@@ -49,6 +51,9 @@ class GuardCallback(Callback):
         self.spike_streak, self.drop_streak, self.rise_streak = Streak(), Streak(), Streak()
         self.sources = SourceWatch(g.window, g.warmup, g.drop_mads, g.source_floor, g.source_collapse, g.spike_persist)
         self.source_names: list[str] = []  # of a mixture watched source by source; empty otherwise
+        self.routers = RouterWatch(g.router_window, g.router_warmup, g.router_dead, g.router_hot, g.router_drift)
+        self.router_prefix = "layers"  # MoE layers are named as the layer statistics name blocks
+        self.last_loss = math.nan  # of the step being judged, the mean over ranks
         self.skips_in_row = 0
         self.rollbacks: list[dict[str, Any]] = []
         self.lr_scale, self.lr_until = 1.0, None
@@ -71,6 +76,10 @@ class GuardCallback(Callback):
             watch = len(stores) > 1 and bool(self.cfg.source_floor or self.cfg.source_collapse)
             self.source_names = [s.name for s in stores] if watch else []
             self.head = HeadProbe(self.whole, spec, per_sequence=watch)
+        routed = list(moe_layers(ctx.module.model).values())
+        if routed:
+            self.routers.top_k = routed[0].cfg.top_k
+            self.router_prefix = spec.blocks
         ctx.module.lr_scale = self._current_scale(ctx.step)
         self.rollback = ctx.rollback
         self.rollback.around_restore(self._across_restore)
@@ -84,6 +93,7 @@ class GuardCallback(Callback):
     def before_optimizer_step(self, ctx: TrainContext, step: int, loss: Any, grad_norm: float) -> bool:
         n = step + 1
         loss_value, grad_value, largest, z, parts = self._shared(ctx, loss, grad_norm)
+        self.last_loss = loss_value
         findings = self._judge(n, loss_value, grad_value, largest, z)
         if parts and math.isfinite(loss_value):
             findings += [("drop", began, what) for began, what in self.sources.judge(n, parts)]
@@ -112,6 +122,7 @@ class GuardCallback(Callback):
         return action in ("ok", "warn")
 
     def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
+        self._watch_routing(ctx, step)
         if self.layer_record is not None:
             record, self.layer_record = self.layer_record, None
             if self.before_update is not None:
@@ -132,18 +143,23 @@ class GuardCallback(Callback):
         source = "memory"
         if isinstance(target, SaveOutcome):  # read once, then kept in the ring for the passes below
             target, source = self.rollback.load_checkpoint(target.path), str(target.path)
+        routers_first = diagnosis.routers_moved_first(list(self.routers.recent), plan["began"], target.step)
         self.rollback.restore(target)
         first_data = ctx.loader.step
         found = diagnosis.diagnose(ctx, self, target, step, plan["began"], first_data, plan["losses"])
+        found["routers_first"] = routers_first
         self.rollback.restore(target)  # the replay moved on: back again
-        # Early divergence on batches that look normal is the learning rate's doing: the same batches again,
-        # at a lower rate for the rest of the run. Anything else skips the batches up to the detection.
+        # Early divergence on batches that look normal, and routers that collapsed or drifted, are the updates'
+        # doing: the same batches again, at a lower rate for the rest of the run. Anything else skips the
+        # batches up to the detection.
         diverged = _diverged(plan, found) and self.cfg.diverge_lr_factor != 1.0
-        skip = self.cfg.skip_batches if diverged else max(self.cfg.skip_batches, detected_at - first_data)
+        routing = {kind for kind, _, _ in plan["findings"]} <= ROUTER_DETECTORS
+        again = diverged or routing
+        skip = self.cfg.skip_batches if again else max(self.cfg.skip_batches, detected_at - first_data)
         ctx.loader.skipped = sorted(set(skipped_before) | set(ctx.loader.skipped))
         skipped = ctx.loader.skip(skip)
-        if diverged:
-            self.lr_scale *= self.cfg.diverge_lr_factor
+        if again:
+            self.lr_scale *= self.cfg.diverge_lr_factor if diverged else self.cfg.router_lr_factor
             self.lr_until = None
         elif self.cfg.lr_factor != 1.0:
             self.lr_scale *= self.cfg.lr_factor
@@ -175,7 +191,7 @@ class GuardCallback(Callback):
             "z": self.z.state_dict(), "spike_streak": self.spike_streak.state_dict(),
             "drop_streak": self.drop_streak.state_dict(), "rise_streak": self.rise_streak.state_dict(),
             "skips_in_row": self.skips_in_row,
-            "sources": self.sources.state_dict(),
+            "sources": self.sources.state_dict(), "routers": self.routers.state_dict(),
             **self._bookkeeping(),
         }  # fmt: skip
 
@@ -189,6 +205,7 @@ class GuardCallback(Callback):
         self.rise_streak.load_state_dict(state.get("rise_streak", {"length": 0, "began": 0}))  # an older guard's
         self.skips_in_row = int(state["skips_in_row"])
         self.sources.load_state_dict(state.get("sources", {}))  # absent from a checkpoint of an older guard
+        self.routers.load_state_dict(state.get("routers", {}))
         self._load_bookkeeping(state)
 
     def _bookkeeping(self) -> dict[str, Any]:
@@ -282,7 +299,8 @@ class GuardCallback(Callback):
     def _policy(self, kind: str) -> str:
         c = self.cfg
         return {"nonfinite": c.on_nonfinite, "spike": c.on_spike, "grad": c.on_grad, "logits": c.on_logits,
-                "drop": c.on_drop, "diverge": c.on_diverge, "skips": "rollback"}[kind]  # fmt: skip
+                "drop": c.on_drop, "diverge": c.on_diverge, "skips": "rollback", "collapse": c.on_collapse,
+                "drift": c.on_drift}[kind]  # fmt: skip
 
     def _plan_rollback(self, ctx: TrainContext, n: int, findings: list, loss: float) -> str:
         """Decide the rollback of step `n`: "rollback", or "stop" past the limit, or "skip" with nothing old
@@ -333,6 +351,35 @@ class GuardCallback(Callback):
         where = f"; report: {path}" if path else ""
         raise RunStopped(f"the loss-spike guard stopped the run at step {n}: "
                          + "; ".join(what for _, _, what in findings) + where)  # fmt: skip
+
+    # -- the routers of a mixture of experts ----------------------------------------------------------------
+    def _watch_routing(self, ctx: TrainContext, n: int) -> None:
+        """Judge step `n`'s routing (`module.routing`, set after the update from the loads summed over every
+        rank, so every rank judges the same numbers): a collapse or drift is warned of, stops the run, or rolls
+        back to before it began (carried out in `on_step_end`, like the other rollbacks)."""
+        routing = getattr(ctx.module, "routing", None)
+        if routing is None:
+            return
+        names = [f"{self.router_prefix}.{layer}" for layer in routing.layers]
+        loads = dict(zip(names, routing.load.tolist(), strict=True))
+        biases = dict(zip(names, routing.bias.tolist(), strict=True))
+        findings = self.routers.judge(n, loads, biases)
+        if any(self._policy(k) == "rollback" for k in ROUTER_DETECTORS) and not ctx.rollback.pending:
+            # A collapse being counted may yet be rolled back past: no state of it is kept or saved meanwhile.
+            streaks = any(r.streak.length for r in self.routers.layers.values())
+            ctx.rollback.unsettled = ctx.rollback.unsettled or streaks
+        if not findings:
+            return
+        action = max((self._policy(kind) for kind, _, _ in findings), key=SEVERITY.get)
+        if action == "rollback" and not ctx.rollback.pending:
+            # Too many rollbacks stop the run; with no state old enough, the update (already made) stays.
+            action = self._plan_rollback(ctx, n, findings, self.last_loss)
+            action = "warn" if action == "skip" else action
+        elif action == "rollback":
+            action = "warn"  # another rollback of this step goes back at least as far
+        self._record(ctx, n, action, findings, self.last_loss)
+        if action == "stop":
+            self._stop(ctx, n, findings)
 
     # -- states and the learning rate ---------------------------------------------------------------------------
     def _across_restore(self) -> Any:
@@ -398,6 +445,7 @@ def _event_fields(plan: dict, rollback: dict, found: dict) -> dict[str, Any]:
         "detectors": sorted({kind for kind, _, _ in plan["findings"]}),
         "culprit_data_steps": found.get("culprit_data_steps", []), "documents": len(found.get("documents", [])),
         "reproduced": found.get("reproduced"), "layers_first": found.get("layers_first", [])[:3],
+        "routers_first": list(dict.fromkeys(m["layer"] for m in found.get("routers_first", [])))[:3],
     }  # fmt: skip
 
 

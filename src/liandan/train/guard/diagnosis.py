@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 MOVED = math.log(2.0)  # a statistic has "moved" once it doubled or halved
 NEAR_ZERO_LOSS = 0.1  # nats: a token predicted this well is one the model has all but memorised
 SHOWN_TOKENS = 10
+ENTROPY_MOVE = 0.05  # a router's load entropy (over log experts) has moved once it changed by this much...
+BIAS_MOVE = 1e-4  # ...and its balancing bias once a step moved it this much (or 10 times its usual step)
 
 
 # -- layer statistics ---------------------------------------------------------------------------------------
@@ -168,6 +170,53 @@ def moved_first(records: list[dict[str, Any]], began: int) -> list[dict[str, Any
     return moved
 
 
+def routers_moved_first(recent: list[dict[str, Any]], began: int, restored: int) -> list[dict[str, Any]]:
+    """The MoE layers whose routing moved in the steps from the restored state (`restored`) up to the step
+    the incident began at, against the routing seen at and before the restored state (`recent`: the guard's
+    RouterWatch.recent): a load entropy away from its level by ENTROPY_MOVE and five times its step-to-step
+    noise, or a bias that moved in one step ten times its usual step. One entry per (layer, statistic),
+    earliest first, then by how far it moved."""
+    recent = [r for r in recent if r["step"] <= began]
+    count = sum(1 for r in recent if r["step"] <= restored) or 1  # recent is in step order
+    if len(recent) <= count:
+        return []
+    moved = []
+    for layer in recent[count - 1]["layers"]:
+        rows = [(r["step"], r["layers"][layer]) for r in recent if layer in r["layers"]]
+        before = [seen for step, seen in rows if step <= restored] or [rows[0][1]]
+        after = rows[len(before) :]
+        entropies = [seen["entropy"] for seen in before]
+        diffs = [abs(b - a) for a, b in itertools.pairwise(entropies)]
+        level = median(entropies)
+        threshold = max(ENTROPY_MOVE, 5 * median(diffs)) if diffs else ENTROPY_MOVE
+        for step, seen in after:
+            if abs(seen["entropy"] - level) >= threshold:
+                moved.append({"layer": layer, "statistic": "entropy", "step": step, "from": level,
+                              "to": seen["entropy"], "size": abs(seen["entropy"] - level) / threshold})  # fmt: skip
+                break
+        changes = [_largest_change(a["bias"], b["bias"]) for (_, a), (_, b) in itertools.pairwise(rows)]
+        usual = [change for change, _ in changes[: len(before) - 1]]
+        threshold = max(BIAS_MOVE, 10 * median(usual)) if usual else BIAS_MOVE
+        for (step, _), (change, expert) in zip(after, changes[len(before) - 1 :], strict=True):
+            if change >= threshold:
+                moved.append({"layer": layer, "statistic": "bias", "step": step, "expert": expert,
+                              "change": change, "size": change / threshold})  # fmt: skip
+                break
+    moved.sort(key=lambda m: (m["step"], -m["size"]))
+    for m in moved:
+        del m["size"]
+    return moved
+
+
+def _largest_change(before: list[float], after: list[float]) -> tuple[float, int]:
+    """The largest change of one expert's bias between two steps, and that expert."""
+    if len(before) != len(after) or not before:
+        return 0.0, 0
+    changes = [abs(b - a) for a, b in zip(before, after, strict=True)]
+    expert = max(range(len(changes)), key=changes.__getitem__)
+    return changes[expert], expert
+
+
 # -- reports ----------------------------------------------------------------------------------------------------
 def write_report(ctx: TrainContext, plan: dict[str, Any], rollback: dict[str, Any], found: dict[str, Any]) -> Path:
     path = ctx.room.guard_report("spike", rollback["at"])
@@ -206,6 +255,10 @@ def one_line(plan: dict[str, Any], rollback: dict[str, Any], found: dict[str, An
     data = f"skipped data steps {first}..{end - 1}" if end > first else "the same data again"
     layers = found.get("layers_first", [])
     moved = f"; moved first: {layers[0]['layer']} {layers[0]['statistic']}" if layers else ""
+    routers = found.get("routers_first", [])
+    if routers:
+        moved += "; routers moved first: " + ", ".join(f"{m['layer']} {m['statistic']} (step {m['step']})"
+                                                       for m in routers[:3])  # fmt: skip
     return (f"guard: {detectors} at step {rollback['at']} (began at step {rollback['began']}): rolled back to step"
             f" {rollback['to']}, {data}{lr}; {verdict(found)}{moved}; report {path}")  # fmt: skip
 

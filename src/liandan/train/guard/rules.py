@@ -222,3 +222,89 @@ class _Source:
     ratio: Rule  # its loss over the rest of the mixture's
     streak: Streak
     quiet_until: int = 0  # named lately: not again before this step
+
+
+class RouterWatch:
+    """The routers of a mixture of experts, layer by layer, from each step's loads (the share of the step's
+    (token, expert) pairs each expert got, summed over every rank) and balancing biases.
+
+    Both are judged after `warmup` steps (a router's balancing takes a while to settle from its start):
+    - Collapse: an expert's load below `dead` times the mean, or one expert chosen by more than `hot` of the
+      layer's tokens (its share of the pairs times top_k; judged only where a balanced router gives every
+      expert less than that), on `window` steps in a row. Named once per streak.
+    - Drift: the median max/mean load of the newest `window` steps risen more than
+      `drift` above the lowest such median since; named once, after which the new level is the bar.
+
+    Layers are kept by name and made on first sight, so a checkpoint's state loads before any step. `recent`
+    holds the newest steps' entropy, max/mean and biases for the reports; it describes the run, not its
+    state, so it is not saved and a rollback does not undo it."""
+
+    def __init__(self, window: int, warmup: int, dead: float, hot: float, drift: float, top_k: int = 1):
+        self.window, self.warmup, self.dead, self.hot, self.drift = window, warmup, dead, hot, drift
+        self.top_k = top_k
+        self.layers: dict[str, _Router] = {}
+        self.recent: deque[dict[str, Any]] = deque(maxlen=4 * window)
+
+    def _of(self, name: str) -> _Router:
+        if name not in self.layers:
+            self.layers[name] = _Router(Streak(), deque(maxlen=self.window))
+        return self.layers[name]
+
+    def judge(self, step: int, loads: dict[str, list[float]], biases: dict[str, list[float]]
+              ) -> list[tuple[str, int, str]]:  # fmt: skip
+        """(detector, the step it began at, what was seen) for each layer named at `step`; `loads` holds each
+        layer's shares of the step's pairs by expert, `biases` its balancing biases after the step."""
+        found: list[tuple[str, int, str]] = []
+        seen: dict[str, dict[str, Any]] = {}
+        for name, shares in loads.items():
+            experts = len(shares)
+            if experts < 2 or not all(math.isfinite(s) for s in shares) or sum(shares) <= 0:
+                continue  # no pairs this step (or nothing to choose between)
+            ratios = [s * experts for s in shares]
+            entropy = -sum(s * math.log(s) for s in shares if s > 0) / math.log(experts)
+            seen[name] = {"entropy": entropy, "max": max(ratios), "bias": list(biases.get(name, []))}
+            router = self._of(name)
+            if step <= self.warmup:
+                continue  # the balancing is still settling: early imbalance is not judged
+            low = min(range(experts), key=ratios.__getitem__)
+            high = max(range(experts), key=ratios.__getitem__)
+            dead = bool(self.dead) and ratios[low] < self.dead
+            hot = bool(self.hot) and self.top_k / experts < self.hot and shares[high] * self.top_k > self.hot
+            if router.streak.update(step, dead or hot) == self.window:
+                what = (f"{name}: expert {high} chosen by {shares[high] * self.top_k:.0%} of the tokens"
+                        if hot else f"{name}: expert {low} gets {ratios[low]:.3g} of the mean load")  # fmt: skip
+                found.append(("collapse", router.streak.began, f"{what} for {self.window} steps: router collapse"))
+            if self.drift:
+                router.levels.append(max(ratios))
+                if len(router.levels) == self.window:
+                    level = median(router.levels)
+                    if router.lowest is None or level < router.lowest:
+                        router.lowest = level
+                    elif level - router.lowest > self.drift:
+                        what = (f"{name}: max/mean expert load {level:.3g} (median of {self.window} steps), up"
+                                f" from {router.lowest:.3g}: imbalance drift")  # fmt: skip
+                        found.append(("drift", step - self.window + 1, what))
+                        router.lowest = level
+        while self.recent and self.recent[-1]["step"] >= step:
+            self.recent.pop()  # steps undone by a rollback, trained again
+        self.recent.append({"step": step, "layers": seen})
+        return found
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: {"streak": r.streak.state_dict(), "levels": list(r.levels), "lowest": r.lowest}
+                for name, r in self.layers.items()}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.layers = {}
+        for name, saved in state.items():
+            router = self._of(name)
+            router.streak.load_state_dict(saved["streak"])
+            router.levels.extend(float(v) for v in saved["levels"])
+            router.lowest = None if saved["lowest"] is None else float(saved["lowest"])
+
+
+@dataclass
+class _Router:
+    streak: Streak  # steps in a row collapsed
+    levels: deque[float]  # the newest max/mean loads after the warm-up
+    lowest: float | None = None  # the lowest median of `levels` so far

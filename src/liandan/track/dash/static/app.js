@@ -219,6 +219,8 @@ async function runView(main, name) {
   let [run, { incidents }, { evaluations }] = await load();
   const [{ checkpoints }, health, { records: layers }] = await Promise.all([api(`runs/${enc(name)}/checkpoints`),
     api(`runs/${enc(name)}/health`), api(`runs/${enc(name)}/layers`)]);
+  // Only a mixture of experts logs its experts' loads (moe/<layer>/expert/<e>): the heat map is its alone.
+  const experts = run.metric_keys.some((k) => EXPERT_KEY.test(k)) ? await api(`runs/${enc(name)}/experts`) : null;
   document.getElementById("project").textContent = run.name;
   const stats = el("div", { class: "stats", id: "stats" });
   const fillStats = (r) => stats.replaceChildren(
@@ -244,12 +246,14 @@ async function runView(main, name) {
        el("table", { id: "incidents" }, el("thead", {}, el("tr", {}, ["step", "kind", "time", "what"].map((h) =>
          el("th", {}, h)))), incidentRows)),
     layerSection(layers, incidents),
+    ...(experts ? [expertSection(name, experts)] : []),
     evalSection(evaluations), checkpointSection(checkpoints), healthSection(health),
     el("div", { class: "section card" }, el("h2", {}, "Config"), el("details", {}, el("summary", {}, "config.toml"),
        el("pre", {}, run.config || "(none)"))));
   await drawRunCharts(name, run, incidents, evaluations);
   drawRankHeatmap(health);
   drawLayers(layers, incidents, "grad");
+  if (experts) drawExperts(experts);
   if (run.status === "running") {
     setLive(true);
     let busy = false;
@@ -334,6 +338,37 @@ function drawRankHeatmap(health) {
     (hosts[r] ? ` (${plain(hosts[r])})` : "")), z, colorscale: "YlOrRd", colorbar: { title: { text: "ms/step" } },
     hovertemplate: "%{y}, window ending at step %{x}: %{z:.1f} ms per step<extra></extra>" }],
     layout({ showlegend: false, yaxis: { automargin: true } }), PLOT_CONFIG);
+}
+
+const EXPERT_KEY = /^moe\/\d+\/expert\/\d+$/;
+
+// Layers by experts, coloured by load over the layer's mean (1 is balanced; white there, red above, blue below),
+// at one logged step chosen on a slider (the newest at first).
+function expertSection(name, experts) {
+  const label = el("span", { id: "expert-step" }, `step ${num(experts.step)}`);
+  const slider = el("input", { type: "range", id: "expert-slider", min: experts.first, max: experts.last,
+    value: experts.step, oninput: (e) => { label.textContent = `step ${num(Number(e.target.value))}`; },
+    onchange: async (e) => {
+      try {
+        const shown = await api(`runs/${enc(name)}/experts?step=${enc(e.target.value)}`);
+        label.textContent = `step ${num(shown.step)}`;
+        drawExperts(shown);
+      } catch (err) { showError(err.message); }
+    } });
+  return el("div", { class: "section card" }, el("h2", {}, "Expert load per MoE layer (load / mean)"),
+    el("div", {}, el("label", {}, slider, " ", label)), el("div", { class: "chart", id: "chart-experts" }));
+}
+
+function drawExperts(experts) {
+  const box = document.getElementById("chart-experts");
+  if (!box) return;
+  // 0..2 around the balanced 1: a collapsed expert (up to experts/top_k times the mean) is as red as it gets.
+  Plotly.react(box, [{ type: "heatmap", x: [...Array(experts.experts).keys()].map((e) => `expert ${e}`),
+    y: experts.layers.map((l) => `layer ${l}`), z: experts.load, zmin: 0, zmax: 2,
+    colorscale: "RdBu", reversescale: true, colorbar: { title: { text: "load / mean" } },
+    hovertemplate: "%{y}, %{x}: %{z:.3f} of the mean load<extra></extra>" }],
+    layout({ showlegend: false, xaxis: { title: { text: `experts at step ${experts.step}` } },
+             yaxis: { automargin: true, autorange: "reversed" } }), PLOT_CONFIG);
 }
 
 function layerSection(layers, incidents) {
