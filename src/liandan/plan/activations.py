@@ -115,7 +115,8 @@ def activation_memory(
     if checkpoint == "full":
         recompute, _ = activation_bytes_per_layer(s, b, h, args.n_heads, checkpoint="none", **kw)
     layers = args.n_layers * per_layer
-    moe_layers, extra = _moe_activations(args, s * b * h / (tp if sequence_parallel else 1), c, checkpoint)
+    # A MoE feed-forward runs whole on every tensor-parallel rank, on whole sequences under sequence parallelism.
+    moe_layers, extra = _moe_activations(args, s * b * h, c, checkpoint)
     if moe_layers:
         layers += moe_layers * extra
         per_layer, formula = per_layer + extra, formula + " + active experts"
