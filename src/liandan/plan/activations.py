@@ -136,8 +136,9 @@ def activation_memory(
 def _moe_activations(args: Any, sbh: float, c: int, checkpoint: str) -> tuple[int, float]:
     """(MoE blocks, bytes one keeps above a dense block). The paper's 19·sbh of an MLP of hidden size 4h
     scales with the hidden size a token goes through, here its top_k experts' and the shared experts';
-    the routed rows are gathered once and weighted once more (2·top_k·sbh). Expert parallelism would add its
-    all-to-all buffers here. Nothing under full recomputation, which keeps the block's input alone."""
+    the routed rows are gathered once and weighted once more (2·top_k·sbh). Expert parallelism's buffers and
+    imbalance are in `liandan.plan.memory.ExpertParallelMemory`. Nothing under full recomputation, which
+    keeps the block's input alone."""
     experts = getattr(args, "moe_experts", 0)
     if not experts or checkpoint == "full":
         return (0, 0.0) if not experts else (_moe_block_count(args), 0.0)

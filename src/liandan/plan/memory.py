@@ -17,7 +17,8 @@ Adam's 8 bytes of state per parameter (m and v in fp32) are the default of `opti
 an optimizer that keeps more or less state gives its own figure, and both accountings follow it.
 
 Tensor parallelism divides the per-layer matrices, the vocabulary-parallel embedding and the
-column-parallel head by tp; norm weights stay replicated. Parameter counts and that split come from the model
+column-parallel head by tp; norm weights and MoE feed-forwards stay replicated. Expert parallelism's
+buffers and imbalance headroom are `ExpertParallelMemory`. Parameter counts and that split come from the model
 family's spec (`liandan.model.spec`); activations are counted in `liandan.plan.activations`.
 
 The peak: gradients are set to None after every step, so they are allocated as the backward pass frees
