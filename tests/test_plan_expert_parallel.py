@@ -12,6 +12,7 @@ from helpers import liandan_here
 from liandan.common.layout import Layout
 from liandan.config import load_config
 from liandan.model.counts import _moe_ffn
+from liandan.plan.activations import activation_memory
 from liandan.plan.devices import resolve_device
 from liandan.plan.memory import memory_per_device, param_split
 from liandan.plan.run_plan import plan_config, plan_model_args
@@ -63,6 +64,16 @@ def test_tensor_parallelism_leaves_the_moe_feed_forward_whole(args):
     # Only attention, the dense block's feed-forward and the vocabulary tables halve.
     assert one.total - two.total < one.total - moe_blocks * (routed + always)
     assert two.total > moe_blocks * (routed + always)
+
+
+@pytest.mark.parametrize("sp, attention_share", [(False, 4), (True, 7.5)])
+def test_tensor_parallelism_keeps_the_moe_activations_whole(args, sp, attention_share):
+    """Korthikanti et al.'s layer at tp 2 (flash, no scores): 34·sbh becomes 22·sbh, of which the MLP's 19
+    becomes 11 (3 + 16/2), or 17 and 9.5 under sequence parallelism. A MoE block's feed-forward stays whole,
+    so only attention and the norms shrink."""
+    kw = {"micro_batch": B, "seq_len": S, "dtype": "bf16", "sequence_parallel": sp}
+    one, two = activation_memory(args, tp=1, **kw), activation_memory(args, tp=2, **kw)
+    assert one.per_layer - two.per_layer == pytest.approx(attention_share * B * S * args.dim)
 
 
 def test_plan_with_ep_shows_the_expert_parallel_rows():

@@ -115,13 +115,20 @@ def activation_memory(
     if checkpoint == "full":
         recompute, _ = activation_bytes_per_layer(s, b, h, args.n_heads, checkpoint="none", **kw)
     layers = args.n_layers * per_layer
-    # A MoE feed-forward runs whole on every tensor-parallel rank, on whole sequences under sequence parallelism.
+    # A MoE feed-forward runs whole on every tensor-parallel rank, on whole sequences under sequence
+    # parallelism: the MLP share the formula divided by tp (16 of its 19·sbh, all 19 under sequence
+    # parallelism) comes back whole.
     moe_layers, extra = _moe_activations(args, s * b * h, c, checkpoint)
     if moe_layers:
+        whole_mlp = 0.0
+        if tp > 1:
+            whole_mlp = (19 if sequence_parallel else 16) * (1 - 1 / tp) * s * b * h * c / 2
+        if checkpoint != "full":
+            extra += whole_mlp
         layers += moe_layers * extra
         per_layer, formula = per_layer + extra, formula + " + active experts"
         if checkpoint == "full":
-            recompute += _moe_activations(args, s * b * h, c, "none")[1]
+            recompute += _moe_activations(args, s * b * h, c, "none")[1] + whole_mlp
     mask_one = b * s * s * c if attention == "dense-mask" else 0
     masks = mask_one * (1 if checkpoint == "full" else args.n_layers)
     sbh = s * b * h / (tp if sequence_parallel else 1)
