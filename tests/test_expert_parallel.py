@@ -150,10 +150,17 @@ def test_ep_refused_for_a_dense_model_in_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_moe_with_tensor_parallelism_matches_one_process(moe_setup):
+def test_train_moe_with_tensor_parallelism_matches_one_process_and_resumes_without_it(moe_setup):
+    """tp 2 with sequence parallelism, killed after its step-4 checkpoint, resumed in one process: the
+    replicated experts and the split attention load back into whole tensors."""
     config, reference = moe_setup
-    done = train_named(config, "tp2", 2, "--parallel.tp=2", "--parallel.sequence_parallel=true")
+    killed = train_named(config, "tp2", 2, "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                         "--checkpoint.async_save=false", faults="kill@step:6:0")  # fmt: skip
+    assert killed.returncode != 0
+    assert run_losses(config, "tp2") == pytest.approx(reference[:6], rel=RTOL)
+    done = train_named(config, "tp2", 1)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "at step 4" in done.stdout
     assert run_losses(config, "tp2") == pytest.approx(reference, rel=RTOL)
 
 
