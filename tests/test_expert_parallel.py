@@ -165,6 +165,14 @@ def test_train_moe_with_tensor_parallelism_matches_one_process_and_resumes_witho
 
 
 @pytest.mark.slow
+def test_train_moe_with_fsdp_x_tp_from_meta_init_matches_one_process(moe_setup):
+    config, reference = moe_setup
+    done = train_named(config, "fsdp2xtp2-meta", 4, "--parallel.tp=2", "--train.meta_init=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_losses(config, "fsdp2xtp2-meta") == pytest.approx(reference, rel=RTOL)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "after",
     [(2, ["--parallel.ep=2"]), (1, []), (4, ["--parallel.ep=4"])],
