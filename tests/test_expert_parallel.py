@@ -1,8 +1,8 @@
-"""Expert parallelism (parallel.ep): the layout and its refusals, the same training as without it, and
-checkpoints moving between expert-parallel degrees.
+"""Expert parallelism (parallel.ep) and tensor parallelism on MoE models: the layout and its refusals, the same
+training as without them, and checkpoints moving between expert-parallel degrees.
 
 Tolerances (fp32):
-- the worker (tests/ep_worker.py), whole model in one process against FSDP2 x EP on 2 or 4 gloo ranks, same
+- the worker (tests/ep_worker.py), whole model in one process against FSDP2 x EP x TP on 2 or 4 gloo ranks, same
   global batch: losses and global gradient norms to a relative 1e-6 (measured: equal losses, norms 1e-8
   apart), every gradient within 1e-6 (measured: 3e-8; a gradient divided by the wrong data-parallel size is
   off by 1e-3), parameters after 3 AdamW steps at lr 1e-2 within 5e-5 (measured: up to 1.5e-5; AdamW turns
@@ -68,16 +68,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ep_run(out: Path, dp_replicate: int, dp_shard: int, ep: int, collapsed: bool) -> list[dict]:
-    """One run of tests/ep_worker.py on dp_replicate x dp_shard gloo ranks; each rank's report."""
-    world, port = dp_replicate * dp_shard, str(_free_port())
+def _ep_run(out: Path, dp_replicate: int, dp_shard: int, ep: int, collapsed: bool, tp: int = 1, sp: bool = False
+            ) -> list[dict]:  # fmt: skip
+    """One run of tests/ep_worker.py on dp_replicate x dp_shard x tp gloo ranks; each rank's report."""
+    world, port = dp_replicate * dp_shard * tp, str(_free_port())
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=port, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
         command = [sys.executable, str(TESTS / "ep_worker.py"), str(out), str(dp_replicate), str(dp_shard), str(ep),
-                   str(int(collapsed))]  # fmt: skip
+                   str(int(collapsed)), str(tp), str(int(sp))]  # fmt: skip
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for proc in procs:
         _, err = proc.communicate(timeout=300)
@@ -107,6 +108,26 @@ def test_expert_parallel_equals_one_process(tmp_path, layout, local_experts, col
             assert placements[-1][0] == local_experts  # this rank's share of the experts, after FSDP2's
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout, tp, sp",
+    [((1, 1, 1), 2, False), ((1, 1, 1), 2, True), ((1, 2, 1), 2, False), ((1, 2, 2), 2, False), ((1, 2, 2), 2, True)],
+    ids=["tp2", "tp2-sp", "fsdp2xtp2", "fsdp2xtp2xep2", "fsdp2xtp2xep2-sp"],
+)
+def test_tensor_parallel_moe_equals_one_process(tmp_path, layout, tp, sp):
+    """Tensor parallelism splits attention and leaves the MoE feed-forward whole on every rank of the group:
+    the same losses, gradients and router biases as one process (the loads, counted tp times over, give the
+    same shares and bias update)."""
+    for report in _ep_run(tmp_path, *layout, False, tp, sp):
+        for step in report["steps"]:
+            assert step["split_loss"] == pytest.approx(step["whole_loss"], rel=1e-6)
+            assert step["split_norm"] == pytest.approx(step["whole_norm"], rel=1e-6)
+            assert step["grad_diff"] <= 1e-6, step["worst"]
+        for name, diff in report["params"].items():
+            assert diff <= 5e-5, name
+        assert report["bias_diff"] == 0.0 and report["bias_moved"] > 0
+
+
 @pytest.fixture(scope="module")
 def moe_setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep-reshard")
@@ -126,6 +147,29 @@ def test_ep_refused_for_a_dense_model_in_one_line(tmp_path):
     done = train_named(config, "dense", 2, "--parallel.ep=2")
     assert done.returncode == 2
     assert "parallel.ep = 2 needs a mixture-of-experts model" in done.stderr
+
+
+@pytest.mark.slow
+def test_train_moe_with_tensor_parallelism_matches_one_process_and_resumes_without_it(moe_setup):
+    """tp 2 with sequence parallelism, killed after its step-4 checkpoint, resumed in one process: the
+    replicated experts and the split attention load back into whole tensors."""
+    config, reference = moe_setup
+    killed = train_named(config, "tp2", 2, "--parallel.tp=2", "--parallel.sequence_parallel=true",
+                         "--checkpoint.async_save=false", faults="kill@step:6:0")  # fmt: skip
+    assert killed.returncode != 0
+    assert run_losses(config, "tp2") == pytest.approx(reference[:6], rel=RTOL)
+    done = train_named(config, "tp2", 1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "at step 4" in done.stdout
+    assert run_losses(config, "tp2") == pytest.approx(reference, rel=RTOL)
+
+
+@pytest.mark.slow
+def test_train_moe_with_fsdp_x_tp_from_meta_init_matches_one_process(moe_setup):
+    config, reference = moe_setup
+    done = train_named(config, "fsdp2xtp2-meta", 4, "--parallel.tp=2", "--train.meta_init=true")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert run_losses(config, "fsdp2xtp2-meta") == pytest.approx(reference, rel=RTOL)
 
 
 @pytest.mark.slow

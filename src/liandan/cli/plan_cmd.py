@@ -33,6 +33,11 @@ def add_commands(sub) -> None:
         default="0.1",
         help="share of device memory kept free for the CUDA context, NCCL and fragmentation (default 0.1)",
     )
+    p.add_argument(
+        "--ep-imbalance",
+        default="1.25",
+        help="under parallel.ep, the rows the busiest rank receives over the mean (default 1.25)",
+    )
     p.add_argument("--mfu", default="0.4", help="assumed model FLOPs utilisation for the time estimate (default 0.4)")
     p.add_argument("--price-per-device-hour", default=None, help="price of one device-hour, for a cost estimate")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -57,6 +62,9 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     memory_gib = _number("--device-memory-gib", args.device_memory_gib)
     headroom = _number("--headroom", args.headroom)
     mfu = _number("--mfu", args.mfu)
+    ep_imbalance = _number("--ep-imbalance", args.ep_imbalance)
+    if ep_imbalance < 1:
+        raise ConfigError(f"--ep-imbalance = {ep_imbalance:g} must be at least 1")
     price = _number("--price-per-device-hour", args.price_per_device_hour)
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc = {nproc} must be at least 1")
@@ -70,7 +78,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
 
     device = resolve_device(args.device, memory_gib)
     cfg = load_config(args.config, overrides)
-    plan = plan_config(cfg, device, nproc=nproc, mfu=mfu, price_per_device_hour=price, headroom=headroom)
+    plan = plan_config(cfg, device, nproc=nproc, mfu=mfu, price_per_device_hour=price, headroom=headroom,
+                       ep_imbalance=ep_imbalance)  # fmt: skip
     if args.json:
         print(json.dumps(_jsonable(plan), indent=2))
     else:
@@ -209,6 +218,22 @@ def print_plan(plan, cfg, config_path: str) -> None:
         optimizer_how = f"{o.name}: {shares} ({k:.3g} B on average)"
     table.add_row("optimizer", _size(m.states.optimizer), optimizer_how)
     table.add_row("transient", _size(m.transient), m.transient_what)
+    if (e := m.expert_parallel) is not None:
+        table.add_row(
+            "all-to-all buffers",
+            _size(e.buffers),
+            f"one MoE layer's dispatched rows, sent + received (x{e.imbalance:g} on the busiest rank)",
+        )
+        table.add_row(
+            "expert imbalance",
+            _size(e.imbalance_headroom),
+            f"the busiest rank's expert activations above the mean (x{e.imbalance:g}; --ep-imbalance)",
+        )
+        table.add_row(
+            "all-to-all traffic",
+            _size(e.all_to_all_bytes_per_step),
+            f"sent per device per step (dispatch and combine, forward and backward, ep={m.layout.ep})",
+        )
     acts = m.activations
     table.add_row(
         "activations",

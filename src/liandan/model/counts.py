@@ -40,15 +40,17 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     return 6.0 * n + 12.0 * args.n_layers * args.n_heads * args.head_dim * seq_len
 
 
-def param_split(args: ModelArgs, tp: int = 1) -> ParamSplit:
+def param_split(args: ModelArgs, tp: int = 1, ep: int = 1) -> ParamSplit:
     """Tensor parallel as Llama's plan applies it: q/k/v/w1/w3 column-parallel and wo/w2 row-parallel (divided
     by tp), the embedding vocabulary-parallel and the head column-parallel (divided by tp), norms replicated.
-    A MoE block holds every expert (no expert parallelism: each rank keeps all of them, or its FSDP share)."""
+    A MoE block's feed-forward is not split by tp (every rank of the group holds it whole). Under expert
+    parallelism (`ep`) FSDP2 gathers only a rank's own experts (experts / ep) with a block, so the largest
+    block counts those; the total keeps every expert, which FSDP2 and ep together divide over dp_shard."""
     d, hd, L = args.dim, args.head_dim, args.n_layers
     attn = _ceil(_attention(args) + _qkv_bias(args), tp)
     dense = _ceil(_ffn_matrices(args) * d * args.ffn_dim, tp)
     routed_total, _, always = _moe_ffn(args)
-    moe = _ceil(routed_total + always, tp)
+    moe = routed_total + always
     norms = 2 * d + (2 * hd if args.qk_norm else 0)
     moe_layers = sum(args.is_moe_layer(i) for i in range(L)) if args.moe_experts else 0
     table = _ceil(args.vocab_size * d, tp)
@@ -57,7 +59,8 @@ def param_split(args: ModelArgs, tp: int = 1) -> ParamSplit:
     if not moe_layers:
         return ParamSplit(L, attn + dense + norms, root, matrices + table)
     blocks = matrices + L * norms
-    largest = attn + max(moe, dense if moe_layers < L else 0) + norms
+    gathered_moe = routed_total // ep + always
+    largest = attn + max(gathered_moe, dense if moe_layers < L else 0) + norms
     return ParamSplit(L, largest, root, matrices + table, blocks=blocks)
 
 

@@ -123,11 +123,16 @@ def tp_plan(args: ModelArgs, *, loss_parallel: bool = False, sequence_parallel: 
     qk-norm's per-head norms act on each rank's own heads: their weights are replicated DTensors whose
     input is marked as split over the heads, so their gradients are summed over the ranks.
     A tied head shares the embedding's table, which both styles split by rows (vocabulary) alike; the tie
-    is restored after sharding (`apply_tp`)."""
+    is restored after sharding (`apply_tp`).
+    A MoE block's feed-forward (router, routed and shared experts) is not split: every rank of the group
+    runs it whole on the same tokens, the whole sequences (under sequence parallelism its input is gathered
+    and each rank keeps its own positions of the output), so its weights and their gradients are alike on
+    every rank; FSDP2 and expert parallelism shard them over the data-parallel ranks."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
+        PrepareModuleInputOutput,
         RowwiseParallel,
         SequenceParallel,
     )
@@ -166,13 +171,21 @@ def tp_plan(args: ModelArgs, *, loss_parallel: bool = False, sequence_parallel: 
         # q and k are (batch, seq, heads, head_dim) here, each rank holding its own heads (dimension 2).
         block["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         block["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
-    return TensorParallelPlan(top=top, block=block)
+    moe_block = {name: style for name, style in block.items() if not name.startswith("feed_forward")}
+    if sequence_parallel:
+        moe_block["feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),),
+            desired_input_layouts=(Replicate(),),
+            use_local_input=True,
+            output_layouts=(Replicate(),),
+            desired_output_layouts=(Shard(1),),
+        )
+    moe = {str(i): moe_block for i in range(args.n_layers) if args.is_moe_layer(i)}
+    return TensorParallelPlan(top=top, block=block, blocks=moe)
 
 
 def tp_check(args: ModelArgs, tp: int) -> str | None:
     """The plan splits heads, so tp must divide both head counts; experts are not split by it."""
-    if args.moe_experts:
-        return "parallel.tp > 1 with model.moe_experts: tensor parallelism does not split the routed experts yet"
     if args.n_heads % tp or args.n_kv_heads % tp:
         return f"parallel.tp = {tp} must divide model.n_heads = {args.n_heads} and n_kv_heads = {args.n_kv_heads}"
     return None

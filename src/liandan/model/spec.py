@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from liandan import plugins
@@ -71,6 +71,8 @@ class TensorParallelPlan:
 
     top: dict[str, Any]  # names under the model itself (embedding, head)
     block: dict[str, Any]  # names under each block of the block container
+    # block name -> the plan of that block where it differs from `block` (a MoE block's feed-forward)
+    blocks: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -115,12 +115,20 @@ def activation_memory(
     if checkpoint == "full":
         recompute, _ = activation_bytes_per_layer(s, b, h, args.n_heads, checkpoint="none", **kw)
     layers = args.n_layers * per_layer
-    moe_layers, extra = _moe_activations(args, s * b * h / (tp if sequence_parallel else 1), c, checkpoint)
+    # A MoE feed-forward runs whole on every tensor-parallel rank, on whole sequences under sequence
+    # parallelism: the MLP share the formula divided by tp (16 of its 19·sbh, all 19 under sequence
+    # parallelism) comes back whole.
+    moe_layers, extra = _moe_activations(args, s * b * h, c, checkpoint)
     if moe_layers:
+        whole_mlp = 0.0
+        if tp > 1:
+            whole_mlp = (19 if sequence_parallel else 16) * (1 - 1 / tp) * s * b * h * c / 2
+        if checkpoint != "full":
+            extra += whole_mlp
         layers += moe_layers * extra
         per_layer, formula = per_layer + extra, formula + " + active experts"
         if checkpoint == "full":
-            recompute += _moe_activations(args, s * b * h, c, "none")[1]
+            recompute += _moe_activations(args, s * b * h, c, "none")[1] + whole_mlp
     mask_one = b * s * s * c if attention == "dense-mask" else 0
     masks = mask_one * (1 if checkpoint == "full" else args.n_layers)
     sbh = s * b * h / (tp if sequence_parallel else 1)
@@ -135,8 +143,9 @@ def activation_memory(
 def _moe_activations(args: Any, sbh: float, c: int, checkpoint: str) -> tuple[int, float]:
     """(MoE blocks, bytes one keeps above a dense block). The paper's 19·sbh of an MLP of hidden size 4h
     scales with the hidden size a token goes through, here its top_k experts' and the shared experts';
-    the routed rows are gathered once and weighted once more (2·top_k·sbh). Expert parallelism would add its
-    all-to-all buffers here. Nothing under full recomputation, which keeps the block's input alone."""
+    the routed rows are gathered once and weighted once more (2·top_k·sbh). Expert parallelism's buffers and
+    imbalance are in `liandan.plan.memory.ExpertParallelMemory`. Nothing under full recomputation, which
+    keeps the block's input alone."""
     experts = getattr(args, "moe_experts", 0)
     if not experts or checkpoint == "full":
         return (0, 0.0) if not experts else (_moe_block_count(args), 0.0)

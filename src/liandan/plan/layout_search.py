@@ -56,20 +56,24 @@ def smallest_fitting_layout(
     checkpoint_modes: tuple[str, ...] = CHECKPOINT_MODES,
     max_tp: int = 8,
     max_nproc: int | None = None,
+    ep: int = 1,
     **settings: Any,
 ) -> LayoutFit | None:
     """The fewest devices (a power of two) on which a step fits, searching FSDP2 x tensor-parallel splits
     (dp_shard = nproc / tp) and recomputation modes. At equal device count it prefers the least
     recomputation, then the smallest tensor-parallel degree. None when nothing up to `max_nproc` (default:
-    as many devices as the global batch allows data-parallel ranks, times max_tp) fits. `settings`: the
-    sequence_parallel, loss_parallel, ce_chunks, fp8_params and optimizer_state_bytes_per_param that
-    `memory_per_device` takes."""
+    as many devices as the global batch allows data-parallel ranks, times max_tp) fits. `ep`: the
+    expert-parallel degree kept in every layout (those whose dp_shard it does not divide are skipped).
+    `settings`: the sequence_parallel, loss_parallel, ce_chunks, fp8_params, optimizer_state_bytes_per_param
+    and ep_imbalance that `memory_per_device` takes."""
     limit = max_nproc or min(2**16, global_batch * max_tp)
     nproc = 1
     while nproc <= limit:
         for mode in checkpoint_modes:
             for tp in tp_degrees(args, nproc, max_tp):
-                layout = Layout(1, nproc // tp, tp)
+                if (nproc // tp) % ep:
+                    continue
+                layout = Layout(1, nproc // tp, tp, ep=ep)
                 b = micro_batch_for(global_batch, micro_batch, layout)
                 if b is None:
                     continue

@@ -17,7 +17,8 @@ Adam's 8 bytes of state per parameter (m and v in fp32) are the default of `opti
 an optimizer that keeps more or less state gives its own figure, and both accountings follow it.
 
 Tensor parallelism divides the per-layer matrices, the vocabulary-parallel embedding and the
-column-parallel head by tp; norm weights stay replicated. Parameter counts and that split come from the model
+column-parallel head by tp; norm weights and MoE feed-forwards stay replicated. Expert parallelism's
+buffers and imbalance headroom are `ExpertParallelMemory`. Parameter counts and that split come from the model
 family's spec (`liandan.model.spec`); activations are counted in `liandan.plan.activations`.
 
 The peak: gradients are set to None after every step, so they are allocated as the backward pass frees
@@ -40,6 +41,9 @@ from liandan.plan.activations import BYTES, Activations, activation_memory
 
 GIB = 2**30
 DEFAULT_HEADROOM = 0.1  # CUDA context, NCCL buffers and allocator fragmentation
+# Under expert parallelism the busiest rank receives this many times the mean number of (token, expert) rows:
+# routing is balanced over a step, not in every micro-batch (an assumption, not a measurement).
+DEFAULT_EP_IMBALANCE = 1.25
 ADAMW_STATE_BYTES_PER_PARAM = 8.0  # m and v, fp32
 
 
@@ -55,11 +59,13 @@ def optimizer_state_bytes(cfg: Config) -> float:
 # parameters per rank
 
 
-def param_split(args: Any, tp: int = 1) -> ParamSplit:
+def param_split(args: Any, tp: int = 1, ep: int = 1) -> ParamSplit:
     """What one tensor-parallel rank holds, as the model family's tensor-parallel plan splits it (Llama:
     q/k/v/w1/w3 column-parallel and wo/w2 row-parallel, divided by tp; the embedding vocabulary-parallel and
-    the head column-parallel, divided by tp; norms replicated)."""
-    return spec_for(args).param_split(args, tp)
+    the head column-parallel, divided by tp; norms replicated; MoE feed-forwards whole). Under expert
+    parallelism its largest block holds a rank's own experts only."""
+    spec = spec_for(args)
+    return spec.param_split(args, tp, ep) if ep > 1 else spec.param_split(args, tp)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -137,6 +143,7 @@ class MemoryEstimate:
     accumulation: bool  # gradients of earlier micro-batches are alive through the whole backward pass
     zero: tuple[ZeroStage, ...] = field(default=())
     optimizer_state_bytes_per_param: float = ADAMW_STATE_BYTES_PER_PARAM
+    expert_parallel: ExpertParallelMemory | None = None  # under parallel.ep > 1
 
     @property
     def total(self) -> float:
@@ -144,6 +151,8 @@ class MemoryEstimate:
         activations: the peak is the larger of the start of the backward pass (all activations, the first
         gradients) and its end (all gradients). Under gradient accumulation both are alive at once."""
         base = self.states.params + self.states.optimizer + self.transient
+        if self.expert_parallel is not None:
+            base += self.expert_parallel.total
         if self.accumulation:
             return base + self.states.grads + self.activations.total
         return base + max(self.activations.total + self.early_grads, self.states.grads)
@@ -151,10 +160,52 @@ class MemoryEstimate:
     @property
     def sum(self) -> float:
         """Everything added up, as if all were alive at once."""
-        return self.states.total + self.transient + self.activations.total
+        extra = self.expert_parallel.total if self.expert_parallel is not None else 0.0
+        return self.states.total + self.transient + self.activations.total + extra
 
     def fits(self, device_memory_gib: float, headroom: float = DEFAULT_HEADROOM) -> bool:
         return self.total <= usable_bytes(device_memory_gib, headroom)
+
+
+@dataclass(frozen=True)
+class ExpertParallelMemory:
+    """What expert parallelism adds on one device: the all-to-all buffers of one MoE layer's dispatch (the
+    rows it sends, tokens x top_k x dim, and the rows the busiest rank receives, `imbalance` times as many),
+    and the headroom of the busiest rank's expert activations over the mean (imbalance - 1 times the routed
+    experts' activations of every MoE layer). The routed experts' weights, gradients and optimizer state are
+    divided over ep x dp_shard / ep = dp_shard as FSDP2 divides them without expert parallelism; what ep
+    changes there is the block FSDP2 gathers (a rank's experts / ep), in `MemoryEstimate.transient`."""
+
+    imbalance: float
+    buffers: float
+    imbalance_headroom: float
+    all_to_all_bytes_per_step: float  # sent by one rank per optimizer step, forward and backward
+
+    @property
+    def total(self) -> float:
+        return self.buffers + self.imbalance_headroom
+
+
+def expert_parallel_memory(
+    args: Any, layout: Layout, *, micro_batch: int, seq_len: int, dtype: str, checkpoint: str,
+    accumulation_steps: int, imbalance: float = DEFAULT_EP_IMBALANCE,
+) -> ExpertParallelMemory:  # fmt: skip
+    """`ExpertParallelMemory` of a step with `micro_batch` sequences of `seq_len` tokens per rank; a MoE
+    feed-forward sees whole sequences on every tensor-parallel rank."""
+    if not (math.isfinite(imbalance) and imbalance >= 1):
+        raise ConfigError(f"expert-parallel imbalance {imbalance:g} must be a finite number >= 1")
+    c = BYTES[dtype]
+    rows = micro_batch * seq_len * args.moe_top_k
+    buffers = (1 + imbalance) * rows * args.dim * c
+    moe_layers = sum(1 for i in range(args.n_layers) if args.is_moe_layer(i))
+    # The routed part of `activations._moe_activations`: the experts' 19/4 values per hidden unit and row,
+    # the gathered and weighted rows; kept unless full recomputation keeps the block's input alone.
+    routed = 0.0 if checkpoint == "full" else rows * (19 * args.moe_ffn_dim / 4 + 2 * args.dim) * c / 2
+    headroom = (imbalance - 1) * routed * moe_layers
+    # Dispatch and combine in the forward pass, their reverses in the backward: 4 all-to-alls of the rows per
+    # MoE layer and micro-batch, of which the share for the other ep - 1 ranks leaves the device.
+    sent = 4 * rows * args.dim * c * moe_layers * accumulation_steps * (layout.ep - 1) / layout.ep
+    return ExpertParallelMemory(imbalance, buffers, headroom, sent)
 
 
 def usable_bytes(device_memory_gib: float, headroom: float = DEFAULT_HEADROOM) -> float:
@@ -176,6 +227,7 @@ def memory_per_device(
     accumulation_steps: int = 1,
     fp8_params: int = 0,
     optimizer_state_bytes_per_param: float = ADAMW_STATE_BYTES_PER_PARAM,
+    ep_imbalance: float = DEFAULT_EP_IMBALANCE,
 ) -> MemoryEstimate:
     """Peak bytes per device of a training step with `micro_batch` sequences of `seq_len` tokens per rank,
     `accumulation_steps` micro-batches per optimizer step.
@@ -185,7 +237,8 @@ def memory_per_device(
     (whole model, before tensor parallel); their matmuls cast the weight to fp8 on the fly (one byte a
     weight, and rowwise a second, transposed copy in the backward pass: 2 bytes a weight of one block) and
     save their fp32 or gathered weight for the backward pass, not an autocast bf16 copy.
-    `optimizer_state_bytes_per_param`: what the optimizer keeps per parameter it updates (Adam: 8)."""
+    `optimizer_state_bytes_per_param`: what the optimizer keeps per parameter it updates (Adam: 8).
+    `ep_imbalance`: under expert parallelism, the busiest rank's received rows over the mean."""
     if dtype not in BYTES:
         raise ConfigError(f"dtype '{dtype}' is not one of {', '.join(BYTES)}")
     if micro_batch < 1 or seq_len < 1:
@@ -194,7 +247,7 @@ def memory_per_device(
         raise ConfigError(
             f"optimizer state of {optimizer_state_bytes_per_param:g} bytes per parameter must be a finite number >= 0"
         )
-    split = param_split(args, layout.tp)
+    split = param_split(args, layout.tp, layout.ep)
     n = split.total
     c = BYTES[dtype]
     if uses_fsdp(layout):
@@ -238,10 +291,17 @@ def memory_per_device(
         ce_chunks=ce_chunks,
     )
     zero = zero_stages(n, layout.dp_size, dtype, optimizer_state_bytes_per_param)
+    ep = None
+    if layout.ep > 1:
+        ep = expert_parallel_memory(
+            args, layout, micro_batch=micro_batch, seq_len=seq_len, dtype=dtype, checkpoint=activation_checkpoint,
+            accumulation_steps=accumulation_steps, imbalance=ep_imbalance,
+        )  # fmt: skip
+        what += f", a rank's experts (/ep={layout.ep}) in the gathered blocks"
     return MemoryEstimate(
         layout, micro_batch, seq_len, activation_checkpoint, dtype, attention, sharding,
         n, per_device, states, transient, what, acts, early, accumulation_steps > 1, zero,
-        optimizer_state_bytes_per_param,
+        optimizer_state_bytes_per_param, ep,
     )  # fmt: skip
 
 

@@ -18,6 +18,7 @@ from liandan.plan.devices import Device
 from liandan.plan.fp8 import Fp8Count, plan_fp8
 from liandan.plan.layout_search import LayoutFit, micro_batch_for, smallest_fitting_layout
 from liandan.plan.memory import (
+    DEFAULT_EP_IMBALANCE,
     DEFAULT_HEADROOM,
     InitMemory,
     MemoryEstimate,
@@ -181,6 +182,7 @@ def plan_config(
     mfu: float = 0.4,
     price_per_device_hour: float | None = None,
     headroom: float = DEFAULT_HEADROOM,
+    ep_imbalance: float = DEFAULT_EP_IMBALANCE,
 ) -> Plan:
     """Everything `liandan plan` prints, for a config on `nproc` devices (default: the fewest it admits)."""
     if not 0 <= headroom < 1:
@@ -210,7 +212,8 @@ def plan_config(
     optimizer = optimizer_cost(cfg, args, flops.per_token * t.global_batch * t.seq_len)
     state_bytes = optimizer.state_bytes_per_param if optimizer is not None else optimizer_state_bytes(cfg)
     settings = {"sequence_parallel": p.sequence_parallel, "loss_parallel": p.loss_parallel, "ce_chunks": t.ce_chunks,
-                "fp8_params": fp8.params, "optimizer_state_bytes_per_param": state_bytes}  # fmt: skip
+                "fp8_params": fp8.params, "optimizer_state_bytes_per_param": state_bytes,
+                "ep_imbalance": ep_imbalance}  # fmt: skip
     memory = memory_per_device(
         args, layout, micro_batch=b, seq_len=t.seq_len, activation_checkpoint=t.activation_checkpoint,
         dtype=dtype, attention=attention, accumulation_steps=t.global_batch // layout.dp_size // b, **settings,
@@ -218,7 +221,7 @@ def plan_config(
     smallest = smallest_fitting_layout(
         args, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
         device_memory_gib=device.memory_gib, headroom=headroom, dtype=dtype, attention=attention,
-        max_tp=1 if fp8.params else 8, **settings,  # fp8 runs without tensor parallel
+        max_tp=1 if fp8.params else 8, ep=layout.ep, **settings,  # fp8 runs without tensor parallel
     )  # fmt: skip
     share = min(1.0, 6.0 * fp8.params / flops.per_token)
     peak = mixed_peak_flops(device.peak_flops(dtype), device.peak_flops_fp8(dtype), share)

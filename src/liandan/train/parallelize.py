@@ -53,8 +53,8 @@ def apply_tp(
     loss_parallel: bool = False,
     sequence_parallel: bool = False,
 ) -> None:
-    """The family's tensor-parallel plan: its top-level modules, then the same per-block plan on every block
-    (for Llama, Megatron-style: each rank holds n_heads / tp heads). `loss_parallel` keeps the logits split
+    """The family's tensor-parallel plan: its top-level modules, then the per-block plan on every block (for
+    Llama, Megatron-style: each rank holds n_heads / tp heads; a MoE block's feed-forward stays whole). `loss_parallel` keeps the logits split
     over the vocabulary; `sequence_parallel` splits the activations between the parallel regions over the
     sequence."""
     from torch.distributed.tensor.parallel import parallelize_module
@@ -66,8 +66,8 @@ def apply_tp(
     plan = spec.tp_plan(model.args, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
     if plan.top:
         parallelize_module(model, tp_mesh, plan.top)
-    for block in _blocks(model, spec).children():
-        parallelize_module(block, tp_mesh, plan.block)
+    for name, block in _blocks(model, spec).named_children():
+        parallelize_module(block, tp_mesh, plan.blocks.get(name, plan.block))
     _retie(model, spec)
     # Readers of the model that choose their own sequence lengths (evaluation) need to know: between the
     # blocks each rank then holds 1/tp of the positions, so lengths must divide by tp and a position's hidden
