@@ -197,6 +197,19 @@ def fake_runs(root, law=TRUE, seed=0):
     return obs
 
 
+def test_read_runs_counts_a_mixture_of_experts_by_its_active_parameters(tmp_path):
+    """A MoE run's summary gives its active parameters beside its totals: N may be either."""
+    run = tmp_path / "runs" / "moe"
+    run.mkdir(parents=True)
+    summary = {"tokens": 10**8, "final_loss_smoothed": 3.0, "flops_per_token": 6e6, "parameters": 9_000_000,
+               "non_embedding_parameters": 8_000_000, "active_parameters": 3_000_000}  # fmt: skip
+    (run / "summary.json").write_text(json.dumps(summary))
+    n = {p: scaling_runs.load_observations([run], params=p).n[0] for p in scaling_runs.PARAM_COUNTS}
+    assert n == {"non_embedding": 8e6, "total": 9e6, "active": 2e6, "active_total": 3e6}
+    with pytest.raises(ConfigError, match="allowed: non_embedding, total, active, active_total"):
+        scaling_runs.load_observations([run], params="experts")
+
+
 def test_read_runs_options(tmp_path):
     obs = fake_runs(tmp_path / "runs")
     got = scaling_runs.load_observations([tmp_path / "runs"])
@@ -206,6 +219,10 @@ def test_read_runs_options(tmp_path):
     assert "final_loss_smoothed" in got.source  # auto: no run has a validation loss
     total = scaling_runs.load_observations([tmp_path / "runs"], params="total", loss="final")
     assert total.n == pytest.approx(got.n + 5e6) and total.loss == pytest.approx(got.loss * 1.01)
+    # Summaries from before active counts are of dense models: active counts equal the totals.
+    active = scaling_runs.load_observations([tmp_path / "runs"], params="active")
+    assert active.n == pytest.approx(got.n) and "active" in active.source
+    assert scaling_runs.load_observations([tmp_path / "runs"], params="active_total").n == pytest.approx(total.n)
     with pytest.raises(ConfigError, match="no positive val_loss.*--loss smoothed"):
         scaling_runs.load_observations([tmp_path / "runs"], loss="val")
     with pytest.raises(ConfigError, match="no such file or directory"):

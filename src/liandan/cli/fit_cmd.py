@@ -31,9 +31,10 @@ def add_commands(sub) -> None:
     )
     p.add_argument(
         "--param-count",
-        choices=["non-embedding", "total"],
+        choices=["non-embedding", "total", "active", "active-total"],
         default="non-embedding",
-        help="N of a run directory: non-embedding (default) or total parameters",
+        help="N of a run directory: non-embedding (default) or total parameters; of a mixture of experts, "
+        "active (the non-embedding parameters a token goes through) or active-total (with the embedding)",
     )
     p.add_argument(
         "--loss",

@@ -60,7 +60,13 @@ def planned_run(path: str | Path, *, params: str = "non_embedding") -> PlannedRu
     cfg = load_config(path, [])
     args = plan_model_args(cfg)
     counts = count_params(args)
-    n = counts.non_embedding if params == "non_embedding" else counts.total
+    embedding = counts.total - counts.non_embedding
+    n = {
+        "non_embedding": counts.non_embedding,
+        "total": counts.total,
+        "active": counts.active - embedding,
+        "active_total": counts.active,
+    }[params]
     tokens = cfg.train.steps * cfg.train.global_batch * cfg.train.seq_len
     return PlannedRun(path.stem, float(n), float(tokens), float(flops_per_token(args, cfg.train.seq_len)))
 

@@ -123,10 +123,36 @@ def find_runs(path: Path) -> list[Path]:
     raise ConfigError(f"no such file or directory: {path}")
 
 
+# The N a run's summary.json gives, by name: of a mixture of experts, the parameters a token goes through
+# (active) or all of them; a dense model's active counts are its totals.
+PARAM_COUNTS = {
+    "non_embedding": "non_embedding_parameters",
+    "total": "parameters",
+    "active": "active non-embedding parameters",
+    "active_total": "active_parameters",
+}
+
+
+def parameter_count(summary: dict, params: str) -> float | None:
+    """A run's N as `params` names it, from its summary.json; None where the summary lacks what it needs.
+    Summaries written before active counts existed are of dense models, whose active counts are the totals."""
+    total, non_embedding = summary.get("parameters"), summary.get("non_embedding_parameters")
+    active = summary.get("active_parameters", total)
+    if params == "non_embedding":
+        return non_embedding
+    if params == "total":
+        return total
+    if params == "active_total":
+        return active
+    if not all(isinstance(v, (int, float)) for v in (total, non_embedding, active)):
+        return None
+    return active - (total - non_embedding)
+
+
 def read_runs(run_dirs: Sequence[Path], *, params: str = "non_embedding", loss: str = "auto") -> Observations:
     """Runs from liandan run directories' summary.json.
 
-    params: "non_embedding" or "total" parameter count as N. loss: "smoothed" (final_loss_smoothed, the mean
+    params: the parameter count taken as N, one of PARAM_COUNTS (non_embedding, total, active, active_total). loss: "smoothed" (final_loss_smoothed, the mean
     of the last tenth of the training losses), "final", "val" (val_loss), or "auto" (val_loss when every run
     has one, else smoothed). C is flops_per_token × tokens (PaLM's accounting, attention included)."""
     summaries = []
@@ -142,14 +168,14 @@ def read_runs(run_dirs: Sequence[Path], *, params: str = "non_embedding", loss: 
         loss = "val" if summaries and all(s.get("val_loss") is not None for s in summaries) else "smoothed"
     if loss not in LOSS_KEYS:
         raise ConfigError(f"loss = {loss!r}; allowed: auto, {', '.join(LOSS_KEYS)}")
-    if params not in ("non_embedding", "total"):
-        raise ConfigError(f"params = {params!r}; allowed: non_embedding, total")
-    n_key = "non_embedding_parameters" if params == "non_embedding" else "parameters"
+    if params not in PARAM_COUNTS:
+        raise ConfigError(f"params = {params!r}; allowed: {', '.join(PARAM_COUNTS)}")
     rows = []
     for run, s in zip(run_dirs, summaries):
         row = []
-        for key in (n_key, "tokens", LOSS_KEYS[loss]):
-            value = s.get(key)
+        for key in ("parameters", "tokens", LOSS_KEYS[loss]):
+            value = parameter_count(s, params) if key == "parameters" else s.get(key)
+            key = PARAM_COUNTS[params] if key == "parameters" else key
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 hint = " (try --loss smoothed)" if key == "val_loss" else ""
                 raise ConfigError(f"{run}: summary.json has no positive {key} (got {value!r}){hint}")
