@@ -5,7 +5,8 @@ The dense model's SwiGLU feed-forward has hidden size F; the MoE model's blocks 
 8 experts of hidden size F/3 and through one shared expert of F/3, so a token goes through 3 x F/3 = F hidden
 units as in the dense model (the router's dim x 8 weights are the only extra active parameters): the same
 FLOPs per token within a few percent, 3x the feed-forward parameters. Balanced by the auxiliary-loss-free
-expert bias (DeepSeek-V3). Everything else is shared: attention, width, depth, data split (a mixture of both
+expert bias on sigmoid scores (DeepSeek-V3; `--score softmax`, `--bias-rate`, `--aux-loss`, `--z-loss` try
+other balancing). Everything else is shared: attention, width, depth, data split (a mixture of both
 corpora), seed, schedule, batch, steps.
 
 Printed: each run's final validation loss; the steps the MoE model takes to first reach the dense model's
@@ -14,8 +15,8 @@ and the load balance after warm-up (the first fifth of the steps): the mean and 
 and MoE blocks, of max/mean expert load (1.0 is perfect balance; the target is < 1.3). A run whose
 summary.json exists is not trained again.
 
-    python benchmarks/moe_vs_dense.py --out runs/moe-vs-dense                     # ~15 min on 2 busy cores
-    python benchmarks/moe_vs_dense.py --out runs/moe-vs-dense --dim 192 --steps 600
+    python benchmarks/moe_vs_dense.py --out runs/moe-vs-dense        # byte tokens, width 128, 4 blocks, 600 steps
+    python benchmarks/moe_vs_dense.py --out runs/moe-vs-dense --only moe --dense-from runs/a/dense --score softmax
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ moe_ffn_dim = {expert}
 moe_shared_experts = {SHARED_EXPERTS}
 moe_balance = "bias"
 moe_bias_rate = {a.bias_rate}
+moe_score = "{a.score}"
+moe_aux_loss = {a.aux_loss}
+moe_z_loss = {a.z_loss}
 """
     paths = ", ".join(f'"{p}"' for p in CORPORA)
     return f"""[run]
@@ -93,8 +97,8 @@ enabled = false
 
 [data]
 paths = [{paths}]
-tokenizer = "bpe"
-bpe_vocab_size = 4096
+tokenizer = "{a.tokenizer}"
+bpe_vocab_size = {a.bpe_vocab}
 val_fraction = 0.05
 """
 
@@ -135,7 +139,10 @@ def load_balance(run: Path, after_step: int) -> tuple[float, float]:
     for line in (run / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
         if record.get("step", 0) > after_step:
-            values += [v for k, v in record.items() if k.startswith("moe/") and k.endswith("/load_max")]
+            # per block (moe/<block>/load_max), not the logged maximum over blocks, which would count twice
+            values += [
+                v for k, v in record.items() if k.startswith("moe/") and k.endswith("/load_max") and k.count("/") == 2
+            ]
     return statistics.fmean(values), max(values)
 
 
@@ -145,19 +152,26 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--ffn", type=int, default=0, help="the dense hidden size F (0: 3 x dim)")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--bias-rate", type=float, default=1e-3)
+    parser.add_argument("--bias-rate", type=float, default=1e-2, help="a few times --lr (DeepSeek-V3: 1e-3 at 2.2e-4)")
     parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--score", choices=("softmax", "sigmoid"), default="sigmoid")
+    parser.add_argument("--aux-loss", type=float, default=0.0, help="weight of the load-balancing loss")
+    parser.add_argument("--z-loss", type=float, default=0.0, help="weight of the router z-loss")
+    parser.add_argument("--tokenizer", default="byte", help="byte (feed-forwards dominate) or bpe")
+    parser.add_argument("--bpe-vocab", type=int, default=4096)
+    parser.add_argument("--only", choices=("dense", "moe"), help="train and report one of the two models")
+    parser.add_argument("--dense-from", type=Path, help="a finished dense run's directory to compare with")
     a = parser.parse_args()
     if not all(p.is_file() for p in CORPORA):
         sys.exit(f"the shared corpora are not at {SHARED}")
     a.out.mkdir(parents=True, exist_ok=True)
     summaries = {}
-    for name in ("dense", "moe"):
-        run = a.out / name
+    for name in ("dense", "moe") if a.only is None else (a.only,):
+        run = a.dense_from if name == "dense" and a.dense_from else a.out / name
         if not (run / "summary.json").is_file():
             config = a.out / f"{name}.toml"
             config.write_text(run_config(a, name, a.out))
@@ -167,6 +181,8 @@ def main() -> None:
         print(f"{name:5s}: final validation loss {s['val_loss']:.4f}, {s['parameters']:,} parameters"
               f" ({s['active_parameters']:,} active),"
               f" {s['flops_per_token']:.3e} FLOPs per token")  # fmt: skip
+    if a.only:
+        return
     target = summaries["dense"]["val_loss"]
     reached = steps_to_reach(eval_curve(a.out / "moe"), target)
     ratio = f"{reached:.0f} steps, {reached / a.steps:.2f}x the dense model's {a.steps}" if reached else "not reached"
