@@ -263,6 +263,27 @@ def test_a_rollback_decided_just_before_a_crash_is_carried_out_after_the_restart
     assert [e["action"] for e in records.of_kind("guard")] == ["rollback", "rollback"]
 
 
+def test_slow_logit_growth_only_warned_about_moves_the_level_and_a_jump_is_still_caught():
+    from liandan.config.sections import GuardSection
+    from liandan.train.guard.callback import GuardCallback
+
+    def logit_findings(guard: GuardCallback, logits: list[float]) -> list[int]:
+        return [
+            n for n, x in enumerate(logits, 1) for kind, _, _ in guard._judge(n, 3.0, 1.0, x, 0.0) if kind == "logits"
+        ]
+
+    # A small model's largest logit leaves its first level within a few steps of the warm-up, then keeps
+    # growing slowly (as in benchmarks/router_watch.py): warned about for a while, then the new level.
+    growing = [1.0] * 20 + [2.5 * 1.002**k for k in range(480)]
+    warned = logit_findings(GuardCallback(GuardSection()), growing)
+    assert warned and max(warned) < 100
+    # Under a policy that acts, a flagged value stays out of the history: the level holds, and so do the flags.
+    acting = GuardCallback(GuardSection(on_logits="skip"))
+    assert len(logit_findings(acting, growing)) == 480
+    jump = [1.0] * 50 + [30.0]
+    assert logit_findings(GuardCallback(GuardSection()), jump) == [51]
+
+
 def test_rules_ignore_a_falling_trend_and_catch_a_jump():
     rule = Rule(size=100, warmup=10, mads=5, min_ratio=0.05)
     rng = random.Random(0)

@@ -281,18 +281,17 @@ class GuardCallback(Callback):
             found.append(("diverge", self.rise_streak.began, what))
         if not streak and not dropping and not rising:
             self.loss.accept(loss)
-        verdict = self.grad.judge(grad)
-        if verdict and verdict.over:
-            found.append(("grad", n, verdict.describe("gradient norm")))
-        else:
-            self.grad.accept(grad)
-        for rule, value, what in ((self.logit, largest, "largest output logit"), (self.z, z, "mean z")):
+        measured = [("grad", self.grad, grad, "gradient norm")]
+        measured += [("logits", self.logit, largest, "largest output logit"), ("logits", self.z, z, "mean z")]
+        for kind, rule, value, what in measured:
             if value <= 0:
                 continue  # not measured
             verdict = rule.judge(value)
             if verdict and verdict.over:
-                found.append(("logits", n, verdict.describe(what)))
-            else:
+                found.append((kind, n, verdict.describe(what)))
+            # A value only warned about is what the run goes on with: it joins the history, so that slow
+            # growth (logits growing as a small model learns) moves the level instead of warning every step.
+            if not (verdict and verdict.over) or self._policy(kind) == "warn":
                 rule.accept(value)
         return found
 
