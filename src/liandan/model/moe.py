@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
@@ -138,7 +137,10 @@ class GroupedExperts(nn.Module):
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
-    return weight.to_local() if isinstance(weight, DTensor) else weight
+    # A DTensor's local shard, found by its method: importing DTensor here would load torch.distributed for
+    # every reader of a model's shape (`liandan plan`, `ckpt info`).
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if to_local is not None else weight
 
 
 def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
