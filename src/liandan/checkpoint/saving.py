@@ -270,10 +270,15 @@ class CheckpointSaving:
         is its final name, is left to the next start (`remove_stale_saves`): it may have completed meanwhile."""
         if self._pending is None:
             return
-        tmp = self._pending[1]
+        tmp, future = self._pending[1], self._pending[2]
         self._pending = None
         if self.rank == 0 and not self.remote:
             remove_tree(tmp)  # renamed already, the save complete: nothing there to remove
+            # The background write may still be going on and make the directory again: removed once more when
+            # it ends (the process waits for DCP's writer threads at exit, so this runs before it is gone).
+            when_done = getattr(future, "add_done_callback", None)
+            if when_done is not None and not future.done():
+                when_done(lambda _: remove_tree(tmp))
 
     def close(self) -> None:
         self.wait()

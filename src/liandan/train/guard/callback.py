@@ -76,7 +76,7 @@ class GuardCallback(Callback):
             watch = len(stores) > 1 and bool(self.cfg.source_floor or self.cfg.source_collapse)
             self.source_names = [s.name for s in stores] if watch else []
             self.head = HeadProbe(self.whole, spec, per_sequence=watch)
-        routed = list(moe_layers(ctx.module.model).values())
+        routed = [moe for part in ctx.module.model_parts for moe in moe_layers(part).values()]
         if routed:
             self.routers.top_k = routed[0].cfg.top_k
             self.router_prefix = spec.blocks
