@@ -90,7 +90,11 @@ def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:
                 f" but {world_size} were launched (set --nproc or the torchrun/srun task count)"
             )
         shard = world_size // rest
-    layout = Layout(cfg.dp_replicate, shard, cfg.tp, ep=cfg.ep)
+    if cfg.cp != 1:
+        raise ValueError(f"context parallelism is not supported yet: parallel.cp = {cfg.cp} must be 1")
+    if cfg.cpu_offload:
+        raise ValueError("CPU offload is not supported yet: parallel.cpu_offload must be false")
+    layout = Layout(cfg.dp_replicate, shard, cfg.tp, pp=cfg.pp, ep=cfg.ep)
     if layout.world_size != world_size:
         raise ValueError(
             f"parallel layout dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x tp={layout.tp}"

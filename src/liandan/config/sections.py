@@ -107,6 +107,30 @@ class ParallelSection:
         " from dp_shard, which it must divide) and tokens travel to their experts by all-to-all",
         min=1,
     )
+    pp: int = _f(1, "pipeline-parallel degree: the model's layers split into stages, one group of ranks each", min=1)
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"] = _f(
+        "1f1b",
+        "pipeline schedule (torch.distributed.pipelining): gpipe and 1f1b run one stage per rank; interleaved-1f1b,"
+        " looped-bfs and interleaved-zb run pp_stages_per_rank; zbv and dualpipev run two per rank in a V",
+    )
+    pp_microbatches: int = _f(
+        0, "micro-batches each pipeline step splits its data-parallel batch into; 0: pp x pp_stages_per_rank", min=0
+    )
+    pp_stages_per_rank: int = _f(
+        1, "virtual stages each pipeline rank holds (the interleaved schedules; zbv and dualpipev need 2)", min=1
+    )
+    pp_layers: list[int] = _f(
+        [], "decoder layers in each stage, first to last (their sum is the model's n_layers); empty: balanced by"
+        " parameters and FLOPs, the first and last stages lighter for the embedding and the head"
+    )  # fmt: skip
+    cp: int = _f(
+        1, "context-parallel degree: each sequence split over cp ranks, attention by ring (needs seq_len divisible"
+        " by 2 x cp for the causal load balance)", min=1,
+    )  # fmt: skip
+    cpu_offload: bool = _f(
+        False, "FSDP2 keeps parameters, gradients and optimizer state in CPU memory, copying each layer in for its"
+        " compute (slower steps, far less device memory)"
+    )  # fmt: skip
     loss_parallel: bool = _f(
         True,
         "with tp > 1, the head's logits stay split over the vocabulary and the cross-entropy is computed on"
