@@ -39,9 +39,9 @@ def test_layout_parse_refuses_what_is_not_a_layout(text):
         Layout.parse(text)
 
 
-def test_pipeline_parallel_and_ep_outside_dp_shard_are_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"^pipeline parallelism is not supported yet: pp = 2 must be 1$"):
-        Layout(1, 1, 1, pp=2)
+def test_pipeline_parallel_below_one_and_ep_outside_dp_shard_are_refused_in_one_line():
+    with pytest.raises(ValueError, match=r"^parallel.pp = 0 must be at least 1$"):
+        Layout(1, 1, 1, pp=0)
     with pytest.raises(ValueError, match=r"^parallel.ep = 4 must divide parallel.dp_shard = 2: expert parallelism"):
         Layout(1, 2, 1, ep=4)
     assert Layout(1, 4, 1, ep=4).world_size == 4  # ep borrows its ranks: no processes of its own

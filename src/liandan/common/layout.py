@@ -5,8 +5,8 @@ shard group), `tp` (tensor parallel). `ep` (expert parallel) borrows its ranks f
 dp2ep does: the shard group splits into `dp_shard / ep` groups of `ep` neighbouring ranks, each of which
 divides the routed experts among its ranks; the experts' weights are then sharded by FSDP2 over what is left
 (`dp_shard / ep`), the dense weights over the whole `dp_shard`. It adds no processes. `pp` (pipeline stages)
-has its place in the layout but is fixed at 1 until the trainer has a pipeline schedule: a layout asking for
-more is refused in one line.
+is the outermost dimension: each pipeline rank runs its stages with the data-parallel and tensor-parallel
+dims inside it, and the ranks of one pipeline group read the same data.
 
 `str(layout)` is what checkpoints, memory snapshots, events and summaries record, e.g.
 `fsdp (dp_replicate=1, dp_shard=2, tp=1)`; `Layout.parse` reads it back.
@@ -32,8 +32,8 @@ class Layout:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        if self.pp != 1:
-            raise ValueError(f"pipeline parallelism is not supported yet: pp = {self.pp} must be 1")
+        if self.pp < 1:
+            raise ValueError(f"parallel.pp = {self.pp} must be at least 1")
         if self.ep < 1 or self.dp_shard % self.ep:
             raise ValueError(
                 f"parallel.ep = {self.ep} must divide parallel.dp_shard = {self.dp_shard}: expert parallelism"
@@ -83,10 +83,10 @@ def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:
     """Fill dp_shard = -1 with what the other dims leave, and check the product is the world size."""
     shard = cfg.dp_shard
     if shard == -1:
-        rest = cfg.dp_replicate * cfg.tp
+        rest = cfg.dp_replicate * cfg.tp * cfg.pp
         if world_size % rest:
             raise ValueError(
-                f"parallel.dp_replicate x parallel.tp = {rest} must divide the number of processes,"
+                f"parallel.dp_replicate x parallel.tp x parallel.pp = {rest} must divide the number of processes,"
                 f" but {world_size} were launched (set --nproc or the torchrun/srun task count)"
             )
         shard = world_size // rest
@@ -98,7 +98,8 @@ def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:
     if layout.world_size != world_size:
         raise ValueError(
             f"parallel layout dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x tp={layout.tp}"
-            f" = {layout.world_size} processes, but {world_size} were launched"
+            + (f" x pp={layout.pp}" if layout.pp != 1 else "")
+            + f" = {layout.world_size} processes, but {world_size} were launched"
         )
     return layout
 

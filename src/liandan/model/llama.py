@@ -399,9 +399,13 @@ class Transformer(nn.Module):
         seq = tokens.shape[1]
         mask = PreparedMask(MaskSpec(doc_ids, prefix), self.attention_backend, seq, tokens.device)
         rope = self.rope[:seq] if positions is None else self.rope[positions]
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage (liandan.train.pipeline_split) may lack the embedding, whose stage then hands it
+        # the hidden states as `tokens`, or the head, and then returns its hidden states for the next stage.
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
+        if self.output is None:
+            return h
         if targets is None:
             return full_logits(self._logits(_rows(h, logits_at)))
         return self._with_aux_gradients(self.head_loss(h, targets))

@@ -144,6 +144,11 @@ class ModelSpec:
     tp_check: Callable[[Any, int], str | None] = _no_tp_check  # why `tp` cannot split this model, or None
     blocks: str = "layers"  # the container of repeated blocks: one FSDP2 unit and one recomputation unit each
     compiled_methods: tuple[str, ...] = ()  # methods compiled on their own when blocks are compiled one by one
+    # Pipeline stages (liandan.train.pipeline_split): the top-level modules only the first stage keeps (what
+    # turns tokens into the blocks' input) and only the last keeps (what turns the blocks' output into the
+    # loss); a stage without them runs on hidden states. Both empty: the family cannot be pipelined.
+    pipeline_first: tuple[str, ...] = ()
+    pipeline_last: tuple[str, ...] = ()
     hf: HFAdapter | None = None
     head: str = "output"  # the module whose output is the logits, watched by the loss-spike guard
     # (block, its input activations, the rest of its forward's arguments) -> the largest attention logit of

@@ -226,9 +226,14 @@ def build_data(cfg: Config, env: Environment, room: RunDir, resuming: bool,
 
 
 def build_train_module(cfg: Config, env: Environment, tokenizer: Any) -> TrainModule:
-    """Dense causal-LM pretraining of the `[model]` family, with the `[optim]` optimizer."""
+    """Dense causal-LM pretraining of the `[model]` family, with the `[optim]` optimizer; pipelined over
+    `parallel.pp` ranks when it is above 1."""
     if tokenizer is None:
         raise ConfigError("the train module needs a tokenizer: give a loader with one, or a train module")
+    if env.layout.pp > 1:
+        from liandan.train.pipeline import PipelineTrainModule
+
+        return PipelineTrainModule(cfg, tokenizer.vocab_size, env.mesh, env.layout, env.device, env.dtype)
     return CausalLMTrainModule(cfg, tokenizer.vocab_size, env.mesh, env.layout, env.device, env.dtype)
 
 

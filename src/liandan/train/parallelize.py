@@ -1,8 +1,8 @@
 """Parallelism, recomputation and compilation, applied to a plain model from outside, as its family's spec
 (`liandan.model.spec`) describes: the tensor-parallel plan, the container of repeated blocks, what to compile.
 
-One DeviceMesh with named dims ("dp_replicate", "dp_shard", "tp"); under expert parallelism its dp_shard
-dim is split into ("dp_shard_mod_ep", "ep") for the routed experts (`liandan.train.expert_parallel`). The order of application follows
+One DeviceMesh with named dims ("pp", "dp_replicate", "dp_shard", "tp"), pipeline stages outermost (each
+stage is parallelised here as a whole model would be); under expert parallelism its dp_shard dim is split into ("dp_shard_mod_ep", "ep") for the routed experts (`liandan.train.expert_parallel`). The order of application follows
 torchtitan: fp8 linear layers first (they replace modules, which the rest then wraps), tensor parallel next (it rewrites the linear layers into DTensor shards), expert parallel (the experts'
 weights into DTensor shards over `ep`), then activation
 checkpointing and torch.compile per block, then data parallelism (FSDP2 `fully_shard`, HSDP on a 2-D
@@ -25,13 +25,14 @@ from liandan.train.expert_parallel import apply_ep, apply_expert_fsdp, ep_refusa
 from liandan.train.fp8 import Fp8, convert_to_fp8
 from liandan.train.health.allreduce import AllReduceAudit, audited_allreduce
 
-DIMS = ("dp_replicate", "dp_shard", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
     if layout.world_size == 1:
         return None
-    return init_device_mesh(device_type, (layout.dp_replicate, layout.dp_shard, layout.tp), mesh_dim_names=DIMS)
+    sizes = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
+    return init_device_mesh(device_type, sizes, mesh_dim_names=DIMS)
 
 
 def dp_coordinates(mesh: DeviceMesh | None, layout: Layout) -> tuple[int, int]:

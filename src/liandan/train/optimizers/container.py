@@ -25,6 +25,9 @@ class OptimizersContainer:
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in self.optimizers]
         self.grad_clip = grad_clip
         self.lr_scale = 1.0  # on top of the schedule; the loss-spike guard lowers it after a rollback
+        # The process group over which the parts are split (pipeline stages): the gradient norm sums the
+        # squares of every rank in it. None: this rank holds every part.
+        self.norm_group: Any = None
 
     def __iter__(self) -> Iterator[torch.optim.Optimizer]:
         return iter(self.optimizers)
@@ -72,7 +75,7 @@ class OptimizersContainer:
         """The global gradient norm over every parameter of every part, clipped to `max_norm` (by default the
         config's `optim.grad_clip`; 0 or inf: measure only)."""
         limit = self.grad_clip if max_norm is None else max_norm
-        return clip_grad_norm(parts_parameters(self.parts), limit or float("inf"))
+        return clip_grad_norm(parts_parameters(self.parts), limit or float("inf"), self.norm_group)
 
     # -- what a checkpoint keeps besides the tensors -------------------------------------------------------
     def scheduler_state(self) -> Any:
@@ -88,8 +91,9 @@ class OptimizersContainer:
             scheduler.load_state_dict(one)
 
 
-def clip_grad_norm(parameters, max_norm: float) -> float:
-    """Global gradient norm over all parameters, clipped to `max_norm` (inf: measure only).
+def clip_grad_norm(parameters, max_norm: float, group: Any = None) -> float:
+    """Global gradient norm over all parameters, clipped to `max_norm` (inf: measure only); with `group`,
+    over the parameters of every rank of that process group (pipeline stages), the same on each.
 
     Under FSDP and tensor parallelism gradients are DTensors on different meshes (2-D for sharded matrices,
     1-D for sharded norms) or plain tensors (norm weights replicated by tensor parallelism alone), which a
@@ -100,7 +104,7 @@ def clip_grad_norm(parameters, max_norm: float) -> float:
         if p.grad is not None:
             key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
             groups.setdefault(key, []).append(p.grad)
-    if not groups:
+    if not groups and group is None:
         return 0.0
     squares = 0.0
     for grads in groups.values():
@@ -108,9 +112,22 @@ def clip_grad_norm(parameters, max_norm: float) -> float:
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares += float(norm) ** 2
+    if group is not None:
+        import torch.distributed as dist
+
+        summed = torch.tensor(squares, dtype=torch.float64, device=_device_of(groups))
+        dist.all_reduce(summed, group=group)
+        squares = float(summed)
     total = math.sqrt(squares)
     if total > max_norm:
         coef = max_norm / (total + 1e-6)
         for grads in groups.values():
             torch._foreach_mul_(grads, coef)
     return total
+
+
+def _device_of(groups: dict[object, list[torch.Tensor]]) -> torch.device:
+    """Where the gradients are (the device collectives run on); the CPU for a rank that holds none."""
+    for grads in groups.values():
+        return grads[0].device
+    return torch.device("cpu")
