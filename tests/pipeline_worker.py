@@ -91,7 +91,7 @@ def main(out_dir: str, pp: int, dp_shard: int, runs: str) -> None:
                                          f"--train.micro_batch={ROWS // microbatches}"])  # fmt: skip
             reference = CausalLMTrainModule(ref_cfg, VOCAB, None, Layout(1, 1, 1), cpu, torch.float32)
             flat = [[b for rows in s for b in rows] for s in steps]
-            ref_losses, ref_norms, ref_eval = train(reference, flat, [_join(rows) for rows in eval_rows])
+            ref_losses, ref_norms, ref_eval = train(reference, flat, [b for rows in eval_rows for b in rows])
             entry.update(ref_losses=ref_losses, ref_norms=ref_norms, ref_eval=ref_eval)
             ref_params = dict(reference.model.named_parameters())
         objects = [None] * dist.get_world_size()

@@ -2,12 +2,13 @@
 schedule equal to one process.
 
 Tolerances (fp32, gloo on CPU), measured with tests/pipeline_worker.py (3 AdamW steps, clipping at 1.0):
-- pipeline alone, every schedule on 2 stages and 1F1B, interleaved 1F1B and ZBV on 4: the per-step losses
-  are bit-exact against one process running the same micro-batches (each micro-batch's loss divided by
-  their number, a power of two, before its backward; gradients accumulated in micro-batch order); the
-  gradient norm to a relative 2e-5 (summed over stages as squares, in fp64, where one process takes one
-  fp32 norm; the clipped updates then drift apart in the last bits, measured 5e-6 at step 3); parameters within 1e-4 after the clipped steps (measured up to 2e-5, looped BFS, whose
-  backward runs the micro-batches in another order); evaluation to 1e-6.
+- pipeline alone, every schedule on 2 stages and 1F1B, interleaved 1F1B and ZBV on 4: bit-exact against one
+  process running the same micro-batches: losses, gradient norms (every tensor's norm gathered over the
+  stages, one norm of them in the model's order, as one process takes it), parameters after the clipped
+  steps and the evaluation loss. Each micro-batch's loss is divided by their number, a power of two, before
+  its backward, and gradients accumulate in micro-batch order, as in one process. Looped BFS runs its
+  backward over the micro-batches in another order: its losses stay bit-exact over these 3 steps, norms to
+  a relative 2e-5, parameters within 1e-4 (measured 2e-5), evaluation to 1e-6.
 - pipeline x FSDP2 (pp=2, dp_shard=2): losses to a relative 1e-6 (measured 6e-8: FSDP2's reduce-scatter
   sums in another order), norms to 1e-5, parameters within 1e-4.
 """
@@ -79,9 +80,12 @@ def test_every_schedule_trains_as_one_process(tmp_path, pp, runs):
         schedule, per_rank = run.split(":")
         assert len(entry["layers"]) == pp * int(per_rank) and sum(entry["layers"]) == 8
         assert entry["losses"] == entry["ref_losses"], run  # bit for bit
-        assert entry["norms"] == pytest.approx(entry["ref_norms"], rel=2e-5), run
-        assert entry["eval"] == pytest.approx(entry["ref_eval"], rel=1e-6), run
-        assert entry["param_diff"] <= 1e-4, run
+        if schedule == "looped-bfs":  # its backward takes the micro-batches in another order
+            assert entry["norms"] == pytest.approx(entry["ref_norms"], rel=2e-5), run
+            assert entry["eval"] == pytest.approx(entry["ref_eval"], rel=1e-6), run
+            assert entry["param_diff"] <= 1e-4, run
+        else:
+            assert (entry["norms"], entry["eval"], entry["param_diff"]) == (entry["ref_norms"], entry["ref_eval"], 0)
         if schedule in ("zbv", "dualpipev"):
             assert entry["stages"] == [0, 2 * pp - 1]  # rank 0 holds the first and the last stage: a V
 

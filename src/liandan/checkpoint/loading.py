@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from liandan.checkpoint.info import read_meta
 from liandan.checkpoint.restricted import load_state, read_metadata, reason
 from liandan.checkpoint.rng import set_rng_state
-from liandan.checkpoint.train_state import TrainState
+from liandan.checkpoint.train_state import TrainState, flat_optimizer
 from liandan.checkpoint.verify import MANIFEST, CheckpointError, step_directories, step_of, verify
 from liandan.run import META, partial_of, rank_file
 from liandan.run.remote import RemotePath, locate
@@ -63,13 +63,18 @@ class CheckpointLoading:
         try:  # refused before DCP's collectives start, so that no rank is left waiting in one of them
             if not verified and self.rank == 0:
                 verify(path, checksums=self.verify_on_load)
-            read_metadata(path)
+            saved = read_metadata(path)
         except CheckpointError as err:
             error = str(err)
         self._raise_agreed(error)
         meta: dict[str, Any] = {}
         try:
             into = TrainState.of(model, optimizer)  # model parts and their optimizers
+            saved_flat = flat_optimizer(saved)  # the form it was saved in: a pipeline's, or a whole model's
+            if saved_flat is False and into.flattened:
+                into.own_groups = True  # a whole model's into pipeline stages: its tensors, this run's groups
+            elif saved_flat is not None:
+                into.flat = saved_flat
             state = into.state_dict()
             load_state(state, path, process_group=self.group)
             into.load_state_dict(state)

@@ -10,7 +10,10 @@ shape of them all.
 Names are chosen so that one part with one optimizer is saved exactly as before there were several: the
 layout-independent names of `get_state_dict` for checkpoints, `param.<name>` and `optim.<group>.<index>.<key>`
 for snapshots. Several parts are saved under flattened optimizer names (`state.<fqn>.<key>`), which merge
-across parts without clashing; each part's fully qualified names are its own.
+across parts without clashing; each part's fully qualified names are its own. So are the stages of a pipeline
+(parts marked `pipeline_stage`) even one to a rank, since each rank's optimizer groups then hold other
+parameters; a checkpoint is loaded in the form it was saved in (`flat_optimizer`), so one saved by a
+pipeline resumes whole and the other way round.
 """
 
 from __future__ import annotations
@@ -36,6 +39,16 @@ KERNEL_CHOICES = ("foreach", "fused")
 class TrainState:
     parts: list[torch.nn.Module]
     optimizers: list[list[torch.optim.Optimizer]]  # per part; empty lists for weights only
+    flat: bool | None = None  # the optimizers' state under flattened names; None: as the parts ask
+    # The optimizers' parameter groups (their hyperparameters) are kept as they are, not loaded: a whole
+    # model's checkpoint numbers its groups, which name no parameter a pipeline stage could match them by.
+    own_groups: bool = False
+
+    @property
+    def flattened(self) -> bool:
+        if self.flat is not None:
+            return self.flat
+        return len(self.parts) > 1 or any(getattr(p, "pipeline_stage", None) is not None for p in self.parts)
 
     @classmethod
     def of(cls, model: Any, optimizer: Any = None) -> TrainState:
@@ -69,7 +82,7 @@ class TrainState:
         """{"model": ..., "optim": ...} under layout-independent names, for `torch.distributed.checkpoint`."""
         if not with_optimizers or not self.has_optimizers:
             return {"model": self._merged(get_model_state_dict(p) for p in self.parts)}
-        if len(self.parts) == 1:
+        if not self.flattened:
             model_sd, optim_sd = get_state_dict(self.parts[0], self._one_or_list(self.optimizers[0]))
             return {"model": model_sd, "optim": optim_sd}
         flat = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -81,6 +94,8 @@ class TrainState:
             m, o = get_state_dict(part, opts, options=flat)
             model_sd.update(m)
             optim_sd.update(o)
+        if self.own_groups:
+            self._groups = {k: optim_sd.pop(k) for k in [k for k in optim_sd if k.startswith("param_groups.")]}
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -92,11 +107,13 @@ class TrainState:
                 set_model_state_dict(part, state["model"], options=StateDictOptions(strict=len(self.parts) == 1))
             return
         kernels = [[{k: g[k] for k in KERNEL_CHOICES if k in g} for g in o.param_groups] for o in self.all_optimizers]
-        if len(self.parts) == 1:
+        if not self.flattened:
             opts = self._one_or_list(self.optimizers[0])
             set_state_dict(self.parts[0], opts, model_state_dict=state["model"], optim_state_dict=state["optim"])
         else:
-            flat = StateDictOptions(flatten_optimizer_state_dict=True, strict=False)
+            if self.own_groups:
+                state["optim"].update(self._groups)
+            flat = StateDictOptions(flatten_optimizer_state_dict=True, strict=len(self.parts) == 1)
             for part, opts in zip(self.parts, self.optimizers, strict=True):
                 if opts:
                     set_state_dict(part, opts, model_state_dict=state["model"], optim_state_dict=state["optim"],
@@ -208,3 +225,12 @@ def parts_parameters(parts: Sequence[torch.nn.Module]) -> Iterator[torch.nn.Para
             if id(p) not in seen:
                 seen.add(id(p))
                 yield p
+
+
+def flat_optimizer(metadata: Any) -> bool | None:
+    """Whether a checkpoint's DCP metadata holds its optimizer state under flattened names (its parameter
+    groups by parameter name, `optim.param_groups.<fqn>.<key>`, not by index); None without optimizer state."""
+    groups = [k for k in metadata.state_dict_metadata if k.startswith("optim.param_groups.")]
+    if not groups:
+        return None
+    return not any(k.split(".")[2].isdigit() for k in groups)

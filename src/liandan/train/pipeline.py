@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from liandan.common.layout import Layout, uses_fsdp
 from liandan.config import Config, ConfigError
@@ -245,6 +246,30 @@ class PipelineTrainModule(CausalLMTrainModule):
         """The loss the last stage computed, on every rank of the pipeline group."""
         dist.broadcast(total, src=self.last_stage_src, group=self.pp_group)
         return total
+
+    def clip_grad_norm(self) -> float:
+        """The global gradient norm, clipped to `optim.grad_clip`. Without sharded gradients it is computed as
+        one process computes it (one norm of every tensor's norm, in the model's order), so the clipped
+        update is the same bit for bit; sharded ones sum their squares over the pipeline group."""
+        grads = [p.grad for part in self.model_parts for p in part.parameters() if p.grad is not None]
+        if any(isinstance(g, DTensor) for g in grads):
+            return self.optimizers.clip_grad_norm()
+        mine = {stage: torch.stack(torch._foreach_norm(part_grads)).tolist() if part_grads else []
+                for stage, part_grads in zip(self.stage_ids, self._grads_by_part(), strict=True)}  # fmt: skip
+        gathered: list[dict[int, list[float]]] = [{} for _ in range(self.pp)]
+        dist.all_gather_object(gathered, mine, group=self.pp_group)
+        by_stage = {stage: norms for one in gathered for stage, norms in one.items()}
+        norms = [n for stage in sorted(by_stage) for n in by_stage[stage]]
+        if not norms:
+            return 0.0
+        total = float(torch.linalg.vector_norm(torch.tensor(norms, dtype=grads[0].dtype if grads else torch.float32)))
+        limit = self.optimizers.grad_clip or float("inf")
+        if total > limit and grads:
+            torch._foreach_mul_(grads, limit / (total + 1e-6))
+        return total
+
+    def _grads_by_part(self) -> list[list[torch.Tensor]]:
+        return [[p.grad for p in part.parameters() if p.grad is not None] for part in self.model_parts]
 
     def replay_loss(self, batches: list[Batch], step: int) -> torch.Tensor:
         raise NotImplementedError("a pipeline schedule cannot replay a step by forward passes alone")

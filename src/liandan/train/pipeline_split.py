@@ -113,6 +113,8 @@ def split_stage(model: nn.Module, spec: ModelSpec, layers: range, first: bool, l
         setattr(model, name, None)
     for name in () if last else spec.pipeline_last:
         setattr(model, name, None)
+    # Checkpoints keep a stage's optimizer state under parameter names (liandan.checkpoint.train_state).
+    model.pipeline_stage = (layers.start, layers.stop)
     return model
 
 

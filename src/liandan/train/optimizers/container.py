@@ -85,6 +85,10 @@ class OptimizersContainer:
 
     def load_scheduler_state(self, state: Any) -> None:
         states = state if isinstance(state, list) else [state] * len(self.schedulers)
+        if len(states) != len(self.schedulers) and all(one == states[0] for one in states):
+            # One schedule over every optimizer: a checkpoint of another number of model parts (pipeline
+            # stages per rank) holds as many copies of it as it had optimizers.
+            states = [states[0]] * len(self.schedulers)
         if len(states) != len(self.schedulers):
             raise ValueError(f"{len(states)} scheduler states for {len(self.schedulers)} optimizers")
         for scheduler, one in zip(self.schedulers, states, strict=True):
