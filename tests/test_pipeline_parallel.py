@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import run_liandan, tiny_config, write_corpus
 from liandan.common.layout import Layout, resolve_layout
-from liandan.config import load_config
+from liandan.config import ConfigError, load_config
 from liandan.model import ModelArgs, Transformer
 from liandan.model.llama_spec import LLAMA
 from liandan.train.pipeline import data_parallel_refusal, microbatch_refusal
@@ -186,3 +187,23 @@ def test_layout_with_pipeline_stages():
     assert Layout.parse(str(layout)) == layout
     with pytest.raises(ValueError, match=r"^parallel.dp_replicate x parallel.tp x parallel.pp = 4 must divide"):
         resolve_layout(load_config(None, ["--parallel.pp=2", "--parallel.tp=2"]).parallel, 6)
+
+
+def test_pp_layers_read_from_toml_and_the_command_line():
+    assert load_config(None, ["--parallel.pp_layers=[3, 5]"]).parallel.pp_layers == [3, 5]
+    assert load_config(None, ["--parallel.pp_layers=3,5"]).parallel.pp_layers == [3, 5]
+    with pytest.raises(ConfigError, match=r"^parallel.pp_layers = \['a'\] must be a list of integers$"):
+        load_config(None, ["--parallel.pp_layers=a"])
+
+
+def test_train_refuses_a_pipeline_it_cannot_run_before_any_worker_starts(tmp_path):
+    corpus = write_corpus(tmp_path)
+    config = tmp_path / "tiny.toml"
+    config.write_text(tiny_config(tmp_path / "runs", corpus, "--model.n_layers=4").to_toml())
+    done = run_liandan("train", config, "--nproc=2", "--parallel.pp=2", "--parallel.pp_microbatches=3")
+    assert done.returncode != 0
+    assert done.stderr.strip().splitlines()[-1] == (
+        "liandan: error: parallel.pp_microbatches = 3 must divide the 4 sequences each data-parallel rank runs"
+        " per step (train.global_batch / data-parallel ranks, or train.micro_batch)"
+    )
+    assert not (tmp_path / "runs").exists()  # nothing tokenized, no run directory

@@ -212,6 +212,12 @@ def _coerce(key: str, value: Any, hint: Any, meta: Any) -> Any:
             if not all(math.isfinite(v) for v in value):
                 raise ConfigError(f"{key} = {value!r} must hold finite numbers (no nan or inf)")
             return [float(v) for v in value]
+        if item is int:  # from TOML a list of integers; from the command line "4,4" or "[4, 4]"
+            if isinstance(value, list) and all(isinstance(v, str) for v in value):
+                value = [int(v) if v.strip(" []").isdigit() else v for v in (v.strip(" []") for v in value)]
+            if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                raise ConfigError(f"{key} = {value!r} must be a list of integers")
+            return value
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{key} = {value!r} must be a list of strings")
         return value

@@ -87,6 +87,10 @@ def run_training(
         except ValueError as err:  # an impossible layout: the same line the workers would give
             raise ConfigError(str(err)) from None
         refusal = batch_split_refusal(cfg.train.global_batch, cfg.train.micro_batch, layout.dp_size)
+        if refusal is None and layout.pp > 1:
+            from liandan.train.pipeline import pipeline_config_refusal
+
+            refusal = pipeline_config_refusal(cfg, layout)
         if refusal:  # before any worker starts or any data is tokenized
             raise ConfigError(refusal)
     # torchrun or srun started one process per rank, or the supervisor started this worker; with $LIANDAN_NNODES

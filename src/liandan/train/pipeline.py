@@ -88,6 +88,28 @@ def data_parallel_refusal(schedule: str, layout: Layout) -> str | None:
     return None
 
 
+def pipeline_config_refusal(cfg: Config, layout: Layout, args=None) -> str | None:
+    """Why the run's config cannot be pipelined over `layout` (one line), or None: asked by `liandan train`
+    before any worker starts, and by the train module. `args`: the model's, once the vocabulary is known."""
+    par, t = cfg.parallel, cfg.train
+    spec = get_model_spec(cfg.model.family)
+    args = args if args is not None else model_args(cfg, 0)
+    n_stages = layout.pp * par.pp_stages_per_rank
+    refusal = pipeline_refusal(spec, args, layout.pp, par.pp_stages_per_rank, par.pp_schedule)
+    if refusal is None and (layout.tp > 1 or layout.ep > 1 or getattr(args, "moe_experts", 0)):
+        refusal = "pipeline parallelism runs dense models under FSDP2; use parallel.tp = 1 and no routed experts"
+    refusal = refusal or data_parallel_refusal(par.pp_schedule, layout)
+    rows = t.micro_batch or t.global_batch // layout.dp_size
+    microbatches = par.pp_microbatches or n_stages
+    refusal = refusal or microbatch_refusal(par.pp_schedule, microbatches, layout.pp, n_stages, rows)
+    if refusal is None:
+        try:
+            stage_layer_counts(args.n_layers, n_stages, list(par.pp_layers))
+        except ValueError as err:
+            refusal = str(err)
+    return refusal
+
+
 class PipelineTrainModule(CausalLMTrainModule):
     def __init__(self, cfg: Config, tokenizer_vocab: int, mesh, layout: Layout, device: torch.device,
                  dtype: torch.dtype):  # fmt: skip
@@ -100,16 +122,10 @@ class PipelineTrainModule(CausalLMTrainModule):
         self.args = model_args(cfg, tokenizer_vocab)
         self.pp, self.per_rank, self.schedule_name = layout.pp, par.pp_stages_per_rank, par.pp_schedule
         n_stages = self.pp * self.per_rank
-        refusal = pipeline_refusal(self.spec, self.args, self.pp, self.per_rank, self.schedule_name)
-        if refusal is None and (layout.tp > 1 or layout.ep > 1 or getattr(self.args, "moe_experts", 0)):
-            refusal = "pipeline parallelism runs dense models with FSDP or DDP; use parallel.tp = 1 and no experts"
-        if refusal is None:
-            refusal = data_parallel_refusal(self.schedule_name, layout)
-        self.microbatches = par.pp_microbatches or n_stages
-        rows = t.micro_batch or t.global_batch // layout.dp_size
-        refusal = refusal or microbatch_refusal(self.schedule_name, self.microbatches, self.pp, n_stages, rows)
+        refusal = pipeline_config_refusal(cfg, layout, self.args)
         if refusal:
             raise ConfigError(refusal)
+        self.microbatches = par.pp_microbatches or n_stages
         self.init_peak = PeakMemory(device, reset=t.meta_init).start()
         torch.manual_seed(cfg.run.seed)  # every rank builds the same whole model, then keeps its stages
         plan = None
