@@ -31,7 +31,7 @@ from liandan.train.fp8 import dims_refusal, fp8_param_count
 from liandan.train.hardware import PeakMemory
 from liandan.train.meta_init import build_on_meta, plan_init
 from liandan.train.optimizers import build_optimizers, schedule
-from liandan.train.parallelize import parallelize
+from liandan.train.parallelize import parallelize, reshard
 from liandan.train.pipeline_split import (
     SINGLE_STAGE,
     V_SHAPED,
@@ -213,10 +213,7 @@ class PipelineTrainModule(CausalLMTrainModule):
         """One schedule step over `batch`; the sum of its micro-batches' scaled losses on the last stage's
         rank, 0 elsewhere."""
         losses: list[torch.Tensor] = []
-        kwargs = {"targets": batch.targets}
-        doc_ids = self._doc_ids(batch)
-        if doc_ids is not None:
-            kwargs["doc_ids"] = doc_ids
+        kwargs = self._stage_kwargs(batch)
         if train:
             self.schedule.step(batch.inputs, target=batch.targets, losses=losses, return_outputs=False, **kwargs)
         elif self.schedule_name in V_SHAPED:
@@ -228,6 +225,15 @@ class PipelineTrainModule(CausalLMTrainModule):
         for loss in losses:  # in micro-batch order, as dense training adds them
             total += loss.detach().float()
         return total
+
+    def _stage_kwargs(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """What every stage takes besides its input: the targets (the last stage's loss) and the document ids
+        (every stage's attention mask)."""
+        kwargs = {"targets": batch.targets}
+        doc_ids = self._doc_ids(batch)
+        if doc_ids is not None:
+            kwargs["doc_ids"] = doc_ids
+        return kwargs
 
     def _forward_only(self, batch: Batch, kwargs: dict) -> list[torch.Tensor]:
         """Each micro-batch through the stages in order, the hidden states sent point to point between the
@@ -287,8 +293,21 @@ class PipelineTrainModule(CausalLMTrainModule):
     def _grads_by_part(self) -> list[list[torch.Tensor]]:
         return [[p.grad for p in part.parameters() if p.grad is not None] for part in self.model_parts]
 
+    @torch.no_grad()
     def replay_loss(self, batches: list[Batch], step: int) -> torch.Tensor:
-        raise NotImplementedError("a pipeline schedule cannot replay a step by forward passes alone")
+        """The loss `train_batch` gave on `batches`, by forward passes alone through the stages in the same
+        micro-batches and arithmetic (the sdc check's replay on a neighbour's data), on every rank."""
+        total = torch.zeros((), device=self.device)
+        self._loss_divisor = float(self.microbatches * len(batches))
+        with faulty_matmuls(step):
+            for batch in batches:
+                batch = batch.to(self.device)
+                with self.autocasting():
+                    for loss in self._forward_only(batch, self._stage_kwargs(batch)):
+                        total += loss.detach().float()
+        for part in self.model_parts:
+            reshard(part)  # no backward follows: FSDP2's gathered last block would go stale at the update
+        return self._from_last_stage(total)
 
     def optim_step(self, factor: float = 1.0) -> None:
         self.optimizers.step(factor)

@@ -100,8 +100,10 @@ def diagnose(ctx: TrainContext, guard: GuardCallback, target: HeldState, at: int
             for d in culprits
             for ref in ctx.loader.documents_for_step(d)
         ]
-    if guard.cfg.replay and guard.whole is not None:
-        records = replay(ctx, count)
+    if guard.cfg.replay:
+        # Without one whole model (pipeline stages) the replay still tells whether the spike comes back; the
+        # layer statistics are left out.
+        records = replay(ctx, count, layers=guard.whole is not None)
         found["replay"] = records
         index = began - target.step - 1
         if 0 <= index < len(records):
@@ -115,23 +117,27 @@ def diagnose(ctx: TrainContext, guard: GuardCallback, target: HeldState, at: int
     return found
 
 
-def replay(ctx: TrainContext, count: int) -> list[dict[str, Any]]:
-    """Train `count` steps from the current state with layer statistics on each (the run's position is put
-    back by the caller)."""
+def replay(ctx: TrainContext, count: int, layers: bool = True) -> list[dict[str, Any]]:
+    """Train `count` steps from the current state with layer statistics on each where `layers` (the run's
+    position is put back by the caller)."""
     module, records = ctx.module, []
     for i in range(count):
-        probe = BlockProbe(module.model, module.spec)
+        probe = BlockProbe(module.model, module.spec) if layers else None
         batches = ctx.loader.next_step(ctx.micro_batch)
         loss = module.train_batch(batches, lambda *args, step=i, **kwargs: ctx.phase("rollback", step))
         grad_norm = module.clip_grad_norm()
-        probe.close()
-        record = layer_stats(ctx, ctx.step + 1 + i, probe, grad_norm)
-        before = parameters_now(module.model)
+        if probe is not None:
+            probe.close()
+            record = layer_stats(ctx, ctx.step + 1 + i, probe, grad_norm)
+            before = parameters_now(module.model)
+        else:
+            record = {"step": ctx.step + 1 + i, "grad_norm": grad_norm}
         if math.isfinite(grad_norm):
             module.optim_step()
         else:
             module.skip_step()
-        record["update"] = update_norms(module.model, before)
+        if probe is not None:
+            record["update"] = update_norms(module.model, before)
         record["loss"] = ctx.mean_over_ranks(loss)
         records.append(record)
     return records

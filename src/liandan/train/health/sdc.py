@@ -72,9 +72,10 @@ class SdcCallback(Callback):
         self.hosts = ctx.rank_hosts()
         layout = ctx.layout
         if ctx.mesh is not None and layout.dp_replicate > 1:
-            ranks = ctx.mesh.mesh  # (dp_replicate, dp_shard, tp): a group is one (dp_shard, tp) position
+            # (pp, dp_replicate, the dims inside it): a group is one pipeline stage's position inside a replica
+            ranks = ctx.mesh.mesh.reshape(layout.pp, layout.dp_replicate, -1)
             self.replica_groups = [
-                ranks[:, s, t].tolist() for s in range(ranks.shape[1]) for t in range(ranks.shape[2])
+                ranks[p, :, j].tolist() for p in range(ranks.shape[0]) for j in range(ranks.shape[2])
             ]
         elif ctx.dist.distributed:
             ctx.say(f"sdc: layout {layout} keeps no replicas of the weights: their fingerprints are not compared")
