@@ -79,20 +79,24 @@ def test_parse_layout():
     assert parse_layout("ddp2").layout == Layout(2, 1, 1)
     assert parse_layout("fsdp2+tp2").layout == Layout(1, 2, 2) and parse_layout("fsdp2+tp2").nproc == 4
     assert parse_layout("ddp2xfsdp2").layout.kind == "hsdp"
+    assert parse_layout("pp2").layout == Layout(1, 1, 1, pp=2) and parse_layout("fsdp2+pp2").nproc == 4
 
 
 def test_default_layouts_leave_out_what_the_model_cannot_split(tmp_path):
     cfg = tiny_config(tmp_path, tmp_path / "corpus.jsonl", *MICRO_MODEL)  # one key/value head
     chosen, skipped = default_layouts(cfg, on_gpu=False)
     assert [c.name for c in chosen] == ["1", "ddp2", "fsdp2"]
-    assert skipped == ["tp2: parallel.tp = 2 must divide model.n_heads = 2 and n_kv_heads = 1"]
+    assert skipped == [
+        "tp2: parallel.tp = 2 must divide model.n_heads = 2 and n_kv_heads = 1",
+        "pp2: model.n_layers = 1 blocks cannot fill 2 pipeline stages (pp x pp_stages_per_rank)",
+    ]
 
 
 @pytest.mark.parametrize(
     "arguments, message",
     [
         (["--resume", "missing.toml"], "config file not found: missing.toml"),
-        (["--layouts=1,pp2"], "--layouts: 'pp2' is not a layout; use 1, ddpN, fsdpN, tpN"),
+        (["--layouts=1,pq2"], "--layouts: 'pq2' is not a layout; use 1, ddpN, fsdpN, tpN"),
         (["--layouts=1,fsdp3"], "layout fsdp3: train.global_batch = 8 does not split into 3 data-parallel ranks"),
         (["--resume-steps=4", "--resume-at=4"], "--resume-at = 4 must be between 1 and --resume-steps - 1 = 3"),
         (["--resume-dir={config}"], "must be a new or empty directory"),
@@ -117,3 +121,19 @@ def test_bad_input_is_one_line(config, capsys, arguments, message):
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("liandan: error: ")
     assert message in line
+
+
+@pytest.mark.slow
+def test_resume_from_a_pipeline_checkpoint_is_exact_in_its_layout_and_close_without_it(config, tmp_path):
+    """A reference trained on 2 pipeline stages (1F1B, two blocks) resumed in its own layout is bit for bit
+    the run that never stopped; resumed in one process (one micro-batch where the pipeline ran two), within
+    the tolerance."""
+    report_path = tmp_path / "report.json"
+    done = run_liandan(
+        "doctor", "--resume", config, "--layouts=pp2,1", "--save-in=first", "--resume-steps=4",
+        f"--json={report_path}", "--model.n_layers=2", env=_environment(), timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    checks = json.loads(report_path.read_text())["checks"]
+    assert [(c["saved_in"], c["resumed_in"], c["exact"]) for c in checks] == [("pp2", "pp2", True), ("pp2", "1", False)]
+    assert all(c["passed"] for c in checks)

@@ -41,8 +41,11 @@ RELATIVE_TOLERANCE = 1e-5
 DEFAULT_STEPS = 8
 # each: every layout saves a checkpoint (3 runs per layout); first: only the first layout does (1 per layout + 1)
 SAVE_IN = ("each", "first")
-_PART = re.compile(r"^(ddp|fsdp|tp|ep)(\d+)$")
-_LAYOUT_HELP = "1, ddpN, fsdpN, tpN, epN (experts over N of the fsdp ranks) or a combination such as fsdp2+tp2"
+_PART = re.compile(r"^(ddp|fsdp|tp|ep|pp)(\d+)$")
+_LAYOUT_HELP = (
+    "1, ddpN, fsdpN, tpN, epN (experts over N of the fsdp ranks), ppN (pipeline stages, by"
+    " parallel.pp_schedule) or a combination such as fsdp2+tp2"
+)
 
 
 class OracleError(Exception):
@@ -67,14 +70,14 @@ class LayoutChoice:
     def overrides(self) -> list[str]:
         lay = self.layout
         return [f"--parallel.dp_replicate={lay.dp_replicate}", f"--parallel.dp_shard={lay.dp_shard}",
-                f"--parallel.tp={lay.tp}", f"--parallel.ep={lay.ep}"]  # fmt: skip
+                f"--parallel.tp={lay.tp}", f"--parallel.pp={lay.pp}", f"--parallel.ep={lay.ep}"]  # fmt: skip
 
 
 def parse_layout(text: str) -> LayoutChoice:
     name = text.strip().lower()
     if name in ("1", "single"):
         return LayoutChoice("1", Layout(1, 1, 1))
-    sizes = {"ddp": 1, "fsdp": 1, "tp": 1, "ep": 1}
+    sizes = {"ddp": 1, "fsdp": 1, "tp": 1, "ep": 1, "pp": 1}
     seen = set()
     for part in re.split(r"[+x]", name):
         match = _PART.match(part)
@@ -83,7 +86,7 @@ def parse_layout(text: str) -> LayoutChoice:
         seen.add(match.group(1))
         sizes[match.group(1)] = int(match.group(2))
     try:
-        layout = Layout(sizes["ddp"], sizes["fsdp"], sizes["tp"], ep=sizes["ep"])
+        layout = Layout(sizes["ddp"], sizes["fsdp"], sizes["tp"], pp=sizes["pp"], ep=sizes["ep"])
     except ValueError as err:
         raise ConfigError(f"--layouts: '{text}': {err}") from None
     return LayoutChoice(name, layout)
@@ -112,6 +115,10 @@ def layout_refusal(cfg: Config, choice: LayoutChoice) -> str | None:
     args = model_args(cfg.model, 256)  # the vocabulary is not split
     if lay.tp > 1 and (refusal := get(cfg.model.family).tp_refusal(args, lay.tp)):
         return refusal
+    if lay.pp > 1:
+        from liandan.train.pipeline import pipeline_config_refusal
+
+        return pipeline_config_refusal(cfg, lay, args)
     return ep_refusal(args, lay.ep)
 
 
@@ -124,7 +131,7 @@ def default_layouts(cfg: Config, on_gpu: bool) -> tuple[list[LayoutChoice], list
     from liandan.model.spec import model_args
 
     two = not on_gpu or torch.cuda.device_count() >= 2
-    names = ["1", "ddp2", "fsdp2", "tp2"] if two else ["1"]
+    names = ["1", "ddp2", "fsdp2", "tp2", "pp2"] if two else ["1"]
     if two and getattr(model_args(cfg.model, 256), "moe_experts", 0):
         names.append("fsdp2+ep2")
     chosen, skipped = [], []
