@@ -1,5 +1,5 @@
-"""One rank of the pipeline-parallel tests: `python pipeline_worker.py OUT PP DP_SHARD RUNS` under
-RANK/WORLD_SIZE/MASTER_* with PP x DP_SHARD ranks. RUNS is a comma-separated list of SCHEDULE:STAGES_PER_RANK.
+"""One rank of the pipeline-parallel tests: `python pipeline_worker.py OUT PP DP_SHARD RUNS [TP]` under
+RANK/WORLD_SIZE/MASTER_* with PP x DP_SHARD x TP ranks. RUNS is a comma-separated list of SCHEDULE:STAGES_PER_RANK.
 
 For each run the rank builds liandan's pipeline train module from a config (a tiny Llama of 8 blocks, fp32,
 AdamW, gradient clipping at 1.0) and trains it for a few steps on batches drawn from a fixed seed, each
@@ -55,7 +55,7 @@ def train(module, steps_batches, eval_rows):
     return losses, norms, float(module.eval_batch(eval_rows))
 
 
-def main(out_dir: str, pp: int, dp_shard: int, runs: str) -> None:
+def main(out_dir: str, pp: int, dp_shard: int, runs: str, tp: int = 1) -> None:
     from liandan.common.layout import Layout
     from liandan.config import load_config
     from liandan.train.causal_lm import CausalLMTrainModule
@@ -64,7 +64,7 @@ def main(out_dir: str, pp: int, dp_shard: int, runs: str) -> None:
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    layout = Layout(1, dp_shard, 1, pp=pp)
+    layout = Layout(1, dp_shard, tp, pp=pp)
     mesh = build_mesh(layout, "cpu")
     dp_rank, dp_size = dp_coordinates(mesh, layout)
     cpu = torch.device("cpu")
@@ -74,7 +74,7 @@ def main(out_dir: str, pp: int, dp_shard: int, runs: str) -> None:
         microbatches = pp * int(per_rank)
         cfg = load_config(None, [*MODEL, f"--parallel.pp={pp}", f"--parallel.dp_shard={dp_shard}",
                                  f"--parallel.pp_schedule={schedule}", f"--parallel.pp_stages_per_rank={per_rank}",
-                                 f"--train.global_batch={ROWS * dp_size}"])  # fmt: skip
+                                 f"--train.global_batch={ROWS * dp_size}", f"--parallel.tp={tp}", "--parallel.sequence_parallel=false"])  # fmt: skip
         steps = [batches(s, dp_size, microbatches) for s in range(STEPS)]
         eval_rows = batches(99, dp_size, microbatches)
         module = PipelineTrainModule(cfg, VOCAB, mesh, layout, cpu, torch.float32)
@@ -113,4 +113,4 @@ def _join(rows):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], *map(int, sys.argv[5:]))

@@ -65,8 +65,10 @@ def apply_tp(
     if refusal:
         raise ValueError(refusal)
     plan = spec.tp_plan(model.args, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
-    if plan.top:
-        parallelize_module(model, tp_mesh, plan.top)
+    # A pipeline stage lacks the top-level modules of the other stages (the embedding, the head).
+    top = {name: style for name, style in plan.top.items() if _submodule(model, name) is not None}
+    if top:
+        parallelize_module(model, tp_mesh, top)
     for name, block in _blocks(model, spec).named_children():
         parallelize_module(block, tp_mesh, plan.blocks.get(name, plan.block))
     _retie(model, spec)
@@ -74,6 +76,13 @@ def apply_tp(
     # blocks each rank then holds 1/tp of the positions, so lengths must divide by tp and a position's hidden
     # state is on one rank only.
     model.sequence_split = tp_mesh.size() if sequence_parallel else 1
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def sequence_split(model: nn.Module) -> int:

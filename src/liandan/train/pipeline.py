@@ -96,8 +96,13 @@ def pipeline_config_refusal(cfg: Config, layout: Layout, args=None) -> str | Non
     args = args if args is not None else model_args(cfg, 0)
     n_stages = layout.pp * par.pp_stages_per_rank
     refusal = pipeline_refusal(spec, args, layout.pp, par.pp_stages_per_rank, par.pp_schedule)
-    if refusal is None and (layout.tp > 1 or layout.ep > 1 or getattr(args, "moe_experts", 0)):
-        refusal = "pipeline parallelism runs dense models under FSDP2; use parallel.tp = 1 and no routed experts"
+    if refusal is None and (layout.ep > 1 or getattr(args, "moe_experts", 0)):
+        refusal = "pipeline parallelism runs dense models; use a model without routed experts (parallel.ep = 1)"
+    if refusal is None and layout.tp > 1 and par.sequence_parallel:
+        refusal = ("pipeline parallelism with parallel.tp > 1 hands whole sequences between stages:"
+                   " set parallel.sequence_parallel = false")  # fmt: skip
+    if refusal is None and layout.tp > 1:
+        refusal = spec.tp_refusal(args, layout.tp)
     refusal = refusal or data_parallel_refusal(par.pp_schedule, layout)
     rows = t.micro_batch or t.global_batch // layout.dp_size
     microbatches = par.pp_microbatches or n_stages
@@ -155,6 +160,7 @@ class PipelineTrainModule(CausalLMTrainModule):
             parts.append(parallelize(
                 part, mesh, layout, activation_checkpoint=t.activation_checkpoint, compile=t.compile,
                 fsdp_param_dtype=dtype if fsdp and dtype != torch.float32 else None, spec=self.spec,
+                loss_parallel=par.loss_parallel and layout.tp > 1, sequence_parallel=False,
                 materialize=None if plan is None else _stage_materializer(plan, device, cfg.run.seed), fp8=fp8,
             ))  # fmt: skip
         self.init_peak.stop()
@@ -176,7 +182,8 @@ class PipelineTrainModule(CausalLMTrainModule):
                                  n_microbatches=self.microbatches, loss_fn=self._loss, scale_grads=False)  # fmt: skip
         except ValueError as err:
             raise ConfigError(f"parallel.pp_schedule = {self.schedule_name}: {err}") from None
-        self.optimizers = build_optimizers(parts, cfg.optim, schedule(t.steps, cfg.schedule), device)
+        self.optimizers = build_optimizers(parts, cfg.optim, schedule(t.steps, cfg.schedule), device,
+                                           mixed_tensor_kinds=layout.tp > 1)  # fmt: skip
         self.optimizers.norm_group = self.pp_group
         self.params = self.spec.count_params(self.args)
         self.flops_per_token = self.spec.flops_per_token(self.args, t.seq_len)
