@@ -39,6 +39,10 @@ class TaskEvalCallback(Callback):
     def on_train_start(self, ctx: TrainContext) -> None:
         e = self.cfg.eval
         self.off = ctx.module.whole_model() is None or not hasattr(ctx.loader, "validation")
+        if self.off and ctx.layout.pp > 1:
+            ctx.say(f"eval: task scoring and samples need the whole model on one rank; under parallel.pp ="
+                    f" {ctx.layout.pp} [eval] is left out (the validation loss runs through the pipeline)")  # fmt: skip
+            return
         if self.off:
             ctx.say(f"eval: {type(ctx.module).__name__} with {type(ctx.loader).__name__} is not one model of a known"
                     " family reading token stores: [eval] is left out")  # fmt: skip
