@@ -172,7 +172,6 @@ class PipelineTrainModule(CausalLMTrainModule):
         self.pp_group = mesh["pp"].get_group()
         last_rank = stage_of_rank(n_stages - 1, self.pp, self.schedule_name)
         self.last_stage_src = dist.get_global_rank(self.pp_group, last_rank)
-        self.holds_last = last_rank == pp_rank
         self.stages = [PipelineStage(part, s, n_stages, device, group=self.pp_group)
                        for part, s in zip(parts, self.stage_ids, strict=True)]  # fmt: skip
         self._loss_divisor = float(self.microbatches)
