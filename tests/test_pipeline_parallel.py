@@ -205,7 +205,9 @@ def test_layout_with_pipeline_stages():
     cfg = load_config(None, ["--parallel.pp=2"])
     layout = resolve_layout(cfg.parallel, 8)
     assert (layout.pp, layout.dp_shard, layout.world_size) == (2, 4, 8)
-    assert str(layout) == "fsdp (dp_replicate=1, dp_shard=4, tp=1, pp=2)"
+    assert str(layout) == "fsdp+pp (dp_replicate=1, dp_shard=4, tp=1, pp=2)"
+    assert str(Layout(1, 1, 1, pp=2)) == "pp (dp_replicate=1, dp_shard=1, tp=1, pp=2)"
+    assert Layout.parse("pp (dp_replicate=1, dp_shard=1, tp=1, pp=2)").pp == 2
     assert Layout.parse(str(layout)) == layout
     with pytest.raises(ValueError, match=r"^parallel.dp_replicate x parallel.tp x parallel.pp = 4 must divide"):
         resolve_layout(load_config(None, ["--parallel.pp=2", "--parallel.tp=2"]).parallel, 6)

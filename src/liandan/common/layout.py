@@ -58,9 +58,10 @@ class Layout:
     def kind(self) -> str:
         replicate, shard = self.dp_replicate > 1, self.dp_shard > 1
         dp = "hsdp" if replicate and shard else "ddp" if replicate else "fsdp" if shard else "single"
-        if self.tp > 1:
-            return "tp" if dp == "single" else f"{dp}+tp"
-        return dp
+        kind = dp if self.tp == 1 else "tp" if dp == "single" else f"{dp}+tp"
+        if self.pp > 1:
+            kind = "pp" if kind == "single" else f"{kind}+pp"
+        return kind
 
     def __str__(self) -> str:
         extra = "".join(f", {d}={getattr(self, d)}" for d in ("pp", "ep") if getattr(self, d) != 1)
