@@ -87,7 +87,8 @@ def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:
         rest = cfg.dp_replicate * cfg.tp * cfg.pp
         if world_size % rest:
             raise ValueError(
-                f"parallel.dp_replicate x parallel.tp x parallel.pp = {rest} must divide the number of processes,"
+                f"parallel.dp_replicate x parallel.tp{' x parallel.pp' if cfg.pp != 1 else ''} = {rest} must divide"
+                " the number of processes,"
                 f" but {world_size} were launched (set --nproc or the torchrun/srun task count)"
             )
         shard = world_size // rest
