@@ -31,10 +31,10 @@ def setup(tmp_path_factory):
     "before, after",
     [
         ((2, ["--parallel.pp=2"]), (1, ONE)),  # 1F1B on 2 stages -> one process
-        ((2, ["--parallel.pp=2"]), (2, ["--parallel.pp=2"])),  # the same layout
         ((1, ONE), (2, INTERLEAVED)),  # one process -> 4 stages, 2 per rank
     ],
-    ids=["pp2-to-1", "pp2-to-pp2", "1-to-pp2x2"],
+    # pp=2 -> pp=2, bit for bit: test_resume_oracle.py's pipeline test
+    ids=["pp2-to-1", "1-to-pp2x2"],
 )
 def test_resume_across_pipeline_layouts(setup, before, after):
     config, reference = setup
