@@ -153,6 +153,25 @@ def _moe_model(**kw) -> Transformer:
     return Transformer(args).train()
 
 
+def test_under_autocast_the_experts_run_the_grouped_kernel_on_fp32_master_weights():
+    from liandan.model.moe import GroupedExperts
+
+    experts = GroupedExperts(64, 128, 4)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, 0.0, 0.02)
+    x, counts = torch.randn(32, 64), torch.tensor([8, 8, 0, 16])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = experts(x, counts)
+        out.float().sum().backward()
+    ran = {event.name for event in prof.events()}
+    assert "aten::_grouped_mm" in ran  # not one matmul per expert
+    assert out.dtype == torch.bfloat16 and experts.w1.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loop = torch.cat([x[:8] @ experts.w1[0].t(), x[8:16] @ experts.w1[1].t(), x[16:] @ experts.w1[3].t()])
+    assert torch.equal(grouped_matmul(x.bfloat16(), experts.w1.bfloat16(), counts), loop)
+
+
 def test_auxiliary_losses_change_the_gradient_but_not_the_loss():
     tokens = torch.randint(0, 64, (2, 17))
     losses, grads = [], []
