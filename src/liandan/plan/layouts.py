@@ -159,10 +159,12 @@ class RankMemory:
     buffers: float  # pipeline send/receive buffers, all-to-all buffers
     in_flight: float
     host: float = 0.0  # model states kept in host memory under offload
+    step_temporary: float = 0.0  # the optimizer step's own temporaries, alive once the activations are freed
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.transient + self.activations + self.buffers
+        states = self.params + self.grads + self.optimizer
+        return states + self.transient + self.buffers + max(self.activations, self.step_temporary)
 
 
 @dataclass(frozen=True)
@@ -231,6 +233,10 @@ class Workload:
     ep_imbalance: float = DEFAULT_EP_IMBALANCE
     compute_efficiency: float = 0.6
     pp_layers: tuple[int, ...] = ()
+    # Bytes per parameter the optimizer step allocates on top of its state: 0 for the fused AdamW kernel the
+    # trainer uses on GPUs; 4 for the multi-tensor (foreach) AdamW it uses for FSDP2's sharded parameters on
+    # the CPU, whose step computes the square root of the second moment into a new tensor.
+    step_temporary_bytes_per_param: float = 0.0
 
 
 def _stage_args(args: Any, n_layers: int) -> Any:
@@ -300,10 +306,11 @@ def evaluate(w: Workload, c: Candidate) -> Evaluated:
                 checkpoint=c.checkpoint, accumulation_steps=1, imbalance=w.ep_imbalance,
             )  # fmt: skip
             buffers += ep_mem.buffers + flight * ep_mem.imbalance_headroom
-        host = 0.0
+        host, temporary = 0.0, w.step_temporary_bytes_per_param * per_device
         if c.offload:
-            host, states = sum(states), (0.0, 0.0, 0.0)
-        ranks.append(RankMemory(r, n, first, final, *states, transient, activations, buffers, flight, host))
+            host, states, temporary = sum(states), (0.0, 0.0, 0.0), 0.0
+        ranks.append(RankMemory(r, n, first, final, *states, transient, activations, buffers, flight, host,
+                                temporary))  # fmt: skip
     time = _step_time(w, c, ranks, boundary)
     return Evaluated(c, tuple(ranks), time, tuple(layers))
 
@@ -326,8 +333,9 @@ def _evaluate_unpipelined(w: Workload, c: Candidate) -> Evaluated:
     else:
         # memory_per_device's peak: the activations and the gradients alive with them, whichever is larger
         activations = est.total - s.params - s.optimizer - est.transient - buffers - s.grads
+        temporary = w.step_temporary_bytes_per_param * est.params_per_device
         rank = RankMemory(0, args.n_layers, True, True, s.params, s.grads, s.optimizer, est.transient,
-                          activations, buffers, 1.0)  # fmt: skip
+                          activations, buffers, 1.0, step_temporary=temporary)  # fmt: skip
     boundary = 0.0
     return Evaluated(c, (rank,), _step_time(w, c, [rank], boundary), (args.n_layers,))
 
