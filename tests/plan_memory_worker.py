@@ -8,7 +8,7 @@ the resident size before the Trainer was built, glibc's mmap threshold fixed so 
 the OS. Each run joins a process group of its own (MASTER_PORT + its index). Beside each measurement the
 planner's estimate for this rank (`liandan.plan.layouts.evaluate`, fp32 as trained on the CPU): the
 pipeline rank's memory where the layout has stages. Writes {name: [measured, estimated]} to
-OUT/rank<r>.json (with the foreach AdamW's temporary that sharded parameters take on the CPU), or {"refused": message} when the trainer refuses the layout.
+OUT/rank<r>.json, or {"refused": message} when the trainer refuses the layout.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ def estimate(cfg, rank: int) -> float:
     else:
         m = per_rank // (t.micro_batch or per_rank)
     work = Workload(plan_model_args(cfg), t.seq_len, t.global_batch, 1e12, Network(), "fp32", "flash",
-                    p.sequence_parallel, p.loss_parallel, t.ce_chunks, pp_layers=tuple(p.pp_layers),
-                    step_temporary_bytes_per_param=4.0 if shard * p.cp > 1 else 0.0)  # fmt: skip
+                    p.sequence_parallel, p.loss_parallel, t.ce_chunks, pp_layers=tuple(p.pp_layers))  # fmt: skip
     cand = Candidate(p.dp_replicate, shard, p.tp, p.pp, p.cp, p.ep, p.pp_schedule, p.pp_stages_per_rank, m,
                      per_rank // m, t.activation_checkpoint, p.cpu_offload)  # fmt: skip
     ranks = evaluate(work, cand).ranks
@@ -62,7 +61,8 @@ def main(out: str, root: str, names: str, *overrides: str) -> None:
     for i, name in enumerate(["warm-up", *names.split(",")]):
         os.environ["MASTER_PORT"] = str(base_port + i)
         cfg = tiny_config(Path(root) / "runs", corpus, f"--run.name={name}", "--train.steps=2", "--train.mask=causal",
-                          "--checkpoint.enabled=false", *RUNS.get(name, []),
+                          "--checkpoint.enabled=false",
+                          "--guard.enabled=false", *RUNS.get(name, []),
                           *PER_RANK.get(name.split("-")[0], []), *overrides)  # fmt: skip
         gc.collect()
         libc.malloc_trim(0)

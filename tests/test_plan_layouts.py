@@ -223,6 +223,15 @@ def test_plan_ranks_the_70b_layouts(capsys):
     assert (layout["dp_replicate"], layout["dp_shard"], layout["tp"], "pp" in layout) == (1, 32, 8, False)
 
 
+@pytest.mark.parametrize("nproc", [64, 256, 512])
+def test_without_context_parallel_the_70b_choice_is_torchtitans(capsys, nproc):
+    """torchtitan's published 70B layout is FSDP x TP 8; so is the planner's best when cp is left out."""
+    code, out, _ = run_main(capsys, "plan", ROOT / "configs" / "llama-70b.toml", "--nproc", nproc, "--max-cp", "1",
+                            "--json")  # fmt: skip
+    best = json.loads(out)["ranking"][0]
+    assert code == 0 and best["dims"] == f"dp_shard={nproc // 8} tp=8"
+
+
 def test_plan_of_a_pipelined_config_shows_every_rank(capsys):
     code, out, _ = run_main(capsys, "plan", ROOT / "configs" / "llama-70b.toml", "--nproc", "256", "--top", "3",
                             "--parallel.pp=4", "--parallel.pp_microbatches=16", "--parallel.cp=2")  # fmt: skip
@@ -241,6 +250,7 @@ def test_plan_of_a_pipelined_config_shows_every_rank(capsys):
         (["--gpus-per-node", "0"], "--gpus-per-node = 0 must be at least 1"),
         (["--compute-efficiency", "1.5"], "--compute-efficiency = 1.5 must be in (0, 1]"),
         (["--top", "-1"], "--top = -1 must not be negative"),
+        (["--max-cp", "0"], "--max-cp = 0 must be at least 1"),
         (["--parallel.pp=3"], "does not make 256 processes"),
     ],
 )

@@ -31,6 +31,8 @@ def add_commands(sub) -> None:
     p.add_argument(
         "--device", default="h100", help="accelerator the planner plans for with --layout auto (default h100)"
     )
+    p.add_argument("--max-cp", type=int, default=8,
+                   help="with --layout auto, the largest context-parallel degree considered (default 8; 1: none)")  # fmt: skip
     how = p.add_mutually_exclusive_group()
     how.add_argument("--submit", action="store_true", help="write the Slurm script beside the run and sbatch it")
     how.add_argument("--hosts", default=None,
@@ -48,7 +50,7 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.layout == "auto":
         overrides = [
             *overrides,
-            *planned_layout(cfg, args.config, overrides, args.nodes, args.gpus_per_node, args.device),
+            *planned_layout(cfg, args.config, overrides, args.nodes, args.gpus_per_node, args.device, args.max_cp),
         ]
         cfg = load_config(args.config, overrides)
     check_launch(cfg, args.nodes * args.gpus_per_node)  # the layout fits the world size, the data is there
@@ -78,7 +80,8 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-def planned_layout(cfg, config: str, overrides: list[str], nodes: int, gpus_per_node: int, device: str) -> list[str]:
+def planned_layout(cfg, config: str, overrides: list[str], nodes: int, gpus_per_node: int, device: str,
+                   max_cp: int = 8) -> list[str]:  # fmt: skip
     """The overrides of the fastest layout the planner ranks for nodes x gpus_per_node devices among those the
     trainer accepts (a layout it refuses, such as one it does not run yet, is passed over and said so)."""
     from liandan.common.layout import resolve_layout
@@ -86,7 +89,7 @@ def planned_layout(cfg, config: str, overrides: list[str], nodes: int, gpus_per_
     from liandan.plan.run_plan import plan_config
 
     nproc = nodes * gpus_per_node
-    plan = plan_config(cfg, resolve_device(device), nproc=nproc, gpus_per_node=gpus_per_node)
+    plan = plan_config(cfg, resolve_device(device), nproc=nproc, gpus_per_node=gpus_per_node, max_cp=max_cp)
     passed = []
     for ranked in plan.ranking:
         if not ranked.fits:

@@ -42,6 +42,9 @@ def add_commands(sub) -> None:
                    help="devices per node: groups within a node use NVLink, across nodes the network (default 8)")  # fmt: skip
     p.add_argument("--compute-efficiency", default="0.6",
                    help="share of the peak the matmuls reach when nothing waits, for ranking layouts (default 0.6)")  # fmt: skip
+    p.add_argument(
+        "--max-cp", default="8", help="largest context-parallel degree the ranking tries (default 8; 1: none)"
+    )
     p.add_argument("--top", default="15", help="layouts that fit to list, best first (default 15; 0: all)")
     p.add_argument("--mfu", default="0.4", help="assumed model FLOPs utilisation for the time estimate (default 0.4)")
     p.add_argument("--price-per-device-hour", default=None, help="price of one device-hour, for a cost estimate")
@@ -74,6 +77,7 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     gpus_per_node = _number("--gpus-per-node", args.gpus_per_node, int)
     efficiency = _number("--compute-efficiency", args.compute_efficiency)
     top = _number("--top", args.top, int)
+    max_cp = _number("--max-cp", args.max_cp, int)
     if gpus_per_node < 1:
         raise ConfigError(f"--gpus-per-node = {gpus_per_node} must be at least 1")
     if top < 0:
@@ -91,7 +95,8 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     device = resolve_device(args.device, memory_gib)
     cfg = load_config(args.config, overrides)
     plan = plan_config(cfg, device, nproc=nproc, mfu=mfu, price_per_device_hour=price, headroom=headroom,
-                       ep_imbalance=ep_imbalance, gpus_per_node=gpus_per_node, compute_efficiency=efficiency)  # fmt: skip
+                       ep_imbalance=ep_imbalance, gpus_per_node=gpus_per_node, compute_efficiency=efficiency,
+                       max_cp=max_cp)  # fmt: skip
     if args.json:
         print(json.dumps(_jsonable(plan), indent=2))
     else:

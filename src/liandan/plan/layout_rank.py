@@ -16,7 +16,7 @@ from liandan.plan.layouts import Candidate, Evaluated, Workload, evaluate
 from liandan.plan.memory import GIB, usable_bytes
 
 TERM_WORDS = {
-    "compute": "more compute on the busiest rank",
+    "compute": "compute on the busiest rank",
     "recompute": "recomputation",
     "bubble": "pipeline bubble",
     "tp": "tensor-parallel traffic",
@@ -122,7 +122,10 @@ def why_slower(e: Evaluated, best: Evaluated) -> str:
     total = e.time.total
     slower = total / best.time.total - 1
     c = e.candidate
-    if term == "bubble":
+    if term == "compute" and c.pp > 1:
+        more = mine[term] / theirs[term] - 1
+        what = f"pp={c.pp}: the busiest pipeline rank computes {more:.0%} more than the best layout's ranks"
+    elif term == "bubble":
         what = f"pp={c.pp}: bubble {e.time.bubble_share:.0%} of the step ({c.schedule}, m={c.microbatches}, v={c.v})"
     elif term == "recompute":
         what = f"{c.checkpoint} recomputation {mine[term] / total:.0%} of the step (needed to fit)"

@@ -294,7 +294,10 @@ def evaluate(w: Workload, c: Candidate) -> Evaluated:
         states = (4 * per_device, 4 * per_device, k * per_device)
         # torchtitan's PP policy: parameters stay gathered from the first forward to the last backward, and
         # gradients accumulate unsharded (fp32 for the reduction) until the step's one reduce-scatter.
-        transient = (cb + 4) * params if fsdp else (2 * params if cb == 2 else 0.0)
+        if fsdp:
+            transient = (cb + 4) * params
+        else:  # autocast's bf16 weight copies; DDP's flat fp32 gradient buckets
+            transient = (2 * params if cb == 2 else 0.0) + (4 * params if c.dp_replicate > 1 else 0.0)
         flight = in_flight(c.schedule, c.pp, c.microbatches, r, c.stages_per_rank)
         logits = acts.head * (c.microbatches if c.schedule in ("gpipe", "looped-bfs") else 1) if final else 0.0
         layer_acts = flight * n * (acts.per_layer + acts.masks / max(1, args.n_layers))
@@ -396,7 +399,9 @@ def _step_time(w: Workload, c: Candidate, ranks: list[RankMemory], boundary: flo
             crossing.append("pp")
         hop = boundary / net.bandwidth(stride + 1)
         pp_time = 2 * (c.pp * c.v - 1) * hop
-    params = n * block + (split.root if busiest.embedding or busiest.head else 0.0)
+    table = -(-args.vocab_size * args.dim // c.tp)
+    head = split.root - (0 if args.tie_embeddings else table)
+    params = n * block + (table if busiest.embedding else 0.0) + (head if busiest.head else 0.0)
     fsdp_time = offload_time = 0.0
     d = c.fsdp_shard
     gathers = 1 if c.pp > 1 else 2 * c.microbatches

@@ -215,6 +215,7 @@ def plan_config(
     gpus_per_node: int = 8,
     compute_efficiency: float = 0.6,
     rank: bool = True,
+    max_cp: int = 8,
 ) -> Plan:
     """Everything `liandan plan` prints, for a config on `nproc` devices (default: the fewest it admits)."""
     if not 0 <= headroom < 1:
@@ -222,6 +223,8 @@ def plan_config(
     nproc = default_nproc(cfg) if nproc is None else nproc
     if nproc < 1:
         raise ConfigError(f"--nproc = {nproc} must be at least 1")
+    if max_cp < 1:
+        raise ConfigError(f"--max-cp = {max_cp} must be at least 1")
     if not 0 < compute_efficiency <= 1:
         raise ConfigError(f"--compute-efficiency = {compute_efficiency:g} must be in (0, 1]")
     layout, dp_shard, dp_size = config_layout(cfg, nproc)
@@ -301,6 +304,7 @@ def plan_config(
             workload, nproc, device_memory_gib=device.memory_gib, headroom=headroom, dp_replicate=p.dp_replicate,
             ep=p.ep, schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank,
             tp_refusal=lambda tp: family.tp_refusal(args, tp), max_tp=1 if fp8.params else 2 * gpus_per_node,
+            max_cp=max_cp,
         ))  # fmt: skip
     return Plan(
         args, count_params(args), flops, nproc, device, headroom, memory, fits, smallest, time, tuple(variants), init,
