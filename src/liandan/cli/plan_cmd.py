@@ -168,6 +168,10 @@ def _duration(seconds: float) -> str:
     return f"{seconds:,.1f} seconds"
 
 
+def _seconds(seconds: float) -> str:
+    return f"{seconds:,.2f} s" if seconds >= 1 else f"{seconds:.3g} s"
+
+
 def _ac_word(mode: str) -> str:
     return {"none": "no recomputation", "selective": "selective recomputation", "full": "full recomputation"}[mode]
 
@@ -394,7 +398,7 @@ def print_layouts(plan, cfg, top: int = 15) -> None:
         verdict = "fits" if e.worst.total <= usable else "[bold red]does NOT fit[/bold red]"
         console.print(
             f"worst rank {e.worst.rank}: {_size(e.worst.total)}, {verdict} in {usable / GIB:,.1f} GiB;"
-            f" bubble {t.bubble_share:.1%} of the step; predicted step {t.total:,.2f} s"
+            f" bubble {t.bubble_share:.1%} of the step; predicted step {_seconds(t.total)}"
         )
     rows = plan.ranking
     if not rows:
@@ -419,7 +423,7 @@ def print_layouts(plan, cfg, top: int = 15) -> None:
         pipe = f"{c.microbatches} x {c.micro_batch}" + (f", {c.schedule} v={c.v}" if c.pp > 1 else "")
         ac = c.checkpoint + (" + offload" if c.offload else "")
         mfu = model_flops / (plan.nproc * peak * e.time.total)
-        table.add_row(str(i), r.dims, pipe, ac, f"{e.time.total:,.2f} s", f"{mfu:.0%}", _size(e.worst.total),
+        table.add_row(str(i), r.dims, pipe, ac, _seconds(e.time.total), f"{mfu:.0%}", _size(e.worst.total),
                       r.reason or "best")  # fmt: skip
     console.print(table)
     if len(shown) < len(fitting):

@@ -86,7 +86,7 @@ def rank_layouts(
                     continue
                 best: Evaluated | None = None
                 smallest: Evaluated | None = None
-                for m, b in batches:
+                for m, b in reversed(batches):  # largest micro-batch first: it keeps ties (fewer, larger matmuls)
                     for offload in (False, True):
                         for mode in CHECKPOINT_MODES:
                             c = Candidate(dp_replicate, shard, tp, pp, cp, ep, schedule, stages_per_rank, m, b, mode,
@@ -140,6 +140,8 @@ def why_slower(e: Evaluated, best: Evaluated) -> str:
             ]
             label = {"cp": "cp x tp", "ep": "ep x cp x tp", "fsdp": "dp_shard x cp x tp"}.get(dim, dim)
             what = f"{label}={size} crosses nodes: {what}"
+    if slower < 0.005:
+        return f"as fast as the best within 0.5%; its largest extra term: {what}"
     return f"{slower:+.0%} slower: {what}"
 
 
