@@ -239,6 +239,15 @@ class Workload:
     step_temporary_bytes_per_param: float = 0.0
 
 
+def _head_dim(args: Any) -> int:
+    """What a family without `head_dim` (the shape every family has: n_layers, dim, n_heads, vocab_size) means."""
+    return getattr(args, "head_dim", 0) or args.dim // args.n_heads
+
+
+def _tied(args: Any) -> bool:
+    return bool(getattr(args, "tie_embeddings", False))
+
+
 def _stage_args(args: Any, n_layers: int) -> Any:
     """The model's args with `n_layers` layers: what one pipeline rank's activation formulas read."""
     if dataclasses.is_dataclass(args):
@@ -274,7 +283,7 @@ def evaluate(w: Workload, c: Candidate) -> Evaluated:
     split = param_split(args, c.tp, c.ep)
     block = (split.blocks if split.blocks >= 0 else split.n_layers * split.block) / args.n_layers
     table = -(-args.vocab_size * args.dim // c.tp)
-    head = split.root - (0 if args.tie_embeddings else table)  # the head's table (or a tied copy) and the norm
+    head = split.root - (0 if _tied(args) else table)  # the head's table (or a tied copy) and the norm
     s = w.seq_len // c.cp
     acts = activation_memory(
         _stage_args(args, 1), micro_batch=c.micro_batch, seq_len=s, tp=c.tp, checkpoint=c.checkpoint,
@@ -350,7 +359,7 @@ def _step_time(w: Workload, c: Candidate, ranks: list[RankMemory], boundary: flo
     per_token = flops_per_token(args, s_full)
     head_flops = 6.0 * args.vocab_size * args.dim
     layer_flops = (per_token - head_flops) / args.n_layers
-    attention_flops = 12.0 * args.n_heads * args.head_dim * s_full
+    attention_flops = 12.0 * args.n_heads * _head_dim(args) * s_full
     tokens = w.global_batch * s_full / (c.dp_size * c.cp)  # per rank and step
     peak = w.peak_flops * w.compute_efficiency
     split = param_split(args, c.tp, c.ep)
@@ -375,7 +384,9 @@ def _step_time(w: Workload, c: Candidate, ranks: list[RankMemory], boundary: flo
     if c.cp > 1:
         if c.cp * c.tp > net.gpus_per_node:
             crossing.append("cp")
-        kv = 2 * tokens * args.n_kv_heads * args.head_dim * cb / c.tp  # this rank's K and V chunk for the step
+        kv = (
+            2 * tokens * getattr(args, "n_kv_heads", args.n_heads) * _head_dim(args) * cb / c.tp
+        )  # this rank's K and V chunk for the step
         passes = 3 + (1 if c.checkpoint == "full" else 0)
         ring = n * kv * (c.cp - 1) * passes / net.bandwidth(c.cp * c.tp)
         own_attention = n * attention_flops / c.cp * tokens / c.tp / peak
@@ -400,7 +411,7 @@ def _step_time(w: Workload, c: Candidate, ranks: list[RankMemory], boundary: flo
         hop = boundary / net.bandwidth(stride + 1)
         pp_time = 2 * (c.pp * c.v - 1) * hop
     table = -(-args.vocab_size * args.dim // c.tp)
-    head = split.root - (0 if args.tie_embeddings else table)
+    head = split.root - (0 if _tied(args) else table)
     params = n * block + (table if busiest.embedding else 0.0) + (head if busiest.head else 0.0)
     fsdp_time = offload_time = 0.0
     d = c.fsdp_shard
