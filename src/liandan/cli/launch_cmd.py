@@ -100,11 +100,15 @@ def planned_layout(cfg, config: str, overrides: list[str], nodes: int, gpus_per_
         except ValueError as err:
             passed.append(f"{ranked.dims} ({err})")
             continue
-        for line in passed:
+        for line in _first(passed):
             print(f"liandan: layout auto: passed over {line}", file=sys.stderr)
         e = ranked.evaluated
         print(f"liandan: layout auto: {e.candidate}, predicted step {e.time.total:.3g} s,"
               f" {e.worst.total / 2**30:.3g} GiB per device on {nproc} x {plan.device.name}", file=sys.stderr)  # fmt: skip
         return chosen
-    why = f"; the faster ones the trainer refuses: {'; '.join(passed)}" if passed else ""
+    why = f"; the fitting ones the trainer refuses: {'; '.join(_first(passed))}" if passed else ""
     raise ConfigError(f"no layout of {nproc} x {plan.device.name} fits this run{why}")
+
+
+def _first(lines: list[str], shown: int = 5) -> list[str]:
+    return lines[:shown] + ([f"{len(lines) - shown} more"] if len(lines) > shown else [])
