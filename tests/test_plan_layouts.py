@@ -244,6 +244,15 @@ def test_plan_of_a_pipelined_config_shows_every_rank(capsys):
     assert staged["candidate"]["pp"] == 4 and len(staged["ranks"]) == 4 and staged["worst"]["total"] > 0
 
 
+def test_plan_of_an_offloaded_config_and_the_default_device_count(capsys):
+    code, out, _ = run_main(capsys, "plan", ROOT / "configs" / "llama-70b.toml", "--nproc", "64", "--top", "1",
+                            "--parallel.cpu_offload=true")  # fmt: skip
+    assert code == 0 and "Memory per device: dp_shard=8 tp=8, micro-batch 1, full AC, offload" in out
+    assert "(host 16.43 GiB)" in out  # 70.6B parameters x 16 bytes / 64 devices stay in host memory
+    code, out, _ = run_main(capsys, "plan", ROOT / "configs" / "llama-70b.toml", "--parallel.pp=4", "--top", "1")
+    assert code == 0 and out.startswith("plan ") and ": 32 x H100" in out.splitlines()[0]  # tp 8 x pp 4
+
+
 @pytest.mark.parametrize(
     "argv, words",
     [

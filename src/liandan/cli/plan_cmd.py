@@ -381,7 +381,10 @@ def print_layouts(plan, cfg, top: int = 15) -> None:
     usable = usable_bytes(plan.device.memory_gib, plan.headroom)
     if (e := plan.staged) is not None:
         c = e.candidate
-        console.print(f"\n[bold]Memory per pipeline rank: {c}[/bold] (stage layers {list(e.stage_layers)})")
+        where = (
+            f"pipeline rank: {c}[/bold] (stage layers {list(e.stage_layers)})" if c.pp > 1 else f"device: {c}[/bold]"
+        )
+        console.print(f"\n[bold]Memory per {where}")
         table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
         for col in ("rank", "layers", "holds", "states", "gathered", "activations", "in flight", "buffers", "total"):
             table.add_column(col, justify="left" if col in ("rank", "holds") else "right")
