@@ -13,8 +13,8 @@ Bubble shares (idle time over the whole step) for p pipeline ranks, m micro-batc
   section 3), 1F1B idles (p - 1)(F + B + W) and ZB-H1 (p - 1)(F + B - W): a third of 1F1B's bubble at the
   same activation memory. DeepSeek-V3's report (Table 2) gives DualPipe's bubble as (p/2 - 1)(F&B + B - 3W),
   which with its overlapped F&B ~ F + B is again about a third. The planner takes a third of the
-  interleaved bubble for interleaved-zb, zbv and dualpipev (v = 2 for the last two): the papers' ideal, which
-  their measurements approach at large m; the V schedules' near-zero bubbles of ZB-V (Qi et al. 2024,
+  interleaved bubble for interleaved-zb, zbv and dualpipev (v = 2 for the last two): the analytical figure at
+  F = B = W, unmeasured here; the V schedules' near-zero bubbles of ZB-V (Qi et al. 2024,
   "Pipeline Parallelism with Controllable Memory") need T_F = T_B = T_W exactly and are not assumed.
 
 Activations in flight on a rank, in micro-batches of that rank's whole set of layers:
