@@ -192,6 +192,12 @@ def test_a_tensor_parallel_group_beyond_a_node_is_named():
     assert "pp=32" in deep.reason
     few = rank_layouts(w, 32, device_memory_gib=80, headroom=0.1, micro_batch=1, pp_microbatches=2)
     assert any("fewer than the 4 stages" in r.reason for r in few)
+    # torch's interleaved schedules run m // pp rounds, which must divide m: 9 on 4 stages makes 2 rounds
+    odd = rank_layouts(workload(args, seq_len=4096, global_batch=18), 32, device_memory_gib=80, headroom=0.1,
+                       pp_microbatches=9, schedule="interleaved-1f1b", stages_per_rank=2)  # fmt: skip
+    assert next(r for r in odd if r.dims == "dp_shard=2 tp=4 pp=4").reason == (
+        "pp=4: interleaved-1f1b runs its micro-batches in rounds: 9 do not split into 2 rounds"
+    )
 
 
 def test_nothing_fits():

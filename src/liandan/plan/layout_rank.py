@@ -80,7 +80,7 @@ def rank_layouts(
                 if why:
                     rows.append(Ranked(dims, None, False, why))
                     continue
-                batches = _batches(w, pp, shard * dp_replicate, pp_microbatches, micro_batch)
+                batches = _batches(w, pp, shard * dp_replicate, pp_microbatches, micro_batch, schedule)
                 if isinstance(batches, str):
                     rows.append(Ranked(dims, None, False, batches))
                     continue
@@ -166,7 +166,7 @@ def _refusal(w, tp, pp, cp, shard, dp_replicate, ep, schedule, stages_per_rank, 
     return ""
 
 
-def _batches(w, pp, dp, pp_microbatches, micro_batch) -> list[tuple[int, int]] | str:
+def _batches(w, pp, dp, pp_microbatches, micro_batch, schedule="1f1b") -> list[tuple[int, int]] | str:
     """The (micro-batches per step, sequences per micro-batch) of a data-parallel rank to try, or why none:
     the config's micro-batch where it sets one (train.micro_batch, or parallel.pp_microbatches under PP), else
     every power of two that divides the rank's batch (under PP, leaving at least pp micro-batches)."""
@@ -184,6 +184,13 @@ def _batches(w, pp, dp, pp_microbatches, micro_batch) -> list[tuple[int, int]] |
     else:
         sizes = [b for b in _powers(per_rank) if per_rank % b == 0]
     out = [(per_rank // b, b) for b in sizes if pp == 1 or per_rank // b >= pp]
+    if pp > 1 and schedule in ("interleaved-1f1b", "interleaved-zb"):
+        # torch.distributed.pipelining runs these in rounds of pp micro-batches: m must split into whole rounds
+        rounds = [(m, b) for m, b in out if m % max(1, m // pp) == 0]
+        if out and not rounds:
+            m = out[0][0]
+            return f"pp={pp}: {schedule} runs its micro-batches in rounds: {m} do not split into {m // pp} rounds"
+        out = rounds
     if not out:
         return f"pp={pp}: {per_rank // sizes[-1]} micro-batches per step, fewer than the {pp} stages (the pipeline never fills)"
     return out
