@@ -54,8 +54,7 @@ class CausalLMTrainModule(TrainModule):
         refusal = self.spec.tp_refusal(self.args, layout.tp) or ep_refusal(self.args, layout.ep)
         if refusal:
             raise ConfigError(refusal)
-        par = cfg.parallel
-        if layout.tp > 1 and par.loss_parallel and self.args.vocab_size % layout.tp:
+        if layout.tp > 1 and cfg.parallel.loss_parallel and self.args.vocab_size % layout.tp:
             raise ConfigError(
                 f"the vocabulary of {self.args.vocab_size} does not split evenly over parallel.tp = {layout.tp};"
                 " set model.vocab_size to a multiple of it or parallel.loss_parallel = false"
@@ -67,11 +66,12 @@ class CausalLMTrainModule(TrainModule):
         # The same seed on every rank gives every rank the same initial weights before sharding.
         torch.manual_seed(cfg.run.seed)
         materialize = None
+        par = cfg.parallel
         if cfg.train.meta_init:
             # Built without storage; each rank fills its own shards once parallelize has placed them.
             model, record = build_on_meta(lambda: self.spec.build(self.args))
             materialize = partial(_materialize, plan=_config_step(plan_init, model, record), device=device,
-                                  seed=cfg.run.seed)  # fmt: skip
+                                  seed=cfg.run.seed, offload=par.cpu_offload)  # fmt: skip
         else:
             model = self.spec.build(self.args)
         configure = getattr(model, "configure_attention", None)
@@ -107,12 +107,16 @@ class CausalLMTrainModule(TrainModule):
             sequence_parallel=par.sequence_parallel,
             materialize=materialize,
             fp8=fp8,
+            cpu_offload=par.cpu_offload,
         )
         self.init_peak.stop()
         # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
         self.autocast = dtype != torch.float32 and not fsdp
         self.model_parts = [model]
-        self.optimizers = build_optimizers(self.model_parts, cfg.optim, schedule(t.steps, cfg.schedule), device,
+        # Offloaded parameters, their gradients and so the optimizer's state live in host memory: the update
+        # runs there, with the kernels the CPU has for sharded tensors.
+        param_device = torch.device("cpu") if par.cpu_offload else device
+        self.optimizers = build_optimizers(self.model_parts, cfg.optim, schedule(t.steps, cfg.schedule), param_device,
                                            mixed_tensor_kinds=layout.tp > 1 or layout.ep > 1)  # fmt: skip
         self.params = self.spec.count_params(self.args)
         self.flops_per_token = self.spec.flops_per_token(self.args, t.seq_len)
@@ -198,8 +202,16 @@ class CausalLMTrainModule(TrainModule):
         return batch.doc_ids if self.cfg.train.mask == "document" else None
 
 
-def _materialize(model: torch.nn.Module, plan, device: torch.device, seed: int) -> None:
-    _config_step(materialize, model, plan, device, seed)
+def _materialize(model: torch.nn.Module, plan, device: torch.device, seed: int, offload: bool = False) -> None:
+    """Fill the model's shards on `device`; offloaded, the parameter shards on the host (where FSDP2's
+    offload keeps them) and the buffers (rotary tables) on `device`, where the forward reads them."""
+    _config_step(materialize, model, plan, torch.device("cpu") if offload else device, seed)
+    if offload and device.type != "cpu":
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module.register_buffer(
+                    name, buffer.to(device), persistent=name not in module._non_persistent_buffers_set
+                )
 
 
 def _config_step(fn: Callable, *args: Any) -> Any:
