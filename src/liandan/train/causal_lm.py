@@ -19,6 +19,7 @@ from liandan.faults import faulty_matmuls, planned_at, slow_forward
 from liandan.model.moe import routing_step
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
+from liandan.train.context_parallel import SequenceShard, cp_refusal, mean_over_cp, sequence_split
 from liandan.train.expert_parallel import ep_refusal
 from liandan.train.fp8 import Fp8, dims_refusal, fp8_param_count, fp8_refusal
 from liandan.train.hardware import PeakMemory
@@ -51,7 +52,12 @@ class CausalLMTrainModule(TrainModule):
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.spec: ModelSpec = get_model_spec(cfg.model.family)
         self.args = model_args(cfg, tokenizer_vocab)
-        refusal = self.spec.tp_refusal(self.args, layout.tp) or ep_refusal(self.args, layout.ep)
+        t = cfg.train
+        refusal = (
+            self.spec.tp_refusal(self.args, layout.tp)
+            or ep_refusal(self.args, layout.ep)
+            or cp_refusal(layout.cp, t.seq_len, t.mask, getattr(self.args, "attention", "sdpa"), device.type)
+        )
         if refusal:
             raise ConfigError(refusal)
         if layout.tp > 1 and cfg.parallel.loss_parallel and self.args.vocab_size % layout.tp:
@@ -76,6 +82,9 @@ class CausalLMTrainModule(TrainModule):
             model = self.spec.build(self.args)
         configure = getattr(model, "configure_attention", None)
         self.attention = _config_step(configure, device) if configure else "built in"
+        if layout.cp > 1 and self.attention != "sdpa":  # `auto`'s FlexAttention: the ring runs SDPA
+            model.attention_backend = self.attention = "sdpa"
+        self.cp_mesh = mesh["cp"] if layout.cp > 1 else None
         if cfg.train.ce_chunks > 1 or cfg.train.ce_fused:
             if not hasattr(model, "configure_loss"):
                 raise ConfigError(f"model.family = {cfg.model.family!r} has no chunked or fused loss;"
@@ -84,7 +93,6 @@ class CausalLMTrainModule(TrainModule):
         if materialize is None:
             model.to(device)
         fsdp = uses_fsdp(layout)
-        t = cfg.train
         fp8 = self._fp8_plan(t, device)
         if fp8 and (refusal := dims_refusal(model, fp8.skip)):
             raise ConfigError(refusal)
@@ -156,16 +164,23 @@ class CausalLMTrainModule(TrainModule):
             with gradient_sync(self.model, sync=i == len(batches) - 1), faulty_matmuls(step):
                 phase("forward", micro=i)
                 slow_forward(step)
-                loss = self._micro_loss(batch, len(batches))
-                phase("backward", micro=i)
-                loss.backward()
+                with self._split(batch) as part:  # ring attention's forward and backward both inside
+                    loss = self._micro_loss(part, len(batches))
+                    phase("backward", micro=i)
+                    loss.backward()
             total += loss.detach()
-        return total
+        return mean_over_cp(self.cp_mesh, total)
 
-    def _micro_loss(self, batch: Batch, count: int) -> torch.Tensor:
+    def _split(self, batch: Batch):
+        """This rank's share of the micro-batch under context parallelism (all of it otherwise)."""
+        return sequence_split(self.cp_mesh, batch.inputs, batch.targets, self._doc_ids(batch))
+
+    def _micro_loss(self, part: SequenceShard, count: int) -> torch.Tensor:
         """One micro-batch's share of the step's mean loss: the one arithmetic of a step and of its replay."""
+        kwargs = {} if part.positions is None else {"positions": part.positions}
         with self.autocasting():
-            return self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)) / count
+            loss = self.model(part.inputs, part.targets, doc_ids=part.doc_ids, **kwargs)
+        return (loss if part.weight is None else loss * part.weight) / count
 
     @torch.no_grad()
     def replay_loss(self, batches: list[Batch], step: int) -> torch.Tensor:
@@ -175,7 +190,9 @@ class CausalLMTrainModule(TrainModule):
         total = torch.zeros((), device=self.device)
         with faulty_matmuls(step):
             for batch in batches:
-                total += self._micro_loss(batch.to(self.device), len(batches)).detach()
+                with self._split(batch.to(self.device)) as part:
+                    total += self._micro_loss(part, len(batches)).detach()
+        total = mean_over_cp(self.cp_mesh, total)
         # FSDP2 keeps the last block gathered after a forward for the backward that would follow: without
         # one, the update would go to the shards while that stale gathered copy serves the next forward.
         reshard(self.model)
@@ -187,11 +204,10 @@ class CausalLMTrainModule(TrainModule):
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for batch in batches:
-            batch = batch.to(self.device)
-            with self.autocasting():
-                total += self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)).float()
+            with self._split(batch.to(self.device)) as part:
+                total += self._micro_loss(part, 1).float()
         self.model.train()
-        return total / max(1, len(batches))
+        return mean_over_cp(self.cp_mesh, total) / max(1, len(batches))
 
     def autocasting(self):
         if not self.autocast:
