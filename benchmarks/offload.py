@@ -89,10 +89,9 @@ def run_mode(offload: bool, args: argparse.Namespace, device: torch.device, mesh
         loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         optimizers.clip_grad_norm(1.0)
-        optimizers.step()
         if step == args.warmup + args.steps - 1:
-            state = state_bytes(model, optimizers)  # with the gradients, before they are dropped
-        optimizers.zero_grad()
+            state = state_bytes(model, optimizers)  # the gradients, before the step drops them
+        optimizers.step()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
