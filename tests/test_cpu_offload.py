@@ -1,7 +1,8 @@
 """FSDP2's CPU offload (`parallel.cpu_offload`) on 2 gloo processes: the same model, the same losses.
 
 On a CPU the offloaded shards stay where they were (host memory is the device's memory), so the arithmetic is
-the one of FSDP2 without offload: the losses must be bit-equal to it, through a kill and a resume. What the
+the one of FSDP2 without offload: the losses must be bit-equal to it, from meta-device initialisation and
+through a kill and a resume. What the
 offload buys and costs on a GPU is measured by benchmarks/offload.py.
 """
 
@@ -26,9 +27,10 @@ def setup(tmp_path_factory):
 
 def test_offload_trains_as_fsdp_does_through_a_kill_and_resume(setup):
     config, reference = setup
-    # synchronous saves, so the checkpoint of step 4 is complete when the kill after step 6 comes
+    # synchronous saves, so the checkpoint of step 4 is complete when the kill after step 6 comes; built on the
+    # meta device, its shards filled on the host (meta init gives the weights of the model built whole)
     killed = train_named(config, "offload", 2, "--parallel.cpu_offload=true", "--checkpoint.async_save=false",
-                         faults="kill@step:6:0")  # fmt: skip
+                         "--train.meta_init=true", faults="kill@step:6:0")  # fmt: skip
     assert killed.returncode != 0
     assert run_losses(config, "offload") == reference[:6]
     done = train_named(config, "offload", 2, "--parallel.cpu_offload=true")

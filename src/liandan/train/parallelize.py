@@ -185,11 +185,10 @@ def apply_fsdp(
 def fsdp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
     """The mesh FSDP2 shards over: dp_shard, flattened with cp under context parallelism (the cp ranks hold
     the same weights and average their gradients), with dp_replicate outside it for HSDP."""
-    shard = "dp_shard"
-    if layout.cp > 1:
-        shard = "dp_shard_cp"
-        mesh[("dp_shard", "cp")]._flatten(shard)
-    return mesh[("dp_replicate", shard)] if layout.dp_replicate > 1 else mesh[shard]
+    if layout.cp == 1:
+        return mesh[("dp_replicate", "dp_shard")] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    flat = mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    return mesh[("dp_replicate", "dp_shard_cp")] if layout.dp_replicate > 1 else flat
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, audit: AllReduceAudit | None = None) -> nn.Module:
