@@ -72,10 +72,9 @@ class SdcCallback(Callback):
         self.hosts = ctx.rank_hosts()
         layout = ctx.layout
         if ctx.mesh is not None and layout.dp_replicate > 1:
-            ranks = ctx.mesh.mesh  # (dp_replicate, dp_shard, tp): a group is one (dp_shard, tp) position
-            self.replica_groups = [
-                ranks[:, s, t].tolist() for s in range(ranks.shape[1]) for t in range(ranks.shape[2])
-            ]
+            # A group is one position on every other dim of the mesh (dp_shard, cp, tp, ...).
+            ranks = ctx.mesh.mesh.movedim(ctx.mesh.mesh_dim_names.index("dp_replicate"), 0)
+            self.replica_groups = ranks.reshape(ranks.shape[0], -1).T.tolist()
         elif ctx.dist.distributed:
             ctx.say(f"sdc: layout {layout} keeps no replicas of the weights: their fingerprints are not compared")
         if ctx.dist.distributed and ctx.dp_size < 2 and self.cfg.replay_every:
