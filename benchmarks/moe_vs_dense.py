@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +82,7 @@ min_lr_ratio = 0.1
 steps = {a.steps}
 global_batch = {a.batch}
 seq_len = {a.seq}
-dtype = "fp32"
+dtype = "{a.dtype}"
 log_every = {a.log_every}
 eval_every = {max(1, a.steps // 20)}
 eval_batches = 8
@@ -165,19 +166,23 @@ def main() -> None:
     parser.add_argument("--bpe-vocab", type=int, default=4096)
     parser.add_argument("--only", choices=("dense", "moe"), help="train and report one of the two models")
     parser.add_argument("--dense-from", type=Path, help="a finished dense run's directory to compare with")
+    parser.add_argument("--dtype", default="fp32", help="train.dtype (bf16 on a GPU)")
+    parser.add_argument("--parallel", action="store_true", help="train the two models at once (on one GPU, say)")
     a = parser.parse_args()
     if not all(p.is_file() for p in CORPORA):
         sys.exit(f"the shared corpora are not at {SHARED}")
     a.out.mkdir(parents=True, exist_ok=True)
+    names = ("dense", "moe") if a.only is None else (a.only,)
+    runs = {name: a.dense_from if name == "dense" and a.dense_from else a.out / name for name in names}
+    pending = [name for name in names if not (runs[name] / "summary.json").is_file()]
+    for name in pending:
+        (a.out / f"{name}.toml").write_text(run_config(a, name, a.out))
+    with ThreadPoolExecutor(len(pending) if a.parallel and pending else 1) as pool:
+        for name, seconds in zip(pending, pool.map(lambda n: train(a.out / f"{n}.toml"), pending)):
+            print(f"trained {name} in {seconds:.0f} s", flush=True)
     summaries = {}
-    for name in ("dense", "moe") if a.only is None else (a.only,):
-        run = a.dense_from if name == "dense" and a.dense_from else a.out / name
-        if not (run / "summary.json").is_file():
-            config = a.out / f"{name}.toml"
-            config.write_text(run_config(a, name, a.out))
-            print(f"training {name} ... ", end="", flush=True)
-            print(f"{train(config):.0f} s", flush=True)
-        summaries[name] = s = json.loads((run / "summary.json").read_text())
+    for name in names:
+        summaries[name] = s = json.loads((runs[name] / "summary.json").read_text())
         print(f"{name:5s}: final validation loss {s['val_loss']:.4f}, {s['parameters']:,} parameters"
               f" ({s['active_parameters']:,} active),"
               f" {s['flops_per_token']:.3e} FLOPs per token")  # fmt: skip

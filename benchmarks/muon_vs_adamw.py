@@ -23,12 +23,13 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data" / "corpus"
 CORPORA = {"en": SHARED / "en-wikitext2.jsonl", "zh": SHARED / "zh-classics.jsonl"}
-GRIDS = {"adamw": (1e-3, 2e-3, 4e-3, 8e-3), "muon": (1e-3, 2e-3, 4e-3, 8e-3)}
+GRIDS = {"adamw": (2.5e-4, 5e-4, 1e-3, 2e-3, 4e-3, 8e-3), "muon": (1e-3, 2e-3, 4e-3, 8e-3)}
 
 
 def run_config(a: argparse.Namespace, corpus: str, optimizer: str, lr: float, out: Path) -> str:
@@ -61,7 +62,7 @@ min_lr_ratio = 0.1
 steps = {a.steps}
 global_batch = {a.batch}
 seq_len = {a.seq}
-dtype = "auto"
+dtype = "{a.dtype}"
 eval_every = {max(1, a.steps // 20)}
 eval_batches = 16
 
@@ -86,8 +87,9 @@ def run_name(corpus: str, optimizer: str, lr: float) -> str:
     return f"{corpus}-{optimizer}-lr{lr:g}"
 
 
-def train(config: Path, nproc: int) -> float:
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)), PYTHONPATH=str(ROOT / "src"))
+def train(config: Path, nproc: int, concurrent: int = 1) -> float:
+    threads = max(1, (os.cpu_count() or 1) // (nproc * concurrent))
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=str(ROOT / "src"))
     command = [sys.executable, "-m", "liandan.cli", "train", str(config)]
     if nproc > 1:
         command += ["--nproc", str(nproc)]
@@ -131,21 +133,32 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--dtype", default="auto", help="train.dtype")
+    parser.add_argument("--parallel", type=int, default=1, help="runs trained at once (several fit on one GPU)")
     a = parser.parse_args()
     if not SHARED.is_dir():
         sys.exit(f"the shared corpora are not at {SHARED}")
     a.out.mkdir(parents=True, exist_ok=True)
-    for corpus in a.corpora.split(","):
+    corpora = a.corpora.split(",")
+    pending = [
+        (corpus, optimizer, lr)
+        for corpus in corpora
+        for optimizer, grid in GRIDS.items()
+        for lr in grid
+        if not (a.out / run_name(corpus, optimizer, lr) / "summary.json").is_file()
+    ]
+    for corpus, optimizer, lr in pending:
+        (a.out / f"{run_name(corpus, optimizer, lr)}.toml").write_text(run_config(a, corpus, optimizer, lr, a.out))
+    with ThreadPoolExecutor(max(1, a.parallel)) as pool:
+        configs = [a.out / f"{run_name(*run)}.toml" for run in pending]
+        for config, seconds in zip(configs, pool.map(lambda c: train(c, a.nproc, a.parallel), configs)):
+            print(f"  trained {config.stem} in {seconds:.0f} s", flush=True)
+    for corpus in corpora:
         best: dict[str, tuple[float, Path]] = {}
         print(f"\n{corpus}: final validation loss by learning rate")
         for optimizer, grid in GRIDS.items():
             for lr in grid:
                 run = a.out / run_name(corpus, optimizer, lr)
-                if not (run / "summary.json").is_file():
-                    config = a.out / f"{run.name}.toml"
-                    config.write_text(run_config(a, corpus, optimizer, lr, a.out))
-                    print(f"  training {run.name} ... ", end="", flush=True)
-                    print(f"{train(config, a.nproc):.0f} s", flush=True)
                 summary = json.loads((run / "summary.json").read_text())
                 print(f"  {optimizer:6s} lr {lr:<7g} val {summary['val_loss']:.4f}  params {summary['parameters']:,}")
                 if optimizer not in best or summary["val_loss"] < best[optimizer][0]:

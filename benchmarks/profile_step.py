@@ -65,8 +65,8 @@ def profile_dtype(name: str, opts: argparse.Namespace) -> dict:
     def step(inputs: torch.Tensor, targets: torch.Tensor, timed: bool) -> None:
         batch = Batch(inputs, targets, torch.zeros_like(inputs))
         marks = [time.perf_counter()]
-        with record_function("forward"):
-            loss = module._micro_loss(batch, 1)
+        with record_function("forward"), module._split(batch) as part:
+            loss = module._micro_loss(part, 1)
         marks.append(time.perf_counter())
         with record_function("backward"):
             loss.backward()

@@ -87,3 +87,31 @@ def test_the_end_of_document_rule_is_shared_by_the_pipeline_and_the_export():
     assert eos_id({EOS: 0, "</s>": 7}.get) == 0
     with pytest.raises(ValueError, match="tokenizer has no end-of-document token"):
         eos_id({}.get)
+
+
+def test_context_parallel_has_its_dim_and_fsdp_shards_over_it():
+    layout = Layout(1, 2, 1, cp=2)
+    assert str(layout) == "fsdp+cp (dp_replicate=1, dp_shard=2, tp=1, cp=2)"
+    assert Layout.parse(str(layout)) == layout and layout.world_size == 4 and layout.dp_size == 2
+    assert str(Layout(1, 1, 2, cp=2)) == "cp+tp (dp_replicate=1, dp_shard=1, tp=2, cp=2)"
+    assert uses_fsdp(Layout(1, 1, 1, cp=2))  # the cp ranks average their gradients through FSDP2
+    assert resolve_layout(ParallelSection(cp=2), 8) == Layout(1, 4, 1, cp=2)
+    assert resolve_layout(ParallelSection(cp=2, tp=2), 8) == Layout(1, 2, 2, cp=2)
+    with pytest.raises(ValueError, match=r"^parallel.dp_replicate x parallel.cp x parallel.tp = 6 must divide"):
+        resolve_layout(ParallelSection(cp=2, tp=3), 8)
+    with pytest.raises(ValueError, match=r"^parallel.cp and parallel.ep cannot both exceed 1 yet"):
+        resolve_layout(ParallelSection(cp=2, ep=2), 8)
+
+
+def test_cpu_offload_needs_a_layout_that_shards():
+    assert resolve_layout(ParallelSection(cpu_offload=True), 2) == Layout(1, 2, 1)
+    for section, nproc, layout in [
+        (ParallelSection(cpu_offload=True), 1, "single (dp_replicate=1, dp_shard=1, tp=1)"),
+        (ParallelSection(cpu_offload=True, dp_replicate=2), 2, "ddp (dp_replicate=2, dp_shard=1, tp=1)"),
+    ]:
+        with pytest.raises(ValueError) as refused:
+            resolve_layout(section, nproc)
+        assert str(refused.value) == (
+            f"parallel.cpu_offload offloads FSDP2's parameter shards, but the layout {layout} does not shard:"
+            " set parallel.dp_shard to more than 1 (or -1 with more processes than dp_replicate x tp)"
+        )

@@ -153,6 +153,39 @@ def _moe_model(**kw) -> Transformer:
     return Transformer(args).train()
 
 
+def test_under_autocast_the_experts_run_the_grouped_kernel_on_fp32_master_weights():
+    from liandan.model.moe import GroupedExperts
+
+    experts = GroupedExperts(64, 128, 4)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, 0.0, 0.02)
+    x, counts = torch.randn(32, 64), torch.tensor([8, 8, 0, 16])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = experts(x, counts)
+        out.float().sum().backward()
+    ran = {event.name for event in prof.events()}
+    assert "aten::_grouped_mm" in ran  # not one matmul per expert
+    assert out.dtype == torch.bfloat16 and experts.w1.grad.dtype == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loop = torch.cat([x[:8] @ experts.w1[0].t(), x[8:16] @ experts.w1[1].t(), x[16:] @ experts.w1[3].t()])
+    assert torch.equal(grouped_matmul(x.bfloat16(), experts.w1.bfloat16(), counts), loop)
+
+
+def test_a_compiled_moe_block_under_autocast_compiles_once_whatever_the_routing():
+    moe = MoE(16, MoEConfig(experts=4, top_k=2, ffn_dim=32))
+    moe.reset_parameters(0.5, 0.5)
+    compiled = torch.compile(moe, backend="eager")  # dynamo's tracing and guards alone: no code generation
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True), torch.autocast("cpu", dtype=torch.bfloat16):
+        counts = set()
+        for seed in range(4):  # a new split of the rows over the experts each time
+            x = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(seed))
+            compiled(x).float().sum().backward()
+            counts.add(tuple(torch.bincount(moe.router(x.reshape(-1, 16))[0].flatten(), minlength=4).tolist()))
+    assert len(counts) > 1
+
+
 def test_auxiliary_losses_change_the_gradient_but_not_the_loss():
     tokens = torch.randint(0, 64, (2, 17))
     losses, grads = [], []

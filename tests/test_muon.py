@@ -271,6 +271,21 @@ def test_the_plan_counts_one_momentum_buffer_per_hidden_matrix_and_newton_schulz
     assert 0 < o.step_share < 1 and muon.time.seconds > adamw.time.seconds
 
 
+def test_the_plan_gives_stacked_expert_weights_adamws_state_under_muon():
+    from liandan.plan.devices import resolve_device
+    from liandan.plan.run_plan import plan_config
+
+    shape = ["--model.dim=64", "--model.n_layers=2", "--model.n_heads=2", "--model.vocab_size=512",
+             "--model.llama.moe_experts=4", "--model.llama.moe_top_k=2", "--train.seq_len=64"]  # fmt: skip
+    adamw = plan_config(load_config(None, shape), resolve_device("h100"))
+    muon = plan_config(load_config(None, [*shape, "--optim.name=muon"]), resolve_device("h100"))
+    o = muon.optimizer
+    stacked = o.params_by_role["hidden 3-d"]
+    assert stacked > 0 and o.state_bytes_by_role["hidden 3-d"] == 8.0  # AdamW's two moments: Muon skips them
+    saved = 4 * o.params_by_role["hidden"]  # the 2-D hidden matrices alone
+    assert adamw.memory.states.optimizer - muon.memory.states.optimizer == pytest.approx(saved)
+
+
 def test_liandan_plan_shows_muons_state_and_flops(tmp_path):
     config = tmp_path / "muon.toml"
     config.write_text(load_config(None, ["--optim.name=muon", "--model.dim=256", "--model.n_layers=2"]).to_toml())

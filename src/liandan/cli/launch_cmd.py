@@ -25,6 +25,14 @@ def add_commands(sub) -> None:
     p.add_argument("--min-nodes", type=int, default=None,
                    help="carry on with as few nodes as this after nodes are excluded (default: --nodes)")  # fmt: skip
     p.add_argument("--port", type=int, default=29400, help="rendezvous port on the first node (default 29400)")
+    p.add_argument("--layout", choices=("config", "auto"), default="config",
+                   help="auto: the fastest layout `liandan plan` predicts for nodes x gpus-per-node devices that the"
+                        " trainer runs, applied as --parallel.* and --train.* overrides (default: the config's)")  # fmt: skip
+    p.add_argument(
+        "--device", default="h100", help="accelerator the planner plans for with --layout auto (default h100)"
+    )
+    p.add_argument("--max-cp", type=int, default=8,
+                   help="with --layout auto, the largest context-parallel degree considered (default 8; 1: none)")  # fmt: skip
     how = p.add_mutually_exclusive_group()
     how.add_argument("--submit", action="store_true", help="write the Slurm script beside the run and sbatch it")
     how.add_argument("--hosts", default=None,
@@ -39,6 +47,12 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.run import RunDir
 
     cfg = load_config(args.config, overrides)
+    if args.layout == "auto":
+        overrides = [
+            *overrides,
+            *planned_layout(cfg, args.config, overrides, args.nodes, args.gpus_per_node, args.device, args.max_cp),
+        ]
+        cfg = load_config(args.config, overrides)
     check_launch(cfg, args.nodes * args.gpus_per_node)  # the layout fits the world size, the data is there
     run_dir = cfg.run_dir(Path(args.config).stem)
     name = run_dir.name  # every node joins this one run directory
@@ -64,3 +78,37 @@ def cmd_launch(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"sbatch {path} failed: {last}")
     print(done.stdout.strip() or f"submitted {path}", file=sys.stdout)
     return 0
+
+
+def planned_layout(cfg, config: str, overrides: list[str], nodes: int, gpus_per_node: int, device: str,
+                   max_cp: int = 8) -> list[str]:  # fmt: skip
+    """The overrides of the fastest layout the planner ranks for nodes x gpus_per_node devices among those the
+    trainer accepts (a layout it refuses, such as one it does not run yet, is passed over and said so)."""
+    from liandan.common.layout import resolve_layout
+    from liandan.plan.devices import resolve_device
+    from liandan.plan.run_plan import plan_config
+
+    nproc = nodes * gpus_per_node
+    plan = plan_config(cfg, resolve_device(device), nproc=nproc, gpus_per_node=gpus_per_node, max_cp=max_cp)
+    passed = []
+    for ranked in plan.ranking:
+        if not ranked.fits:
+            break
+        chosen = ranked.evaluated.candidate.overrides()
+        try:
+            resolve_layout(load_config(config, [*overrides, *chosen]).parallel, nproc)
+        except ValueError as err:
+            passed.append(f"{ranked.dims} ({err})")
+            continue
+        for line in _first(passed):
+            print(f"liandan: layout auto: passed over {line}", file=sys.stderr)
+        e = ranked.evaluated
+        print(f"liandan: layout auto: {e.candidate}, predicted step {e.time.total:.3g} s,"
+              f" {e.worst.total / 2**30:.3g} GiB per device on {nproc} x {plan.device.name}", file=sys.stderr)  # fmt: skip
+        return chosen
+    why = f"; the fitting ones the trainer refuses: {'; '.join(_first(passed))}" if passed else ""
+    raise ConfigError(f"no layout of {nproc} x {plan.device.name} fits this run{why}")
+
+
+def _first(lines: list[str], shown: int = 5) -> list[str]:
+    return lines[:shown] + ([f"{len(lines) - shown} more"] if len(lines) > shown else [])

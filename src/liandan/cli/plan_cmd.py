@@ -38,6 +38,14 @@ def add_commands(sub) -> None:
         default="1.25",
         help="under parallel.ep, the rows the busiest rank receives over the mean (default 1.25)",
     )
+    p.add_argument("--gpus-per-node", default="8",
+                   help="devices per node: groups within a node use NVLink, across nodes the network (default 8)")  # fmt: skip
+    p.add_argument("--compute-efficiency", default="0.6",
+                   help="share of the peak the matmuls reach when nothing waits, for ranking layouts (default 0.6)")  # fmt: skip
+    p.add_argument(
+        "--max-cp", default="8", help="largest context-parallel degree the ranking tries (default 8; 1: none)"
+    )
+    p.add_argument("--top", default="15", help="layouts that fit to list, best first (default 15; 0: all)")
     p.add_argument("--mfu", default="0.4", help="assumed model FLOPs utilisation for the time estimate (default 0.4)")
     p.add_argument("--price-per-device-hour", default=None, help="price of one device-hour, for a cost estimate")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -66,6 +74,14 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     if ep_imbalance < 1:
         raise ConfigError(f"--ep-imbalance = {ep_imbalance:g} must be at least 1")
     price = _number("--price-per-device-hour", args.price_per_device_hour)
+    gpus_per_node = _number("--gpus-per-node", args.gpus_per_node, int)
+    efficiency = _number("--compute-efficiency", args.compute_efficiency)
+    top = _number("--top", args.top, int)
+    max_cp = _number("--max-cp", args.max_cp, int)
+    if gpus_per_node < 1:
+        raise ConfigError(f"--gpus-per-node = {gpus_per_node} must be at least 1")
+    if top < 0:
+        raise ConfigError(f"--top = {top} must not be negative")
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc = {nproc} must be at least 1")
     if not 0 < mfu <= 1:
@@ -79,11 +95,13 @@ def cmd_plan(args: argparse.Namespace, overrides: list[str]) -> int:
     device = resolve_device(args.device, memory_gib)
     cfg = load_config(args.config, overrides)
     plan = plan_config(cfg, device, nproc=nproc, mfu=mfu, price_per_device_hour=price, headroom=headroom,
-                       ep_imbalance=ep_imbalance)  # fmt: skip
+                       ep_imbalance=ep_imbalance, gpus_per_node=gpus_per_node, compute_efficiency=efficiency,
+                       max_cp=max_cp)  # fmt: skip
     if args.json:
         print(json.dumps(_jsonable(plan), indent=2))
     else:
         print_plan(plan, cfg, args.config)
+        print_layouts(plan, cfg, top)
     return 0
 
 
@@ -98,6 +116,15 @@ def _jsonable(plan) -> dict:
         out["smallest"]["estimate"]["total"] = plan.smallest.estimate.total
     if plan.optimizer is None:
         del out["optimizer"]  # AdamW's plan stays as it was
+    if plan.staged is not None:
+        out["staged"]["worst"] = dataclasses.asdict(plan.staged.worst)
+        out["staged"]["worst"]["total"] = plan.staged.worst.total
+        out["staged"]["time"]["total"] = plan.staged.time.total
+    for row, ranked in zip(out["ranking"], plan.ranking, strict=True):
+        row["step_seconds"] = ranked.step_seconds if ranked.evaluated is not None else None
+        if ranked.evaluated is not None:
+            row["memory_bytes"] = ranked.evaluated.worst.total
+            row["overrides"] = ranked.evaluated.candidate.overrides()
     _drop_unit_dims(out)
     return out
 
@@ -105,7 +132,7 @@ def _jsonable(plan) -> dict:
 def _drop_unit_dims(value) -> None:
     """Leave out the layouts' pp and ep while they are 1 (always, for now): the JSON stays as it was."""
     if isinstance(value, dict):
-        if {"dp_replicate", "dp_shard", "tp"} <= value.keys():
+        if {"dp_replicate", "dp_shard", "tp"} <= value.keys() and "cp" not in value:
             for dim in ("pp", "ep"):
                 if value.get(dim) == 1:
                     del value[dim]
@@ -139,6 +166,10 @@ def _duration(seconds: float) -> str:
     if seconds >= 120:
         return f"{seconds / 60:,.1f} minutes"
     return f"{seconds:,.1f} seconds"
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:,.2f} s" if seconds >= 1 else f"{seconds:.3g} s"
 
 
 def _ac_word(mode: str) -> str:
@@ -335,3 +366,73 @@ def print_plan(plan, cfg, config_path: str) -> None:
             "cost", f"{r.cost:,.0f} (at {r.cost / r.device_hours if r.device_hours else 0:g} per device-hour)"
         )
     console.print(table)
+
+
+def print_layouts(plan, cfg, top: int = 15) -> None:
+    """The config's layout per pipeline rank (when it uses PP, CP or offload), then every layout of the run's
+    devices: those that fit ranked by predicted step time, the others each with why not."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from liandan.plan.memory import GIB, usable_bytes
+
+    console = Console(width=None if sys.stdout.isatty() else 140, highlight=False)
+    usable = usable_bytes(plan.device.memory_gib, plan.headroom)
+    if (e := plan.staged) is not None:
+        c = e.candidate
+        where = (
+            f"pipeline rank: {c}[/bold] (stage layers {list(e.stage_layers)})" if c.pp > 1 else f"device: {c}[/bold]"
+        )
+        console.print(f"\n[bold]Memory per {where}")
+        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        for col in ("rank", "layers", "holds", "states", "gathered", "activations", "in flight", "buffers", "total"):
+            table.add_column(col, justify="left" if col in ("rank", "holds") else "right")
+        for r in e.ranks:
+            holds = ", ".join(w for w, h in (("embedding", r.embedding), ("head", r.head)) if h) or "-"
+            states = _size(r.params + r.grads + r.optimizer) + (f" (host {_size(r.host)})" if r.host else "")
+            worst = r is e.worst
+            table.add_row(
+                str(r.rank), str(r.layers), holds, states, _size(r.transient), _size(r.activations),
+                f"{r.in_flight:g}", _size(r.buffers), _size(r.total) + (" <- worst" if worst else ""),
+            )  # fmt: skip
+        console.print(table)
+        t = e.time
+        verdict = "fits" if e.worst.total <= usable else "[bold red]does NOT fit[/bold red]"
+        console.print(
+            f"worst rank {e.worst.rank}: {_size(e.worst.total)}, {verdict} in {usable / GIB:,.1f} GiB;"
+            f" bubble {t.bubble_share:.1%} of the step; predicted step {_seconds(t.total)}"
+        )
+    rows = plan.ranking
+    if not rows:
+        return
+    fitting = [r for r in rows if r.fits]
+    shown = fitting if top == 0 else fitting[:top]
+    net = f"{plan.gpus_per_node} GPUs per node"
+    console.print(
+        f"\n[bold]Layouts on {plan.nproc} x {plan.device.name} ({net}), ranked by predicted step time[/bold]"
+        f" ({len(fitting)} of {len(rows)} fit; docs/planning.md says how step times are predicted)"
+    )
+    if not fitting:
+        console.print("[bold red]No layout fits[/bold red] at this global batch.")
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("#", "layout", "micro-batches", "recompute", "step", "MFU", "memory", "why not first"):
+        table.add_column(col, justify="right" if col in ("#", "step", "MFU", "memory") else "left")
+    model_flops = plan.flops.per_token * cfg.train.global_batch * cfg.train.seq_len
+    peak = plan.time.peak_flops_per_device
+    for i, r in enumerate(shown, 1):
+        e = r.evaluated
+        c = e.candidate
+        pipe = f"{c.microbatches} x {c.micro_batch}" + (f", {c.schedule} v={c.v}" if c.pp > 1 else "")
+        ac = c.checkpoint + (" + offload" if c.offload else "")
+        mfu = model_flops / (plan.nproc * peak * e.time.total)
+        table.add_row(str(i), r.dims, pipe, ac, _seconds(e.time.total), f"{mfu:.0%}", _size(e.worst.total),
+                      r.reason or "best")  # fmt: skip
+    console.print(table)
+    if len(shown) < len(fitting):
+        console.print(f"({len(fitting) - len(shown)} more fit, slower; --top 0 lists them)")
+    others = [r for r in rows if not r.fits]
+    if others:
+        console.print("[bold]Layouts that do not fit or cannot run[/bold]")
+        for r in others:
+            console.print(f"  {r.dims}: {r.reason}")

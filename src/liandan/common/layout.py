@@ -4,8 +4,10 @@ Dimensions, outermost first: `dp_replicate` (DDP replicas, or HSDP's replica gro
 shard group), `tp` (tensor parallel). `ep` (expert parallel) borrows its ranks from `dp_shard`, as torchtitan's
 dp2ep does: the shard group splits into `dp_shard / ep` groups of `ep` neighbouring ranks, each of which
 divides the routed experts among its ranks; the experts' weights are then sharded by FSDP2 over what is left
-(`dp_shard / ep`), the dense weights over the whole `dp_shard`. It adds no processes. `pp` (pipeline stages)
-is the outermost dimension: each pipeline rank runs its stages with the data-parallel and tensor-parallel
+(`dp_shard / ep`), the dense weights over the whole `dp_shard`. It adds no processes. `cp` (context
+parallel, between `dp_shard` and `tp`) splits each sequence over its ranks, which read the same batch; FSDP2
+then shards the weights over `dp_shard x cp`, as torchtitan does. `pp` (pipeline stages) is the outermost
+dimension: each pipeline rank runs its stages with the data-parallel, context-parallel and tensor-parallel
 dims inside it, and the ranks of one pipeline group read the same data.
 
 `str(layout)` is what checkpoints, memory snapshots, events and summaries record, e.g.
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 
 from liandan.config import ParallelSection
 
-DIMS = ("dp_replicate", "dp_shard", "tp", "pp", "ep")
+DIMS = ("dp_replicate", "dp_shard", "tp", "pp", "ep", "cp")
 _PAIR = re.compile(r"(\w+)=(\d+)")
 
 
@@ -30,8 +32,11 @@ class Layout:
     tp: int
     pp: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
+        if self.cp < 1:
+            raise ValueError(f"parallel.cp = {self.cp} must be at least 1")
         if self.pp < 1:
             raise ValueError(f"parallel.pp = {self.pp} must be at least 1")
         if self.ep < 1 or self.dp_shard % self.ep:
@@ -46,7 +51,7 @@ class Layout:
 
     @property
     def world_size(self) -> int:
-        return self.dp_size * self.tp * self.pp
+        return self.dp_size * self.cp * self.tp * self.pp
 
     @property
     def expert_shard(self) -> int:
@@ -58,13 +63,11 @@ class Layout:
     def kind(self) -> str:
         replicate, shard = self.dp_replicate > 1, self.dp_shard > 1
         dp = "hsdp" if replicate and shard else "ddp" if replicate else "fsdp" if shard else "single"
-        kind = dp if self.tp == 1 else "tp" if dp == "single" else f"{dp}+tp"
-        if self.pp > 1:
-            kind = "pp" if kind == "single" else f"{kind}+pp"
-        return kind
+        model = [name for name in ("cp", "tp", "pp") if getattr(self, name) > 1]
+        return "+".join(([] if dp == "single" and model else [dp]) + model)
 
     def __str__(self) -> str:
-        extra = "".join(f", {d}={getattr(self, d)}" for d in ("pp", "ep") if getattr(self, d) != 1)
+        extra = "".join(f", {d}={getattr(self, d)}" for d in ("pp", "cp", "ep") if getattr(self, d) != 1)
         return f"{self.kind} (dp_replicate={self.dp_replicate}, dp_shard={self.dp_shard}, tp={self.tp}{extra})"
 
     @classmethod
@@ -84,30 +87,39 @@ def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:
     """Fill dp_shard = -1 with what the other dims leave, and check the product is the world size."""
     shard = cfg.dp_shard
     if shard == -1:
-        rest = cfg.dp_replicate * cfg.tp * cfg.pp
+        rest = cfg.dp_replicate * cfg.cp * cfg.tp * cfg.pp
         if world_size % rest:
+            named = " x parallel.cp" if cfg.cp != 1 else ""
+            piped = " x parallel.pp" if cfg.pp != 1 else ""
             raise ValueError(
-                f"parallel.dp_replicate x parallel.tp{' x parallel.pp' if cfg.pp != 1 else ''} = {rest} must divide"
-                " the number of processes,"
+                f"parallel.dp_replicate{named} x parallel.tp{piped} = {rest} must divide the number of processes,"
                 f" but {world_size} were launched (set --nproc or the torchrun/srun task count)"
             )
         shard = world_size // rest
-    if cfg.cp != 1:
-        raise ValueError(f"context parallelism is not supported yet: parallel.cp = {cfg.cp} must be 1")
-    if cfg.cpu_offload:
-        raise ValueError("CPU offload is not supported yet: parallel.cpu_offload must be false")
-    layout = Layout(cfg.dp_replicate, shard, cfg.tp, pp=cfg.pp, ep=cfg.ep)
+    layout = Layout(cfg.dp_replicate, shard, cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp)
     if layout.world_size != world_size:
         raise ValueError(
-            f"parallel layout dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard} x tp={layout.tp}"
+            f"parallel layout dp_replicate={layout.dp_replicate} x dp_shard={layout.dp_shard}"
+            + (f" x cp={layout.cp}" if layout.cp != 1 else "")
+            + f" x tp={layout.tp}"
             + (f" x pp={layout.pp}" if layout.pp != 1 else "")
             + f" = {layout.world_size} processes, but {world_size} were launched"
+        )
+    if layout.cp > 1 and layout.ep > 1:
+        raise ValueError("parallel.cp and parallel.ep cannot both exceed 1 yet: expert parallelism borrows its"
+                         " ranks from dp_shard alone, not from the dp_shard x cp group FSDP2 shards over")  # fmt: skip
+    if cfg.cpu_offload and not uses_fsdp(layout):
+        raise ValueError(
+            f"parallel.cpu_offload offloads FSDP2's parameter shards, but the layout {layout} does not shard:"
+            " set parallel.dp_shard to more than 1 (or -1 with more processes than dp_replicate x tp)"
         )
     return layout
 
 
 def uses_fsdp(layout: Layout) -> bool:
-    return layout.dp_shard > 1 or (layout.dp_replicate > 1 and layout.tp > 1)
+    """Whether the weights are sharded by FSDP2: over dp_shard, or over dp_shard x cp (the cp ranks hold the
+    same weights and average their gradients, as FSDP2's reduce-scatter does)."""
+    return layout.dp_shard > 1 or layout.cp > 1 or (layout.dp_replicate > 1 and layout.tp > 1)
 
 
 def batch_split_refusal(global_batch: int, micro_batch: int, dp_size: int) -> str | None:

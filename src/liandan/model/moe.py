@@ -127,6 +127,12 @@ class GroupedExperts(nn.Module):
         weights are DTensors sharded on the experts' dimension and `x` holds the rows of this rank's experts
         (`liandan.train.expert_parallel`): the local shards serve them."""
         w1, w2, w3 = (_local(w) for w in (self.w1, self.w2, self.w3))
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):
+            # autocast does not cast for the grouped kernel as it does for a linear layer: without this, fp32
+            # master weights would send every autocast run (one device, no FSDP) to the per-expert loop
+            dtype = torch.get_autocast_dtype(kind)
+            x, w1, w2, w3 = (t.to(dtype) for t in (x, w1, w2, w3))
         h = F.silu(grouped_matmul(x, w1, counts)) * grouped_matmul(x, w3, counts)
         return grouped_matmul(h, w2, counts)
 

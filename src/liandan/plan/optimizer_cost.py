@@ -43,7 +43,10 @@ def optimizer_cost(cfg: Config, args: Any, model_flops_per_step: float) -> Optim
     roled = parameter_roles(model)
     counts: dict[str, int] = {}
     for r in roled:
-        counts[r.role] = counts.get(r.role, 0) + r.param.numel()
+        # A MoE block's stacked (experts, out, in) weights are hidden but not matrices: an optimizer that
+        # treats hidden matrices apart (Muon) gives them its default state, so they are counted apart.
+        role = r.role if r.param.dim() <= 2 else f"{r.role} {r.param.dim()}-d"
+        counts[role] = counts.get(role, 0) + r.param.numel()
     total = sum(counts.values())
     per_role = {role: plugin.state_bytes(role) for role in counts}
     average = sum(per_role[role] * n for role, n in counts.items()) / total if total else plugin.state_bytes_per_param

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from liandan.common.layout import resolve_layout
+from liandan.common.layout import Layout, resolve_layout
 from liandan.common.peaks import mixed_peak_flops
 from liandan.config import Config, ConfigError
 from liandan.model.spec import ParamCounts, count_params, flops_per_token, model_args
@@ -16,7 +16,9 @@ from liandan.model.spec import get as get_model_spec
 from liandan.plan.activations import BYTES, CHECKPOINT_MODES, activation_bytes_per_layer
 from liandan.plan.devices import Device
 from liandan.plan.fp8 import Fp8Count, plan_fp8
+from liandan.plan.layout_rank import Ranked, rank_layouts
 from liandan.plan.layout_search import LayoutFit, micro_batch_for, smallest_fitting_layout
+from liandan.plan.layouts import Candidate, Evaluated, Workload, evaluate, network_for
 from liandan.plan.memory import (
     DEFAULT_EP_IMBALANCE,
     DEFAULT_HEADROOM,
@@ -137,7 +139,31 @@ def plan_attention(cfg: Config) -> str:
 def default_nproc(cfg: Config) -> int:
     """The fewest processes the config's [parallel] section admits: the product of its fixed sizes."""
     p = cfg.parallel
-    return p.dp_replicate * p.tp * (p.dp_shard if p.dp_shard > 0 else 1)
+    return p.dp_replicate * p.tp * p.pp * p.cp * (p.dp_shard if p.dp_shard > 0 else 1)
+
+
+def config_layout(cfg: Config, nproc: int) -> tuple[Layout, int, int]:
+    """(the layout of one pipeline stage's ranks with context parallel folded into the FSDP shard group,
+    dp_shard, data-parallel ranks) of the config on `nproc` devices. Pipeline and context parallel are planned
+    whether or not the trainer runs them yet, so this resolves the sizes itself where resolve_layout refuses."""
+    p = cfg.parallel
+    if p.pp == 1 and p.cp == 1 and not p.cpu_offload:
+        try:
+            layout = resolve_layout(p, nproc)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        return layout, layout.dp_shard, layout.dp_size
+    rest = p.dp_replicate * p.tp * p.pp * p.cp
+    shard = p.dp_shard if p.dp_shard > 0 else nproc // rest if nproc % rest == 0 else 0
+    if shard < 1 or rest * shard != nproc:
+        raise ConfigError(
+            f"parallel layout dp_replicate={p.dp_replicate} x dp_shard={p.dp_shard} x cp={p.cp} x tp={p.tp} x"
+            f" pp={p.pp} does not make {nproc} processes"
+        )
+    try:
+        return Layout(p.dp_replicate, shard * p.cp, p.tp, ep=p.ep), shard, p.dp_replicate * shard
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -172,6 +198,9 @@ class Plan:
     init: InitMemory | None = None  # building and initialising the model, before the first step
     fp8: Fp8Count | None = None
     optimizer: OptimizerCost | None = None  # an optimizer whose state differs by role or that has step FLOPs
+    staged: Evaluated | None = None  # the config's layout with pipeline, context parallel and offload terms
+    ranking: tuple[Ranked, ...] = ()  # every layout of nproc devices, best first (liandan.plan.layout_rank)
+    gpus_per_node: int = 8
 
 
 def plan_config(
@@ -183,6 +212,10 @@ def plan_config(
     price_per_device_hour: float | None = None,
     headroom: float = DEFAULT_HEADROOM,
     ep_imbalance: float = DEFAULT_EP_IMBALANCE,
+    gpus_per_node: int = 8,
+    compute_efficiency: float = 0.6,
+    rank: bool = True,
+    max_cp: int = 8,
 ) -> Plan:
     """Everything `liandan plan` prints, for a config on `nproc` devices (default: the fewest it admits)."""
     if not 0 <= headroom < 1:
@@ -190,15 +223,16 @@ def plan_config(
     nproc = default_nproc(cfg) if nproc is None else nproc
     if nproc < 1:
         raise ConfigError(f"--nproc = {nproc} must be at least 1")
-    try:
-        layout = resolve_layout(cfg.parallel, nproc)
-    except ValueError as err:
-        raise ConfigError(str(err)) from None
+    if max_cp < 1:
+        raise ConfigError(f"--max-cp = {max_cp} must be at least 1")
+    if not 0 < compute_efficiency <= 1:
+        raise ConfigError(f"--compute-efficiency = {compute_efficiency:g} must be in (0, 1]")
+    layout, dp_shard, dp_size = config_layout(cfg, nproc)
     t = cfg.train
-    b = micro_batch_for(t.global_batch, t.micro_batch, layout)
+    b = micro_batch_for(t.global_batch, t.micro_batch, Layout(1, dp_size, 1))
     if b is None:
         raise ConfigError(
-            f"train.global_batch = {t.global_batch} must split into {layout.dp_size} data-parallel ranks"
+            f"train.global_batch = {t.global_batch} must split into {dp_size} data-parallel ranks"
             f" of whole micro-batches of train.micro_batch = {t.micro_batch}"
         )
     args = plan_model_args(cfg)
@@ -215,8 +249,8 @@ def plan_config(
                 "fp8_params": fp8.params, "optimizer_state_bytes_per_param": state_bytes,
                 "ep_imbalance": ep_imbalance}  # fmt: skip
     memory = memory_per_device(
-        args, layout, micro_batch=b, seq_len=t.seq_len, activation_checkpoint=t.activation_checkpoint,
-        dtype=dtype, attention=attention, accumulation_steps=t.global_batch // layout.dp_size // b, **settings,
+        args, layout, micro_batch=b, seq_len=t.seq_len // p.cp, activation_checkpoint=t.activation_checkpoint,
+        dtype=dtype, attention=attention, accumulation_steps=t.global_batch // dp_size // b, **settings,
     )  # fmt: skip
     smallest = smallest_fitting_layout(
         args, seq_len=t.seq_len, global_batch=t.global_batch, micro_batch=t.micro_batch,
@@ -242,8 +276,37 @@ def plan_config(
             used = mode == t.activation_checkpoint and sp == p.sequence_parallel
             variants.append(ActivationVariant(mode, parallel, formula, paper, kernel, used))
     init = init_memory(args, layout, t.meta_init)
-    fits = memory.fits(device.memory_gib, headroom) and init.device <= usable_bytes(device.memory_gib, headroom)
+    workload = Workload(
+        args, t.seq_len, t.global_batch, peak, network_for(device.name, gpus_per_node), dtype, attention,
+        p.sequence_parallel, p.loss_parallel, t.ce_chunks, state_bytes, ep_imbalance, compute_efficiency,
+        tuple(p.pp_layers),
+    )  # fmt: skip
+    staged = None
+    if p.pp > 1 or p.cp > 1 or p.cpu_offload:
+        per_rank = t.global_batch // dp_size
+        m = (p.pp_microbatches or p.pp * p.pp_stages_per_rank) if p.pp > 1 else per_rank // b
+        if per_rank % m:
+            raise ConfigError(
+                f"parallel.pp_microbatches = {m} must divide the {per_rank} sequences of a data-parallel rank"
+            )
+        staged = evaluate(workload, Candidate(
+            p.dp_replicate, dp_shard, p.tp, p.pp, p.cp, p.ep, p.pp_schedule, p.pp_stages_per_rank, m, per_rank // m,
+            t.activation_checkpoint, p.cpu_offload,
+        ))  # fmt: skip
+        fits = staged.worst.total <= usable_bytes(device.memory_gib, headroom)
+    else:
+        fits = memory.fits(device.memory_gib, headroom)
+    fits = fits and init.device <= usable_bytes(device.memory_gib, headroom)
+    ranking = ()
+    if rank:
+        family = get_model_spec(cfg.model.family)
+        ranking = tuple(rank_layouts(
+            workload, nproc, device_memory_gib=device.memory_gib, headroom=headroom, dp_replicate=p.dp_replicate,
+            ep=p.ep, schedule=p.pp_schedule, stages_per_rank=p.pp_stages_per_rank,
+            tp_refusal=lambda tp: family.tp_refusal(args, tp), max_tp=1 if fp8.params else 2 * gpus_per_node,
+            max_cp=max_cp,
+        ))  # fmt: skip
     return Plan(
         args, count_params(args), flops, nproc, device, headroom, memory, fits, smallest, time, tuple(variants), init,
-        fp8, optimizer,
+        fp8, optimizer, staged, ranking, gpus_per_node,
     )  # fmt: skip

@@ -19,6 +19,7 @@ from liandan.faults import faulty_matmuls, planned_at, slow_forward
 from liandan.model.moe import routing_step
 from liandan.model.spec import ModelSpec, padded_vocab
 from liandan.model.spec import get as get_model_spec
+from liandan.train.context_parallel import SequenceShard, cp_refusal, mean_over_cp, sequence_split
 from liandan.train.expert_parallel import ep_refusal
 from liandan.train.fp8 import Fp8, dims_refusal, fp8_param_count, fp8_refusal
 from liandan.train.hardware import PeakMemory
@@ -51,11 +52,15 @@ class CausalLMTrainModule(TrainModule):
         self.cfg, self.device, self.dtype = cfg, device, dtype
         self.spec: ModelSpec = get_model_spec(cfg.model.family)
         self.args = model_args(cfg, tokenizer_vocab)
-        refusal = self.spec.tp_refusal(self.args, layout.tp) or ep_refusal(self.args, layout.ep)
+        t = cfg.train
+        refusal = (
+            self.spec.tp_refusal(self.args, layout.tp)
+            or ep_refusal(self.args, layout.ep)
+            or cp_refusal(layout.cp, t.seq_len, t.mask, getattr(self.args, "attention", "sdpa"), device.type)
+        )
         if refusal:
             raise ConfigError(refusal)
-        par = cfg.parallel
-        if layout.tp > 1 and par.loss_parallel and self.args.vocab_size % layout.tp:
+        if layout.tp > 1 and cfg.parallel.loss_parallel and self.args.vocab_size % layout.tp:
             raise ConfigError(
                 f"the vocabulary of {self.args.vocab_size} does not split evenly over parallel.tp = {layout.tp};"
                 " set model.vocab_size to a multiple of it or parallel.loss_parallel = false"
@@ -67,15 +72,19 @@ class CausalLMTrainModule(TrainModule):
         # The same seed on every rank gives every rank the same initial weights before sharding.
         torch.manual_seed(cfg.run.seed)
         materialize = None
+        par = cfg.parallel
         if cfg.train.meta_init:
             # Built without storage; each rank fills its own shards once parallelize has placed them.
             model, record = build_on_meta(lambda: self.spec.build(self.args))
             materialize = partial(_materialize, plan=_config_step(plan_init, model, record), device=device,
-                                  seed=cfg.run.seed)  # fmt: skip
+                                  seed=cfg.run.seed, offload=par.cpu_offload)  # fmt: skip
         else:
             model = self.spec.build(self.args)
         configure = getattr(model, "configure_attention", None)
         self.attention = _config_step(configure, device) if configure else "built in"
+        if layout.cp > 1 and self.attention != "sdpa":  # `auto`'s FlexAttention: the ring runs SDPA
+            model.attention_backend = self.attention = "sdpa"
+        self.cp_mesh = mesh["cp"] if layout.cp > 1 else None
         if cfg.train.ce_chunks > 1 or cfg.train.ce_fused:
             if not hasattr(model, "configure_loss"):
                 raise ConfigError(f"model.family = {cfg.model.family!r} has no chunked or fused loss;"
@@ -84,7 +93,6 @@ class CausalLMTrainModule(TrainModule):
         if materialize is None:
             model.to(device)
         fsdp = uses_fsdp(layout)
-        t = cfg.train
         fp8 = self._fp8_plan(t, device)
         if fp8 and (refusal := dims_refusal(model, fp8.skip)):
             raise ConfigError(refusal)
@@ -107,12 +115,16 @@ class CausalLMTrainModule(TrainModule):
             sequence_parallel=par.sequence_parallel,
             materialize=materialize,
             fp8=fp8,
+            cpu_offload=par.cpu_offload,
         )
         self.init_peak.stop()
         # FSDP2 casts parameters itself; elsewhere autocast runs matmuls in bf16 over fp32 master weights.
         self.autocast = dtype != torch.float32 and not fsdp
         self.model_parts = [model]
-        self.optimizers = build_optimizers(self.model_parts, cfg.optim, schedule(t.steps, cfg.schedule), device,
+        # Offloaded parameters, their gradients and so the optimizer's state live in host memory: the update
+        # runs there, with the kernels the CPU has for sharded tensors.
+        param_device = torch.device("cpu") if par.cpu_offload else device
+        self.optimizers = build_optimizers(self.model_parts, cfg.optim, schedule(t.steps, cfg.schedule), param_device,
                                            mixed_tensor_kinds=layout.tp > 1 or layout.ep > 1)  # fmt: skip
         self.params = self.spec.count_params(self.args)
         self.flops_per_token = self.spec.flops_per_token(self.args, t.seq_len)
@@ -152,16 +164,23 @@ class CausalLMTrainModule(TrainModule):
             with gradient_sync(self.model, sync=i == len(batches) - 1), faulty_matmuls(step):
                 phase("forward", micro=i)
                 slow_forward(step)
-                loss = self._micro_loss(batch, len(batches))
-                phase("backward", micro=i)
-                loss.backward()
+                with self._split(batch) as part:  # ring attention's forward and backward both inside
+                    loss = self._micro_loss(part, len(batches))
+                    phase("backward", micro=i)
+                    loss.backward()
             total += loss.detach()
-        return total
+        return mean_over_cp(self.cp_mesh, total)
 
-    def _micro_loss(self, batch: Batch, count: int) -> torch.Tensor:
+    def _split(self, batch: Batch):
+        """This rank's share of the micro-batch under context parallelism (all of it otherwise)."""
+        return sequence_split(self.cp_mesh, batch.inputs, batch.targets, self._doc_ids(batch))
+
+    def _micro_loss(self, part: SequenceShard, count: int) -> torch.Tensor:
         """One micro-batch's share of the step's mean loss: the one arithmetic of a step and of its replay."""
+        kwargs = {} if part.positions is None else {"positions": part.positions}
         with self.autocasting():
-            return self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)) / count
+            loss = self.model(part.inputs, part.targets, doc_ids=part.doc_ids, **kwargs)
+        return (loss if part.weight is None else loss * part.weight) / count
 
     @torch.no_grad()
     def replay_loss(self, batches: list[Batch], step: int) -> torch.Tensor:
@@ -171,7 +190,9 @@ class CausalLMTrainModule(TrainModule):
         total = torch.zeros((), device=self.device)
         with faulty_matmuls(step):
             for batch in batches:
-                total += self._micro_loss(batch.to(self.device), len(batches)).detach()
+                with self._split(batch.to(self.device)) as part:
+                    total += self._micro_loss(part, len(batches)).detach()
+        total = mean_over_cp(self.cp_mesh, total)
         # FSDP2 keeps the last block gathered after a forward for the backward that would follow: without
         # one, the update would go to the shards while that stale gathered copy serves the next forward.
         reshard(self.model)
@@ -183,11 +204,10 @@ class CausalLMTrainModule(TrainModule):
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for batch in batches:
-            batch = batch.to(self.device)
-            with self.autocasting():
-                total += self.model(batch.inputs, batch.targets, doc_ids=self._doc_ids(batch)).float()
+            with self._split(batch.to(self.device)) as part:
+                total += self._micro_loss(part, 1).float()
         self.model.train()
-        return total / max(1, len(batches))
+        return mean_over_cp(self.cp_mesh, total) / max(1, len(batches))
 
     def autocasting(self):
         if not self.autocast:
@@ -198,8 +218,16 @@ class CausalLMTrainModule(TrainModule):
         return batch.doc_ids if self.cfg.train.mask == "document" else None
 
 
-def _materialize(model: torch.nn.Module, plan, device: torch.device, seed: int) -> None:
-    _config_step(materialize, model, plan, device, seed)
+def _materialize(model: torch.nn.Module, plan, device: torch.device, seed: int, offload: bool = False) -> None:
+    """Fill the model's shards on `device`; offloaded, the parameter shards on the host (where FSDP2's
+    offload keeps them) and the buffers (rotary tables) on `device`, where the forward reads them."""
+    _config_step(materialize, model, plan, torch.device("cpu") if offload else device, seed)
+    if offload and device.type != "cpu":
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                module.register_buffer(
+                    name, buffer.to(device), persistent=name not in module._non_persistent_buffers_set
+                )
 
 
 def _config_step(fn: Callable, *args: Any) -> Any:

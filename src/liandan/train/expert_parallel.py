@@ -124,14 +124,16 @@ def apply_ep(model: nn.Module, mesh: DeviceMesh) -> None:
         parallelize_module(moe.experts, mesh["ep"], ExpertParallel())
 
 
-def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, layout: Layout, mp_policy, reshard: bool) -> None:
+def apply_expert_fsdp(model: nn.Module, mesh: DeviceMesh, layout: Layout, mp_policy, reshard: bool,
+                      offload_policy=None) -> None:  # fmt: skip
     """FSDP2 units of the routed experts alone, over the data-parallel ranks that hold the same experts,
     before the blocks' units take the rest; their gradients are divided by the whole data-parallel size."""
     from torch.distributed.fsdp import fully_shard
 
     dims = ("dp_replicate", EXPERT_DIMS[0]) if layout.dp_replicate > 1 else (EXPERT_DIMS[0],)
     for moe in moe_layers(model).values():
-        fully_shard(moe.experts, mesh=mesh[dims], mp_policy=mp_policy, reshard_after_forward=reshard)
+        kwargs = {} if offload_policy is None else {"offload_policy": offload_policy}
+        fully_shard(moe.experts, mesh=mesh[dims], mp_policy=mp_policy, reshard_after_forward=reshard, **kwargs)
         moe.experts.set_gradient_divide_factor(float(layout.dp_size))
         if mesh.device_type == "cpu" and layout.expert_shard > 1:
             # A divide factor other than the group's size is NCCL's pre-multiplied sum, which gloo lacks: sum,

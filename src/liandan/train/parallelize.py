@@ -1,8 +1,10 @@
 """Parallelism, recomputation and compilation, applied to a plain model from outside, as its family's spec
 (`liandan.model.spec`) describes: the tensor-parallel plan, the container of repeated blocks, what to compile.
 
-One DeviceMesh with named dims ("pp", "dp_replicate", "dp_shard", "tp"), pipeline stages outermost (each
-stage is parallelised here as a whole model would be); under expert parallelism its dp_shard dim is split into ("dp_shard_mod_ep", "ep") for the routed experts (`liandan.train.expert_parallel`). The order of application follows
+One DeviceMesh with named dims ("pp", "dp_replicate", "dp_shard", "cp", "tp"), pipeline stages outermost (each
+stage is parallelised here as a whole model would be); FSDP2 shards over "dp_shard" and "cp" flattened into
+one dim ("dp_shard_cp") when context parallelism is on; under expert parallelism its dp_shard
+dim is split into ("dp_shard_mod_ep", "ep") for the routed experts (`liandan.train.expert_parallel`). The order of application follows
 torchtitan: fp8 linear layers first (they replace modules, which the rest then wraps), tensor parallel next (it rewrites the linear layers into DTensor shards), expert parallel (the experts'
 weights into DTensor shards over `ep`), then activation
 checkpointing and torch.compile per block, then data parallelism (FSDP2 `fully_shard`, HSDP on a 2-D
@@ -25,13 +27,13 @@ from liandan.train.expert_parallel import apply_ep, apply_expert_fsdp, ep_refusa
 from liandan.train.fp8 import Fp8, convert_to_fp8
 from liandan.train.health.allreduce import AllReduceAudit, audited_allreduce
 
-DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 def build_mesh(layout: Layout, device_type: str) -> DeviceMesh | None:
     if layout.world_size == 1:
         return None
-    sizes = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.tp)
+    sizes = (layout.pp, layout.dp_replicate, layout.dp_shard, layout.cp, layout.tp)
     return init_device_mesh(device_type, sizes, mesh_dim_names=DIMS)
 
 
@@ -166,20 +168,36 @@ def apply_fsdp(
     param_dtype: torch.dtype | None,
     spec: ModelSpec | None = None,
     experts: tuple[DeviceMesh, Layout] | None = None,
+    cpu_offload: bool = False,
 ) -> None:
     """One FSDP2 unit per block of the family's block container, and the root unit for the rest. With
     `experts` (the expert mesh and the layout, under expert parallelism), each block's routed experts get a
-    unit of their own over the data-parallel ranks that hold the same experts."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    unit of their own over the data-parallel ranks that hold the same experts. `cpu_offload` keeps every
+    unit's parameter shards, gradients and so the optimizer's state in host memory (FSDP2's
+    CPUOffloadPolicy): each unit's shards are copied to the device for its all-gather and its gradients back
+    after the reduce-scatter."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    # Pinned host memory makes the copies asynchronous; pinning needs CUDA, which CPU-only builds lack.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     blocks = list(_blocks(model, spec or spec_for(model.args)).children())
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once for backward: keep them gathered.
         if experts is not None:
-            apply_expert_fsdp(block, *experts, mp_policy=mp, reshard=i < len(blocks) - 1)
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp)
+            apply_expert_fsdp(block, *experts, mp_policy=mp, reshard=i < len(blocks) - 1, offload_policy=offload)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1,
+                    offload_policy=offload)  # fmt: skip
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, offload_policy=offload)
+
+
+def fsdp_mesh(mesh: DeviceMesh, layout: Layout) -> DeviceMesh:
+    """The mesh FSDP2 shards over: dp_shard, flattened with cp under context parallelism (the cp ranks hold
+    the same weights and average their gradients), with dp_replicate outside it for HSDP."""
+    if layout.cp == 1:
+        return mesh[("dp_replicate", "dp_shard")] if layout.dp_replicate > 1 else mesh["dp_shard"]
+    flat = mesh[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    return mesh[("dp_replicate", "dp_shard_cp")] if layout.dp_replicate > 1 else flat
 
 
 def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, audit: AllReduceAudit | None = None) -> nn.Module:
@@ -212,13 +230,15 @@ def parallelize(
     sequence_parallel: bool = False,
     materialize: Callable[[nn.Module], None] | None = None,
     fp8: Fp8 | None = None,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Apply TP, recomputation, compile and data parallelism; returns the module to call (DDP wraps).
     `spec` is the model's family (default: found from `model.args`); `allreduce_audit`, under DDP, the state
     of the audited gradient all-reduce; `loss_parallel` and `sequence_parallel` shape tensor parallelism;
     `materialize`, for a model built on the meta device, allocates and fills its shards once they are known
     (before DDP, which broadcasts the values it is given); `fp8`, the linears to run in fp8 and how. Under
-    FSDP the weights are gathered in the compute dtype and cast to fp8 in each step (not gathered in fp8)."""
+    FSDP the weights are gathered in the compute dtype and cast to fp8 in each step (not gathered in fp8);
+    `cpu_offload`, FSDP2's parameter, gradient and optimizer-state offload to host memory."""
     spec = spec or spec_for(model.args)
     if fp8 is not None:
         convert_to_fp8(model, fp8)
@@ -237,8 +257,7 @@ def parallelize(
     elif compile:
         model.compile(dynamic=False)  # whole graph, in place (parameter names unchanged)
     if uses_fsdp(layout):
-        dims = ("dp_replicate", "dp_shard") if layout.dp_replicate > 1 else ("dp_shard",)
-        apply_fsdp(model, mesh[dims], fsdp_param_dtype, spec, experts)
+        apply_fsdp(model, fsdp_mesh(mesh, layout), fsdp_param_dtype, spec, experts, cpu_offload)
     if materialize is not None:
         materialize(model)
     if not uses_fsdp(layout) and layout.dp_replicate > 1:

@@ -72,11 +72,9 @@ class SdcCallback(Callback):
         self.hosts = ctx.rank_hosts()
         layout = ctx.layout
         if ctx.mesh is not None and layout.dp_replicate > 1:
-            # (pp, dp_replicate, the dims inside it): a group is one pipeline stage's position inside a replica
-            ranks = ctx.mesh.mesh.reshape(layout.pp, layout.dp_replicate, -1)
-            self.replica_groups = [
-                ranks[p, :, j].tolist() for p in range(ranks.shape[0]) for j in range(ranks.shape[2])
-            ]
+            # A group is one position on every other dim of the mesh (dp_shard, cp, tp, ...).
+            ranks = ctx.mesh.mesh.movedim(ctx.mesh.mesh_dim_names.index("dp_replicate"), 0)
+            self.replica_groups = ranks.reshape(ranks.shape[0], -1).T.tolist()
         elif ctx.dist.distributed:
             ctx.say(f"sdc: layout {layout} keeps no replicas of the weights: their fingerprints are not compared")
         if ctx.dist.distributed and ctx.dp_size < 2 and self.cfg.replay_every:
