@@ -199,6 +199,10 @@ def test_schedule_and_micro_batch_refusals_are_one_line():
     )
     sp.parallel.sequence_parallel = False
     assert pipeline_config_refusal(sp, Layout(1, 1, 2, pp=2)) is None
+    offload = load_config(None, ["--parallel.pp=2", "--parallel.cpu_offload=true", "--model.n_layers=4"])
+    assert pipeline_config_refusal(offload, Layout(1, 2, 1, pp=2)) == (
+        "pipeline parallelism does not run with parallel.cp > 1 or parallel.cpu_offload yet"
+    )
 
 
 def test_layout_with_pipeline_stages():

@@ -103,6 +103,8 @@ def pipeline_config_refusal(cfg: Config, layout: Layout, args=None) -> str | Non
                    " set parallel.sequence_parallel = false")  # fmt: skip
     if refusal is None and layout.tp > 1:
         refusal = spec.tp_refusal(args, layout.tp)
+    if refusal is None and (layout.cp > 1 or par.cpu_offload):
+        refusal = "pipeline parallelism does not run with parallel.cp > 1 or parallel.cpu_offload yet"
     refusal = refusal or data_parallel_refusal(par.pp_schedule, layout)
     rows = t.micro_batch or t.global_batch // layout.dp_size
     microbatches = par.pp_microbatches or n_stages
