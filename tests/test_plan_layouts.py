@@ -226,7 +226,7 @@ def test_plan_ranks_the_70b_layouts(capsys):
     best = plan["ranking"][0]
     assert best["fits"] and best["step_seconds"] > 0 and "--parallel.tp=" in " ".join(best["overrides"])
     layout = plan["memory"]["layout"]  # the config's, as before
-    assert (layout["dp_replicate"], layout["dp_shard"], layout["tp"], "pp" in layout) == (1, 32, 8, False)
+    assert (layout["dp_replicate"], layout["dp_shard"], layout["tp"], layout.get("pp", 1)) == (1, 32, 8, 1)
 
 
 @pytest.mark.parametrize("nproc", [64, 256, 512])

@@ -334,7 +334,9 @@ def test_cli_json_overrides_and_a_layout_that_does_not_fit(capsys):
     assert code == 0
     plan = json.loads(out)
     assert plan["params"]["total"] == 8_030_261_248
-    assert plan["memory"]["layout"] == {"dp_replicate": 1, "dp_shard": 8, "tp": 1, "kind": "fsdp"}
+    assert plan["memory"]["layout"] == {
+        "dp_replicate": 1, "dp_shard": 8, "tp": 1, "pp": 1, "ep": 1, "cp": 1, "kind": "fsdp"
+    }  # fmt: skip
     assert plan["fits"] is False  # 8B with fp32 logits of 128k words at 8192 tokens on 40 GiB
     assert plan["smallest"]["nproc"] >= 8 and plan["smallest"]["estimate"]["total"] <= 36 * GIB
     code, out, _ = run_main(capsys, ROOT / "configs" / "tiny.toml")
