@@ -66,7 +66,7 @@ def test_sequence_split_loss_and_gradients_match_one_process(tmp_path):
     chunk = seq // (2 * world)
     counted = sum(t >= 0 for row in batch["targets"] for t in row)
     for rank, report in enumerate(reports):
-        assert report["mesh"] == ["dp_replicate", "dp_shard", "cp", "tp"]
+        assert report["mesh"] == ["pp", "dp_replicate", "dp_shard", "cp", "tp"]
         share = report["share"]
         # the causal load balance: chunk r and chunk 2cp-1-r of every sequence
         held = [*range(rank * chunk, (rank + 1) * chunk), *range(seq - (rank + 1) * chunk, seq - rank * chunk)]
