@@ -12,6 +12,7 @@ for the previous one. A failed save is reported, never raised; ranks agree on ea
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -33,6 +34,9 @@ from liandan.checkpoint.verify import MANIFEST, CheckpointError, fsync_path, ste
 from liandan.faults import maybe_inject
 from liandan.run import META, dumps_json, partial_of, partial_step_dirs, rank_file, step_dirs
 from liandan.run.remote import remove_tree
+
+# How long a run ending on an error waits for its save's background write before removing the partial directory.
+ABANDON_WAIT_S = 30.0
 
 
 class SaveError(CheckpointError):
@@ -273,9 +277,14 @@ class CheckpointSaving:
         tmp, future = self._pending[1], self._pending[2]
         self._pending = None
         if self.rank == 0 and not self.remote:
+            # A background write still going on would make the directory again after its removal (and a process
+            # killed before that write ends leaves it behind): give it a bounded time to end first. Not longer:
+            # a write waiting on a peer that is gone never ends.
+            if future is not None and hasattr(future, "result"):
+                with contextlib.suppress(Exception, dcp.CheckpointException):  # failed or slow: removed anyway
+                    future.result(timeout=ABANDON_WAIT_S)
             remove_tree(tmp)  # renamed already, the save complete: nothing there to remove
-            # The background write may still be going on and make the directory again: removed once more when
-            # it ends (the process waits for DCP's writer threads at exit, so this runs before it is gone).
+            # Still writing: removed once more when it ends (the process waits for DCP's writer threads at exit).
             when_done = getattr(future, "add_done_callback", None)
             if when_done is not None and not future.done():
                 when_done(lambda _: remove_tree(tmp))
