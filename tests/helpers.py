@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -319,6 +320,25 @@ def dedup_phase_one(directory: Path, tasks: list[list[str]], params) -> tuple[li
         np.save(exact[-1], exact_hashes(texts))
         np.save(signatures[-1], hasher.signatures(texts))
     return exact, signatures
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now, for a test's own rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_then_resume(config, name, before, after):
+    """Run NAME in layout `before` (nproc, overrides) with synchronous saves, killed after step 6 (its checkpoint
+    of step 4 complete), then again in layout `after`; the finished process."""
+    killed = train_named(config, name, before[0], *before[1], "--checkpoint.async_save=false", faults="kill@step:6:0")
+    assert killed.returncode != 0
+    assert len(run_losses(config, name)) == 6
+    done = train_named(config, name, after[0], *after[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "at step 4" in done.stdout
+    return done
 
 
 def train_named(config, name, nproc, *overrides, faults=None):

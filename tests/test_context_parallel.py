@@ -12,14 +12,13 @@ Tolerances: the losses equal to a relative 1e-6 (they came out bit-equal), the g
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import run_liandan, tiny_config, write_corpus
+from helpers import free_port, run_liandan, tiny_config, write_corpus
 from liandan.train.context_parallel import cp_refusal
 
 TESTS = Path(__file__).resolve().parent
@@ -41,15 +40,9 @@ def test_cp_refusals_name_what_to_set():
     assert cp_refusal(2, 64, "causal", "sdpa", "cpu").startswith("parallel.cp = 2 needs CUDA: PyTorch's ring")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_sequence_split_loss_and_gradients_match_one_process(tmp_path):
-    world, port = 2, str(_free_port())
+    world, port = 2, str(free_port())
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

@@ -6,11 +6,10 @@ differences seen (~1e-7) and far below what a wrong gradient or a wrong batch sp
 """
 
 import os
-import socket
 
 import pytest
 
-from helpers import environment_without, read_run, run_liandan, start_liandan, tiny_config, write_corpus
+from helpers import environment_without, free_port, read_run, run_liandan, start_liandan, tiny_config, write_corpus
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -56,12 +55,6 @@ def test_layout_matches_single_process(setup, nproc, layout):
     assert summary["world_size"] == nproc
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("master", [None, "127.0.0.1"], ids=["nodelist", "master-addr"])
 def test_slurm_style_launch_without_torchrun(setup, master):
     """Two processes started the way `srun` starts them: only SLURM_* variables (and MASTER_ADDR, where the
@@ -72,7 +65,7 @@ def test_slurm_style_launch_without_torchrun(setup, master):
     from helpers import listening_sockets, process_tree
 
     config, reference = setup
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = {k: v for k, v in os.environ.items()
@@ -153,7 +146,7 @@ def test_collective_timeout_ends_a_wait_for_a_missing_peer():
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    failed, out, port = ctx.Event(), ctx.Queue(), _free_port()
+    failed, out, port = ctx.Event(), ctx.Queue(), free_port()
     procs = [ctx.Process(target=_lonely_collective, args=(rank, port, 2.0, failed, out)) for rank in range(2)]
     for p in procs:
         p.start()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from eval_shard_worker import build, score_case
+from helpers import free_port
 from liandan.evaluate import scoring
 from liandan.model import KVCache, ModelArgs, Transformer
 
@@ -202,12 +202,6 @@ def test_scoring_restores_the_models_mode(model):
 # sharded: one run of two gloo processes checks FSDP2 and tensor parallelism
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded-scoring")
@@ -223,7 +217,7 @@ def sharded(tmp_path_factory):
         "max_new_tokens": 6,
     }
     torch.save(case, root / "case.pt")
-    port = str(_free_port())
+    port = str(free_port())
     worker = Path(__file__).with_name("eval_shard_worker.py")
     procs = []
     for rank in range(2):

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import read_run, run_liandan, run_losses, tiny_config, train_named, write_corpus
+from helpers import free_port, read_run, run_liandan, run_losses, tiny_config, train_named, write_corpus
 from liandan.common.layout import Layout, resolve_layout
 from liandan.config import ConfigError, load_config
 from liandan.doctor.resume import parse_layout
@@ -62,16 +61,10 @@ def test_ep_refuses_dense_models_and_uneven_experts():
     assert ep_refusal(moe, 4) == "model.moe_experts = 6 must divide evenly over parallel.ep = 4 ranks"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ep_run(out: Path, dp_replicate: int, dp_shard: int, ep: int, collapsed: bool, tp: int = 1, sp: bool = False
             ) -> list[dict]:  # fmt: skip
     """One run of tests/ep_worker.py on dp_replicate x dp_shard x tp gloo ranks; each rank's report."""
-    world, port = dp_replicate * dp_shard * tp, str(_free_port())
+    world, port = dp_replicate * dp_shard * tp, str(free_port())
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

@@ -3,12 +3,11 @@ does when torchrun, srun or a Slurm allocation started it."""
 
 import os
 import shlex
-import socket
 import subprocess
 
 import pytest
 
-from helpers import MICRO_MODEL, environment_without, read_run, run_liandan, tiny_config, write_corpus
+from helpers import MICRO_MODEL, environment_without, free_port, read_run, run_liandan, tiny_config, write_corpus
 from liandan.cli.main import main
 from liandan.config import ConfigError
 from liandan.resilience.launch import how_started
@@ -115,18 +114,12 @@ def test_launch_refuses_a_layout_the_world_cannot_take(config, capsys):
     assert "tp" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_nodes_started_from_the_printed_commands(config):
     """Two "nodes" on this machine, each a shell running one printed line: their supervisors meet, start one
     rank each, and train one run of world size 2 together."""
     printed = run_liandan("launch", config, "--nodes=2", "--gpus-per-node=1", "--hosts=127.0.0.1,127.0.0.1",
-                          f"--port={_free_port()}", "--run.name=two-nodes", "--train.steps=2")  # fmt: skip
+                          f"--port={free_port()}", "--run.name=two-nodes", "--train.steps=2")  # fmt: skip
     assert printed.returncode == 0, printed.stderr
     lines = printed.stdout.strip().splitlines()
     assert len(lines) == 2 and all("LIANDAN_NNODES=2 " in line for line in lines)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import tiny_config
+from helpers import free_port, tiny_config
 from liandan.config import ConfigError
 from liandan.model import ModelArgs, Transformer
 from liandan.model.loss import chunked_lm_loss, fused_lm_loss, lm_loss
@@ -30,19 +30,11 @@ TESTS = Path(__file__).resolve().parent
 VARIANTS = ("gathered", "loss_parallel", "sequence_parallel", "tied_qk_norm", "tied_z_loss")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     """One 2-process run of tests/tp_worker.py; each rank's report."""
     out = tmp_path_factory.mktemp("tp")
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

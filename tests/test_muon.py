@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import liandan_here, read_run, run_losses, tiny_config, train_named, write_corpus
+from helpers import free_port, liandan_here, read_run, run_losses, tiny_config, train_named, write_corpus
 from liandan.config import ConfigError, load_config
 from liandan.model import ModelArgs, Transformer
 from liandan.model.roles import parameter_roles
@@ -355,17 +355,9 @@ def test_the_guards_ring_puts_muons_momentum_back():
 # sharded: real processes on gloo
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _sharded_run(out: Path, dp_replicate: int, dp_shard: int, tp: int) -> list[dict]:
     """One run of tests/muon_worker.py on dp_replicate x dp_shard x tp gloo ranks; each rank's report."""
-    world, port = dp_replicate * dp_shard * tp, str(_free_port())
+    world, port = dp_replicate * dp_shard * tp, str(free_port())
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

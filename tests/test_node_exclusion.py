@@ -7,21 +7,14 @@ torchrun's elastic c10d rendezvous on 127.0.0.1.
 
 import json
 import multiprocessing
-import socket
 import time
 
 import pytest
 
-from helpers import environment_without, read_run, run_liandan, start_liandan, tiny_config, write_corpus
+from helpers import environment_without, free_port, read_run, run_liandan, start_liandan, tiny_config, write_corpus
 from liandan.resilience.nodes import ExclusionList, attribute, write_report
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _node_env(node: str, port: int, **extra) -> dict:
@@ -51,7 +44,7 @@ def _events(run_dir, kind):
 def test_failing_node_is_excluded_and_the_others_carry_on(config):
     """node-b's worker is killed at step 3 in every attempt: after two failures attributed to it, node-b
     leaves and node-a finishes the run alone from the newest checkpoint."""
-    port, run_dir = _free_port(), config.parent / "runs" / "elastic"
+    port, run_dir = free_port(), config.parent / "runs" / "elastic"
     a = _train(config, "elastic", _node_env("node-a", port, LIANDAN_RDZV_LAST_CALL_S="3"))
     b = _train(config, "elastic", _node_env("node-b", port, LIANDAN_RDZV_LAST_CALL_S="3",
                                             LIANDAN_FAULTS_ALWAYS="kill@step:3"))  # fmt: skip
@@ -81,7 +74,7 @@ def test_excluded_node_refuses_to_join(config):
     for step in (3, 5):
         exclusions.record_failure("node-b", {"cause": "signal SIGKILL", "step": step})
     started = time.time()
-    b = _train(config, "refused", _node_env("node-b", _free_port()))
+    b = _train(config, "refused", _node_env("node-b", free_port()))
     _, err = b.communicate(timeout=60)
     assert b.returncode == 3
     assert f"node node-b is excluded from run {run_dir}" in err and "Traceback" not in err
@@ -168,7 +161,7 @@ def test_a_node_whose_device_computes_wrong_is_excluded_at_once(config):
     """node-b's worker computes wrong matrix products from step 3: the replay of step 4 disagrees, its golden
     test fails, every worker stops with the device fault, node-b is excluded at the first incident and leaves,
     and node-a finishes the run alone."""
-    port, run_dir = _free_port(), config.parent / "runs" / "device"
+    port, run_dir = free_port(), config.parent / "runs" / "device"
     checks = ["--health.replay_every=2", "--health.check_every=2", "--guard.ring_every=2"]
     a = _train(config, "device", _node_env("node-a", port, LIANDAN_RDZV_LAST_CALL_S="3"), extra=checks)
     b = _train(config, "device", _node_env("node-b", port, LIANDAN_RDZV_LAST_CALL_S="3",

@@ -8,7 +8,7 @@ does (tests/test_pipeline_parallel.py).
 
 import pytest
 
-from helpers import read_run, run_losses, tiny_config, train_named, write_corpus
+from helpers import kill_then_resume, read_run, run_losses, tiny_config, train_named, write_corpus
 
 pytestmark = pytest.mark.slow
 INTERLEAVED = ["--parallel.pp=2", "--parallel.pp_schedule=interleaved-1f1b", "--parallel.pp_stages_per_rank=2",
@@ -39,11 +39,6 @@ def setup(tmp_path_factory):
 def test_resume_across_pipeline_layouts(setup, before, after):
     config, reference = setup
     name = f"pp-{before[0]}-{len(before[1])}-to-{after[0]}-{len(after[1])}"
-    killed = train_named(config, name, before[0], *before[1], "--checkpoint.async_save=false", faults="kill@step:6:0")
-    assert killed.returncode != 0
-    assert len(run_losses(config, name)) == 6
-    done = train_named(config, name, after[0], *after[1])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "at step 4" in done.stdout
+    kill_then_resume(config, name, before, after)
     assert run_losses(config, name) == reference  # bit for bit
     assert read_run(config.parent / "runs" / name).of_kind("resumed")[-1]["step"] == 4

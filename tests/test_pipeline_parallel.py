@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_liandan, tiny_config, write_corpus
+from helpers import free_port, run_liandan, tiny_config, write_corpus
 from liandan.common.layout import Layout, resolve_layout
 from liandan.config import ConfigError, load_config
 from liandan.model import ModelArgs, Transformer
@@ -47,15 +46,9 @@ from liandan.train.pipeline_split import (
 TESTS = Path(__file__).resolve().parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pipeline_run(out: Path, pp: int, dp_shard: int, runs: list[str], tp: int = 1) -> dict:
     """tests/pipeline_worker.py on pp x dp_shard x tp gloo ranks; rank 0's report (it holds the reference)."""
-    world, port = pp * dp_shard * tp, str(_free_port())
+    world, port = pp * dp_shard * tp, str(free_port())
     procs = []
     for rank in range(world):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

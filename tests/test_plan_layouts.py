@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import write_corpus
+from helpers import free_port, write_corpus
 from liandan.cli.main import main
 from liandan.common.layout import Layout
 from liandan.config import ConfigError, load_config
@@ -321,15 +320,9 @@ TOLERANCE = 0.15
 TOLERANCE_ACTIVATION_RUNS = {"activations-none": 0.3, "activations-full": 0.5}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure_on_two_ranks(root: Path, names: str, *overrides: str) -> list[dict]:
     write_corpus(root)
-    port = _free_port()
+    port = free_port()
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",

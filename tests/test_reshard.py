@@ -8,7 +8,7 @@ with the same global batch on any number of data-parallel ranks.
 
 import pytest
 
-from helpers import read_run, run_losses, tiny_config, train_named, write_corpus
+from helpers import kill_then_resume, read_run, run_losses, tiny_config, train_named, write_corpus
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -44,13 +44,7 @@ def setup(tmp_path_factory):
 def test_resume_in_another_layout(setup, before, after):
     config, reference = setup
     name = f"reshard-{before[0]}{''.join(before[1])}-to-{after[0]}{''.join(after[1])}".replace("--parallel.", "-")
-    # synchronous saves, so the checkpoint of step 4 is complete when the kill after step 6 comes
-    killed = train_named(config, name, before[0], *before[1], "--checkpoint.async_save=false", faults="kill@step:6:0")
-    assert killed.returncode != 0
-    assert len(run_losses(config, name)) == 6
-    done = train_named(config, name, after[0], *after[1])
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "at step 4" in done.stdout
+    kill_then_resume(config, name, before, after)
     assert run_losses(config, name) == pytest.approx(reference, rel=RTOL)
     resumed = read_run(config.parent / "runs" / name).of_kind("resumed")
     assert resumed and resumed[-1]["step"] == 4
