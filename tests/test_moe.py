@@ -352,7 +352,7 @@ def test_the_plan_counts_every_expert_in_memory_and_the_active_ones_in_flops_and
     from pathlib import Path
 
     from liandan.config import load_config
-    from liandan.plan.activations import activation_memory
+    from liandan.plan.activations import activation_memory, block_bytes
     from liandan.plan.devices import resolve_device
     from liandan.plan.run_plan import plan_config, plan_model_args
 
@@ -366,8 +366,10 @@ def test_the_plan_counts_every_expert_in_memory_and_the_active_ones_in_flops_and
     assert plan.flops.six_nd == 6.0 * counts.active_matmul * plan.flops.tokens
     kw = {"micro_batch": 8, "seq_len": 256, "checkpoint": "none"}
     moe_acts = activation_memory(args, **kw)
-    dense_acts = activation_memory(plan_model_args(load_config(config, ["--model.moe_experts=0"])), **kw)
-    extra = moe_acts.per_layer - dense_acts.per_layer  # a MoE block's active experts above a dense MLP
+    dense_args = plan_model_args(load_config(config, ["--model.moe_experts=0"]))
+    dense_acts = activation_memory(dense_args, **kw)
+    shape = {"micro_batch": 8, "seq_len": 256}
+    extra = block_bytes(args, moe=True, **shape) - block_bytes(dense_args, **shape)  # active experts, not all
     assert extra > 0 and moe_acts.layers == pytest.approx(dense_acts.layers + 3 * extra)  # 3 MoE blocks of 4
     shown = liandan_here("plan", config, "--device=h100", check=True).stdout
     assert f"{counts.active:,}" in shown and "every expert" in shown

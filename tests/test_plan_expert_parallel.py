@@ -66,14 +66,18 @@ def test_tensor_parallelism_leaves_the_moe_feed_forward_whole(args):
     assert two.total > moe_blocks * (routed + always)
 
 
-@pytest.mark.parametrize("sp, attention_share", [(False, 4), (True, 7.5)])
-def test_tensor_parallelism_keeps_the_moe_activations_whole(args, sp, attention_share):
-    """Korthikanti et al.'s layer at tp 2 (flash, no scores): 34·sbh becomes 22·sbh, of which the MLP's 19
-    becomes 11 (3 + 16/2), or 17 and 9.5 under sequence parallelism. A MoE block's feed-forward stays whole,
-    so only attention and the norms shrink."""
+@pytest.mark.parametrize("sp", [False, True])
+def test_tensor_parallelism_keeps_the_moe_activations_whole(args, sp):
+    """At tp 2 each block's attention halves (queries, keys, values and output, 4·h_q bf16 values a token, and
+    the log-sum-exp), so does the dense block's MLP (4·f), and under sequence parallelism the fp32 norms
+    (16·h bytes); the MoE blocks' feed-forward stays whole."""
     kw = {"micro_batch": B, "seq_len": S, "dtype": "bf16", "sequence_parallel": sp}
     one, two = activation_memory(args, tp=1, **kw), activation_memory(args, tp=2, **kw)
-    assert one.per_layer - two.per_layer == pytest.approx(attention_share * B * S * args.dim)
+    moe_blocks = sum(args.is_moe_layer(i) for i in range(args.n_layers))
+    attention = (4 * args.n_heads * (args.head_dim or args.dim // args.n_heads) * 2 + 4 * args.n_heads) / 2
+    dense_mlp = 4 * args.ffn_dim * 2 / 2 * (args.n_layers - moe_blocks) / args.n_layers
+    norms = 16 * args.dim / 2 if sp else 0
+    assert one.per_layer - two.per_layer == pytest.approx(B * S * (attention + dense_mlp + norms))
 
 
 def test_plan_with_ep_shows_the_expert_parallel_rows():

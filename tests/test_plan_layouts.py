@@ -123,14 +123,15 @@ def test_pipeline_ranks_by_hand():
                              loss_parallel=True)  # fmt: skip
     # rank 0 keeps p = 4 micro-batches of its layers' inputs; the head's logits only on the last rank
     layer = acts.per_layer
-    assert first.activations == pytest.approx(4 * e.stage_layers[0] * layer + acts.recompute)
-    assert last.activations == pytest.approx(1 * e.stage_layers[-1] * layer + max(acts.head, acts.recompute))
+    assert first.activations == pytest.approx(4 * e.stage_layers[0] * layer + acts.block_backward)
+    assert last.activations == pytest.approx(1 * e.stage_layers[-1] * layer + max(acts.head, acts.block_backward))
     split = param_split(args, 8)
     table = -(-128256 * 8192 // 8)
     assert first.params == pytest.approx(4 * (e.stage_layers[0] * split.block + table) / 8)  # fp32, /dp_shard
     assert last.params == pytest.approx(4 * (e.stage_layers[-1] * split.block + split.root - table) / 8)
     gpipe = evaluate(w, Candidate(1, 8, 8, pp=4, schedule="gpipe", microbatches=16, micro_batch=1, checkpoint="full"))
-    assert gpipe.ranks[0].activations > 3 * first.activations  # all 16 micro-batches against 4
+    kept = gpipe.ranks[0].activations - acts.block_backward
+    assert kept == pytest.approx(4 * (first.activations - acts.block_backward))  # all 16 micro-batches against 4
     inter = evaluate(w, Candidate(1, 8, 8, pp=4, schedule="interleaved-1f1b", stages_per_rank=2, microbatches=16,
                                   micro_batch=1, checkpoint="full"))  # fmt: skip
     assert inter.time.bubble_share < e.time.bubble_share
@@ -229,12 +230,17 @@ def test_plan_ranks_the_70b_layouts(capsys):
 
 
 @pytest.mark.parametrize("nproc", [64, 256, 512])
-def test_without_context_parallel_the_70b_choice_is_torchtitans(capsys, nproc):
-    """torchtitan's published 70B layout is FSDP x TP 8; so is the planner's best when cp is left out."""
+def test_the_70b_plan_ranks_torchtitans_layout_with_its_reason(capsys, nproc):
+    """torchtitan's published 70B layout, FSDP x TP 8, fits only with full recomputation (as torchtitan runs it)
+    once a Llama block's activations are counted; without context parallelism the planner prefers tp = 2 and
+    says why torchtitan's shape ranks lower: its tensor-parallel collectives, counted as exposed."""
     code, out, _ = run_main(capsys, "plan", ROOT / "configs" / "llama-70b.toml", "--nproc", nproc, "--max-cp", "1",
-                            "--json")  # fmt: skip
-    best = json.loads(out)["ranking"][0]
-    assert code == 0 and best["dims"] == f"dp_shard={nproc // 8} tp=8"
+                            "--json", "--top", "0")  # fmt: skip
+    ranking = json.loads(out)["ranking"]
+    assert code == 0 and ranking[0]["dims"] == f"dp_shard={nproc // 2} tp=2"
+    shape = next(r for r in ranking if r["dims"] == f"dp_shard={nproc // 8} tp=8")
+    assert shape["fits"] and "--train.activation_checkpoint=full" in shape["overrides"]
+    assert shape["reason"].endswith("slower: tensor-parallel traffic 22% of the step")
 
 
 def test_plan_of_a_pipelined_config_shows_every_rank(capsys):
@@ -315,9 +321,9 @@ def test_launch_without_a_fitting_layout_says_so(capsys, tiny_toml):
 # against measured peak memory on 2 CPU processes (tests/plan_memory_worker.py)
 
 TOLERANCE = 0.15
-# FSDP2 on the CPU keeps more than the planner counts in runs whose peak is activations: -20% without
-# recomputation, -40% with full recomputation (docs/planning.md); the differences of two runs are within 15%.
-TOLERANCE_ACTIVATION_RUNS = {"activations-none": 0.3, "activations-full": 0.5}
+# Full recomputation keeps little, so the allocator's slack weighs more in the resident set: -8% to -21% here,
+# more in CI's fresh environment (docs/planning.md); every other run and difference is held to 15%.
+TOLERANCE_ACTIVATION_RUNS = {"activations-full": 0.5}
 
 
 def measure_on_two_ranks(root: Path, names: str, *overrides: str) -> list[dict]:

@@ -96,21 +96,25 @@ def test_liandan_states_and_transients_by_hand():
 
 
 def test_peak_by_hand():
-    # One process, fp32, no recomputation, flash attention, s = 128, b = 2: sbh = 16,384.
+    # One process, fp32, no recomputation, flash attention, s = 128, b = 2: 256 tokens, h = 64, f = 256.
     #   states    P = 4Ψ = 1,004,800; O = 8Ψ = 2,009,600; G = 4Ψ = 1,004,800
-    #   layers    2 x 34 sbh x 2 (fp32)                          = 2,228,224
-    #   head      2 x 4 x sbh + 12 x s x b x V = 131,072 + 3,072,000 = 3,203,072
-    #   early     gradients of root and one block: 4 x 189,632  =   758,528
-    #   peak      P + O + max(layers + head + early, G)         = 3,014,400 + 6,189,824 = 9,204,224
+    #   a block   per token: norms 16h + projection inputs 2·4h + attention 4·4h + 4·4 + MLP 4·4f
+    #             = 1024 + 512 + 1040 + 4096 = 6672 bytes, x 256 tokens    = 1,708,032
+    #   layers    2 blocks                                              = 3,416,064
+    #   head      2 x 4 x sbh + 12 x s x b x V = 131,072 + 3,072,000    = 3,203,072 (> a block's backward,
+    #             its MLP's hidden gradients 4·4f x 256 = 1,048,576)
+    #   early     gradients of root and one block: 4 x 189,632         =   758,528
+    #   peak      P + O + max(layers + head + early, G)               = 3,014,400 + 7,377,664 = 10,392,064
     est = memory_per_device(small_args(), Layout(1, 1, 1), micro_batch=2, seq_len=128, dtype="fp32")
-    assert est.activations.layers == 2_228_224 and est.activations.head == 3_203_072
-    assert est.total == 9_204_224
-    assert est.sum == 1_004_800 * 4 + 2_228_224 + 3_203_072
+    assert est.activations.layers == 3_416_064 and est.activations.head == 3_203_072
+    assert est.activations.block_backward == 1_048_576
+    assert est.total == 10_392_064
+    assert est.sum == 1_004_800 * 4 + 3_416_064 + 3_203_072
     # with gradient accumulation the gradients of earlier micro-batches coexist with the activations
     acc = memory_per_device(
         small_args(), Layout(1, 1, 1), micro_batch=2, seq_len=128, dtype="fp32", accumulation_steps=2
     )
-    assert acc.total == acc.sum == 4_019_200 + 5_431_296
+    assert acc.total == acc.sum == 4_019_200 + 6_619_136
 
 
 def test_optimizer_state_size_is_an_input(capsys):
@@ -173,16 +177,65 @@ def test_korthikanti_formulas(checkpoint, tp, sp, expected):
     assert fp32 == 2 * expected
 
 
-def test_flash_kernels_drop_the_score_term_and_full_recompute_adds_one_layer():
+SAVED_SHAPES = {
+    "swiglu": {},
+    "grouped-query": {"dim": 128, "n_kv_heads": 2},
+    "relu2": {"dim": 128, "n_kv_heads": 2, "mlp": "relu2"},
+    "moe": {"dim": 128, "n_kv_heads": 2, "moe_experts": 8, "moe_top_k": 2, "moe_ffn_dim": 64, "moe_shared_experts": 1},
+}
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+@pytest.mark.parametrize("shape", SAVED_SHAPES)
+def test_the_block_count_is_what_autograd_saves(shape, autocast):
+    """The planner's bytes for one block equal the tensors autograd saves for that block's backward pass
+    (every distinct storage once, the parameters and autocast's weight copies left out: the planner counts
+    those as states and transients)."""
+    import torch
+
+    from liandan.model.attention import MaskSpec, PreparedMask
+    from liandan.model.llama import Transformer
+    from liandan.plan.activations import block_bytes
+
+    torch.manual_seed(0)
+    s, b = 64, 4
+    args = ModelArgs(vocab_size=260, n_layers=1, max_seq_len=s, **{"dim": 64, "n_heads": 4, **SAVED_SHAPES[shape]})
+    model = Transformer(args)
+    states = {t.untyped_storage().data_ptr() for t in [*model.parameters(), model.rope]}
+    weight_shapes = {shape for p in model.parameters() for shape in (tuple(p.shape), tuple(p.shape)[::-1])}
+    x = torch.randn(b, s, args.dim, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def keep(t):
+        cast_weight = t.dtype == torch.bfloat16 and tuple(t.shape) in weight_shapes
+        if t.untyped_storage().data_ptr() not in states and not cast_weight:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    mask = PreparedMask(MaskSpec(None, None), model.attention_backend, s, x.device)
+    hooks = torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t)
+    with hooks, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        model.layers["0"](x, model.rope[:s], mask)
+    counted = block_bytes(args, micro_batch=b, seq_len=s, bytes_per_value=2 if autocast else 4, autocast=autocast,
+                          moe=bool(args.moe_experts))  # fmt: skip
+    assert counted == pytest.approx(sum(saved.values()), rel=0.01)
+
+
+def test_flash_kernels_drop_the_score_term_and_full_recompute_adds_one_block():
     flash, formula = activation_bytes_per_layer(128, 2, 64, 4, attention_scores=False)
     assert flash == 16_384 * 34 and formula == "34sbh"
     args = small_args()
+    # liandan's block in bf16, per token (h = 64, f = 256, a = 4): norms 16h = 1024, projection inputs 2·2h = 256,
+    # attention 4·2h + 4a = 528, MLP 4·2f = 2048: 3856 bytes; eager attention adds its scores and
+    # probabilities, 2·a·s·2 = 2048
     eager = activation_memory(args, micro_batch=2, seq_len=128, checkpoint="none", attention="eager")
-    assert eager.per_layer == 1_212_416 and eager.layers == 2 * 1_212_416
+    assert eager.per_layer == 256 * (3856 + 2048) and eager.layers == 2 * eager.per_layer
     full = activation_memory(args, micro_batch=2, seq_len=128, checkpoint="full", attention="flash")
-    assert full.layers == 2 * 32_768 and full.recompute == 16_384 * 34
-    # the head's backward pass finishes before the first block is rebuilt: the larger of the two counts
-    assert full.total == full.layers + max(full.head, full.recompute)
+    assert full.layers == 2 * 256 * 64 * 2 and full.recompute == 256 * 3856
+    # a rebuilt block's backward also holds its MLP's hidden gradients, 4 per unit: 4·2f per token
+    assert full.block_backward == full.recompute + 256 * 4 * 2 * 256
+    # the head's backward pass finishes before the first block's: the larger of the two counts
+    assert full.total == full.layers + max(full.head, full.block_backward)
     # SDPA with document masks keeps a (b, 1, s, s) mask per layer in the compute dtype
     masked = activation_memory(args, micro_batch=2, seq_len=128, checkpoint="none", attention="dense-mask")
     assert masked.masks == 2 * (2 * 128 * 128 * 2)

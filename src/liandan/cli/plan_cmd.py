@@ -317,13 +317,14 @@ def print_plan(plan, cfg, config_path: str) -> None:
     console.print(table)
 
     title = (
-        f"Activations per layer (Korthikanti et al. 2022): s={t.seq_len}, b={m.micro_batch}, h={a.dim},"
-        f" a={a.n_heads}, t={m.layout.tp}, {m.dtype}"
+        f"Activations per layer, Korthikanti et al. 2022's GPT-3 block (paper) and liandan's as planned:"
+        f" s={t.seq_len}, b={m.micro_batch}, h={a.dim}, a={a.n_heads}, t={m.layout.tp}, {m.dtype}"
     )
     console.print(f"\n[bold]{title}[/bold]")
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("recomputation", "parallel", "formula", "paper", f"{m.attention} attention", ""):
-        table.add_column(col, justify="right" if col not in ("recomputation", "parallel", "formula", "") else "left")
+    for col in ("recomputation", "parallel", "paper's formula", "paper", f"liandan, {m.attention} attention", ""):
+        text = ("recomputation", "parallel", "paper's formula", "")
+        table.add_column(col, justify="left" if col in text else "right")
     for v in plan.variants:
         table.add_row(
             v.checkpoint,

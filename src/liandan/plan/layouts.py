@@ -289,6 +289,7 @@ def evaluate(w: Workload, c: Candidate) -> Evaluated:
         _stage_args(args, 1), micro_batch=c.micro_batch, seq_len=s, tp=c.tp, checkpoint=c.checkpoint,
         dtype=w.dtype, attention=w.attention, sequence_parallel=w.sequence_parallel and c.tp > 1,
         loss_parallel=w.loss_parallel and c.tp > 1, ce_chunks=w.ce_chunks,
+        autocast=w.dtype == "bf16" and not (c.fsdp_shard > 1 or (c.dp_replicate > 1 and c.tp > 1)),
     )  # fmt: skip
     boundary = s * c.micro_batch * args.dim * cb / (c.tp if w.sequence_parallel and c.tp > 1 else 1)
     shard = c.fsdp_shard
@@ -310,7 +311,7 @@ def evaluate(w: Workload, c: Candidate) -> Evaluated:
         flight = in_flight(c.schedule, c.pp, c.microbatches, r, c.stages_per_rank)
         logits = acts.head * (c.microbatches if c.schedule in ("gpipe", "looped-bfs") else 1) if final else 0.0
         layer_acts = flight * n * (acts.per_layer + acts.masks / max(1, args.n_layers))
-        activations = layer_acts + max(logits, acts.recompute)
+        activations = layer_acts + max(logits, acts.block_backward)
         buffers = 2 * boundary * c.v
         if c.ep > 1:
             ep_mem = expert_parallel_memory(

@@ -289,6 +289,7 @@ def memory_per_device(
         sequence_parallel=sequence_parallel,
         loss_parallel=loss_parallel,
         ce_chunks=ce_chunks,
+        autocast=c == 2 and sharding != "fsdp",
     )
     zero = zero_stages(n, layout.dp_size, dtype, optimizer_state_bytes_per_param)
     ep = None

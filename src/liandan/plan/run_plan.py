@@ -13,7 +13,7 @@ from liandan.common.peaks import mixed_peak_flops
 from liandan.config import Config, ConfigError
 from liandan.model.spec import ParamCounts, count_params, flops_per_token, model_args
 from liandan.model.spec import get as get_model_spec
-from liandan.plan.activations import BYTES, CHECKPOINT_MODES, activation_bytes_per_layer
+from liandan.plan.activations import BYTES, CHECKPOINT_MODES, activation_bytes_per_layer, activation_memory
 from liandan.plan.devices import Device
 from liandan.plan.fp8 import Fp8Count, plan_fp8
 from liandan.plan.layout_rank import Ranked, rank_layouts
@@ -178,7 +178,7 @@ class ActivationVariant:
     parallel: str  # none, tp=t, or tp=t + sp (sequence parallel)
     formula: str
     paper_bytes: float  # per layer, attention scores stored as the paper assumes
-    kernel_bytes: float  # per layer, with this run's attention kernel
+    kernel_bytes: float  # per layer, liandan's block as the planner counts it, with this run's attention kernel
     used: bool  # the variant this run trains with
 
 
@@ -269,9 +269,8 @@ def plan_config(
                 continue
             kw = {"tp": layout.tp, "sequence_parallel": sp, "checkpoint": mode, "bytes_per_value": BYTES[dtype]}
             paper, formula = activation_bytes_per_layer(t.seq_len, b, args.dim, args.n_heads, **kw)
-            kernel, _ = activation_bytes_per_layer(
-                t.seq_len, b, args.dim, args.n_heads, attention_scores=attention == "eager", **kw
-            )
+            kernel = activation_memory(args, micro_batch=b, seq_len=t.seq_len, tp=layout.tp, checkpoint=mode,
+                                       dtype=dtype, attention=attention, sequence_parallel=sp).per_layer  # fmt: skip
             parallel = "none" if layout.tp == 1 else f"tp={layout.tp}" + (" + sp" if sp else "")
             used = mode == t.activation_checkpoint and sp == p.sequence_parallel
             variants.append(ActivationVariant(mode, parallel, formula, paper, kernel, used))
