@@ -69,8 +69,8 @@ ALL_ON_TWO = ["gpipe:1", "1f1b:1", "interleaved-1f1b:2", "looped-bfs:2", "interl
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "pp, runs",
-    [(2, ALL_ON_TWO), (4, ["1f1b:1", "interleaved-1f1b:2", "zbv:2"])],
-    ids=["2-ranks-every-schedule", "4-ranks"],
+    [(2, ALL_ON_TWO), (4, ALL_ON_TWO)],
+    ids=["2-ranks-every-schedule", "4-ranks-every-schedule"],
 )
 def test_every_schedule_trains_as_one_process(tmp_path, pp, runs):
     report = _pipeline_run(tmp_path, pp, 1, runs)
@@ -78,12 +78,13 @@ def test_every_schedule_trains_as_one_process(tmp_path, pp, runs):
     for run, entry in report.items():
         schedule, per_rank = run.split(":")
         assert len(entry["layers"]) == pp * int(per_rank) and sum(entry["layers"]) == 8
-        assert entry["losses"] == entry["ref_losses"], run  # bit for bit
         if schedule == "looped-bfs":  # its backward takes the micro-batches in another order
+            assert entry["losses"] == pytest.approx(entry["ref_losses"], rel=1e-6), run
             assert entry["norms"] == pytest.approx(entry["ref_norms"], rel=2e-5), run
             assert entry["eval"] == pytest.approx(entry["ref_eval"], rel=1e-6), run
             assert entry["param_diff"] <= 1e-4, run
-        else:
+        else:  # bit for bit
+            assert entry["losses"] == entry["ref_losses"], run
             assert (entry["norms"], entry["eval"], entry["param_diff"]) == (entry["ref_norms"], entry["ref_eval"], 0)
         if schedule in ("zbv", "dualpipev"):
             assert entry["stages"] == [0, 2 * pp - 1]  # rank 0 holds the first and the last stage: a V
