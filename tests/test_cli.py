@@ -171,6 +171,11 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     assert len(rollbacks) == 1 and "at step 19: " in rollbacks[0], out
     assert "back to step 10, skipped data steps 10..18" in rollbacks[0]
     assert "bad data: data step(s) 18 (" in rollbacks[0]
+    # each incident triaged on the line under it: the poisoned batch as data, the kill from outside as unknown
+    lines = out.splitlines()
+    assert lines[lines.index(rollbacks[0]) + 1].strip().startswith("-> data: data step(s) 18 are anomalous"), out
+    [crash] = [line for line in lines if "CRASH" in line]
+    assert lines[lines.index(crash) + 1].strip().startswith("-> unknown: rank 1 on "), out
     run_dir, data_dir = sorted(p for p in tmp_path.iterdir() if p.is_dir())  # demo-<time>, demo-<time>-data
     # The guard names exactly the documents made noise, found here by comparing the store trained on with the
     # pipeline's.

@@ -190,7 +190,11 @@ def test_an_incident_comes_with_its_evidence(server):
     assert report["json"]["verdict"] and report["json"]["rollback"]["to"] < rollback["step"]
     assert found["layers"] and all(abs(r["step"] - rollback["step"]) <= 20 for r in found["layers"])
     crash = incident_of_kind(server, FAULTY, "incident")
+    # triaged in the list and in the detail: a kill from outside leaves no traceback to tell
+    assert crash["triage"]["category"] == "unknown" and "killed from outside" in crash["triage"]["evidence"]
+    assert rollback["triage"]["category"] in ("data", "hardware", "code", "unknown") and rollback["triage"]["next_step"]
     found = server.get(f"/api/runs/{FAULTY}/incidents/{crash['seq']}")
+    assert found["event"]["triage"] == crash["triage"]
     log = next(e for e in found["evidence"] if e["file"] == "logs/attempt-0.log")
     # the tail of the attempt that was killed after step 45 (the burst may also count as early divergence)
     assert re.search(r"guard: [a-z, ]*spike[a-z, ]* at step", log["text"]), log["text"]
@@ -378,6 +382,9 @@ def test_a_finished_run_its_incident_and_its_evidence_in_the_browser(server, pag
     panel.locator("#evidence-title", has_text="rollback at step").wait_for()
     panel.locator(".verdict").wait_for()
     assert "guard/spike-step-" in panel.inner_text()
+    # the incident's triage heads the panel, and the list has a column for it
+    assert "Next: " in panel.locator(".triage-verdict").inner_text()
+    assert page.locator("#incidents thead").inner_text().lower().split() == ["step", "kind", "time", "triage", "what"]
     page.screenshot(path=screenshots / "evidence.png")
 
 

@@ -18,6 +18,7 @@ from liandan.model.llama import ModelArgs, Transformer
 from liandan.resilience.incidents import timeline
 from liandan.run import RunDir, read_jsonl
 from liandan.run.errors import DEVICE_FAULT_EXIT
+from liandan.track.triage import triage
 from liandan.train.health.sdc import fingerprint
 
 STEPS = 40
@@ -90,6 +91,8 @@ def test_a_corrupted_allreduce_contribution_names_its_sender_and_is_undone(fault
     assert corrupt["ranks"] == [1] and not corrupt["persistent"] and corrupt["to"] == 10
     assert "rank(s) 1 sent other gradients" in corrupt["detail"]
     assert same_weights(faulted2.path, clean2.path)
+    found = triage(corrupt)  # the corrupt@allreduce drill: the device that sent it
+    assert found.category == "hardware" and found.evidence.startswith("rank 1 on ") and "allreduce" in found.evidence
 
 
 @pytest.mark.slow
@@ -98,6 +101,7 @@ def test_two_replicas_that_disagree_are_said_to_have_no_majority(faulted2):
     assert flip["step"] == 25 and flip["checks"] == ["fingerprint"]  # the next check after the flip at step 22
     assert flip["ranks"] == [] and flip["ambiguous"].startswith("ranks 0 and 1 disagree; no majority")
     assert flip["to"] == 20 and all(g["ok"] for g in flip["golden"])
+    assert triage(flip).category == "unknown"  # two replicas cannot say which one flipped
 
 
 @pytest.mark.slow
@@ -108,6 +112,7 @@ def test_a_rank_that_sleeps_in_compute_is_named_a_straggler(faulted2):
     assert straggler["seconds"] >= faults.SLOW_S and straggler["median_seconds"] < faults.SLOW_S / 2
     lines = "\n".join(timeline(faulted2.path))
     assert "STRAGGLER rank 0" in lines and "SILENT DATA CORRUPTION at step 15: rank 1" in lines
+    assert triage(straggler).category == "hardware" and "its compute takes" in triage(straggler).evidence
     # Every window's times of both ranks are kept for the dashboard's heat map, the sleeper's forward among them.
     windows = read_jsonl(RunDir(faulted2.path).rank_times)
     assert [w["step"] for w in windows][:2] == [WINDOW, 2 * WINDOW] and all(len(w["seconds"]) == 2 for w in windows)
@@ -123,6 +128,8 @@ def test_a_flipped_parameter_bit_is_named_by_the_majority_and_undone(config, cle
     assert sdc["step"] == 20 and sdc["checks"] == ["fingerprint"] and sdc["ranks"] == [2]  # within CHECK steps
     assert sdc["to"] == 15 and not sdc["persistent"]
     assert same_weights(records.path, clean3.path)
+    found = triage(sdc)  # the flip@param drill, named by the majority of three replicas
+    assert found.category == "hardware" and found.evidence.startswith("rank 2 on ") and "fingerprint" in found.evidence
 
 
 @pytest.mark.slow
@@ -154,6 +161,13 @@ def test_a_device_that_computes_wrong_stops_the_run_and_is_recorded_as_a_suspect
     assert host == sdc["hosts"][0] and not entry["excluded"] and entry["suspect"][0]["rank"] == 1
     assert any(line.endswith("run stopped") for line in timeline(records.path))
     assert any(f"DEVICE FAULT: node {host} recorded as a suspect" in line for line in timeline(records.path))
+    # the perturb@matmul drill: the device that failed its golden matrix product
+    assert triage(sdc).category == "hardware" and "failed its golden matrix product" in triage(sdc).evidence
+    assert "stopped on that device" in triage(sdc).next_step
+    [fault] = records.of_kind("device_fault")
+    assert triage(fault).category == "hardware"
+    triaged = timeline(records.path, triaged=True)
+    assert any(line.strip().startswith("-> hardware: rank 1 on ") for line in triaged), triaged
 
 
 @pytest.mark.slow

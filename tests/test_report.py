@@ -294,8 +294,16 @@ def test_incidents_and_report_list_an_incomplete_record_as_the_dashboard_does(tm
     assert main(["incidents", str(run)]) == 0
     assert capsys.readouterr().out.splitlines() == [
         "22:13:30 +    10.0s  incident step 3: (an incomplete record: no 'host')",
+        (
+            "                     -> unknown: rank 1 was killed from outside (signal SIGKILL) with no traceback; next:"
+            " check the host's kernel log for the out-of-memory killer, and the scheduler's"
+        ),
         "??:??:??  (no time)  restart 1 at once",
         "??:??:??  (no time)  gave up step ?: (an incomplete record: no 'reason')",
+        (
+            "                     -> unknown: the supervisor gave up: no reason recorded; next: triage the incidents"
+            " before it"
+        ),
     ]
     assert main(["report", str(run), "-o", str(tmp_path / "odd.html")]) == 0
     assert "an incomplete record: no &#x27;host&#x27;" in (tmp_path / "odd.html").read_text()

@@ -41,6 +41,7 @@ from liandan.resilience.processes import alive
 from liandan.resilience.relay import Relay, brief
 from liandan.resilience.supervisor import Supervisor
 from liandan.run import RunDir
+from liandan.track.triage import triage
 from liandan.train.heartbeat import Heartbeat, read_heartbeats
 
 pytestmark = pytest.mark.slow
@@ -81,6 +82,13 @@ def _weights(config, name):
 
 def _events(config, name, kind):
     return read_run(config.parent / "runs" / name).of_kind(kind)
+
+
+TRIAGED = {"kill": ("unknown", "killed from outside (signal SIGKILL)"),
+           "raise": ("code", "a crash in liandan at liandan/faults.py"),
+           "hang": ("hardware", "stopped first, in data"),
+           "kill-in-save": ("unknown", "killed from outside"),
+           "corrupt-then-kill": ("unknown", "killed from outside")}  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -127,6 +135,11 @@ def test_fault_is_survived_exactly(setup, name, faults, failure, cause, rank, re
     assert summary["steps"] == 8 and summary["tokens"] == 8 * TOKENS_PER_STEP  # not only the last attempt's
     timeline = liandan_here("incidents", config.parent / "runs" / name)
     assert failure.upper() in timeline.stdout and "recovered" in timeline.stdout and "goodput" in timeline.stdout
+    # each drill triaged: a kill from outside says nothing, the planted exception is in liandan, a hang names
+    # where the rank stopped
+    found = triage(incident)
+    assert found.category == TRIAGED[name][0] and TRIAGED[name][1] in found.evidence, found
+    assert f"-> {found.category}: " in timeline.stdout
 
 
 @pytest.mark.parametrize(

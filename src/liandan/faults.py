@@ -14,6 +14,7 @@ Format: comma-separated `ACTION@POINT:STEP[:RANK]`, for example
     LIANDAN_FAULTS="slow@forward:40:1"    rank 1 sleeps SLOW_S in every forward pass from step 40 on
     LIANDAN_FAULTS="stall@forward:1"      every rank sleeps STALL_S in every forward pass from step 1 on
     LIANDAN_FAULTS="corrupt@allreduce:40:1"  rank 1's contribution to the gradient all-reduce of step 40 is wrong
+    LIANDAN_FAULTS="hang@allreduce:40:1"  rank 1 never sends its contribution to that all-reduce (DDP)
     LIANDAN_FAULTS="forget@loader:0"      on every resume the loader ignores its saved position (a resume bug)
     LIANDAN_FAULTS="collapse@router:40:1" before step 40, MoE layer 1's router is pushed to send every token to
                                           expert 0 (its balancing bias raised by COLLAPSE_BIAS)
@@ -272,8 +273,12 @@ def collapse_router(step: int, modules: Iterable[Any]) -> str | None:
 
 def corrupt_contribution(step: int, tensor: Any) -> bool:
     """`corrupt@allreduce`: this rank's contribution to the gradient all-reduce of `step` goes out wrong
-    (rare elements perturbed in place, before it is sent); True when it did."""
-    if "corrupt" not in _once("allreduce", step):
+    (rare elements perturbed in place, before it is sent); True when it did. `hang@allreduce`: this rank never
+    sends it (it blocks forever where it would, its peers in the all-reduce): a hang in a collective."""
+    actions = _once("allreduce", step)
+    if "hang" in actions:
+        threading.Event().wait()  # forever; only a signal ends this process now
+    if "corrupt" not in actions:
         return False
     flat = tensor.view(-1)
     flat[::PERTURB_EVERY] += PERTURBATION * 100

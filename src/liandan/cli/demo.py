@@ -130,7 +130,7 @@ def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overri
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; validation loss {val_loss:.3f}")
     show_early_forecast(room, records)
     print("incidents (liandan incidents <run>):")
-    for line in timeline(run):
+    for line in timeline(run, triaged=True):
         print(f"  {line}")
     model, _ = load_model(room.checkpoints / step_dir_name(s["steps"]))
     tokenizer = TokenStore(store).tokenizer

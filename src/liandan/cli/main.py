@@ -156,7 +156,7 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 def cmd_incidents(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.resilience.incidents import timeline
 
-    lines = timeline(Path(args.run))
+    lines = timeline(Path(args.run), triaged=True)
     print("\n".join(lines) if lines else "no incidents")
     return 0
 

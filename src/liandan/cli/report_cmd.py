@@ -32,5 +32,5 @@ def make_report(runs: list[Path], out: Path | None = None) -> list[Path]:
 
     runs = check_runs(runs)
     # A run whose events.jsonl is not there yet (it has only started) has no incidents to tell.
-    lines = [timeline(run) if RunDir(run).events.is_file() else [] for run in runs]
+    lines = [timeline(run, triaged=True) if RunDir(run).events.is_file() else [] for run in runs]
     return write_report(list(zip(runs, lines, strict=True)), out or default_output(runs))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from liandan.checkpoint.verify import CheckpointError, step_of
 from liandan.run import RunDir
+from liandan.track.triage import triage
 
 SHOWN = ("incident", "restart", "recovered", "gave_up", "resumed", "checkpoint_failed", "checkpoint_rejected",
          "train_stopped", "stale_saves_removed", "nonfinite_loss", "node_excluded", "node_refused", "preempted",
@@ -25,9 +26,11 @@ def read_events(run_dir: Path) -> list[dict]:
     return room.read_events()
 
 
-def timeline(run_dir: Path) -> list[str]:
-    """One line per incident of the run. A record missing a field, or with a time that is no number (a
-    hand-edited or foreign file), is still listed, as far as it says anything, as the dashboard lists it."""
+def timeline(run_dir: Path, triaged: bool = False) -> list[str]:
+    """One line per incident of the run; with `triaged`, each fault is followed by an indented line that
+    classifies it as data, hardware, code or unknown, with its evidence and a next step
+    (`liandan.track.triage`). A record missing a field, or with a time that is no number (a hand-edited or
+    foreign file), is still listed, as far as it says anything, as the dashboard lists it."""
     events = [e for e in read_events(run_dir) if isinstance(e, dict)]
     start = next((t for e in events if (t := _seconds(e.get("time"))) is not None), 0.0)
     # The guard logs its verdict first; a rollback's or a loss drop's own record then says more about it.
@@ -52,6 +55,9 @@ def timeline(run_dir: Path) -> list[str]:
         else:
             when = f"{datetime.fromtimestamp(seconds, timezone.utc).strftime('%H:%M:%S')} +{seconds - start:8.1f}s"
         lines.append(f"{when}  {_describe_safely(e)}")
+        found = triage(e) if triaged else None
+        if found is not None:
+            lines.append(f"{' ' * len(when)}  -> {found.line()}")
     s = RunDir(Path(run_dir)).read_summary()
     if "goodput" in s:
         try:

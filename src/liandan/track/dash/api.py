@@ -18,6 +18,7 @@ from liandan.config import ConfigError, check_run_name
 from liandan.run import RunDir, read_jsonl
 from liandan.run.jsonl import loads_bounded
 from liandan.track.store import X_AXES, RunStore, StoreError
+from liandan.track.triage import triage
 
 MAX_POINTS = 20_000  # the most points one curve may come back with
 DEFAULT_POINTS = 2_000
@@ -219,6 +220,8 @@ class Dashboard:
         evidence = Evidence(self.project, root, name).gather(event) if root else []
         step = event.get("step")
         layers = self.layers(name, around=step, window=20) if isinstance(step, int) else {"records": []}
+        found = triage(event)
+        event = {**event, "triage": found.as_dict() if found else None}
         return {"event": event, "evidence": evidence, "layers": layers["records"]}
 
     def evaluations(self, name: str) -> list[dict]:
@@ -446,8 +449,9 @@ def _brief(event: dict) -> dict[str, Any]:
     if not line:
         fields = [f"{k}={event[k]}" for k in ("failure", "action", "rank", "phase", "to", "host") if k in event]
         line = ", ".join(fields)
+    found = triage(event)
     return {"seq": event["seq"], "kind": event.get("kind"), "step": event.get("step"), "time": event.get("time"),
-            "line": str(line)[:300]}  # fmt: skip
+            "line": str(line)[:300], "triage": found.as_dict() if found else None}  # fmt: skip
 
 
 def _doctor_rank(rank: dict) -> dict[str, Any]:

@@ -233,6 +233,8 @@ async function runView(main, name) {
   const fillIncidents = (list) => incidentRows.replaceChildren(...list.map((i) => el("tr",
     { class: "clickable", onclick: () => showIncident(name, i.seq) },
     el("td", { class: "num" }, num(i.step)), el("td", {}, i.kind), el("td", {}, when(i.time)),
+    el("td", i.triage ? { class: "triage " + i.triage.category, title: `${i.triage.evidence}; next: ${i.triage.next_step}` } : {},
+      i.triage ? i.triage.category : ""),
     el("td", { style: "white-space: normal" }, i.line))));
   fillIncidents(incidents);
   main.replaceChildren(
@@ -243,7 +245,7 @@ async function runView(main, name) {
        chartBox("chart-mfu", "MFU"), chartBox("chart-gnorm", "Gradient norm"),
        chartBox("chart-ranks", "Step time per rank (straggler check windows)")),
     el("div", { class: "section card" }, el("h2", {}, incidentsTitle(incidents)),
-       el("table", { id: "incidents" }, el("thead", {}, el("tr", {}, ["step", "kind", "time", "what"].map((h) =>
+       el("table", { id: "incidents" }, el("thead", {}, el("tr", {}, ["step", "kind", "time", "triage", "what"].map((h) =>
          el("th", {}, h)))), incidentRows)),
     layerSection(layers, incidents),
     ...(experts ? [expertSection(name, experts)] : []),
@@ -410,7 +412,10 @@ async function showIncident(name, seq) {
   try {
     const { event, evidence, layers } = await api(`runs/${enc(name)}/incidents/${seq}`);
     document.getElementById("evidence-title").textContent = `${event.kind} at step ${event.step ?? "?"}`;
-    const parts = [keyValues(event)];
+    const parts = [];
+    if (event.triage) parts.push(el("div", { class: "triage-verdict " + event.triage.category },
+      `${event.triage.category}: ${event.triage.evidence}. Next: ${event.triage.next_step}`));
+    parts.push(keyValues(event));
     if (event.evidence) parts.push(el("details", {}, el("summary", {}, "the supervisor's evidence"),
       el("pre", {}, JSON.stringify(event.evidence, null, 2))));
     for (const item of evidence) {
