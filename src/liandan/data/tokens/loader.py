@@ -195,7 +195,10 @@ class PackedLoader:
         dp_rank: int = 0,
         dp_size: int = 1,
         weights: Sequence[float] | None = None,
+        loss_mask: bool = False,
     ):
+        """`loss_mask`: targets that a store's loss-mask channel leaves out (a fine-tuning store's prompts) are
+        -1, which the loss skips; every store must have one. Off, every token is a target."""
         stores = [stores] if isinstance(stores, TokenStore) else list(stores)
         if not stores:
             raise DataError("no token stores to train on")
@@ -211,6 +214,9 @@ class PackedLoader:
             raise DataError(f"{len(weights)} mixture weights for {len(stores)} token stores; give one per store")
         if not all(math.isfinite(w) and w > 0 for w in weights):
             raise DataError(f"mixture weights must be positive numbers, got {list(weights)}")
+        if loss_mask and (unmasked := [str(s.path) for s in stores if s.loss_mask is None]):
+            raise DataError(f"token stores without a loss mask (not written from chat data): {', '.join(unmasked)}")
+        self.loss_mask = loss_mask
         self.stores, self.seq_len, self.global_batch = stores, seq_len, global_batch
         self.seed, self.val_fraction, self.dp_rank, self.dp_size = seed, val_fraction, dp_rank, dp_size
         self.streams = [_Stream(s, i, seq_len, seed, val_fraction) for i, s in enumerate(stores)]
@@ -373,6 +379,7 @@ class PackedLoader:
     def _batch(self, stores: np.ndarray, windows: np.ndarray) -> Batch:
         tokens = np.empty((len(windows), self.seq_len + 1), dtype=np.int64)
         doc_ids = np.empty((len(windows), self.seq_len), dtype=np.int32)
+        trained = np.empty((len(windows), self.seq_len), dtype=bool) if self.loss_mask else None
         offsets = np.arange(self.seq_len + 1)
         for i in np.unique(stores):
             rows = np.flatnonzero(stores == i)
@@ -385,8 +392,13 @@ class PackedLoader:
                 _check_vocabulary(self.stores[i], shard, tokens[rows[sel]])
                 docs = shard.document_of(positions[:, :-1])
                 doc_ids[rows[sel]] = docs - docs[:, :1]
+                if trained is not None:
+                    trained[rows[sel]] = shard.loss_mask[positions[:, 1:]] != 0  # of each target token
         tokens_t = torch.from_numpy(tokens)
-        return Batch(tokens_t[:, :-1], tokens_t[:, 1:], torch.from_numpy(doc_ids))
+        if trained is None:
+            return Batch(tokens_t[:, :-1], tokens_t[:, 1:], torch.from_numpy(doc_ids))
+        targets = torch.from_numpy(np.where(trained, tokens[:, 1:], -1))
+        return Batch(tokens_t[:, :-1], targets, torch.from_numpy(doc_ids))
 
 
 def _check_vocabulary(store: TokenStore, shard: Shard, tokens: np.ndarray) -> None:
