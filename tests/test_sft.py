@@ -12,6 +12,7 @@ import torch
 from helpers import (
     CHAT_REJECTS,
     chat_conversations,
+    liandan_here,
     tiny_config,
     write_chat_data,
     write_corpus,
@@ -102,6 +103,8 @@ def test_a_fine_tuning_store_describes_its_mask_and_a_pretraining_store_has_none
     ends = shard.doc_starts[1:] - 1  # each conversation's end-of-document token: never a target
     assert shard.loss_mask.shape == shard.tokens.shape and not shard.loss_mask[ends].any()
     assert 0 < shard.loss_mask.mean() < 1
+
+    assert "loss mask (chatml template)" in liandan_here("data", "info", tmp_path / "sft", check=True).stdout
 
     mask_file = tmp_path / "sft" / "shard-00000.mask.npy"
     mask_file.write_bytes(mask_file.read_bytes()[:-1] + b"\x07")  # one flipped entry: the checksum sees it

@@ -187,6 +187,10 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
         f"store {args.store}: {store.num_documents:,} documents, {store.num_tokens:,} tokens in {len(store.shards)} shard(s)"
     )
     print(f"tokenizer {store.fingerprint} (vocabulary {store.vocab_size:,}, end-of-document id {store.eos_id})")
+    if store.loss_mask is not None:
+        targets = sum(int(shard.loss_mask.sum()) for shard in store.shards)
+        print(f"loss mask ({store.loss_mask.get('template', '?')} template): {targets:,} of the tokens are targets"
+              f" ({targets / max(1, store.num_tokens):.1%}); {store.loss_mask.get('means', '')}")  # fmt: skip
     if args.verify:
         problems = verify_store(local)
         for problem in problems:
