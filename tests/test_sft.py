@@ -159,6 +159,33 @@ def test_the_fine_tuning_loss_and_its_gradients_equal_a_masked_cross_entropy_by_
     assert model(batch.inputs, nothing, doc_ids=batch.doc_ids).item() == 0.0
 
 
+def test_every_target_of_a_step_weighs_the_same_whichever_micro_batch_holds_it(tmp_path):
+    """Gradient accumulation over micro-batches of unequal assistant shares gives the loss and gradients of the
+    whole batch at once (the mean over its targets), not the mean of the micro-batches' means."""
+    from liandan.data.tokens.loader import PackedLoader
+    from liandan.train.components import build_environment, build_train_module
+
+    store, _, _ = _sft_batch(tmp_path)
+    cfg = tiny_config(tmp_path, tmp_path / "unused.jsonl", *SFT)
+    module = build_train_module(cfg, build_environment(cfg, say=lambda m: None), store.tokenizer)
+    params = list(module.model.parameters())
+    found = {}
+    for micro_batch in (4, 1):
+        batches = PackedLoader(store, 64, 4, seed=3, loss_mask=True).next_step(micro_batch)
+        for p in params:
+            p.grad = None
+        loss = module.train_batch(batches, lambda *args, **kwargs: None, 1)
+        found[micro_batch] = loss, [p.grad.clone() for p in params], batches
+    whole, parts = found[4], found[1]
+    assert whole[2][0].loss_weight == 1.0 and len({b.loss_weight for b in parts[2]}) == 4
+    torch.testing.assert_close(parts[0], whole[0], rtol=0, atol=1e-6)
+    for ours, theirs in zip(parts[1], whole[1]):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    with torch.no_grad():  # what equal weights would have given
+        means = [module.model(b.inputs, b.targets, doc_ids=b.doc_ids) for b in parts[2]]
+    assert abs(sum(means) / 4 - whole[0]) > 1e-3
+
+
 def test_a_fine_tuning_run_resumes_exactly_mid_epoch(tmp_path):
     import shutil
 

@@ -35,13 +35,19 @@ class Batch:
     inputs: torch.Tensor  # (b, T) int64
     targets: torch.Tensor  # (b, T) int64
     doc_ids: torch.Tensor  # (b, T) int32, document index within each sequence, from 0
+    # What this micro-batch's mean loss is multiplied by to give its share of the step's loss when targets are
+    # masked: its targets x data-parallel ranks / the targets of the whole global batch, so that every target
+    # of a step weighs the same whichever micro-batch and rank it falls to. None: every micro-batch of a step
+    # weighs the same (they hold as many targets).
+    loss_weight: float | None = None
 
     @property
     def tokens(self) -> int:
         return self.inputs.numel()
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(*(t.to(device, non_blocking=True) for t in (self.inputs, self.targets, self.doc_ids)))
+        moved = (t.to(device, non_blocking=True) for t in (self.inputs, self.targets, self.doc_ids))
+        return Batch(*moved, loss_weight=self.loss_weight)
 
 
 @dataclass(frozen=True, order=True)
@@ -308,12 +314,28 @@ class PackedLoader:
         stores, windows = self.windows_for_step(self.step)
         rank = self.dp_rank if dp_rank is None else dp_rank
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        stores, windows = stores[mine], windows[mine]
-        self.step += 1
-        return [
-            self._batch(stores[i : i + micro_batch], windows[i : i + micro_batch])
+        batches = [
+            self._batch(stores[mine][i : i + micro_batch], windows[mine][i : i + micro_batch])
             for i in range(0, per_rank, micro_batch)
         ]
+        if self.loss_mask:
+            targets = self._targets_per_window(stores, windows)
+            total = max(1, int(targets.sum()))
+            for i, batch in zip(range(0, per_rank, micro_batch), batches):
+                batch.loss_weight = int(targets[mine][i : i + micro_batch].sum()) * self.dp_size / total
+        self.step += 1
+        return batches
+
+    def _targets_per_window(self, stores: np.ndarray, windows: np.ndarray) -> np.ndarray:
+        """How many targets the loss mask leaves in each window (its tokens after the first)."""
+        counts = np.empty(len(windows), dtype=np.int64)
+        for i in np.unique(stores):
+            rows = np.flatnonzero(stores == i)
+            shards, starts = self.streams[i].locate(windows[rows])
+            for row, shard_index, start in zip(rows, shards, starts):
+                mask = self.stores[i].shards[shard_index].loss_mask
+                counts[row] = np.count_nonzero(mask[start + 1 : start + self.seq_len + 1])
+        return counts
 
     def validation(self, n_batches: int, batch_size: int) -> list[Batch]:
         """n_batches * batch_size held-out windows per rank, drawn from the stores by the mixture weights (as
