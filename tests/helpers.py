@@ -407,15 +407,29 @@ ZEPHYR_TEMPLATE = (
 )
 
 
-def write_hf_chat_tokenizer(directory: Path) -> Path:
-    """A small byte-level BPE with a chat template, laid out as a Hugging Face model's tokenizer files; the
-    path of its tokenizer.json."""
+# ChatML as liandan's built-in template writes it, with {% generation %} around what an assistant turn learns
+# (its content and <|im_end|>), for transformers' return_assistant_tokens_mask and TRL's assistant_only_loss.
+# The newlines are expressions: transformers renders with trim_blocks, which drops one after a block tag.
+CHATML_GENERATION_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def write_hf_chat_tokenizer(directory: Path, template: str = ZEPHYR_TEMPLATE) -> Path:
+    """A small byte-level BPE with a chat template (Zephyr's style, or CHATML_GENERATION_TEMPLATE), laid out as
+    a Hugging Face model's tokenizer files; the path of its tokenizer.json."""
     from liandan.data.tokens.tokenizer import train_bpe
 
+    chatml = template == CHATML_GENERATION_TEMPLATE
+    specials = ["<|im_start|>", "<|im_end|>"] if chatml else ["</s>", "<|system|>", "<|user|>", "<|assistant|>"]
     texts = [t["content"] for c in chat_conversations(12) for t in c]
-    tokenizer = train_bpe(texts, 300, special_tokens=["</s>", "<|system|>", "<|user|>", "<|assistant|>"])
+    tokenizer = train_bpe(texts, 300, special_tokens=specials)
     directory.mkdir(parents=True, exist_ok=True)
     tokenizer.save(directory / "tokenizer.json")
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "</s>", "chat_template": ZEPHYR_TEMPLATE}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>" if chatml else "</s>",
+              "pad_token": "<|endoftext|>", "chat_template": template}  # fmt: skip
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory / "tokenizer.json"

@@ -11,6 +11,7 @@ import torch
 
 from helpers import (
     CHAT_REJECTS,
+    CHATML_GENERATION_TEMPLATE,
     chat_conversations,
     liandan_here,
     tiny_config,
@@ -212,3 +213,49 @@ def test_fine_tuning_refuses_attention_across_packed_conversations(tmp_path):
     data = write_chat_data(tmp_path, malformed=False)
     with pytest.raises(ConfigError, match="train.mask"):
         Trainer(tiny_config(tmp_path, data, *SFT, "--train.mask=causal"), say=lambda m: None)
+
+
+def test_the_assistant_mask_and_loss_equal_transformers_and_trl(tmp_path):
+    """The built-in ChatML renders as the same template does in transformers; the turns found by rendering
+    prefixes are the tokens transformers' {% generation %} mask picks; and on one conversation liandan's
+    masked loss and its gradients equal TRL's SFTTrainer with assistant_only_loss, on the same weights (fp32)."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from trl import SFTConfig, SFTTrainer
+
+    from liandan.checkpoint.hf import hf_config, to_hf_tensors
+    from liandan.data.tokens.tokenizer import HFTokenizer
+    from liandan.model import ModelArgs, Transformer
+
+    tokenizer_file = write_hf_chat_tokenizer(tmp_path / "model", CHATML_GENERATION_TEMPLATE)
+    tokenizer, reference = HFTokenizer.load(tokenizer_file), AutoTokenizer.from_pretrained(str(tokenizer_file.parent))
+    messages = chat_conversations(4)[3]  # a system turn and three exchanges
+    rendered = ModelTemplate(tokenizer_file.parent).render(messages)
+    assert rendered.text == ChatMLTemplate().render(messages).text
+    ids, mask = encode_conversation(tokenizer, rendered)
+    theirs = reference.apply_chat_template(messages, return_assistant_tokens_mask=True, return_dict=True)
+    assert theirs["input_ids"] == ids and list(theirs["assistant_masks"]) == mask.tolist()
+
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=256)
+    model = Transformer(args)
+    config = {k: v for k, v in hf_config(args).items() if k != "architectures"}
+    hf_model = LlamaForCausalLM(LlamaConfig(**config, attn_implementation="eager"))
+    hf_model.load_state_dict(to_hf_tensors(args, model.state_dict()))
+    trl_args = SFTConfig(output_dir=str(tmp_path / "trl"), assistant_only_loss=True, report_to=[], max_length=None,
+                         per_device_train_batch_size=1, use_cpu=True)  # fmt: skip
+    trainer = SFTTrainer(model=hf_model, args=trl_args, train_dataset=Dataset.from_list([{"messages": messages}]),
+                         processing_class=reference)  # fmt: skip
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch["input_ids"][0].tolist() == ids
+    trl_loss = trainer.compute_loss(hf_model, batch)
+
+    tokens, kept = torch.tensor([ids]), torch.from_numpy(mask)[None].bool()
+    loss = model(tokens[:, :-1], torch.where(kept[:, 1:], tokens[:, 1:], -1))
+    torch.testing.assert_close(loss, trl_loss, rtol=0, atol=1e-5)
+    loss.backward()
+    trl_loss.backward()
+    ours = to_hf_tensors(args, {name: p.grad for name, p in model.named_parameters()})
+    for name, param in hf_model.named_parameters():
+        torch.testing.assert_close(ours[name], param.grad, rtol=0, atol=1e-5)
