@@ -16,22 +16,13 @@ it never stops the read and never vanishes.
 
 from __future__ import annotations
 
-import codecs
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from liandan.data.documents.corpus import DataError, ReadStats
-from liandan.data.documents.readers import (
-    _LONE_SURROGATE,
-    RejectHandler,
-    _open_stream,
-    _Reader,
-    _record_id,
-    file_format,
-)
+from liandan.data.documents.readers import LONE_SURROGATE, RecordReader, RejectHandler, file_format, record_id
 from liandan.data.documents.storage import is_file
 from liandan.run.remote import RemotePath, locate
 
@@ -59,40 +50,20 @@ def read_conversations(
     kind, compression = file_format(path)
     if kind != "jsonl":
         raise DataError(f"chat data must be .jsonl (optionally .gz or .zst), not {path.name}")
-    reader = _Reader(path, source if source is not None else str(path), "messages", stats, on_reject)
+    reader = RecordReader(path, source if source is not None else str(path), "messages", stats, on_reject)
     return _conversations(reader, compression)
 
 
-def _conversations(reader: _Reader, compression: str | None) -> Iterator[Conversation]:
-    saw_record = False
-    with _open_stream(reader.path, compression) as stream:
-        for number, raw in enumerate(stream, 1):
-            if number == 1 and raw.startswith(codecs.BOM_UTF8):
-                raw = raw[len(codecs.BOM_UTF8) :]
-            if not raw.strip():
-                continue
-            saw_record = True
-            try:
-                record = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError:
-                reader.reject(number, "invalid UTF-8", raw)
-                continue
-            except json.JSONDecodeError:
-                reader.reject(number, "malformed JSON", raw)
-                continue
-            if not isinstance(record, dict):
-                reader.reject(number, "not a JSON object", raw)
-                continue
-            messages, problem = conversation_messages(record)
-            if problem is not None:
-                reason, detail = problem
-                reader.reject(number, reason, raw, **detail)
-                continue
-            reader.stats.documents += 1
-            reader.stats.characters += sum(len(m["content"]) for m in messages)
-            yield Conversation(reader.source, _record_id(record.get("id"), reader.stem, number), messages)
-    if not saw_record:
-        reader.reject(None, "empty file", b"")
+def _conversations(reader: RecordReader, compression: str | None) -> Iterator[Conversation]:
+    for number, raw, record in reader.json_objects(compression):
+        messages, problem = conversation_messages(record)
+        if problem is not None:
+            reason, detail = problem
+            reader.reject(number, reason, raw, **detail)
+            continue
+        reader.stats.documents += 1
+        reader.stats.characters += sum(len(m["content"]) for m in messages)
+        yield Conversation(reader.source, record_id(record.get("id"), reader.stem, number), messages)
 
 
 def conversation_messages(record: dict[str, Any]) -> tuple[list[dict[str, str]], tuple[str, dict] | None]:
@@ -120,7 +91,7 @@ def conversation_messages(record: dict[str, Any]) -> tuple[list[dict[str, str]],
             return [], ("unknown role", {"message": index, "role": str(role)[:40]})
         if not isinstance(content, str):
             return [], ("content is not a string", {"message": index})
-        if _LONE_SURROGATE.search(content):
+        if LONE_SURROGATE.search(content):
             return [], ("invalid Unicode (lone surrogate)", {"message": index})
         found.append({"role": role, "content": content})
     if not any(m["role"] == "assistant" for m in found):
