@@ -400,9 +400,12 @@ def write_chat_data(directory: Path, n: int = 12, malformed: bool = True) -> Pat
     return path
 
 
-# A template in the Zephyr style (not ChatML), as a model's tokenizer_config.json carries it.
+# A template in the Zephyr style (not ChatML), as a model's tokenizer_config.json carries it; like many, it
+# refuses some conversations (here, a system turn after the first turn).
 ZEPHYR_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% for message in messages %}{% if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('a system turn comes first') }}{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

@@ -82,6 +82,26 @@ def test_a_models_chat_template_renders_as_transformers_does_and_masks_each_assi
         assert _masked_runs(tokenizer, ids, mask) == expected
 
 
+def test_a_models_template_writes_the_store_with_its_own_tokens_and_its_refusals_counted(tmp_path):
+    from liandan.config import load_config
+    from liandan.data.pipeline.chat import prepare_chat_store
+    from liandan.data.tokens.store import TokenStore
+    from liandan.data.tokens.tokenizer import HFTokenizer
+
+    tokenizer_file = write_hf_chat_tokenizer(tmp_path / "model")
+    data = write_chat_data(tmp_path, n=4, malformed=False)
+    late_system = [{"role": "user", "content": "hi"}, {"role": "system", "content": "be brief"},
+                   {"role": "assistant", "content": "hello"}]  # fmt: skip
+    with data.open("a") as handle:
+        handle.write(json.dumps({"messages": late_system}) + "\n")
+    overrides = [f'--data.paths=["{data}"]', f"--data.tokenizer={tokenizer_file}", "--data.chat_template=tokenizer"]
+    stats = prepare_chat_store(load_config(None, overrides).data, tmp_path / "sft", say=lambda m: None)
+    assert stats.documents == 5 and dict(stats.skipped) == {"chat template error: a system turn comes first": 1}
+    store = TokenStore(tmp_path / "sft", verify=True)
+    assert store.fingerprint == HFTokenizer.load(tokenizer_file).fingerprint()  # nothing added to a model's own
+    assert store.loss_mask["template"].startswith("tokenizer:") and store.num_documents == 5
+
+
 def test_chat_data_needs_a_tokenizer_with_room_for_special_tokens():
     with pytest.raises(DataError, match="byte tokenizer"):
         with_chat_tokens(ByteTokenizer())

@@ -79,8 +79,10 @@ class ModelTemplate:
             raise DataError(
                 "rendering a model's chat template needs transformers (pip install 'liandan[hf]')"
             ) from None
-        try:
-            self._hf = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+        if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+            raise DataError(f"no tokenizer.json in {tokenizer_dir} to render its chat template with")
+        try:  # local files only: a missing file must not become a download attempt
+            self._hf = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
         except (OSError, ValueError) as err:
             raise DataError(f"cannot load the tokenizer of {tokenizer_dir}: {err}") from None
         template = getattr(self._hf, "chat_template", None)
@@ -93,7 +95,8 @@ class ModelTemplate:
         try:
             return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
         except Exception as err:  # noqa: BLE001 - jinja's raise_exception and template bugs raise anything
-            raise TemplateError(f"chat template error: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+            first_line = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise TemplateError(f"chat template error: {first_line}") from None
 
     def render(self, messages: list[dict[str, str]]) -> Rendered:
         text = self._apply(messages, False)
