@@ -111,6 +111,7 @@ def test_a_fine_tuning_store_describes_its_mask_and_a_pretraining_store_has_none
     from liandan.config import load_config
     from liandan.data.documents.readers import read_file
     from liandan.data.pipeline.chat import REJECTS, prepare_chat_store
+    from liandan.data.tokens.loader import PackedLoader
     from liandan.data.tokens.store import TokenStore, verify_store, write_manifest, write_shard
 
     cfg = load_config(None, [f'--data.paths=["{write_chat_data(tmp_path)}"]', *SFT[1:3]]).data
@@ -135,6 +136,8 @@ def test_a_fine_tuning_store_describes_its_mask_and_a_pretraining_store_has_none
     info = write_shard(read_file(write_corpus(tmp_path, 3)), tokenizer, tmp_path / "lm" / "shard-00000")
     write_manifest(tmp_path / "lm", [info], tokenizer)
     plain = TokenStore(tmp_path / "lm")
+    with pytest.raises(DataError, match="without a loss mask"):
+        PackedLoader(plain, 64, 4, seed=0, loss_mask=True)
     assert "loss_mask" not in plain.manifest and plain.loss_mask is None and plain.shards[0].loss_mask is None
     assert sorted(p.name for p in (tmp_path / "lm").iterdir()) == [
         "manifest.json", "shard-00000.bin", "shard-00000.docs.jsonl", "tokenizer.json"
@@ -227,12 +230,17 @@ def test_a_fine_tuning_run_resumes_exactly_mid_epoch(tmp_path):
     assert resumed.train().losses[-2:] == straight.losses[-2:]
 
 
-def test_fine_tuning_refuses_attention_across_packed_conversations(tmp_path):
+def test_fine_tuning_refuses_attention_across_packed_conversations_and_can_learn_every_token(tmp_path):
     from liandan.train import Trainer
 
     data = write_chat_data(tmp_path, malformed=False)
     with pytest.raises(ConfigError, match="train.mask"):
         Trainer(tiny_config(tmp_path, data, *SFT, "--train.mask=causal"), say=lambda m: None)
+    said: list[str] = []
+    trainer = Trainer(tiny_config(tmp_path, data, *SFT, "--train.sft_targets=all", "--run.name=all"), say=said.append)
+    batch = trainer.parts.data.loader.next_step(4)[0]
+    assert bool((batch.targets >= 0).all()) and batch.loss_weight is None
+    assert any("conversations are longer than train.seq_len = 64 tokens" in line for line in said), said
 
 
 def test_the_assistant_mask_and_loss_equal_transformers_and_trl(tmp_path):

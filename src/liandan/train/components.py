@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -231,11 +232,23 @@ def build_data(cfg: Config, env: Environment, room: RunDir, resuming: bool,
         stores, t.seq_len, t.global_batch, cfg.run.seed, cfg.data.val_fraction, dp_rank, dp_size,
         weights=cfg.data.weights or None, loss_mask=sft and t.sft_targets == "assistant",
     )  # fmt: skip
-    if sft:  # fine-tuning counts in epochs over a small set; the loader reshuffles each store every epoch
-        windows = sum(len(s.train_windows) for s in packed.streams)
-        env.say(f"fine-tuning on {windows:,} sequences of {t.seq_len} tokens per epoch: {t.steps} steps of"
-                f" {t.global_batch} are {t.steps * t.global_batch / windows:.2f} epochs")  # fmt: skip
+    if sft:
+        say_epochs(packed, t, env.say)
     return Data(packed, micro_batch, dp_rank, dp_size, stores, tokenizer)
+
+
+def say_epochs(loader: PackedLoader, t: Any, say: Callable[[str], None]) -> None:
+    """Fine-tuning counts in epochs over a small set (the loader reshuffles each store every epoch), and a
+    conversation longer than a sequence is cut: say both."""
+    windows = sum(len(s.train_windows) for s in loader.streams)
+    say(f"fine-tuning on {windows:,} sequences of {t.seq_len} tokens per epoch: {t.steps} steps of"
+        f" {t.global_batch} are {t.steps * t.global_batch / windows:.2f} epochs")  # fmt: skip
+    lengths = np.concatenate([np.diff(shard.doc_starts) for store in loader.stores for shard in store.shards])
+    if long := int((lengths > t.seq_len + 1).sum()):
+        say(
+            f"warning: {long} of {len(lengths)} conversations are longer than train.seq_len = {t.seq_len} tokens:"
+            " each is cut where its sequences end, and its later turns are learned without their beginning"
+        )
 
 
 def build_train_module(cfg: Config, env: Environment, tokenizer: Any) -> TrainModule:
