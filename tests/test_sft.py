@@ -108,14 +108,16 @@ def test_chat_data_needs_a_tokenizer_with_room_for_special_tokens():
 
 
 def test_a_fine_tuning_store_describes_its_mask_and_a_pretraining_store_has_none(tmp_path):
-    from liandan.config import load_config
     from liandan.data.documents.readers import read_file
-    from liandan.data.pipeline.chat import REJECTS, prepare_chat_store
+    from liandan.data.pipeline.chat import REJECTS
     from liandan.data.tokens.loader import PackedLoader
     from liandan.data.tokens.store import TokenStore, verify_store, write_manifest, write_shard
 
-    cfg = load_config(None, [f'--data.paths=["{write_chat_data(tmp_path)}"]', *SFT[1:3]]).data
-    prepare_chat_store(cfg, tmp_path / "sft", say=lambda m: None)
+    write = ["data", "chat", write_chat_data(tmp_path), "--out", tmp_path / "sft", "--bpe-vocab-size=320"]
+    said = liandan_here(*write, check=True).stdout
+    assert "13 conversations" in said and "1 no assistant turn" in said and "1 malformed JSON" in said
+    refused = liandan_here(*write)
+    assert refused.returncode == 2 and "--overwrite" in refused.stderr  # a store is never replaced unasked
     store = TokenStore(tmp_path / "sft", verify=True)
     assert store.loss_mask["template"] == "chatml" and store.loss_mask["read"]["conversations"] == 13
     assert store.loss_mask["read"]["skipped"] == dict(Counter(CHAT_REJECTS.values()))
@@ -236,8 +238,10 @@ def test_fine_tuning_refuses_attention_across_packed_conversations_and_can_learn
     data = write_chat_data(tmp_path, malformed=False)
     with pytest.raises(ConfigError, match="train.mask"):
         Trainer(tiny_config(tmp_path, data, *SFT, "--train.mask=causal"), say=lambda m: None)
+    liandan_here("data", "chat", data, "--out", tmp_path / "store", "--bpe-vocab-size=320", check=True)
     said: list[str] = []
-    trainer = Trainer(tiny_config(tmp_path, data, *SFT, "--train.sft_targets=all", "--run.name=all"), say=said.append)
+    every_token = [*SFT, f'--data.stores=["{tmp_path / "store"}"]', "--train.sft_targets=all", "--run.name=all"]
+    trainer = Trainer(tiny_config(tmp_path, data, *every_token), say=said.append)
     batch = trainer.parts.data.loader.next_step(4)[0]
     assert bool((batch.targets >= 0).all()) and batch.loss_weight is None
     assert any("conversations are longer than train.seq_len = 64 tokens" in line for line in said), said
