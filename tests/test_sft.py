@@ -52,7 +52,8 @@ def test_malformed_chat_records_are_counted_with_their_reasons(tmp_path):
 
 
 def test_chatml_mask_covers_exactly_the_assistant_turns():
-    conversations = chat_conversations(6)
+    unicode = [{"role": "user", "content": "你好, and café?"}, {"role": "assistant", "content": " 世界 🙂\n\n ok "}]
+    conversations = [*chat_conversations(6), unicode]  # multi-byte characters and whitespace at the edges
     tokenizer = with_chat_tokens(train_bpe([t["content"] for c in conversations for t in c], 300))
     assert tokenizer.token_id(IM_END) is not None
     template = ChatMLTemplate()
