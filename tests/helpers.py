@@ -352,3 +352,87 @@ def train_named(config, name, nproc, *overrides, faults=None):
 def run_losses(config, name):
     """The per-step losses of run NAME under the config's `runs` directory."""
     return [r["loss"] for r in read_run(config.parent / "runs" / name).metrics]
+
+
+# Chat records for supervised fine-tuning: conversations whose turns are sentences of Python's own
+# documentation, a prompt/response pair, and one record of each malformed kind with the reason it is counted under.
+CHAT_REJECTS = {
+    b"{not json": "malformed JSON",
+    b'{"messages": [{"role": "user", "content": "caf\xe9"}]}': "invalid UTF-8",
+    b'["a list"]': "not a JSON object",
+    b'{"text": "a document, not a conversation"}': "neither 'messages' nor 'prompt'/'response'",
+    b'{"messages": [{"content": "who?"}, {"role": "assistant", "content": "me"}]}': "message without a role",
+    b'{"messages": [{"role": "narrator", "content": "once"}, {"role": "assistant", "content": "ok"}]}': "unknown role",
+    b'{"messages": [{"role": "user", "content": 7}, {"role": "assistant", "content": "ok"}]}': (
+        "content is not a string"
+    ),
+    b'{"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}': (
+        "no assistant turn"
+    ),
+    b'{"prompt": "2 + 2?", "response": 4}': "'prompt' or 'response' is not a string",
+}
+
+
+def chat_conversations(n: int) -> list[list[dict[str, str]]]:
+    """`n` conversations of one to three exchanges, every second one with a system turn."""
+    from pydoc_data.topics import topics
+
+    sentences = [s.strip() for name in sorted(topics)[:40] for s in topics[name].split(". ") if 20 < len(s) < 160]
+    conversations = []
+    for i in range(n):
+        turns = [{"role": "system", "content": "Answer from the Python reference."}] if i % 2 else []
+        for k in range(1 + i % 3):
+            ask, answer = sentences[(7 * i + 2 * k) % len(sentences)], sentences[(7 * i + 2 * k + 1) % len(sentences)]
+            turns += [{"role": "user", "content": ask + "?"}, {"role": "assistant", "content": answer + "."}]
+        conversations.append(turns)
+    return conversations
+
+
+def write_chat_data(directory: Path, n: int = 12, malformed: bool = True) -> Path:
+    """A .jsonl of `n` conversations and one prompt/response pair, with CHAT_REJECTS's records among them."""
+    lines = [json.dumps({"id": f"c{i}", "messages": m}).encode() for i, m in enumerate(chat_conversations(n))]
+    lines.append(json.dumps({"prompt": "What does pass do?", "response": "Nothing; it is a placeholder."}).encode())
+    if malformed:
+        for k, raw in enumerate(CHAT_REJECTS):
+            lines.insert(2 * k + 1, raw)
+    path = directory / "chat.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+# A template in the Zephyr style (not ChatML), as a model's tokenizer_config.json carries it; like many, it
+# refuses some conversations (here, a system turn after the first turn).
+ZEPHYR_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'system' and not loop.first %}"
+    "{{ raise_exception('a system turn comes first') }}{% endif %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+# ChatML as liandan's built-in template writes it, with {% generation %} around what an assistant turn learns
+# (its content and <|im_end|>), for transformers' return_assistant_tokens_mask and TRL's assistant_only_loss.
+# The newlines are expressions: transformers renders with trim_blocks, which drops one after a block tag.
+CHATML_GENERATION_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def write_hf_chat_tokenizer(directory: Path, template: str = ZEPHYR_TEMPLATE) -> Path:
+    """A small byte-level BPE with a chat template (Zephyr's style, or CHATML_GENERATION_TEMPLATE), laid out as
+    a Hugging Face model's tokenizer files; the path of its tokenizer.json."""
+    from liandan.data.tokens.tokenizer import train_bpe
+
+    chatml = template == CHATML_GENERATION_TEMPLATE
+    specials = ["<|im_start|>", "<|im_end|>"] if chatml else ["</s>", "<|system|>", "<|user|>", "<|assistant|>"]
+    texts = [t["content"] for c in chat_conversations(12) for t in c]
+    tokenizer = train_bpe(texts, 300, special_tokens=specials)
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(directory / "tokenizer.json")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>" if chatml else "</s>",
+              "pad_token": "<|endoftext|>", "chat_template": template}  # fmt: skip
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory / "tokenizer.json"

@@ -1,4 +1,4 @@
-"""`liandan data run | inspect | info | steps`: the data pipeline from the command line."""
+"""`liandan data run | inspect | info | steps | chat`: the data pipeline from the command line."""
 
 from __future__ import annotations
 
@@ -45,6 +45,16 @@ def add_commands(sub) -> None:
 
     p = actions.add_parser("steps", help="the registered pipeline steps and their options")
     p.set_defaults(command=cmd_steps)
+
+    p = actions.add_parser("chat", help="chat records (.jsonl) -> a token store with a loss mask, for fine-tuning")
+    p.add_argument("paths", nargs="+", help=".jsonl files (optionally .gz/.zst), directories or globs")
+    p.add_argument("--out", required=True, help="the store's directory (its rejects.jsonl goes beside the shards)")
+    p.add_argument("--tokenizer", default="bpe", help="bpe (trained on the conversations) or a tokenizer.json")
+    p.add_argument("--bpe-vocab-size", type=int, default=4096, help="vocabulary size when training a BPE")
+    p.add_argument("--template", choices=["chatml", "tokenizer"], default="chatml",
+                   help="chatml (built in), or the chat_template beside --tokenizer's tokenizer.json")  # fmt: skip
+    p.add_argument("--overwrite", action="store_true", help="replace a store already at --out")
+    p.set_defaults(command=cmd_chat)
 
 
 def cmd_run(args: argparse.Namespace, overrides: list[str]) -> int:
@@ -187,6 +197,10 @@ def cmd_info(args: argparse.Namespace, overrides: list[str]) -> int:
         f"store {args.store}: {store.num_documents:,} documents, {store.num_tokens:,} tokens in {len(store.shards)} shard(s)"
     )
     print(f"tokenizer {store.fingerprint} (vocabulary {store.vocab_size:,}, end-of-document id {store.eos_id})")
+    if store.loss_mask is not None:
+        targets = sum(int(shard.loss_mask.sum()) for shard in store.shards)
+        print(f"loss mask ({store.loss_mask.get('template', '?')} template): {targets:,} of the tokens are targets"
+              f" ({targets / max(1, store.num_tokens):.1%}); {store.loss_mask.get('means', '')}")  # fmt: skip
     if args.verify:
         problems = verify_store(local)
         for problem in problems:
@@ -232,3 +246,19 @@ def first_sentence(doc: str) -> str:
         if char in ".!?" and depth <= 0 and paragraph[at + 1 : at + 2] in ("", " "):
             return paragraph[: at + 1]
     return paragraph
+
+
+def cmd_chat(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Write a fine-tuning store, as a run with `train.objective = "sft"` writes its own from `[data] paths`; a
+    run then trains on it with `[data] stores`."""
+    from liandan.config import DataSection
+    from liandan.data.pipeline.chat import prepare_chat_store
+
+    out = Path(args.out)
+    if (out / "manifest.json").is_file() and not args.overwrite:
+        raise ConfigError(f"{out} already holds a token store; pass --overwrite to replace it")
+    cfg = DataSection(paths=list(args.paths), tokenizer=args.tokenizer, bpe_vocab_size=args.bpe_vocab_size,
+                      chat_template=args.template)  # fmt: skip
+    prepare_chat_store(cfg, out, say=print)
+    print(f"wrote {out}: train on it with --train.objective=sft --data.stores='[\"{out}\"]'")
+    return 0

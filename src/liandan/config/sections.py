@@ -88,6 +88,14 @@ class TrainSection:
     fp8_emulate: bool = _f(
         False, "emulate train.fp8's casts in the run's dtype, on any device (for tests: no speed-up)"
     )  # fmt: skip
+    objective: Literal["lm", "sft"] = _f(
+        "lm", "lm: next-token prediction on every token (pretraining); sft: supervised fine-tuning on chat data"
+        " (data.paths of chat records, rendered by data.chat_template), the loss taken where train.sft_targets says"
+    )  # fmt: skip
+    sft_targets: Literal["assistant", "all"] = _f(
+        "assistant", "train.objective = sft: learn the assistant turns only (their content and end token, by the"
+        " store's loss mask), or every token of the conversations"
+    )  # fmt: skip
     log_every: int = _f(1, "steps between metric records", min=1)
     eval_every: int = _f(0, "steps between validation-loss checks; 0 disables", min=0)
     eval_batches: int = _f(4, "validation batches per check", min=1)
@@ -160,6 +168,11 @@ class DataSection:
         " $XDG_CACHE_HOME/liandan/stores"
     )  # fmt: skip
     weights: list[float] = _f([], "mixture weight of each store (normalized); empty weighs stores by their tokens")
+    chat_template: Literal["chatml", "tokenizer"] = _f(
+        "chatml", "train.objective = sft: chatml (built in, its <|im_start|> and <|im_end|> added to the"
+        " tokenizer as special tokens) or tokenizer (the chat_template of the tokenizer_config.json beside"
+        " data.tokenizer's tokenizer.json, rendered by transformers)"
+    )  # fmt: skip
 
 
 @dataclass

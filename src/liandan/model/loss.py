@@ -48,7 +48,9 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) ->
         keep = (targets >= 0).float()
         lse = torch.logsumexp(logits, dim=-1)
         loss = loss + z_loss * (lse.pow(2) * keep).sum() / keep.sum().clamp(min=1)
-    return loss
+    # No target at all (a fine-tuning window of prompt tokens alone) is a loss of 0, as in the other forms, not
+    # the nan of a mean over nothing; the gradient is 0 either way.
+    return torch.where((targets >= 0).any(), loss, 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -165,7 +165,7 @@ class CausalLMTrainModule(TrainModule):
                 phase("forward", micro=i)
                 slow_forward(step)
                 with self._split(batch) as part:  # ring attention's forward and backward both inside
-                    loss = self._micro_loss(part, len(batches))
+                    loss = self._micro_loss(part, len(batches), batch.loss_weight)
                     phase("backward", micro=i)
                     loss.backward()
             total += loss.detach()
@@ -175,12 +175,14 @@ class CausalLMTrainModule(TrainModule):
         """This rank's share of the micro-batch under context parallelism (all of it otherwise)."""
         return sequence_split(self.cp_mesh, batch.inputs, batch.targets, self._doc_ids(batch))
 
-    def _micro_loss(self, part: SequenceShard, count: int) -> torch.Tensor:
-        """One micro-batch's share of the step's mean loss: the one arithmetic of a step and of its replay."""
+    def _micro_loss(self, part: SequenceShard, count: int, weight: float | None = None) -> torch.Tensor:
+        """One micro-batch's share of the step's mean loss: the one arithmetic of a step and of its replay. The
+        micro-batches of a step weigh the same (1 / count), or by `weight` (`Batch.loss_weight`: by targets)."""
         kwargs = {} if part.positions is None else {"positions": part.positions}
         with self.autocasting():
             loss = self.model(part.inputs, part.targets, doc_ids=part.doc_ids, **kwargs)
-        return (loss if part.weight is None else loss * part.weight) / count
+        loss = loss if part.weight is None else loss * part.weight
+        return loss / count if weight is None else loss * weight
 
     @torch.no_grad()
     def replay_loss(self, batches: list[Batch], step: int) -> torch.Tensor:
@@ -191,7 +193,7 @@ class CausalLMTrainModule(TrainModule):
         with faulty_matmuls(step):
             for batch in batches:
                 with self._split(batch.to(self.device)) as part:
-                    total += self._micro_loss(part, len(batches)).detach()
+                    total += self._micro_loss(part, len(batches), batch.loss_weight).detach()
         total = mean_over_cp(self.cp_mesh, total)
         # FSDP2 keeps the last block gathered after a forward for the backward that would follow: without
         # one, the update would go to the shards while that stale gathered copy serves the next forward.

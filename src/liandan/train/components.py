@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -27,6 +28,7 @@ from liandan.checkpoint.manager import CheckpointManager
 from liandan.checkpoint.resume import can_resume
 from liandan.common.layout import Layout, batch_split_refusal, resolve_layout
 from liandan.config import Config, ConfigError
+from liandan.data.pipeline.chat import prepare_chat_store
 from liandan.data.pipeline.prepare import open_prepared, open_stores, prepare_store
 from liandan.data.tokens.loader import Batch, PackedLoader
 from liandan.run import RunDir, RunLock, holds_progress, lock_run_dir
@@ -207,12 +209,20 @@ def build_data(cfg: Config, env: Environment, room: RunDir, resuming: bool,
         own = loader if hasattr(loader, "next_step") else loader(env, dp_rank, dp_size)  # type: ignore[operator]
         return Data(own, micro_batch, dp_rank, dp_size, list(getattr(own, "stores", [])),
                     getattr(own, "tokenizer", None))  # fmt: skip
+    sft = t.objective == "sft"
+    if sft and t.mask != "document":
+        raise ConfigError('train.objective = "sft" needs train.mask = "document": packed conversations must not'
+                          " attend to each other")  # fmt: skip
     if cfg.data.stores:
         stores, tokenizer = open_stores(cfg.data.stores, cfg.data.cache_dir, env.say)
     else:
 
         def prepare() -> None:
-            if not (resuming and room.data_manifest.is_file()):
+            if resuming and room.data_manifest.is_file():
+                return
+            if sft:
+                prepare_chat_store(cfg.data, room.data, env.say)
+            else:
                 prepare_store(cfg.data, room.data, env.say)
 
         env.on_main_then_share(prepare)
@@ -220,9 +230,25 @@ def build_data(cfg: Config, env: Environment, room: RunDir, resuming: bool,
         stores = [store]
     packed = PackedLoader(
         stores, t.seq_len, t.global_batch, cfg.run.seed, cfg.data.val_fraction, dp_rank, dp_size,
-        weights=cfg.data.weights or None,
+        weights=cfg.data.weights or None, loss_mask=sft and t.sft_targets == "assistant",
     )  # fmt: skip
+    if sft:
+        say_epochs(packed, t, env.say)
     return Data(packed, micro_batch, dp_rank, dp_size, stores, tokenizer)
+
+
+def say_epochs(loader: PackedLoader, t: Any, say: Callable[[str], None]) -> None:
+    """Fine-tuning counts in epochs over a small set (the loader reshuffles each store every epoch), and a
+    conversation longer than a sequence is cut: say both."""
+    windows = sum(len(s.train_windows) for s in loader.streams)
+    say(f"fine-tuning on {windows:,} sequences of {t.seq_len} tokens per epoch: {t.steps} steps of"
+        f" {t.global_batch} are {t.steps * t.global_batch / windows:.2f} epochs")  # fmt: skip
+    lengths = np.concatenate([np.diff(shard.doc_starts) for store in loader.stores for shard in store.shards])
+    if long := int((lengths > t.seq_len + 1).sum()):
+        say(
+            f"warning: {long} of {len(lengths)} conversations are longer than train.seq_len = {t.seq_len} tokens:"
+            " each is cut where its sequences end, and its later turns are learned without their beginning"
+        )
 
 
 def build_train_module(cfg: Config, env: Environment, tokenizer: Any) -> TrainModule:

@@ -45,7 +45,7 @@ RAW_PREVIEW_CHARS = 500  # how much of a rejected record the reject log keeps
 META_MAX_CHARS = 256  # longer string fields stay out of doc.meta: it travels with every document
 PARQUET_BATCH_ROWS = 1024
 _CHUNK_BYTES = 1 << 20
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def files_in_directory(directory: Path, named: str) -> list[Path]:
@@ -97,7 +97,7 @@ def read_file(
     if not is_file(path):
         raise DataError(f"data file not found: {path}")
     kind, compression = file_format(path)
-    reader = _Reader(path, source if source is not None else str(path), text_field, stats, on_reject)
+    reader = RecordReader(path, source if source is not None else str(path), text_field, stats, on_reject)
     if kind == "jsonl":
         return reader.jsonl(compression)
     if kind == "parquet":
@@ -105,7 +105,10 @@ def read_file(
     return reader.txt(compression, txt_mode)
 
 
-class _Reader:
+class RecordReader:
+    """One file's records as documents (or, through `json_objects`, as JSON objects for other readers), with
+    the counts and rejects of the read."""
+
     def __init__(
         self,
         path: Path | RemotePath,
@@ -140,8 +143,9 @@ class _Reader:
 
     # --- formats -------------------------------------------------------------------------------------------
 
-    def jsonl(self, compression: str | None) -> Iterator[Document]:
-        field = self.text_field
+    def json_objects(self, compression: str | None) -> Iterator[tuple[int, bytes, dict[str, Any]]]:
+        """(line number, line, object) of each line of a .jsonl that holds a JSON object; blank lines are
+        skipped, the others rejected (invalid UTF-8, malformed JSON, not an object), as is a file of none."""
         saw_record = False
         with _open_stream(self.path, compression) as stream:
             for number, raw in enumerate(stream, 1):
@@ -161,17 +165,22 @@ class _Reader:
                 if not isinstance(record, dict):
                     self.reject(number, "not a JSON object", raw)
                     continue
-                text = record.get(field)
-                if not isinstance(text, str):
-                    self.reject(number, f"no string field '{field}'", raw)
-                elif not text.strip():
-                    self.reject(number, "empty document", raw)
-                elif _LONE_SURROGATE.search(text):  # JSON escapes can spell text that no file can hold
-                    self.reject(number, "invalid Unicode (lone surrogate)", raw)
-                else:
-                    yield self.document(_record_id(record.get("id"), self.stem, number), text, _meta(record, field))
+                yield number, raw, record
         if not saw_record:
             self.reject(None, "empty file", b"")
+
+    def jsonl(self, compression: str | None) -> Iterator[Document]:
+        field = self.text_field
+        for number, raw, record in self.json_objects(compression):
+            text = record.get(field)
+            if not isinstance(text, str):
+                self.reject(number, f"no string field '{field}'", raw)
+            elif not text.strip():
+                self.reject(number, "empty document", raw)
+            elif LONE_SURROGATE.search(text):  # JSON escapes can spell text that no file can hold
+                self.reject(number, "invalid Unicode (lone surrogate)", raw)
+            else:
+                yield self.document(record_id(record.get("id"), self.stem, number), text, _meta(record, field))
 
     def txt(self, compression: str | None, mode: str) -> Iterator[Document]:
         with _open_stream(self.path, compression) as stream:
@@ -237,9 +246,7 @@ class _Reader:
                         elif not text.strip():
                             self.reject(row, "empty document", text)
                         else:
-                            yield self.document(
-                                _record_id(record.get("id"), self.stem, row), text, _meta(record, field)
-                            )
+                            yield self.document(record_id(record.get("id"), self.stem, row), text, _meta(record, field))
                         row += 1
             except (pa.ArrowException, OSError) as err:
                 raise DataError(f"cannot read parquet file {self.path} at row {row}: {_first_line(err)}") from None
@@ -248,7 +255,7 @@ class _Reader:
 # --- helpers -----------------------------------------------------------------------------------------------
 
 
-def _record_id(value: Any, stem: str, number: int) -> str:
+def record_id(value: Any, stem: str, number: int) -> str:
     if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value):
         return str(value)
     return f"{stem}:{number}"

@@ -35,13 +35,19 @@ class Batch:
     inputs: torch.Tensor  # (b, T) int64
     targets: torch.Tensor  # (b, T) int64
     doc_ids: torch.Tensor  # (b, T) int32, document index within each sequence, from 0
+    # What this micro-batch's mean loss is multiplied by to give its share of the step's loss when targets are
+    # masked: its targets x data-parallel ranks / the targets of the whole global batch, so that every target
+    # of a step weighs the same whichever micro-batch and rank it falls to. None: every micro-batch of a step
+    # weighs the same (they hold as many targets).
+    loss_weight: float | None = None
 
     @property
     def tokens(self) -> int:
         return self.inputs.numel()
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(*(t.to(device, non_blocking=True) for t in (self.inputs, self.targets, self.doc_ids)))
+        moved = (t.to(device, non_blocking=True) for t in (self.inputs, self.targets, self.doc_ids))
+        return Batch(*moved, loss_weight=self.loss_weight)
 
 
 @dataclass(frozen=True, order=True)
@@ -195,7 +201,10 @@ class PackedLoader:
         dp_rank: int = 0,
         dp_size: int = 1,
         weights: Sequence[float] | None = None,
+        loss_mask: bool = False,
     ):
+        """`loss_mask`: targets that a store's loss-mask channel leaves out (a fine-tuning store's prompts) are
+        -1, which the loss skips; every store must have one. Off, every token is a target."""
         stores = [stores] if isinstance(stores, TokenStore) else list(stores)
         if not stores:
             raise DataError("no token stores to train on")
@@ -211,6 +220,9 @@ class PackedLoader:
             raise DataError(f"{len(weights)} mixture weights for {len(stores)} token stores; give one per store")
         if not all(math.isfinite(w) and w > 0 for w in weights):
             raise DataError(f"mixture weights must be positive numbers, got {list(weights)}")
+        if loss_mask and (unmasked := [str(s.path) for s in stores if s.loss_mask is None]):
+            raise DataError(f"token stores without a loss mask (not written from chat data): {', '.join(unmasked)}")
+        self.loss_mask = loss_mask
         self.stores, self.seq_len, self.global_batch = stores, seq_len, global_batch
         self.seed, self.val_fraction, self.dp_rank, self.dp_size = seed, val_fraction, dp_rank, dp_size
         self.streams = [_Stream(s, i, seq_len, seed, val_fraction) for i, s in enumerate(stores)]
@@ -302,12 +314,28 @@ class PackedLoader:
         stores, windows = self.windows_for_step(self.step)
         rank = self.dp_rank if dp_rank is None else dp_rank
         mine = slice(rank * per_rank, (rank + 1) * per_rank)
-        stores, windows = stores[mine], windows[mine]
-        self.step += 1
-        return [
-            self._batch(stores[i : i + micro_batch], windows[i : i + micro_batch])
+        batches = [
+            self._batch(stores[mine][i : i + micro_batch], windows[mine][i : i + micro_batch])
             for i in range(0, per_rank, micro_batch)
         ]
+        if self.loss_mask:
+            targets = self._targets_per_window(stores, windows)
+            total = max(1, int(targets.sum()))
+            for i, batch in zip(range(0, per_rank, micro_batch), batches):
+                batch.loss_weight = int(targets[mine][i : i + micro_batch].sum()) * self.dp_size / total
+        self.step += 1
+        return batches
+
+    def _targets_per_window(self, stores: np.ndarray, windows: np.ndarray) -> np.ndarray:
+        """How many targets the loss mask leaves in each window (its tokens after the first)."""
+        counts = np.empty(len(windows), dtype=np.int64)
+        for i in np.unique(stores):
+            rows = np.flatnonzero(stores == i)
+            shards, starts = self.streams[i].locate(windows[rows])
+            for row, shard_index, start in zip(rows, shards, starts):
+                mask = self.stores[i].shards[shard_index].loss_mask
+                counts[row] = np.count_nonzero(mask[start + 1 : start + self.seq_len + 1])
+        return counts
 
     def validation(self, n_batches: int, batch_size: int) -> list[Batch]:
         """n_batches * batch_size held-out windows per rank, drawn from the stores by the mixture weights (as
@@ -373,6 +401,7 @@ class PackedLoader:
     def _batch(self, stores: np.ndarray, windows: np.ndarray) -> Batch:
         tokens = np.empty((len(windows), self.seq_len + 1), dtype=np.int64)
         doc_ids = np.empty((len(windows), self.seq_len), dtype=np.int32)
+        trained = np.empty((len(windows), self.seq_len), dtype=bool) if self.loss_mask else None
         offsets = np.arange(self.seq_len + 1)
         for i in np.unique(stores):
             rows = np.flatnonzero(stores == i)
@@ -385,8 +414,13 @@ class PackedLoader:
                 _check_vocabulary(self.stores[i], shard, tokens[rows[sel]])
                 docs = shard.document_of(positions[:, :-1])
                 doc_ids[rows[sel]] = docs - docs[:, :1]
+                if trained is not None:
+                    trained[rows[sel]] = shard.loss_mask[positions[:, 1:]] != 0  # of each target token
         tokens_t = torch.from_numpy(tokens)
-        return Batch(tokens_t[:, :-1], tokens_t[:, 1:], torch.from_numpy(doc_ids))
+        if trained is None:
+            return Batch(tokens_t[:, :-1], tokens_t[:, 1:], torch.from_numpy(doc_ids))
+        targets = torch.from_numpy(np.where(trained, tokens[:, 1:], -1))
+        return Batch(tokens_t[:, :-1], targets, torch.from_numpy(doc_ids))
 
 
 def _check_vocabulary(store: TokenStore, shard: Shard, tokens: np.ndarray) -> None:

@@ -6,6 +6,9 @@ Layout of a store directory:
     tokenizer.json          the tokenizer that wrote the shards, so a store can be trained on alone
     shard-00000.bin         header | token ids | document index (below)
     shard-00000.docs.jsonl  provenance: line i is {"source": ..., "id": ...} of document i
+    shard-00000.mask.npy    only in a store for supervised fine-tuning, whose manifest then has "loss_mask" (what
+                            the mask means, the template that rendered the conversations): one uint8 per token,
+                            1 where the token is a target to learn (an assistant's), 0 elsewhere
 
 A shard's .bin starts with a fixed 256-byte little-endian header, so a shard describes itself without the
 manifest:
@@ -31,10 +34,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import itertools
 import json
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +59,8 @@ _CHECKSUM_AT = HEADER_SIZE - 8
 DTYPE_CODES = {1: np.dtype(np.uint16), 2: np.dtype(np.uint32)}
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
+LOSS_MASK = "loss_mask"  # the manifest's key describing a store's loss-mask channel, present only in stores with one
+LOSS_MASK_SUFFIX = ".mask.npy"
 
 
 def shard_path(store_dir: Path, index: int) -> Path:
@@ -63,6 +69,10 @@ def shard_path(store_dir: Path, index: int) -> Path:
 
 def provenance_path(shard: Path) -> Path:
     return shard.with_name(shard.name.removesuffix(".bin") + ".docs.jsonl")
+
+
+def loss_mask_path(shard: Path) -> Path:
+    return shard.with_name(shard.name.removesuffix(".bin") + LOSS_MASK_SUFFIX)
 
 
 def file_checksum(path: Path, chunk: int = 1 << 23) -> str:
@@ -186,25 +196,71 @@ def write_shard(docs: Iterable[Document], tokenizer: Tokenizer, path: Path, batc
             np.fromiter(itertools.chain.from_iterable(encoded), dtype, sum(sizes)).tofile(tokens_out)
             lengths += sizes
             docs_out.write("".join(_provenance_line(d) for d in done))
-        n_tokens = sum(lengths)
-        header = ShardHeader(VERSION, dtype, tokenizer.vocab_size, eos, len(lengths), n_tokens,
-                             _index_offset(n_tokens, dtype), tokenizer.fingerprint())  # fmt: skip
-        tokens_out.write(bytes(header.index_offset - tokens_out.tell()))
-        starts = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=starts[1:])
-        starts.tofile(tokens_out)
-        tokens_out.seek(0)
-        tokens_out.write(header.pack())
-    files = {p.name: {"bytes": p.stat().st_size, "xxh3_64": file_checksum(p)} for p in (path, provenance_path(path))}
-    return ShardInfo(path, len(lengths), n_tokens, header.tokenizer, tokenizer.vocab_size, eos, files)
+        header = _finish_shard(tokens_out, lengths, tokenizer)
+    return _shard_info(path, header, tokenizer, [path, provenance_path(path)])
+
+
+def _finish_shard(tokens_out, lengths: list[int], tokenizer: Tokenizer) -> ShardHeader:
+    """Write the document index after the tokens written so far, then the header in front; the header."""
+    n_tokens = sum(lengths)
+    dtype = token_dtype(tokenizer.vocab_size)
+    header = ShardHeader(VERSION, dtype, tokenizer.vocab_size, tokenizer.eos_id, len(lengths), n_tokens,
+                         _index_offset(n_tokens, dtype), tokenizer.fingerprint())  # fmt: skip
+    tokens_out.write(bytes(header.index_offset - tokens_out.tell()))
+    starts = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    starts.tofile(tokens_out)
+    tokens_out.seek(0)
+    tokens_out.write(header.pack())
+    return header
+
+
+def _shard_info(path: Path, header: ShardHeader, tokenizer: Tokenizer, paths: list[Path]) -> ShardInfo:
+    files = {p.name: {"bytes": p.stat().st_size, "xxh3_64": file_checksum(p)} for p in paths}
+    return ShardInfo(path, header.documents, header.tokens, header.tokenizer, tokenizer.vocab_size,
+                     tokenizer.eos_id, files)  # fmt: skip
+
+
+def write_masked_shard(
+    records: Iterable[tuple[Document, Sequence[int], np.ndarray]], tokenizer: Tokenizer, path: Path
+) -> ShardInfo:
+    """Documents already encoded, each with its loss mask (one uint8 per token, 1 where the token is a target
+    to learn), into the shard `path`, its provenance file and its loss-mask file (`loss_mask_path`: the masks
+    of all documents in order, the end-of-document id after each one 0, as a .npy). Only the document's text
+    is unused: its ids are given."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tokenizer.vocab_size)
+    lengths: list[int] = []
+    masks: list[np.ndarray] = []
+    with (
+        atomic_file(provenance_path(path), "w", durable=False) as docs_out,
+        atomic_file(path, "wb", durable=False) as tokens_out,
+    ):
+        tokens_out.write(bytes(HEADER_SIZE))
+        for doc, ids, mask in records:
+            if len(mask) != len(ids):
+                raise DataError(f"document {doc.doc_id}: {len(mask)} loss-mask entries for {len(ids)} tokens")
+            np.asarray([*ids, tokenizer.eos_id], dtype=dtype).tofile(tokens_out)
+            masks += [np.asarray(mask, dtype=np.uint8), np.zeros(1, dtype=np.uint8)]
+            lengths.append(len(ids) + 1)
+            docs_out.write(_provenance_line(doc))
+        header = _finish_shard(tokens_out, lengths, tokenizer)
+        mask_bytes = io.BytesIO()
+        np.save(mask_bytes, np.concatenate(masks) if masks else np.zeros(0, dtype=np.uint8))
+        atomic_write(loss_mask_path(path), mask_bytes.getvalue(), durable=False)
+    return _shard_info(path, header, tokenizer, [path, provenance_path(path), loss_mask_path(path)])
 
 
 def _provenance_line(doc: Document) -> str:
     return json.dumps({"source": doc.source, "id": doc.doc_id}, ensure_ascii=False) + "\n"
 
 
-def write_manifest(store_dir: Path, shards: list[ShardInfo], tokenizer: Tokenizer) -> None:
-    """Save the tokenizer and the manifest that makes `store_dir` a store; call once, after every shard is written."""
+def write_manifest(
+    store_dir: Path, shards: list[ShardInfo], tokenizer: Tokenizer, loss_mask: dict | None = None
+) -> None:
+    """Save the tokenizer and the manifest that makes `store_dir` a store; call once, after every shard is written.
+    `loss_mask` describes the loss-mask channel of shards written by `write_masked_shard` (none otherwise)."""
     store_dir = Path(store_dir)
     fingerprint = tokenizer.fingerprint()
     shards = sorted(shards, key=lambda s: s.path.name)  # tasks finish in any order; the manifest must not care
@@ -238,6 +294,11 @@ def write_manifest(store_dir: Path, shards: list[ShardInfo], tokenizer: Tokenize
             {"name": s.path.name, "documents": s.documents, "tokens": s.tokens, "files": s.files} for s in shards
         ],
     }
+    if loss_mask is not None:
+        unmasked = [s.path.name for s in shards if loss_mask_path(s.path).name not in s.files]
+        if unmasked:
+            raise DataError(f"token shards without a loss mask in a store described as having one: {unmasked}")
+        manifest[LOSS_MASK] = loss_mask
     atomic_write(store_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
@@ -245,10 +306,12 @@ def write_manifest(store_dir: Path, shards: list[ShardInfo], tokenizer: Tokenize
 class Shard:
     """One shard, memory-mapped: `tokens` (all ids) and `doc_starts` (n_docs + 1 offsets into them)."""
 
-    def __init__(self, path: Path, header: ShardHeader):
+    def __init__(self, path: Path, header: ShardHeader, masked: bool = False):
         self.path, self.header = path, header
         self.tokens = _map(path, header.dtype, HEADER_SIZE, header.tokens)
         self.doc_starts = _map(path, np.dtype(np.int64), header.index_offset, header.documents + 1)
+        # 1 where the token is a target to learn (stores for supervised fine-tuning); None: every token is
+        self.loss_mask = _load_mask(loss_mask_path(path), header.tokens) if masked else None
 
     @property
     def num_tokens(self) -> int:
@@ -280,6 +343,18 @@ class Shard:
         if len(line_ends) != self.num_documents:
             raise DataError(f"{path} lists {len(line_ends)} documents, its shard holds {self.num_documents}")
         return data, line_ends
+
+
+def _load_mask(path: Path, tokens: int) -> np.ndarray:
+    try:
+        mask = np.load(path, mmap_mode="r", allow_pickle=False)
+    except FileNotFoundError:
+        raise DataError(f"loss-mask file missing: {path}") from None
+    except ValueError as err:
+        raise DataError(f"{path} is not a loss mask: {err}") from None
+    if mask.dtype != np.uint8 or mask.shape != (tokens,):
+        raise DataError(f"{path} holds a {mask.dtype} mask of shape {mask.shape}; its shard holds {tokens} tokens")
+    return mask
 
 
 def _map(path: Path, dtype: np.dtype, offset: int, count: int) -> np.ndarray:
@@ -316,6 +391,7 @@ class TokenStore:
             )
         self.vocab_size, self.eos_id = int(m["vocab_size"]), int(m["eos_id"])
         self.dtype = np.dtype(m["dtype"])
+        self.loss_mask: dict | None = m.get(LOSS_MASK)  # what the store's loss-mask channel means, if it has one
         # Identity of the contents, for loader states: the manifest holds every file's checksum.
         self.checksum = xxhash.xxh3_64_hexdigest(raw)
         if verify and (problems := verify_store(self.path)):
@@ -335,7 +411,7 @@ class TokenStore:
         size = path.stat().st_size
         if size != header.file_size:
             raise DataError(f"{path} holds {size} bytes, its header promises {header.file_size} (truncated or padded)")
-        return Shard(path, header)
+        return Shard(path, header, masked=self.loss_mask is not None)
 
     @property
     def name(self) -> str:

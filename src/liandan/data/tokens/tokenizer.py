@@ -72,6 +72,23 @@ class HFTokenizer:
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return [e.ids for e in encode(texts, add_special_tokens=False)]
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text` and each token's [start, end) characters in it."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def token_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def with_special_tokens(self, tokens: Sequence[str]) -> HFTokenizer:
+        """A copy with `tokens` added as special tokens (never split, appended to the vocabulary)."""
+        from tokenizers import AddedToken
+        from tokenizers import Tokenizer as _Tok
+
+        copy = _Tok.from_str(self._tok.to_str())
+        copy.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+        return HFTokenizer(copy)
+
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids)
 
