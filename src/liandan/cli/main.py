@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "launch": ("launch_cmd", "a Slurm script or per-node commands that run one liandan supervisor per node"),
     "report": ("report_cmd", "one self-contained HTML file (and PNGs) of runs: curves with incidents marked, timelines"),
     "data": ("data_cmd", "clean, deduplicate, inspect and tokenize raw text into token stores"),
+    "tokenizer": ("tokenizer_cmd", "a tokenizer's bytes, characters and words per token, per source and language"),
     "ckpt": ("checkpoints", "inspect checkpoints"),
     "export": ("checkpoints", "write a checkpoint's model as Hugging Face Llama or one safetensors file"),
     "import": ("checkpoints", "turn Hugging Face Llama weights into a checkpoint to train from"),
