@@ -85,3 +85,77 @@ def test_bad_inputs_end_in_one_line(tmp_path, capsys, argv, words):
     assert main(["tokenizer", "report", *(a.format(**names) for a in argv)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0], err
+
+
+# -- extending a tokenizer ----------------------------------------------------------------------------------
+def english_tokenizer(tmp_path):
+    from liandan.data.tokens.tokenizer import train_bpe
+
+    path = tmp_path / "english.json"
+    train_bpe(ENGLISH * 3, 400).save(path)
+    return path
+
+
+def test_extension_keeps_every_id_and_cuts_english_as_before(tmp_path):
+    from tokenizers import Tokenizer
+
+    from liandan.data.tokens.extend import extend_tokenizer
+
+    path = english_tokenizer(tmp_path)
+    before = path.read_text()
+    extension = extend_tokenizer(before, CHINESE * 5, 60)
+    old, new = Tokenizer.from_str(before), Tokenizer.from_str(extension.tokenizer_json)
+    assert old.get_vocab().items() <= new.get_vocab().items()  # every token keeps its id
+    assert sorted(extension.sources) == list(range(extension.old_size, extension.old_size + 60))
+    for text in ENGLISH:
+        assert new.encode(text).ids == old.encode(text).ids
+    for text in CHINESE:
+        assert new.decode(new.encode(text).ids) == text
+        assert len(new.encode(text).ids) * 2 < len(old.encode(text).ids)
+    for new_id, ids in extension.sources.items():  # the old cut of each new token's bytes
+        assert "".join(old.id_to_token(i) for i in ids) == new.id_to_token(new_id)
+
+
+def test_a_grown_model_starts_new_rows_from_their_old_tokens():
+    import torch
+
+    from liandan.model.llama import ModelArgs, Transformer
+    from liandan.model.vocab import grow_vocabulary
+
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(vocab_size=64, dim=32, n_layers=1, n_heads=2))
+    embedding, head = model.tok_embeddings.weight.clone(), model.output.weight.clone()
+    grow_vocabulary(model, 128, {64: [3, 5], 65: [7]})
+    assert model.args.vocab_size == 128 and model.tok_embeddings.weight.shape == (128, 32)
+    assert torch.equal(model.tok_embeddings.weight[:64], embedding) and torch.equal(model.output.weight[:64], head)
+    assert torch.allclose(model.tok_embeddings.weight[64], embedding[[3, 5]].mean(0))
+    assert torch.allclose(model.output.weight[65], head[7]) and torch.allclose(model.output.weight[100], head.mean(0))
+    assert model(torch.tensor([[1, 64, 65]])).shape == (1, 3, 128)
+    with pytest.raises(ValueError, match="not all among the 128 old rows"):
+        grow_vocabulary(model, 192, {130: [500]})
+
+
+@pytest.mark.slow
+def test_extend_a_runs_tokenizer_grow_its_checkpoint_and_warm_start(tmp_path, capsys):
+    """An English run with its own BPE; its tokenizer extended on Chinese, its last checkpoint grown, and a run on
+    Chinese warm-started from it with the extended tokenizer: it starts from the English run's weights."""
+    from helpers import run_liandan, tiny_config
+    from liandan.run import RunDir
+
+    en, zh = write_sources(tmp_path)
+    cfg = tiny_config(tmp_path / "runs", en, "--run.name=en", "--data.tokenizer=bpe", "--data.bpe_vocab_size=320",
+                      "--train.steps=4", "--checkpoint.every=4")  # fmt: skip
+    (tmp_path / "en.toml").write_text(cfg.to_toml())
+    run_liandan("train", tmp_path / "en.toml", check=True, timeout=300)
+    room = RunDir(tmp_path / "runs" / "en")
+    store_tokenizer = room.path / "data" / "tokenizer.json"  # the tokenizer the run trained with
+    extended, grown = tmp_path / "extended.json", tmp_path / "grown.safetensors"
+    assert main(["tokenizer", "extend", str(store_tokenizer), str(zh), "--add", "100", "--out", str(extended),
+                 "--checkpoint", str(room.checkpoints), "--weights-out", str(grown)]) == 0  # fmt: skip
+    said = capsys.readouterr().out
+    assert "every earlier id kept" in said and "grew step 4 of" in said and "vocabulary rows" in said
+    warm = tiny_config(tmp_path / "runs", zh, "--run.name=zh", f"--data.tokenizer={extended}", "--train.steps=2",
+                       f"--checkpoint.init_from={grown}")  # fmt: skip
+    (tmp_path / "zh.toml").write_text(warm.to_toml())
+    done = run_liandan("train", tmp_path / "zh.toml", check=True, timeout=300)
+    assert "initialised model weights from" in done.stdout + done.stderr

@@ -1,6 +1,9 @@
 """`liandan tokenizer report TOKENIZER PATHS...`: bytes, characters and words per token of any tokenizer
 (`byte`, a tokenizer.json, liandan's or an imported one, a SentencePiece .model, or a directory holding one),
-per source and per language (`liandan.data.inspect.fertility`)."""
+per source and per language (`liandan.data.inspect.fertility`). `liandan tokenizer extend TOKENIZER PATHS...
+--add N --out NEW.json [--checkpoint CKPT --weights-out GROWN.safetensors]`: tokens learned on new text added
+to a BPE tokenizer with every earlier id kept (`liandan.data.tokens.extend`), and a checkpoint's model grown
+to match (`liandan.model.vocab`)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,18 @@ def add_commands(sub) -> None:
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.set_defaults(command=cmd_report)
 
+    p = actions.add_parser("extend", help="add tokens learned on new text to a BPE tokenizer, keeping every id")
+    p.add_argument("tokenizer", help="a BPE tokenizer.json (liandan's or an imported model's)")
+    p.add_argument("paths", nargs="+", help="the new text: .txt/.jsonl/.parquet files or directories of them")
+    p.add_argument("--add", type=int, required=True, help="how many tokens to add (at most)")
+    p.add_argument("--out", required=True, help="the extended tokenizer.json to write")
+    p.add_argument("--checkpoint", help="a checkpoint whose model gets rows for the new tokens (with --weights-out)")
+    p.add_argument("--weights-out", help="the grown model, one .safetensors file for checkpoint.init_from")
+    p.add_argument("--text-field", default="text", help="field holding the text in .jsonl/.parquet records")
+    p.add_argument("--txt-mode", choices=["file", "paragraph", "line"], default="paragraph", help="documents of a .txt")
+    p.add_argument("--max-docs", type=int, default=0, help="documents read per source (0: all)")
+    p.set_defaults(command=cmd_extend)
+
 
 def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.data.inspect.fertility import by_language, fertility
@@ -48,6 +63,52 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
                                                "languages": [r.as_dict() for r in languages]}, indent=1))  # fmt: skip
         print(f"wrote {args.json}")
     return 0
+
+
+def cmd_extend(args: argparse.Namespace, overrides: list[str]) -> int:
+    from liandan.data.documents.corpus import DataError
+    from liandan.data.tokens.extend import extend_tokenizer
+
+    if overrides:
+        raise ConfigError(f"unrecognised argument '{overrides[0]}'")
+    if bool(args.checkpoint) != bool(args.weights_out):
+        raise ConfigError("--checkpoint and --weights-out go together: the model to grow and where to write it")
+    source = Path(args.tokenizer)
+    if not source.is_file():
+        raise ConfigError(f"{args.tokenizer}: no such tokenizer.json")
+    try:
+        extension = extend_tokenizer(source.read_text(), (text for _, text in _documents(args)), args.add)
+    except (DataError, ValueError) as err:
+        raise ConfigError(f"{args.tokenizer}: {str(err).splitlines()[0]}") from None
+    Path(args.out).write_text(extension.tokenizer_json)
+    added = len(extension.sources)
+    print(f"added {added} token(s) to {args.tokenizer} (ids {extension.old_size}..{extension.old_size + added - 1}),"
+          f" every earlier id kept: {args.out}")  # fmt: skip
+    if args.checkpoint:
+        _grow_checkpoint(args, extension)
+    return 0
+
+
+def _grow_checkpoint(args: argparse.Namespace, extension) -> None:
+    from liandan.checkpoint import hf
+    from liandan.checkpoint.info import resolve_checkpoint
+    from liandan.checkpoint.loading import load_model
+    from liandan.model.spec import padded_vocab
+    from liandan.model.vocab import grow_vocabulary
+    from liandan.run.remote import locate
+
+    model, meta = load_model(resolve_checkpoint(locate(args.checkpoint)))
+    rows = model.tok_embeddings.num_embeddings
+    if rows < extension.old_size:
+        raise ConfigError(f"{args.checkpoint}: its model has {rows} embedding rows, fewer than the tokenizer's"
+                          f" {extension.old_size} ids: not the model of this tokenizer")  # fmt: skip
+    size = max(rows, padded_vocab(0, extension.old_size + len(extension.sources)))
+    grow_vocabulary(model, size, extension.sources)
+    hf.save_consolidated({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.args,
+                         Path(args.weights_out))  # fmt: skip
+    print(f"grew step {meta['step']} of {args.checkpoint} from {rows} to {size} vocabulary rows, each new token's"
+          f" rows the mean of its old tokens': {args.weights_out} (checkpoint.init_from, with data.tokenizer ="
+          f" {args.out})")  # fmt: skip
 
 
 def load_encoder(spec: str) -> tuple[str, Encoder]:
