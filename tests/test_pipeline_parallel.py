@@ -46,8 +46,9 @@ from liandan.train.pipeline_split import (
 TESTS = Path(__file__).resolve().parent
 
 
-def _pipeline_run(out: Path, pp: int, dp_shard: int, runs: list[str], tp: int = 1) -> dict:
-    """tests/pipeline_worker.py on pp x dp_shard x tp gloo ranks; rank 0's report (it holds the reference)."""
+def _pipeline_run(out: Path, pp: int, dp_shard: int, runs: list[str], tp: int = 1, ep: int = 1) -> dict:
+    """tests/pipeline_worker.py on pp x dp_shard x tp gloo ranks (ep of the dp_shard ranks splitting the
+    experts); rank 0's report (it holds the reference)."""
     world, port = pp * dp_shard * tp, str(free_port())
     procs = []
     for rank in range(world):
@@ -55,7 +56,7 @@ def _pipeline_run(out: Path, pp: int, dp_shard: int, runs: list[str], tp: int = 
                    MASTER_PORT=port, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
         command = [sys.executable, str(TESTS / "pipeline_worker.py"), str(out), str(pp), str(dp_shard), ",".join(runs),
-                   str(tp)]  # fmt: skip
+                   str(tp), str(ep)]  # fmt: skip
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for proc in procs:
         _, err = proc.communicate(timeout=300)
