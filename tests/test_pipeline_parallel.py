@@ -110,6 +110,27 @@ def test_pipeline_with_tensor_parallel_trains_as_one_process(tmp_path):
     assert entry["param_diff"] <= 5e-4
 
 
+@pytest.mark.slow
+def test_moe_trains_through_the_pipeline_as_one_process(tmp_path):
+    # every block but the first routes, with a load-balancing loss, a router z-loss and the balancing bias
+    report = _pipeline_run(tmp_path, 2, 1, ["1f1b:1:moe", "interleaved-1f1b:2:moe", "zbv:2:moe"])
+    for run, entry in report.items():
+        assert entry["losses"] == entry["ref_losses"], run
+        assert (entry["norms"], entry["eval"], entry["param_diff"]) == (entry["ref_norms"], entry["ref_eval"], 0), run
+        assert entry["biases"] == entry["ref_biases"] and len(entry["biases"]) == 3, run
+        assert len(entry["biases"][-1]) == 7 and any(any(row) for row in entry["biases"][-1]), run  # every layer
+
+
+@pytest.mark.slow
+def test_moe_with_expert_parallel_stages_trains_as_one_process(tmp_path):
+    report = _pipeline_run(tmp_path, 2, 2, ["interleaved-1f1b:2:moe"], ep=2)
+    entry = report["interleaved-1f1b:2:moe"]
+    assert entry["losses"] == pytest.approx(entry["ref_losses"], rel=1e-6)
+    assert entry["norms"] == pytest.approx(entry["ref_norms"], rel=1e-5)
+    assert entry["param_diff"] <= 2e-4
+    assert entry["biases"] == entry["ref_biases"]
+
+
 def test_stages_chained_compute_the_whole_model_and_keep_its_names():
     args = ModelArgs(vocab_size=64, dim=32, n_layers=5, n_heads=4, max_seq_len=16)
     torch.manual_seed(0)
@@ -194,6 +215,13 @@ def test_schedule_and_micro_batch_refusals_are_one_line():
     )
     sp.parallel.sequence_parallel = False
     assert pipeline_config_refusal(sp, Layout(1, 1, 2, pp=2)) is None
+    moe = load_config(None, ["--parallel.pp=2", "--model.n_layers=4", "--model.moe_experts=4"])
+    assert pipeline_config_refusal(moe, Layout(1, 4, 1, pp=2, ep=4)) is None
+    assert pipeline_config_refusal(moe, Layout(1, 2, 1, pp=2, ep=2)) is None
+    dense = load_config(None, ["--parallel.pp=2", "--model.n_layers=4"])
+    assert pipeline_config_refusal(dense, Layout(1, 2, 1, pp=2, ep=2)) == (
+        "parallel.ep = 2 needs a mixture-of-experts model (model.moe_experts > 0); this one is dense"
+    )
     offload = load_config(None, ["--parallel.pp=2", "--parallel.cpu_offload=true", "--model.n_layers=4"])
     assert pipeline_config_refusal(offload, Layout(1, 2, 1, pp=2)) == (
         "pipeline parallelism does not run with parallel.cp > 1 or parallel.cpu_offload yet"

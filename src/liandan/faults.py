@@ -246,9 +246,10 @@ def flip_parameter_bit(step: int, parameters: Iterable[Any]) -> str | None:
     return None
 
 
-def collapse_router(step: int, modules: Iterable[Any]) -> str | None:
+def collapse_router(step: int, modules: Iterable[Any], stages: bool = False) -> str | None:
     """`collapse@router`: before the forward of `step`, raise expert 0's balancing bias in one MoE layer's
-    router (the buffers named `...router.expert_bias` of `modules`); returns the buffer's name (or None)."""
+    router (the buffers named `...router.expert_bias` of `modules`); returns the buffer's name (or None).
+    `stages`: `modules` are a rank's pipeline stages, and a layer they lack is another rank's to plant."""
     if ENV not in os.environ and ENV_ALWAYS not in os.environ:
         return None
     planted = None
@@ -261,6 +262,8 @@ def collapse_router(step: int, modules: Iterable[Any]) -> str | None:
         biases = [(name, b) for module in modules for name, b in module.named_buffers()
                   if name.endswith("router.expert_bias")]  # fmt: skip
         chosen = [(name, b) for name, b in biases if layer is None or f".{layer}." in f".{name}"]
+        if not chosen and stages and layer is not None:
+            continue
         if not chosen:
             raise ValueError(f"{ENV}: collapse@router:{step}:{layer}: no MoE router there")
         name, bias = chosen[0]
