@@ -11,6 +11,11 @@ z-loss, soft-capping), divided by the number of micro-batches of the step, as de
 is then broadcast over the pipeline group, so every rank returns, logs and agrees on the same loss. The
 gradient norm is the global one: each rank's squares summed over the pipeline group.
 
+A mixture of experts trains as a dense model does: each stage adds its own MoE layers' auxiliary losses to
+the gradient (the last through the loss, the others through the hidden states they hand on:
+`liandan.model.moe.carry_aux_loss`), and after the update counts and balances its own routers and shares
+every layer's routing over the pipeline group, so each rank holds the whole model's routing stats.
+
 Every rank of a pipeline group reads the same data-parallel batch (the loader's coordinates ignore `pp`); the
 first stage uses the tokens, the last the targets, every stage the document ids of the attention mask.
 """
