@@ -37,8 +37,9 @@ preflight doctor meets them too); so does `stall@forward`, long steps for drills
 step STEP, expert 0's balancing bias in the router of block LAYER (the first MoE block when absent) is raised
 by COLLAPSE_BIAS, far above any router score, so that every token chooses expert 0 from that step on (the bias
 update moves it back by the bias rate a step, which takes thousands of steps). The third field names a layer,
-not a rank: the biases are replicated, so every rank plants the same. It fires once per process, like the
-gradient faults; a rollback restores the bias with the rest of the state (it is a buffer).
+not a rank: the biases are replicated, so every rank plants the same (under pipeline parallelism every rank
+holding that block: name the layer there). It fires once per process, like the gradient faults; a rollback
+restores the bias with the rest of the state (it is a buffer).
 
 `forget@loader` is a planted resume bug, for the resume oracle (`liandan doctor --resume`) to find: when the
 data loader is handed a saved state (a resume, or a rollback of the loss-spike guard), it keeps its fresh
