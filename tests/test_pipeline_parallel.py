@@ -23,6 +23,7 @@ Tolerances (fp32, gloo on CPU), measured with tests/pipeline_worker.py (3 AdamW 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -153,6 +154,30 @@ def test_stages_chained_compute_the_whole_model_and_keep_its_names():
     hidden = stages[1](stages[0](tokens, targets), targets)
     assert hidden.shape == (2, 16, 32)  # a middle stage hands on hidden states
     assert torch.equal(stages[2](hidden, targets), whole(tokens, targets))
+
+
+def test_moe_stages_carry_their_auxiliary_losses_into_the_backward_pass():
+    args = ModelArgs(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16, moe_experts=4, moe_ffn_dim=32,
+                     moe_dense_layers=1, moe_aux_loss=1e-2, moe_z_loss=1e-3)  # fmt: skip
+    torch.manual_seed(0)
+    whole = Transformer(args)
+    first, last = build_stages(copy.deepcopy(whole), LLAMA, [2, 2], [0, 1])
+    first.loss_divisor = 4.0  # the number the last stage's loss is divided by
+    tokens, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    (whole(tokens, targets) / 4.0).backward()
+    loss = last(first(tokens, targets), targets) / 4.0
+    loss.backward()
+    assert torch.equal(loss, whole(tokens, targets).detach() / 4.0)  # the value is the language-model loss
+    stage_grads = {n: p.grad for part in (first, last) for n, p in part.named_parameters()}
+    for name, param in whole.named_parameters():
+        assert torch.equal(stage_grads[name], param.grad), name  # layer 1's router's included, bit for bit
+    first.zero_grad()
+    last.zero_grad()
+    first.loss_divisor = 2.0
+    (last(first(tokens, targets), targets) / 4.0).backward()
+    assert not torch.equal(
+        first.layers["1"].feed_forward.router.gate.weight.grad, stage_grads["layers.1.feed_forward.router.gate.weight"]
+    )
 
 
 def test_balanced_split_gives_the_first_and_last_stages_fewer_blocks():
