@@ -3,7 +3,8 @@
 all 8 steps that takes the same micro-batches (train.micro_batch = 2 of a global batch of 4, as the
 pipeline's 2 micro-batches). They are bit for bit equal, in the same layout and across these: parameters
 and optimizer state are saved under their names in every layout, and the pipeline computes as one process
-does (tests/test_pipeline_parallel.py).
+does (tests/test_pipeline_parallel.py). The model routes its last three blocks to experts, with the balancing
+bias and a load-balancing loss: the routers' biases (buffers) move between layouts with the weights.
 """
 
 import pytest
@@ -21,7 +22,8 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline-reshard")
     config = root / "tiny.toml"
     cfg = tiny_config(root / "runs", write_corpus(root), "--train.steps=8", "--checkpoint.every=4", "--run.name=",
-                      "--model.n_layers=4", "--resilience.supervise=false")  # fmt: skip
+                      "--model.n_layers=4", "--resilience.supervise=false", "--model.moe_experts=4",
+                      "--model.moe_dense_layers=1", "--model.moe_bias_rate=1e-2", "--model.moe_aux_loss=1e-2")  # fmt: skip
     config.write_text(cfg.to_toml())
     train_named(config, "reference", 1, *ONE)
     return config, run_losses(config, "reference")

@@ -51,3 +51,28 @@ def test_sdc_replay_finds_a_faulty_rank_of_a_pipeline(config):
     # the replays of step 2 agreed (the one incident is step 4's): the stages' forward passes gave the loss
     # the schedule computed; the run was rolled back to step 2
     assert len(run_losses(config, "pp-sdc")) == 2
+
+
+ROUTED = ["--model.moe_experts=4", "--model.moe_top_k=2", "--model.moe_dense_layers=3", "--model.moe_aux_loss=1e-2",
+          "--train.steps=24", "--train.global_batch=16", "--train.seq_len=32", "--model.max_seq_len=32",
+          "--checkpoint.every=100", "--guard.ring_every=5", "--guard.router_warmup=4", "--guard.router_window=6",
+          "--guard.on_collapse=rollback"]  # fmt: skip
+
+
+def test_a_router_collapse_on_one_stage_rolls_every_stage_back_as_one_process_does(config):
+    """Block 3, the one MoE layer, lives on the second stage: its rank plants the drill's collapse, every rank
+    judges the routing shared over the pipeline group (the first holds no router) and both roll back together;
+    the curve and the routing metrics equal one process's bit for bit."""
+    piped = train_named(config, "pp-router", 2, "--parallel.pp=2", *ROUTED, faults="collapse@router:12:3")
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    whole = train_named(config, "one-router", 1, "--train.micro_batch=8", *ROUTED, faults="collapse@router:12:3")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    records = read_run(config.parent / "runs" / "pp-router")
+    [rollback] = records.of_kind("rollback")
+    assert (rollback["detectors"], rollback["began"], rollback["to"]) == (["collapse"], 12, 10)
+    assert rollback["routers_first"] == ["layers.3"]
+    assert run_losses(config, "pp-router") == run_losses(config, "one-router")
+    routing = [{k: v for k, v in m.items() if k.startswith("moe/")} for m in records.metrics]
+    alone = read_run(config.parent / "runs" / "one-router").metrics
+    assert routing == [{k: v for k, v in m.items() if k.startswith("moe/")} for m in alone]
+    assert "moe/3/bias_max" in routing[-1]

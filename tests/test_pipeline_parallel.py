@@ -15,10 +15,15 @@ Tolerances (fp32, gloo on CPU), measured with tests/pipeline_worker.py (3 AdamW 
   first gradient norm to a relative 1e-6 (measured 2e-8), losses to 1e-6 (measured 1e-7); AdamW turns the
   last bits of near-zero gradient elements into whole updates, so later norms drift to 3e-5 (bound 1e-4)
   and parameters to 1.2e-4 (bound 5e-4).
+- mixture of experts (the auxiliary losses and the balancing bias on): pp=2 through 1F1B, interleaved 1F1B and
+  ZBV bit-exact, the biases after every step equal; pp=2 x dp_shard=2 x ep=2 losses to a relative 1e-6
+  (measured 6e-8), norms to 1e-5 (measured 1e-7), parameters within 2e-4 (measured 6e-5), biases equal (the
+  same experts chosen: the loads are whole numbers).
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -46,8 +51,9 @@ from liandan.train.pipeline_split import (
 TESTS = Path(__file__).resolve().parent
 
 
-def _pipeline_run(out: Path, pp: int, dp_shard: int, runs: list[str], tp: int = 1) -> dict:
-    """tests/pipeline_worker.py on pp x dp_shard x tp gloo ranks; rank 0's report (it holds the reference)."""
+def _pipeline_run(out: Path, pp: int, dp_shard: int, runs: list[str], tp: int = 1, ep: int = 1) -> dict:
+    """tests/pipeline_worker.py on pp x dp_shard x tp gloo ranks (ep of the dp_shard ranks splitting the
+    experts); rank 0's report (it holds the reference)."""
     world, port = pp * dp_shard * tp, str(free_port())
     procs = []
     for rank in range(world):
@@ -55,7 +61,7 @@ def _pipeline_run(out: Path, pp: int, dp_shard: int, runs: list[str], tp: int = 
                    MASTER_PORT=port, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
         command = [sys.executable, str(TESTS / "pipeline_worker.py"), str(out), str(pp), str(dp_shard), ",".join(runs),
-                   str(tp)]  # fmt: skip
+                   str(tp), str(ep)]  # fmt: skip
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     for proc in procs:
         _, err = proc.communicate(timeout=300)
@@ -109,6 +115,27 @@ def test_pipeline_with_tensor_parallel_trains_as_one_process(tmp_path):
     assert entry["param_diff"] <= 5e-4
 
 
+@pytest.mark.slow
+def test_moe_trains_through_the_pipeline_as_one_process(tmp_path):
+    # every block but the first routes, with a load-balancing loss, a router z-loss and the balancing bias
+    report = _pipeline_run(tmp_path, 2, 1, ["1f1b:1:moe", "interleaved-1f1b:2:moe", "zbv:2:moe"])
+    for run, entry in report.items():
+        assert entry["losses"] == entry["ref_losses"], run
+        assert (entry["norms"], entry["eval"], entry["param_diff"]) == (entry["ref_norms"], entry["ref_eval"], 0), run
+        assert entry["biases"] == entry["ref_biases"] and len(entry["biases"]) == 3, run
+        assert len(entry["biases"][-1]) == 7 and any(any(row) for row in entry["biases"][-1]), run  # every layer
+
+
+@pytest.mark.slow
+def test_moe_with_expert_parallel_stages_trains_as_one_process(tmp_path):
+    report = _pipeline_run(tmp_path, 2, 2, ["interleaved-1f1b:2:moe"], ep=2)
+    entry = report["interleaved-1f1b:2:moe"]
+    assert entry["losses"] == pytest.approx(entry["ref_losses"], rel=1e-6)
+    assert entry["norms"] == pytest.approx(entry["ref_norms"], rel=1e-5)
+    assert entry["param_diff"] <= 2e-4
+    assert entry["biases"] == entry["ref_biases"]
+
+
 def test_stages_chained_compute_the_whole_model_and_keep_its_names():
     args = ModelArgs(vocab_size=64, dim=32, n_layers=5, n_heads=4, max_seq_len=16)
     torch.manual_seed(0)
@@ -127,6 +154,30 @@ def test_stages_chained_compute_the_whole_model_and_keep_its_names():
     hidden = stages[1](stages[0](tokens, targets), targets)
     assert hidden.shape == (2, 16, 32)  # a middle stage hands on hidden states
     assert torch.equal(stages[2](hidden, targets), whole(tokens, targets))
+
+
+def test_moe_stages_carry_their_auxiliary_losses_into_the_backward_pass():
+    args = ModelArgs(vocab_size=64, dim=32, n_layers=4, n_heads=4, max_seq_len=16, moe_experts=4, moe_ffn_dim=32,
+                     moe_dense_layers=1, moe_aux_loss=1e-2, moe_z_loss=1e-3)  # fmt: skip
+    torch.manual_seed(0)
+    whole = Transformer(args)
+    first, last = build_stages(copy.deepcopy(whole), LLAMA, [2, 2], [0, 1])
+    first.loss_divisor = 4.0  # the number the last stage's loss is divided by
+    tokens, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    (whole(tokens, targets) / 4.0).backward()
+    loss = last(first(tokens, targets), targets) / 4.0
+    loss.backward()
+    assert torch.equal(loss, whole(tokens, targets).detach() / 4.0)  # the value is the language-model loss
+    stage_grads = {n: p.grad for part in (first, last) for n, p in part.named_parameters()}
+    for name, param in whole.named_parameters():
+        assert torch.equal(stage_grads[name], param.grad), name  # layer 1's router's included, bit for bit
+    first.zero_grad()
+    last.zero_grad()
+    first.loss_divisor = 2.0
+    (last(first(tokens, targets), targets) / 4.0).backward()
+    assert not torch.equal(
+        first.layers["1"].feed_forward.router.gate.weight.grad, stage_grads["layers.1.feed_forward.router.gate.weight"]
+    )
 
 
 def test_balanced_split_gives_the_first_and_last_stages_fewer_blocks():
@@ -193,6 +244,13 @@ def test_schedule_and_micro_batch_refusals_are_one_line():
     )
     sp.parallel.sequence_parallel = False
     assert pipeline_config_refusal(sp, Layout(1, 1, 2, pp=2)) is None
+    moe = load_config(None, ["--parallel.pp=2", "--model.n_layers=4", "--model.moe_experts=4"])
+    assert pipeline_config_refusal(moe, Layout(1, 4, 1, pp=2, ep=4)) is None
+    assert pipeline_config_refusal(moe, Layout(1, 2, 1, pp=2, ep=2)) is None
+    dense = load_config(None, ["--parallel.pp=2", "--model.n_layers=4"])
+    assert pipeline_config_refusal(dense, Layout(1, 2, 1, pp=2, ep=2)) == (
+        "parallel.ep = 2 needs a mixture-of-experts model (model.moe_experts > 0); this one is dense"
+    )
     offload = load_config(None, ["--parallel.pp=2", "--parallel.cpu_offload=true", "--model.n_layers=4"])
     assert pipeline_config_refusal(offload, Layout(1, 2, 1, pp=2)) == (
         "pipeline parallelism does not run with parallel.cp > 1 or parallel.cpu_offload yet"

@@ -311,6 +311,17 @@ def test_launch_takes_the_planners_layout(capsys, tiny_toml):
         assert all("passed over" in line for line in err.strip().splitlines()[:-1])
 
 
+def test_launch_passes_over_the_pipelines_the_trainer_refuses(capsys, tiny_toml):
+    # zbv runs two stages per rank; a layout the planner ranks with one is refused by the trainer, said and skipped
+    code, out, err = run_main(capsys, "launch", tiny_toml, "--nodes", "2", "--gpus-per-node", "2", "--layout", "auto",
+                              "--hosts", "a,b", "--parallel.pp_schedule=zbv", "--model.moe_experts=4")  # fmt: skip
+    assert code == 0
+    *passed, chosen = err.strip().splitlines()
+    assert passed and all(line.startswith("liandan: layout auto: passed over ") for line in passed)
+    assert all("parallel.pp_stages_per_rank = 1 must be 2" in line for line in passed)
+    assert " pp=" not in chosen and "--parallel.pp=1" in out
+
+
 def test_launch_without_a_fitting_layout_says_so(capsys, tiny_toml):
     code, _, err = run_main(capsys, "launch", tiny_toml, "--nodes", "1", "--gpus-per-node", "2", "--layout", "auto",
                             "--hosts", "a", "--model.dim=65536", "--model.n_heads=4", "--model.n_kv_heads=4")  # fmt: skip

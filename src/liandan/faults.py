@@ -38,8 +38,9 @@ preflight doctor meets them too); so does `stall@forward`, long steps for drills
 step STEP, expert 0's balancing bias in the router of block LAYER (the first MoE block when absent) is raised
 by COLLAPSE_BIAS, far above any router score, so that every token chooses expert 0 from that step on (the bias
 update moves it back by the bias rate a step, which takes thousands of steps). The third field names a layer,
-not a rank: the biases are replicated, so every rank plants the same. It fires once per process, like the
-gradient faults; a rollback restores the bias with the rest of the state (it is a buffer).
+not a rank: the biases are replicated, so every rank plants the same (under pipeline parallelism every rank
+holding that block: name the layer there). It fires once per process, like the gradient faults; a rollback
+restores the bias with the rest of the state (it is a buffer).
 
 `forget@loader` is a planted resume bug, for the resume oracle (`liandan doctor --resume`) to find: when the
 data loader is handed a saved state (a resume, or a rollback of the loss-spike guard), it keeps its fresh
@@ -247,9 +248,10 @@ def flip_parameter_bit(step: int, parameters: Iterable[Any]) -> str | None:
     return None
 
 
-def collapse_router(step: int, modules: Iterable[Any]) -> str | None:
+def collapse_router(step: int, modules: Iterable[Any], stages: bool = False) -> str | None:
     """`collapse@router`: before the forward of `step`, raise expert 0's balancing bias in one MoE layer's
-    router (the buffers named `...router.expert_bias` of `modules`); returns the buffer's name (or None)."""
+    router (the buffers named `...router.expert_bias` of `modules`); returns the buffer's name (or None).
+    `stages`: `modules` are a rank's pipeline stages, and a layer they lack is another rank's to plant."""
     if ENV not in os.environ and ENV_ALWAYS not in os.environ:
         return None
     planted = None
@@ -262,6 +264,8 @@ def collapse_router(step: int, modules: Iterable[Any]) -> str | None:
         biases = [(name, b) for module in modules for name, b in module.named_buffers()
                   if name.endswith("router.expert_bias")]  # fmt: skip
         chosen = [(name, b) for name, b in biases if layer is None or f".{layer}." in f".{name}"]
+        if not chosen and stages and layer is not None:
+            continue
         if not chosen:
             raise ValueError(f"{ENV}: collapse@router:{step}:{layer}: no MoE router there")
         name, bias = chosen[0]

@@ -87,6 +87,7 @@ def planned_layout(cfg, config: str, overrides: list[str], nodes: int, gpus_per_
     from liandan.common.layout import resolve_layout
     from liandan.plan.devices import resolve_device
     from liandan.plan.run_plan import plan_config
+    from liandan.train.pipeline import pipeline_config_refusal
 
     nproc = nodes * gpus_per_node
     plan = plan_config(cfg, resolve_device(device), nproc=nproc, gpus_per_node=gpus_per_node, max_cp=max_cp)
@@ -96,9 +97,13 @@ def planned_layout(cfg, config: str, overrides: list[str], nodes: int, gpus_per_
             break
         chosen = ranked.evaluated.candidate.overrides()
         try:
-            resolve_layout(load_config(config, [*overrides, *chosen]).parallel, nproc)
+            candidate = load_config(config, [*overrides, *chosen])
+            layout = resolve_layout(candidate.parallel, nproc)
         except ValueError as err:
             passed.append(f"{ranked.dims} ({err})")
+            continue
+        if layout.pp > 1 and (why := pipeline_config_refusal(candidate, layout)):
+            passed.append(f"{ranked.dims} ({why})")
             continue
         for line in _first(passed):
             print(f"liandan: layout auto: passed over {line}", file=sys.stderr)

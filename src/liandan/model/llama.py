@@ -20,7 +20,7 @@ from torch import nn
 from liandan.model.attention import MaskSpec, PreparedMask, attend, choose_backend
 from liandan.model.kv_cache import KVCache
 from liandan.model.loss import chunked_lm_loss, full_logits, fused_lm_loss, lm_loss
-from liandan.model.moe import GroupedExperts, MoE, MoEConfig
+from liandan.model.moe import GroupedExperts, MoE, MoEConfig, carry_aux_loss
 
 # The feed-forward kinds: SwiGLU (three matrices) and ReLU^2 (two, as in modded-nanogpt and Primer).
 FEED_FORWARDS = ("swiglu", "relu2")
@@ -290,6 +290,9 @@ class Transformer(nn.Module):
         self.attention_backend = "sdpa"
         self.ce_chunks = 1
         self.ce_fused = False
+        # What a pipeline stage without the head divides its auxiliary losses' gradient by: the number the
+        # last stage divides each micro-batch's loss by (`liandan.train.pipeline`).
+        self.loss_divisor = 1.0
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -405,23 +408,37 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         if self.output is None:
-            return h
+            return self._carry_aux_gradients(h)
         if targets is None:
             return full_logits(self._logits(_rows(h, logits_at)))
         return self._with_aux_gradients(self.head_loss(h, targets))
 
-    def _with_aux_gradients(self, loss: torch.Tensor) -> torch.Tensor:
-        """The routers' auxiliary losses (load balance, z-loss) join the gradient but not the value: the
-        loss a MoE run reports is the language-model loss, comparable with a dense run's."""
-        aux = [
+    def _aux_losses(self) -> list[torch.Tensor]:
+        """The auxiliary losses of this forward's MoE layers (training only)."""
+        if not self.training:
+            return []
+        return [
             layer.feed_forward.aux_loss
             for layer in self.layers.values()
             if isinstance(layer.feed_forward, MoE) and layer.feed_forward.aux_loss is not None
         ]
-        if not aux or not self.training:
+
+    def _with_aux_gradients(self, loss: torch.Tensor) -> torch.Tensor:
+        """The routers' auxiliary losses (load balance, z-loss) join the gradient but not the value: the
+        loss a MoE run reports is the language-model loss, comparable with a dense run's."""
+        aux = self._aux_losses()
+        if not aux:
             return loss
         total = torch.stack(aux).sum()
         return loss + (total - total.detach()).to(loss.dtype)
+
+    def _carry_aux_gradients(self, h: torch.Tensor) -> torch.Tensor:
+        """A pipeline stage without the head: its MoE layers' auxiliary losses join the gradient through the
+        hidden states it hands on, as `_with_aux_gradients` joins them to the loss."""
+        aux = self._aux_losses()
+        if not aux or not torch.is_grad_enabled():
+            return h
+        return carry_aux_loss(h, torch.stack(aux).sum(), self.loss_divisor)
 
     def _forward_cached(self, tokens: torch.Tensor, cache: KVCache, logits_at: torch.Tensor | None) -> torch.Tensor:
         bsz, seq = tokens.shape

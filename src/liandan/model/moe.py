@@ -24,6 +24,7 @@ What each router saw in a step is kept in its `load` and `dropped` buffers (not 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -247,6 +248,7 @@ class RoutingStats:
     load: torch.Tensor  # (layers, experts) fp32, rows sum to 1 (of the pairs chosen)
     dropped: torch.Tensor  # (layers,) fp32
     bias: torch.Tensor  # (layers, experts) fp32
+    top_k: int = 1  # experts chosen per token
 
     def summary(self) -> dict[str, float]:
         """Per layer: max/mean and min/mean of the load (1.0 is balanced), its entropy over log(experts) (1.0
@@ -286,33 +288,80 @@ def moe_layers(model: nn.Module) -> dict[int, MoE]:
 
 
 @torch.no_grad()
-def routing_step(model: nn.Module, bias_rate: float, group=None) -> RoutingStats | None:
+def routing_step(model: nn.Module | Sequence[nn.Module], bias_rate: float, group=None,
+                 every_layer: Mapping[int, MoEConfig] | None = None, stage_group=None,
+                 across_ranks: bool = True) -> RoutingStats | None:  # fmt: skip
     """After a step's optimizer update: the step's loads summed over the ranks of `group` (every rank of the
     default group when None and distributed), the biases updated from them (the same update on every rank,
-    which keeps the replicated biases equal), the counters cleared. None for a model without MoE layers."""
+    which keeps the replicated biases equal), the counters cleared. None for a model without MoE layers.
+    `across_ranks`: False for a model that runs whole in one process among others (built without a mesh).
+
+    `model` may be the pipeline stages a rank holds, with `every_layer` the MoE layers of the whole model
+    (by block index) and `stage_group` the ranks holding the other stages: each rank then counts and updates
+    its own layers (the others' rows stay zero in the sums) and every rank returns the whole model's stats."""
     import torch.distributed as dist
 
-    layers = moe_layers(model)
-    if not layers:
+    parts = [model] if isinstance(model, nn.Module) else list(model)
+    layers = {index: moe for part in parts for index, moe in moe_layers(part).items()}
+    configs = every_layer if every_layer is not None else {index: moe.cfg for index, moe in layers.items()}
+    if not configs:
         return None
-    routers = [moe.router for moe in layers.values()]
-    counts = torch.stack([torch.cat([r.load, r.dropped.reshape(1)]) for r in routers])
-    if dist.is_available() and dist.is_initialized():
+    rows = {index: row for row, index in enumerate(sorted(configs))}
+    experts = next(iter(configs.values())).experts
+    # on the counters' device, or where a stage without MoE layers keeps its weights (NCCL needs the device)
+    device = next((moe.router.load.device for moe in layers.values()), None) or next(parts[0].parameters()).device
+    counts = torch.zeros(len(rows), experts + 1, dtype=torch.float32, device=device)
+    for index, moe in layers.items():
+        counts[rows[index]] = torch.cat([moe.router.load, moe.router.dropped.reshape(1)])
+    if across_ranks and dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts, group=group)
     load, dropped = counts[:, :-1], counts[:, -1]
     pairs = load.sum(-1)  # every pair chosen, dropped ones included
-    for router, row in zip(routers, load, strict=True):
+    bias = torch.zeros(len(rows), experts, dtype=torch.float32, device=counts.device)
+    for index, moe in layers.items():
+        router = moe.router
         if router.cfg.bias_balance and router.training:
-            router.update_bias(row, bias_rate)
+            router.update_bias(load[rows[index]], bias_rate)
         router.load.zero_()
         router.dropped.zero_()
+        bias[rows[index]] = router.expert_bias.float()
+    if every_layer is not None:
+        dist.all_reduce(bias, group=stage_group)  # each layer's biases from the one rank holding it
     share = load / load.sum(-1, keepdim=True).clamp_min(1.0)
     return RoutingStats(
-        layers=list(layers),
+        layers=list(rows),
         load=share.cpu(),
         dropped=(dropped / pairs.clamp_min(1.0)).cpu(),
-        bias=torch.stack([r.expert_bias for r in routers]).float().cpu(),
+        bias=bias.cpu(),
+        top_k=next(iter(configs.values())).top_k,
     )
+
+
+class _CarryAuxLoss(torch.autograd.Function):
+    """The hidden state unchanged forward; backward, its gradient unchanged and the auxiliary loss's backward
+    started at 1 / `divisor` (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, aux: torch.Tensor, divisor: float) -> torch.Tensor:
+        ctx.divisor = divisor
+        ctx.aux_meta = (aux.shape, aux.dtype, aux.device)
+        # A copy, not the input itself (which autograd would make a view of it): the zero-bubble schedules
+        # detach a stage's output in place after its input's backward, which a view refuses.
+        return hidden.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype, device = ctx.aux_meta
+        # As the head's stage divides its loss: 1 / divisor in the loss's dtype, the gradient dense training
+        # gives each auxiliary loss when it divides the micro-batch's loss by the same number.
+        return grad, torch.ones(shape, dtype=dtype, device=device) / ctx.divisor, None
+
+
+def carry_aux_loss(hidden: torch.Tensor, aux: torch.Tensor, divisor: float = 1.0) -> torch.Tensor:
+    """`hidden`, through which the backward pass also reaches `aux` (the auxiliary losses of a pipeline stage
+    without the head, whose gradients cannot join the loss's), as if `aux / divisor` had been added to the
+    loss. Its value is not added anywhere: the loss stays the language-model loss."""
+    return _CarryAuxLoss.apply(hidden, aux, divisor)
 
 
 def model_aux_loss(model: nn.Module) -> torch.Tensor | None:

@@ -49,7 +49,7 @@ class CausalLMTrainModule(TrainModule):
         device: torch.device,
         dtype: torch.dtype,
     ):
-        self.cfg, self.device, self.dtype = cfg, device, dtype
+        self.cfg, self.device, self.dtype, self.mesh = cfg, device, dtype, mesh
         self.spec: ModelSpec = get_model_spec(cfg.model.family)
         self.args = model_args(cfg, tokenizer_vocab)
         t = cfg.train
@@ -142,7 +142,7 @@ class CausalLMTrainModule(TrainModule):
         """After the update: the routers' loads of the step summed over the ranks, their balancing biases
         moved (the same on every rank), the step's routing kept in `routing` for metrics and the guard."""
         if getattr(self.args, "moe_experts", 0):
-            self.routing = routing_step(self.model, bias_rate)
+            self.routing = routing_step(self.model, bias_rate, across_ranks=self.mesh is not None)
 
     @staticmethod
     def _fp8_plan(t, device: torch.device) -> Fp8 | None:

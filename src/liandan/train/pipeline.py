@@ -11,11 +11,18 @@ z-loss, soft-capping), divided by the number of micro-batches of the step, as de
 is then broadcast over the pipeline group, so every rank returns, logs and agrees on the same loss. The
 gradient norm is the global one: each rank's squares summed over the pipeline group.
 
+A mixture of experts trains as a dense model does: each stage adds its own MoE layers' auxiliary losses to
+the gradient (the last through the loss, the others through the hidden states they hand on:
+`liandan.model.moe.carry_aux_loss`), and after the update counts and balances its own routers and shares
+every layer's routing over the pipeline group, so each rank holds the whole model's routing stats.
+
 Every rank of a pipeline group reads the same data-parallel batch (the loader's coordinates ignore `pp`); the
 first stage uses the tokens, the last the targets, every stage the document ids of the attention mask.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -25,8 +32,10 @@ from liandan.common.layout import Layout, uses_fsdp
 from liandan.config import Config, ConfigError
 from liandan.data.tokens.loader import Batch
 from liandan.faults import faulty_matmuls, slow_forward
+from liandan.model.moe import moe_layers, routing_step
 from liandan.model.spec import get as get_model_spec
 from liandan.train.causal_lm import CausalLMTrainModule, _config_step, _materialize, model_args
+from liandan.train.expert_parallel import ep_refusal
 from liandan.train.fp8 import dims_refusal, fp8_param_count
 from liandan.train.hardware import PeakMemory
 from liandan.train.meta_init import build_on_meta, plan_init
@@ -96,8 +105,7 @@ def pipeline_config_refusal(cfg: Config, layout: Layout, args=None) -> str | Non
     args = args if args is not None else model_args(cfg, 0)
     n_stages = layout.pp * par.pp_stages_per_rank
     refusal = pipeline_refusal(spec, args, layout.pp, par.pp_stages_per_rank, par.pp_schedule)
-    if refusal is None and (layout.ep > 1 or getattr(args, "moe_experts", 0)):
-        refusal = "pipeline parallelism runs dense models; use a model without routed experts (parallel.ep = 1)"
+    refusal = refusal or ep_refusal(args, layout.ep)
     if refusal is None and layout.tp > 1 and par.sequence_parallel:
         refusal = ("pipeline parallelism with parallel.tp > 1 hands whole sequences between stages:"
                    " set parallel.sequence_parallel = false")  # fmt: skip
@@ -120,7 +128,6 @@ def pipeline_config_refusal(cfg: Config, layout: Layout, args=None) -> str | Non
 class PipelineTrainModule(CausalLMTrainModule):
     def __init__(self, cfg: Config, tokenizer_vocab: int, mesh, layout: Layout, device: torch.device,
                  dtype: torch.dtype):  # fmt: skip
-        from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         self.cfg, self.device, self.dtype = cfg, device, dtype
@@ -149,6 +156,8 @@ class PipelineTrainModule(CausalLMTrainModule):
         if fp8 and (refusal := dims_refusal(model, fp8.skip)):
             raise ConfigError(refusal)
         self.fp8_params = fp8_param_count(model, fp8.skip) if fp8 else 0
+        # Every MoE layer of the whole model: each rank routes through its own, and shares their stats.
+        self.moe_configs = {index: moe.cfg for index, moe in moe_layers(model).items()}
         first, last = stage_extras(model, self.spec, t.seq_len)
         counts = _config_step(stage_layer_counts, self.args.n_layers, n_stages, list(par.pp_layers), first, last)
         self.stage_layers = counts
@@ -174,7 +183,8 @@ class PipelineTrainModule(CausalLMTrainModule):
         self.pp_group = mesh["pp"].get_group()
         last_rank = stage_of_rank(n_stages - 1, self.pp, self.schedule_name)
         self.last_stage_src = dist.get_global_rank(self.pp_group, last_rank)
-        self.stages = [PipelineStage(part, s, n_stages, device, group=self.pp_group)
+        stage_kind = _counted_stage()
+        self.stages = [stage_kind(part, s, n_stages, device, group=self.pp_group)
                        for part, s in zip(parts, self.stage_ids, strict=True)]  # fmt: skip
         self._loss_divisor = float(self.microbatches)
         kind = get_schedule_class(TORCH_SCHEDULES[self.schedule_name])
@@ -184,7 +194,7 @@ class PipelineTrainModule(CausalLMTrainModule):
         except ValueError as err:
             raise ConfigError(f"parallel.pp_schedule = {self.schedule_name}: {err}") from None
         self.optimizers = build_optimizers(parts, cfg.optim, schedule(t.steps, cfg.schedule), device,
-                                           mixed_tensor_kinds=layout.tp > 1)  # fmt: skip
+                                           mixed_tensor_kinds=layout.tp > 1 or layout.ep > 1)  # fmt: skip
         self.optimizers.norm_group = self.pp_group
         self.params = self.spec.count_params(self.args)
         self.flops_per_token = self.spec.flops_per_token(self.args, t.seq_len)
@@ -199,6 +209,8 @@ class PipelineTrainModule(CausalLMTrainModule):
     def train_batch(self, batches: list[Batch], phase: PhaseHook, step: int = 0) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         self._loss_divisor = float(self.microbatches * len(batches))
+        for part in self.model_parts:
+            part.loss_divisor = self._loss_divisor  # the stages without the head scale their auxiliary losses
         for i, batch in enumerate(batches):
             phase("forward", micro=i)
             with faulty_matmuls(step), self.autocasting():
@@ -317,11 +329,12 @@ class PipelineTrainModule(CausalLMTrainModule):
             reshard(part)  # no backward follows: FSDP2's gathered last block would go stale at the update
         return self._from_last_stage(total)
 
-    def optim_step(self, factor: float = 1.0) -> None:
-        self.optimizers.step(factor)
-
-    def skip_step(self) -> None:
-        self.optimizers.skip()
+    def _route(self, bias_rate: float) -> None:
+        """Each rank counts and balances the routers of its own stages; the loads are summed over the ranks
+        holding the same layers and the stats of every layer reach every rank of the pipeline group."""
+        if self.moe_configs:
+            self.routing = routing_step(self.model_parts, bias_rate, every_layer=self.moe_configs,
+                                        stage_group=self.pp_group)  # fmt: skip
 
     def whole_model(self) -> torch.nn.Module | None:
         return None  # each rank holds stages only: layer statistics, probes and evaluation leave it out
@@ -329,6 +342,28 @@ class PipelineTrainModule(CausalLMTrainModule):
     @property
     def model(self) -> torch.nn.Module:
         raise ValueError(f"{type(self).__name__} holds pipeline stages {self.stage_ids}, not a whole model")
+
+
+@functools.cache
+def _counted_stage() -> type:
+    """torch's PipelineStage whose metadata inference leaves the routers' counts alone: on its first step, and
+    again after each switch between evaluation and training, the stage runs a forward of its own to learn the
+    shapes it sends (on the first micro-batch or on empty tensors), which the step's routing must not count."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class CountedStage(PipelineStage):
+        def _prepare_forward_infra(self, *args, **kwargs):
+            routers = [moe.router for moe in moe_layers(self.submod).values()]
+            counts = [(router.load.clone(), router.dropped.clone()) for router in routers]
+            try:
+                return super()._prepare_forward_infra(*args, **kwargs)
+            finally:
+                with torch.no_grad():
+                    for router, (load, dropped) in zip(routers, counts, strict=True):
+                        router.load.copy_(load)
+                        router.dropped.copy_(dropped)
+
+    return CountedStage
 
 
 def _stage_materializer(plan, device: torch.device, seed: int):

@@ -175,7 +175,7 @@ class Trainer:
                     self.phase("data")
                     batches = self.loader.next_step(micro_batch)
                     maybe_inject("data", progress.step + 1)
-                    collapse_router(progress.step + 1, self.module.model_parts)
+                    collapse_router(progress.step + 1, self.module.model_parts, stages=self.env.layout.pp > 1)
                     loss = self.module.train_batch(batches, self.phase, progress.step + 1)
                     corrupt_gradients(progress.step + 1, self._parameters())
                     self.phase("optimizer")

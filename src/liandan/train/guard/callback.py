@@ -22,7 +22,6 @@ import torch.distributed as dist
 from liandan.checkpoint.ring import HeldState
 from liandan.checkpoint.saving import SaveOutcome
 from liandan.config import Config, GuardSection
-from liandan.model.moe import moe_layers
 from liandan.run import RunStopped
 from liandan.train.callbacks import Callback
 from liandan.train.guard import diagnosis
@@ -76,9 +75,7 @@ class GuardCallback(Callback):
             watch = len(stores) > 1 and bool(self.cfg.source_floor or self.cfg.source_collapse)
             self.source_names = [s.name for s in stores] if watch else []
             self.head = HeadProbe(self.whole, spec, per_sequence=watch)
-        routed = [moe for part in ctx.module.model_parts for moe in moe_layers(part).values()]
-        if routed:
-            self.routers.top_k = routed[0].cfg.top_k
+        if spec is not None:  # a pipeline rank may hold no MoE layer and still judge every router
             self.router_prefix = spec.blocks
         ctx.module.lr_scale = self._current_scale(ctx.step)
         self.rollback = ctx.rollback
@@ -359,6 +356,7 @@ class GuardCallback(Callback):
         routing = getattr(ctx.module, "routing", None)
         if routing is None:
             return
+        self.routers.top_k = routing.top_k
         names = [f"{self.router_prefix}.{layer}" for layer in routing.layers]
         loads = dict(zip(names, routing.load.tolist(), strict=True))
         biases = dict(zip(names, routing.bias.tolist(), strict=True))
