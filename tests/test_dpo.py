@@ -1,0 +1,140 @@
+"""Direct preference optimisation: malformed preference records counted by reason, the pair store and its
+loader (chosen and rejected rows of their own, the reply alone a target), the loss and its gradients against
+TRL's DPOTrainer, a short run that learns the preference, and a run resumed mid-way exactly."""
+
+import shutil
+from collections import Counter
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import PREFERENCE_REJECTS, tiny_config, write_preference_data
+from liandan.config import ConfigError
+from liandan.data.documents.corpus import ReadStats
+from liandan.data.documents.preferences import read_preferences
+from liandan.train.preference import dpo_loss, sequence_logps
+
+DPO = ["--train.objective=dpo", "--data.tokenizer=bpe", "--data.bpe_vocab_size=300", "--data.val_fraction=0",
+       "--train.seq_len=32", "--model.max_seq_len=32", "--train.dpo_beta=0.5"]  # fmt: skip
+
+
+def test_malformed_preference_records_are_counted_with_their_reasons(tmp_path):
+    stats, rejects = ReadStats(), []
+    pairs = list(read_preferences(write_preference_data(tmp_path, n=6), stats=stats, on_reject=rejects.append))
+    assert len(pairs) == stats.documents == 6
+    assert stats.skipped == Counter(PREFERENCE_REJECTS.values())
+    assert Counter(r["reason"] for r in rejects) == stats.skipped
+    conversational = pairs[1]
+    assert [m["role"] for m in conversational.chosen] == ["system", "user", "assistant"]
+    assert conversational.chosen[:-1] == conversational.rejected[:-1]
+    assert conversational.chosen[-1]["content"] == "one two three four" != conversational.rejected[-1]["content"]
+
+
+def _pair_loader(tmp_path, n=6):
+    from liandan.config import load_config
+    from liandan.data.pipeline.preferences import prepare_preference_store
+    from liandan.data.tokens.pairs import PairLoader
+    from liandan.data.tokens.store import TokenStore
+
+    data = write_preference_data(tmp_path, n=n)
+    cfg = load_config(None, [f'--data.paths=["{data}"]', *DPO[1:3]]).data
+    stats = prepare_preference_store(cfg, tmp_path / "prefs", say=lambda m: None)
+    store = TokenStore(tmp_path / "prefs", verify=True)
+    return stats, store, PairLoader(store, 32, 4, seed=1)
+
+
+def test_pairs_travel_as_two_rows_with_the_reply_alone_a_target(tmp_path):
+    stats, store, loader = _pair_loader(tmp_path)
+    assert stats.documents == 6 and store.num_documents == 12
+    assert store.loss_mask["pairs"] and store.loss_mask["read"]["skipped"] == dict(Counter(PREFERENCE_REJECTS.values()))
+    batch = loader.next_step(2)[0]
+    assert batch.inputs.shape == (4, 32)
+    decode = store.tokenizer._tok.decode
+    for row in range(4):
+        kept = batch.targets[row] >= 0
+        reply = decode(batch.targets[row][kept].tolist(), skip_special_tokens=False)
+        assert reply.endswith("<|im_end|>") and "<|im_start|>" not in reply
+        assert (reply == "one two three four<|im_end|>") == (row % 2 == 0)  # chosen rows first in each pair
+        assert decode(batch.inputs[row][:1].tolist(), skip_special_tokens=False) == "<|im_start|>"  # a row's start
+    chosen, rejected = (decode(batch.inputs[r][batch.doc_ids[r] == 0].tolist()) for r in (0, 1))
+    assert chosen.split("assistant")[0] == rejected.split("assistant")[0]  # the same prompt
+    again = loader.batch_at(0, 2)[0]
+    assert torch.equal(again.inputs, batch.inputs) and torch.equal(again.targets, batch.targets)
+
+
+def test_sequence_logps_equal_a_gather_by_hand():
+    torch.manual_seed(0)
+    logits, targets = torch.randn(4, 7, 11), torch.randint(0, 11, (4, 7))
+    targets[:, :3] = -1
+    by_hand = torch.zeros(4)
+    for row in range(4):
+        for t in range(3, 7):
+            by_hand[row] += torch.log_softmax(logits[row, t], -1)[targets[row, t]]
+    torch.testing.assert_close(sequence_logps(logits, targets), by_hand, rtol=0, atol=1e-5)
+
+
+def test_the_dpo_loss_and_its_gradients_equal_the_formula_trl_computes():
+    """On the same log-probabilities, liandan's loss equals TRL's DPOTrainer "sigmoid" expression
+    (-logsigmoid(beta * delta), mean over pairs) in fp32, its gradients too; with label smoothing it is
+    conservative DPO's."""
+    torch.manual_seed(0)
+    logps = [(torch.randn(5) * 3).requires_grad_() for _ in range(4)]
+    delta = (logps[0] - logps[2]) - (logps[1] - logps[3])
+    theirs = (-F.logsigmoid(0.3 * delta)).mean()
+    ours, chosen, rejected = dpo_loss(*logps, beta=0.3)
+    torch.testing.assert_close(ours.mean(), theirs, rtol=0, atol=1e-5)
+    for a, b in zip(torch.autograd.grad(ours.mean(), logps, retain_graph=True), torch.autograd.grad(theirs, logps)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    smoothed, _, _ = dpo_loss(*logps, beta=0.3, label_smoothing=0.1)
+    z = 0.3 * delta
+    torch.testing.assert_close(smoothed, -0.9 * F.logsigmoid(z) - 0.1 * F.logsigmoid(-z), rtol=0, atol=1e-6)
+    torch.testing.assert_close(chosen, 0.3 * (logps[0] - logps[2]).detach())
+    torch.testing.assert_close(rejected, 0.3 * (logps[1] - logps[3]).detach())
+
+
+def _dpo_config(tmp_path, data, *extra):
+    return tiny_config(tmp_path, data, *DPO, f'--data.paths=["{data}"]', "--checkpoint.async_save=false", *extra)
+
+
+def test_a_short_dpo_run_learns_the_preference(tmp_path):
+    from liandan.train import Trainer
+
+    data = write_preference_data(tmp_path, n=16, malformed=False)
+    said = []
+    trainer = Trainer(_dpo_config(tmp_path, data, "--train.steps=12", "--optim.lr=3e-3", "--checkpoint.every=0"),
+                      say=said.append)  # fmt: skip
+    assert any("preference optimisation on 16 pairs" in line for line in said), said
+    records = []
+    trainer.logger.log_metrics = lambda step, metrics, _log=trainer.logger.log_metrics: (
+        records.append(dict(metrics)), _log(step, metrics))  # fmt: skip
+    trainer.train()
+    first, last = records[0], records[-1]
+    assert abs(first["rewards/margins"]) < 1e-6 and first["kl/token"] < 1e-6  # the policy starts as the reference
+    assert last["rewards/accuracies"] > 0.5 and last["rewards/margins"] > first["rewards/margins"] + 0.1
+    assert last["loss"] < first["loss"] and last["kl/token"] > 0
+    assert last["logps/chosen"] > first["logps/chosen"]
+
+
+def test_a_dpo_run_resumes_exactly(tmp_path):
+    from liandan.train import Trainer
+
+    data = write_preference_data(tmp_path, n=6)
+    common = ["--train.steps=6", "--checkpoint.every=2"]
+    trainer = Trainer(_dpo_config(tmp_path, data, *common), say=lambda m: None)
+    straight = trainer.train()
+    shutil.rmtree(trainer.run_dir / "checkpoints" / "step-00000006")
+    resumed = Trainer(_dpo_config(tmp_path, data, *common), say=lambda m: None)
+    assert resumed.step == 4
+    assert resumed.train().losses[-2:] == straight.losses[-2:]
+
+
+def test_dpo_refuses_what_it_does_not_run(tmp_path):
+    from liandan.train import Trainer
+
+    data = write_preference_data(tmp_path, n=4, malformed=False)
+    with pytest.raises(ConfigError, match="dpo_beta must be positive"):
+        Trainer(_dpo_config(tmp_path, data, "--train.dpo_beta=0"), say=lambda m: None)
+    with pytest.raises(ConfigError, match="no checkpoint there"):
+        Trainer(_dpo_config(tmp_path, data, f"--checkpoint.init_from={tmp_path / 'missing'}", "--run.name=r2"),
+                say=lambda m: None)  # fmt: skip
