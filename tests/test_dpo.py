@@ -1,6 +1,7 @@
 """Direct preference optimisation: malformed preference records counted by reason, the pair store and its
-loader (chosen and rejected rows of their own, the reply alone a target), the loss and its gradients against
-TRL's DPOTrainer, a short run that learns the preference, and a run resumed mid-way exactly."""
+loader (chosen and rejected rows of their own, the reply alone a target), sequence log-probabilities against a
+gather by hand, the loss and its gradients against TRL's DPOTrainer, a short run that learns the preference,
+and a run resumed mid-way exactly."""
 
 import shutil
 from collections import Counter
@@ -138,3 +139,52 @@ def test_dpo_refuses_what_it_does_not_run(tmp_path):
     with pytest.raises(ConfigError, match="no checkpoint there"):
         Trainer(_dpo_config(tmp_path, data, f"--checkpoint.init_from={tmp_path / 'missing'}", "--run.name=r2"),
                 say=lambda m: None)  # fmt: skip
+
+
+@pytest.mark.slow  # TRL's import and trainer: about 13 s
+def test_the_loss_and_gradients_equal_trl_dpo_trainer_on_its_own_batch(tmp_path):
+    """TRL's DPOTrainer (sigmoid loss, reference on the fly) and liandan's loss on the same tiny Llama weights,
+    the same chosen/rejected rows and the same completion mask: losses and policy gradients equal in fp32."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from trl import DPOConfig, DPOTrainer
+
+    from helpers import CHATML_GENERATION_TEMPLATE, write_hf_chat_tokenizer
+    from liandan.checkpoint.hf import hf_config, to_hf_tensors
+    from liandan.model import ModelArgs, Transformer
+
+    tokenizer_file = write_hf_chat_tokenizer(tmp_path / "model", CHATML_GENERATION_TEMPLATE)
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_file.parent))
+    torch.manual_seed(0)
+    args = ModelArgs(vocab_size=320, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_seq_len=256)
+    policy, reference = Transformer(args), Transformer(args)  # two inits: the reference differs from the policy
+    config = LlamaConfig(**{k: v for k, v in hf_config(args).items() if k != "architectures"},
+                         attn_implementation="eager")  # fmt: skip
+    hf_models = []
+    for model in (policy, reference):
+        hf_models.append(LlamaForCausalLM(config))
+        hf_models[-1].load_state_dict(to_hf_tensors(args, model.state_dict()))
+    pairs = [{"prompt": [{"role": "user", "content": "Count to four."}],
+              "chosen": [{"role": "assistant", "content": "one two three four"}],
+              "rejected": [{"role": "assistant", "content": "seven, maybe"}]}]  # fmt: skip
+    # bf16 off: TRL turns it on wherever the device has it (CPUs too), and the reference would run autocast
+    trl_args = DPOConfig(output_dir=str(tmp_path / "trl"), beta=0.3, report_to=[], max_length=None, bf16=False,
+                         per_device_train_batch_size=1, use_cpu=True)  # fmt: skip
+    trainer = DPOTrainer(model=hf_models[0], ref_model=hf_models[1], args=trl_args,
+                         train_dataset=Dataset.from_list(pairs), processing_class=hf_tokenizer)  # fmt: skip
+    batch = next(iter(trainer.get_train_dataloader()))
+    trl_loss = trainer.compute_loss(hf_models[0], batch)
+
+    ids, attention, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
+    assert ids.shape[0] == 2  # chosen, then rejected: liandan's row order for one pair
+    targets = torch.where((completion[:, 1:] == 1) & (attention[:, 1:] == 1), ids[:, 1:], -1)
+    logps = [sequence_logps(model(ids[:, :-1]), targets) for model in (policy, reference)]
+    loss, _, _ = dpo_loss(logps[0][0::2], logps[0][1::2], logps[1][0::2].detach(), logps[1][1::2].detach(), 0.3)
+    loss = loss.mean()
+    torch.testing.assert_close(loss, trl_loss, rtol=0, atol=1e-5)
+    loss.backward()
+    trl_loss.backward()
+    ours = to_hf_tensors(args, {name: p.grad for name, p in policy.named_parameters()})
+    for name, param in hf_models[0].named_parameters():
+        torch.testing.assert_close(ours[name], param.grad, rtol=0, atol=1e-5)
