@@ -178,6 +178,13 @@ def test_the_loss_and_gradients_equal_trl_dpo_trainer_on_its_own_batch(tmp_path)
 
     ids, attention, completion = batch["input_ids"], batch["attention_mask"], batch["completion_mask"]
     assert ids.shape[0] == 2  # chosen, then rejected: liandan's row order for one pair
+    rows = _liandan_rows(tmp_path, pairs, tokenizer_file)
+    for row in range(2):  # the same tokens; the same reply but for the newline ChatML writes after <|im_end|>
+        length = int(attention[row].sum())
+        assert rows.inputs[row, : length - 1].tolist() == ids[row, : length - 1].tolist()
+        theirs = completion[row, 1:length].clone()
+        theirs[length - 2] = 0  # the template's newline after the end token: TRL's completion, not liandan's
+        assert (rows.targets[row, : length - 1] >= 0).tolist() == theirs.bool().tolist()
     targets = torch.where((completion[:, 1:] == 1) & (attention[:, 1:] == 1), ids[:, 1:], -1)
     logps = [sequence_logps(model(ids[:, :-1]), targets) for model in (policy, reference)]
     loss, _, _ = dpo_loss(logps[0][0::2], logps[0][1::2], logps[1][0::2].detach(), logps[1][1::2].detach(), 0.3)
@@ -188,3 +195,19 @@ def test_the_loss_and_gradients_equal_trl_dpo_trainer_on_its_own_batch(tmp_path)
     ours = to_hf_tensors(args, {name: p.grad for name, p in policy.named_parameters()})
     for name, param in hf_models[0].named_parameters():
         torch.testing.assert_close(ours[name], param.grad, rtol=0, atol=1e-5)
+
+
+def _liandan_rows(tmp_path, pairs, tokenizer_file):
+    """The pair loader's rows of `pairs` written to a preference store with liandan's ChatML and the tokenizer."""
+    import json
+
+    from liandan.config import load_config
+    from liandan.data.pipeline.preferences import prepare_preference_store
+    from liandan.data.tokens.pairs import PairLoader
+    from liandan.data.tokens.store import TokenStore
+
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    cfg = load_config(None, [f'--data.paths=["{data}"]', f"--data.tokenizer={tokenizer_file}"]).data
+    prepare_preference_store(cfg, tmp_path / "store", say=lambda m: None)
+    return PairLoader(TokenStore(tmp_path / "store"), 64, 1, seed=0).next_step(1)[0]
