@@ -211,3 +211,22 @@ def _liandan_rows(tmp_path, pairs, tokenizer_file):
     cfg = load_config(None, [f'--data.paths=["{data}"]', f"--data.tokenizer={tokenizer_file}"]).data
     prepare_preference_store(cfg, tmp_path / "store", say=lambda m: None)
     return PairLoader(TokenStore(tmp_path / "store"), 64, 1, seed=0).next_step(1)[0]
+
+
+@pytest.mark.slow  # two runs, one of two processes
+def test_dpo_on_two_fsdp_ranks_equals_one_process(tmp_path):
+    from helpers import read_run, run_liandan
+
+    data = write_preference_data(tmp_path, n=8, malformed=False)
+    config = tmp_path / "dpo.toml"
+    config.write_text(_dpo_config(tmp_path / "runs", data, "--train.steps=4", "--run.name=").to_toml())
+    losses = {}
+    for nproc in (1, 2):
+        done = run_liandan("train", config, f"--nproc={nproc}", f"--run.name=n{nproc}", timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        records = read_run(tmp_path / "runs" / f"n{nproc}").metrics
+        losses[nproc] = [(r["loss"], r["rewards/margins"], r["kl/token"]) for r in records]
+        assert read_run(tmp_path / "runs" / f"n{nproc}").summary["world_size"] == nproc
+    assert len(losses[1]) == 4 and abs(losses[1][-1][1]) > 0
+    for single, sharded in zip(losses[1], losses[2]):
+        assert sharded == pytest.approx(single, rel=1e-5, abs=1e-7)

@@ -14,19 +14,20 @@ DPO's own at e = 0 (TRL's "sigmoid" loss), and a step's loss the mean over its p
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
+from liandan.common.layout import uses_fsdp
 from liandan.config import Config, ConfigError
 from liandan.data.tokens.loader import Batch
 from liandan.faults import faulty_matmuls, slow_forward
 from liandan.train.causal_lm import CausalLMTrainModule
-from liandan.train.parallelize import gradient_sync
+from liandan.train.parallelize import apply_fsdp, fsdp_mesh, gradient_sync, reshard
 from liandan.train.train_module import PhaseHook
 
-# The step's metrics, means over its pairs (and `kl/token` over its reply tokens), as TRL names them.
+# The step's metrics, means over its pairs (`kl/token`: over each reply's tokens, then over the replies, so
+# that every rank's and micro-batch's mean weighs the same), named as TRL names them.
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected", "kl/token")  # fmt: skip
 
@@ -59,10 +60,33 @@ def dpo_refusal(cfg: Config, layout) -> str | None:
     """Why this run cannot train DPO, in one line, or None."""
     if cfg.train.dpo_beta <= 0:
         return f"train.dpo_beta must be positive, got {cfg.train.dpo_beta}"
-    if layout.world_size > 1:
-        return (f'train.objective = "dpo" runs on one process for now (the frozen reference is not sharded'
-                f" yet); this layout is {layout}")  # fmt: skip
+    if layout.tp > 1 or layout.cp > 1 or layout.ep > 1 or layout.pp > 1:
+        return (f'train.objective = "dpo" runs data-parallel only for now (FSDP, DDP, HSDP), not under {layout}:'
+                " set parallel.tp, cp, ep and pp to 1")  # fmt: skip
+    if cfg.train.fp8 != "none":
+        return 'train.objective = "dpo" does not run with train.fp8 yet'
     return None
+
+
+def frozen_reference(module: CausalLMTrainModule, layout, mesh) -> torch.nn.Module:
+    """A frozen copy of the policy's weights, sharded like them under FSDP (and whole on every rank under DDP,
+    which has no gradients to reduce for it)."""
+    with torch.random.fork_rng(devices=[]):  # its initial values are overwritten: the run's draws stay as they were
+        reference = module.spec.build(module.args).to(module.device).requires_grad_(False)
+    configure = getattr(reference, "configure_attention", None)
+    if configure is not None:
+        configure(module.device)
+    if uses_fsdp(layout):
+        fsdp_dtype = module.dtype if module.dtype != torch.float32 else None
+        apply_fsdp(reference, fsdp_mesh(mesh, layout), fsdp_dtype, module.spec,
+                   cpu_offload=module.cfg.parallel.cpu_offload)  # fmt: skip
+    policy = module.model.module if isinstance(module.model, DistributedDataParallel) else module.model
+    with torch.no_grad():
+        for (name, ours), theirs in zip(reference.named_parameters(), policy.parameters(), strict=True):
+            if ours.shape != theirs.shape:
+                raise RuntimeError(f"the reference's {name} is shaped {tuple(ours.shape)}, not as the policy's")
+            ours.copy_(theirs)
+    return reference.eval()
 
 
 class DPOTrainModule(CausalLMTrainModule):
@@ -74,7 +98,7 @@ class DPOTrainModule(CausalLMTrainModule):
         self.beta, self.label_smoothing = cfg.train.dpo_beta, cfg.train.dpo_label_smoothing
         # The run's initial weights; the trainer loads `init_from` into it as well, on every start (a resume
         # included), so the reference never follows the policy.
-        self.reference = copy.deepcopy(self.model).requires_grad_(False).eval()
+        self.reference = frozen_reference(self, layout, mesh)
         self.preference_metrics: dict[str, float] = {}
 
     def train(self, mode: bool = True) -> None:
@@ -104,6 +128,7 @@ class DPOTrainModule(CausalLMTrainModule):
             logits = self.model(batch.inputs, doc_ids=doc_ids)
             with torch.no_grad():
                 reference_logits = self.reference(batch.inputs, doc_ids=doc_ids)
+        reshard(self.reference)  # FSDP2 keeps the last block gathered for a backward that never comes
         policy = sequence_logps(logits, batch.targets).view(-1, 2)
         reference = sequence_logps(reference_logits, batch.targets).view(-1, 2)
         losses, chosen, rejected = dpo_loss(policy[:, 0], policy[:, 1], reference[:, 0], reference[:, 1],
@@ -114,7 +139,7 @@ class DPOTrainModule(CausalLMTrainModule):
             kl = (policy_log.exp() * (policy_log - torch.log_softmax(reference_logits.float(), -1))).sum(-1)
             stats = torch.stack([
                 chosen.mean(), rejected.mean(), (chosen > rejected).float().mean(), (chosen - rejected).mean(),
-                policy[:, 0].detach().mean(), policy[:, 1].detach().mean(), (kl * kept).sum() / kept.sum().clamp(min=1),
+                policy[:, 0].detach().mean(), policy[:, 1].detach().mean(), ((kl * kept).sum(-1) / kept.sum(-1).clamp(min=1)).mean(),
             ])  # fmt: skip
         return losses.mean() / count, stats
 
