@@ -130,6 +130,25 @@ def test_a_dpo_run_resumes_exactly(tmp_path):
     assert resumed.train().losses[-2:] == straight.losses[-2:]
 
 
+def test_a_preference_store_written_ahead_trains_and_a_chat_store_is_refused(tmp_path):
+    from helpers import liandan_here, write_chat_data
+    from liandan.data.documents.corpus import DataError
+    from liandan.train import Trainer
+
+    data = write_preference_data(tmp_path, n=4)
+    said = liandan_here("data", "chat", data, "--pairs", "--out", tmp_path / "prefs", "--bpe-vocab-size=300",
+                        check=True).stdout  # fmt: skip
+    assert "4 pairs" in said and "1 'chosen' equals 'rejected'" in said and "--train.objective=dpo" in said
+    stores = f'--data.stores=["{tmp_path / "prefs"}"]'
+    trainer = Trainer(_dpo_config(tmp_path, data, stores, "--train.global_batch=2"), say=lambda m: None)
+    assert trainer.parts.data.loader.next_step(2)[0].inputs.shape == (4, 32)
+    liandan_here("data", "chat", write_chat_data(tmp_path), "--out", tmp_path / "sft", "--bpe-vocab-size=300",
+                 check=True)  # fmt: skip
+    with pytest.raises(DataError, match="without preference pairs"):
+        Trainer(_dpo_config(tmp_path, data, f'--data.stores=["{tmp_path / "sft"}"]', "--run.name=sft"),
+                say=lambda m: None)  # fmt: skip
+
+
 def test_dpo_refuses_what_it_does_not_run(tmp_path):
     from liandan.train import Trainer
 
