@@ -106,9 +106,7 @@ def test_a_short_dpo_run_learns_the_preference(tmp_path):
     trainer = Trainer(_dpo_config(tmp_path, data, "--train.steps=12", "--optim.lr=3e-3", "--checkpoint.every=0"),
                       say=said.append)  # fmt: skip
     assert any("preference optimisation on 16 pairs" in line for line in said), said
-    records = []
-    trainer.logger.log_metrics = lambda step, metrics, _log=trainer.logger.log_metrics: (
-        records.append(dict(metrics)), _log(step, metrics))  # fmt: skip
+    records = _recording(trainer)
     trainer.train()
     first, last = records[0], records[-1]
     assert abs(first["rewards/margins"]) < 1e-6 and first["kl/token"] < 1e-6  # the policy starts as the reference
@@ -249,3 +247,38 @@ def test_dpo_on_two_fsdp_ranks_equals_one_process(tmp_path):
     assert len(losses[1]) == 4 and abs(losses[1][-1][1]) > 0
     for single, sharded in zip(losses[1], losses[2]):
         assert sharded == pytest.approx(single, rel=1e-5, abs=1e-7)
+
+
+def test_the_reference_is_init_from_on_every_start_a_resume_included(tmp_path):
+    """From a checkpoint (`init_from`) the policy starts as the reference: margins and KL are 0 at the first
+    step; a resume reloads the reference from `init_from`, not from the resumed policy, and continues exactly."""
+    from liandan.train import Trainer
+
+    data = write_preference_data(tmp_path, n=6, malformed=False)
+    first = Trainer(_dpo_config(tmp_path, data, "--train.steps=2", "--run.name=a", "--optim.lr=3e-3"),
+                    say=lambda m: None)  # fmt: skip
+    first.train()
+    start = first.run_dir / "checkpoints" / "step-00000002"
+    common = ["--train.steps=4", "--checkpoint.every=2", "--run.name=b", f"--checkpoint.init_from={start}"]
+    trainer = Trainer(_dpo_config(tmp_path, data, *common), say=lambda m: None)
+    records = _recording(trainer)
+    straight = trainer.train()
+    assert records[0]["kl/token"] < 1e-9 and abs(records[0]["rewards/margins"]) < 1e-6
+    assert records[-1]["kl/token"] > 0
+    shutil.rmtree(trainer.run_dir / "checkpoints" / "step-00000004")
+    resumed = Trainer(_dpo_config(tmp_path, data, *common), say=lambda m: None)
+    assert resumed.step == 2
+    assert resumed.train().losses[-2:] == straight.losses[-2:]
+
+
+def _recording(trainer) -> list[dict]:
+    """The metrics the trainer logs, as it logs them."""
+    records = []
+    log = trainer.logger.log_metrics
+
+    def recorded(step, metrics):
+        records.append(dict(metrics))
+        log(step, metrics)
+
+    trainer.logger.log_metrics = recorded
+    return records
