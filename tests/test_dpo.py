@@ -17,7 +17,7 @@ from liandan.data.documents.preferences import read_preferences
 from liandan.train.preference import dpo_loss, sequence_logps
 
 DPO = ["--train.objective=dpo", "--data.tokenizer=bpe", "--data.bpe_vocab_size=300", "--data.val_fraction=0",
-       "--train.seq_len=32", "--model.max_seq_len=32", "--train.dpo_beta=0.5"]  # fmt: skip
+       "--train.seq_len=64", "--train.dpo_beta=0.5"]  # fmt: skip
 
 
 def test_malformed_preference_records_are_counted_with_their_reasons(tmp_path):
@@ -42,7 +42,7 @@ def _pair_loader(tmp_path, n=6):
     cfg = load_config(None, [f'--data.paths=["{data}"]', *DPO[1:3]]).data
     stats = prepare_preference_store(cfg, tmp_path / "prefs", say=lambda m: None)
     store = TokenStore(tmp_path / "prefs", verify=True)
-    return stats, store, PairLoader(store, 32, 4, seed=1)
+    return stats, store, PairLoader(store, 64, 4, seed=1)
 
 
 def test_pairs_travel_as_two_rows_with_the_reply_alone_a_target(tmp_path):
@@ -50,7 +50,7 @@ def test_pairs_travel_as_two_rows_with_the_reply_alone_a_target(tmp_path):
     assert stats.documents == 6 and store.num_documents == 12
     assert store.loss_mask["pairs"] and store.loss_mask["read"]["skipped"] == dict(Counter(PREFERENCE_REJECTS.values()))
     batch = loader.next_step(2)[0]
-    assert batch.inputs.shape == (4, 32)
+    assert batch.inputs.shape == (4, 64) and loader.truncated() == (0, 12)
     decode = store.tokenizer._tok.decode
     for row in range(4):
         kept = batch.targets[row] >= 0
@@ -62,6 +62,26 @@ def test_pairs_travel_as_two_rows_with_the_reply_alone_a_target(tmp_path):
     assert chosen.split("assistant")[0] == rejected.split("assistant")[0]  # the same prompt
     again = loader.batch_at(0, 2)[0]
     assert torch.equal(again.inputs, batch.inputs) and torch.equal(again.targets, batch.targets)
+
+
+def test_gradient_accumulation_gives_the_loss_and_gradients_of_the_whole_batch(tmp_path):
+    from liandan.train.components import build_environment, build_train_module
+
+    _, store, loader = _pair_loader(tmp_path)
+    cfg = tiny_config(tmp_path, tmp_path / "unused.jsonl", *DPO)
+    module = build_train_module(cfg, build_environment(cfg, say=lambda m: None), store.tokenizer)
+    params = list(module.model.parameters())
+    found = {}
+    for micro_batch in (4, 1):
+        for p in params:
+            p.grad = None
+        loss = module.train_batch(loader.batch_at(0, micro_batch), lambda *args, **kwargs: None, 1)
+        found[micro_batch] = loss, [p.grad.clone() for p in params], dict(module.preference_metrics)
+    torch.testing.assert_close(found[1][0], found[4][0], rtol=0, atol=1e-6)
+    for ours, theirs in zip(found[1][1], found[4][1]):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    assert found[1][2] == pytest.approx(found[4][2], abs=1e-6)
+    assert not any(p.grad is not None for p in module.reference.parameters())  # frozen
 
 
 def test_sequence_logps_equal_a_gather_by_hand():
@@ -139,7 +159,7 @@ def test_a_preference_store_written_ahead_trains_and_a_chat_store_is_refused(tmp
     assert "4 pairs" in said and "1 'chosen' equals 'rejected'" in said and "--train.objective=dpo" in said
     stores = f'--data.stores=["{tmp_path / "prefs"}"]'
     trainer = Trainer(_dpo_config(tmp_path, data, stores, "--train.global_batch=2"), say=lambda m: None)
-    assert trainer.parts.data.loader.next_step(2)[0].inputs.shape == (4, 32)
+    assert trainer.parts.data.loader.next_step(2)[0].inputs.shape == (4, 64)
     liandan_here("data", "chat", write_chat_data(tmp_path), "--out", tmp_path / "sft", "--bpe-vocab-size=300",
                  check=True)  # fmt: skip
     with pytest.raises(DataError, match="without preference pairs"):
