@@ -14,6 +14,7 @@ from helpers import PREFERENCE_REJECTS, tiny_config, write_preference_data
 from liandan.config import ConfigError
 from liandan.data.documents.corpus import ReadStats
 from liandan.data.documents.preferences import read_preferences
+from liandan.track.logger import format_metrics
 from liandan.train.preference import dpo_loss, sequence_logps
 
 DPO = ["--train.objective=dpo", "--data.tokenizer=bpe", "--data.bpe_vocab_size=300", "--data.val_fraction=0",
@@ -133,6 +134,7 @@ def test_a_short_dpo_run_learns_the_preference(tmp_path):
     assert last["rewards/accuracies"] > 0.5 and last["rewards/margins"] > first["rewards/margins"] + 0.1
     assert last["loss"] < first["loss"] and last["kl/token"] > 0
     assert last["logps/chosen"] > first["logps/chosen"]
+    assert f"reward acc {last['rewards/accuracies']:.2f}" in format_metrics(last)
 
 
 def test_a_dpo_run_resumes_exactly(tmp_path):
