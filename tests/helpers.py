@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -436,3 +437,37 @@ def write_hf_chat_tokenizer(directory: Path, template: str = ZEPHYR_TEMPLATE) ->
               "pad_token": "<|endoftext|>", "chat_template": template}  # fmt: skip
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
     return directory / "tokenizer.json"
+
+
+# One malformed preference record per reason, with the reason it is counted under.
+PREFERENCE_REJECTS = {
+    b'{"prompt": "hi", "chosen": "a"}': "not all of 'prompt', 'chosen', 'rejected'",
+    b'{"prompt": 3, "chosen": "a", "rejected": "b"}': "'prompt' is neither a string nor a non-empty list of messages",
+    b'{"prompt": "hi", "chosen": ["a"], "rejected": "b"}': "'chosen' is neither a string nor one assistant message",
+    b'{"prompt": "hi", "chosen": "same", "rejected": "same"}': "'chosen' equals 'rejected'",
+    b'{"prompt": "hi", "chosen": "a", "rejected": " "}': "empty reply",
+    b'{"prompt": [{"role": "robot", "content": "x"}], "chosen": "a", "rejected": "b"}': "unknown role",
+    b'{"prompt": "hi", "chosen": "a", "rejected": "b"': "malformed JSON",
+}
+
+
+def write_preference_data(directory: Path, n: int = 16, malformed: bool = True, seed: int = 0) -> Path:
+    """A .jsonl of `n` synthetic preference pairs: the chosen reply a fixed pattern, the rejected one random
+    letters; every other prompt a conversation (with the chosen reply as a list of one assistant message, as
+    TRL's conversational datasets write it), the rest strings; PREFERENCE_REJECTS's records among them."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(n):
+        noise = "".join(rng.choice("xyzqjkv ") for _ in range(12)).strip() or "zz"
+        prompt = f"Count from {i % 5}."
+        record = {"id": f"p{i}", "prompt": prompt, "chosen": "one two three four", "rejected": noise}
+        if i % 2:
+            record["prompt"] = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": prompt}]
+            record["chosen"] = [{"role": "assistant", "content": record["chosen"]}]
+        lines.append(json.dumps(record).encode())
+    if malformed:
+        for k, raw in enumerate(PREFERENCE_REJECTS):
+            lines.insert(2 * k + 1, raw)
+    path = directory / "prefs.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path

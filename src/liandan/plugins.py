@@ -116,6 +116,7 @@ BUILTIN: tuple[Plugin, ...] = (
             ("heartbeat", "train.builtin_callbacks:_heartbeat"),
             ("metrics", "train.builtin_callbacks:_metrics"),
             ("routing", "train.builtin_callbacks:_routing"),
+            ("preferences", "train.builtin_callbacks:_preferences"),
             ("eval", "train.builtin_callbacks:_eval"),
             ("memory_snapshots", "train.builtin_callbacks:_snapshots"),
             ("checkpoint", "train.builtin_callbacks:_checkpoint"),

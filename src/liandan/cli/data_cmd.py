@@ -53,6 +53,8 @@ def add_commands(sub) -> None:
     p.add_argument("--bpe-vocab-size", type=int, default=4096, help="vocabulary size when training a BPE")
     p.add_argument("--template", choices=["chatml", "tokenizer"], default="chatml",
                    help="chatml (built in), or the chat_template beside --tokenizer's tokenizer.json")  # fmt: skip
+    p.add_argument("--pairs", action="store_true",
+                   help="the records are preference pairs (prompt, chosen, rejected): a store for DPO")  # fmt: skip
     p.add_argument("--overwrite", action="store_true", help="replace a store already at --out")
     p.set_defaults(command=cmd_chat)
 
@@ -249,8 +251,8 @@ def first_sentence(doc: str) -> str:
 
 
 def cmd_chat(args: argparse.Namespace, overrides: list[str]) -> int:
-    """Write a fine-tuning store, as a run with `train.objective = "sft"` writes its own from `[data] paths`; a
-    run then trains on it with `[data] stores`."""
+    """Write a fine-tuning store (of preference pairs with --pairs), as a run with `train.objective = "sft"`
+    (or "dpo") writes its own from `[data] paths`; a run then trains on it with `[data] stores`."""
     from liandan.config import DataSection
     from liandan.data.pipeline.chat import prepare_chat_store
 
@@ -259,6 +261,12 @@ def cmd_chat(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"{out} already holds a token store; pass --overwrite to replace it")
     cfg = DataSection(paths=list(args.paths), tokenizer=args.tokenizer, bpe_vocab_size=args.bpe_vocab_size,
                       chat_template=args.template)  # fmt: skip
-    prepare_chat_store(cfg, out, say=print)
-    print(f"wrote {out}: train on it with --train.objective=sft --data.stores='[\"{out}\"]'")
+    if args.pairs:
+        from liandan.data.pipeline.preferences import prepare_preference_store
+
+        prepare_preference_store(cfg, out, say=print)
+    else:
+        prepare_chat_store(cfg, out, say=print)
+    objective = "dpo" if args.pairs else "sft"
+    print(f"wrote {out}: train on it with --train.objective={objective} --data.stores='[\"{out}\"]'")
     return 0

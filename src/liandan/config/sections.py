@@ -88,9 +88,16 @@ class TrainSection:
     fp8_emulate: bool = _f(
         False, "emulate train.fp8's casts in the run's dtype, on any device (for tests: no speed-up)"
     )  # fmt: skip
-    objective: Literal["lm", "sft"] = _f(
+    objective: Literal["lm", "sft", "dpo"] = _f(
         "lm", "lm: next-token prediction on every token (pretraining); sft: supervised fine-tuning on chat data"
-        " (data.paths of chat records, rendered by data.chat_template), the loss taken where train.sft_targets says"
+        " (data.paths of chat records, rendered by data.chat_template), the loss taken where train.sft_targets says;"
+        " dpo: direct preference optimisation on data.paths of prompt/chosen/rejected records, against a frozen"
+        " reference (the initial weights); global_batch and micro_batch then count pairs"
+    )  # fmt: skip
+    dpo_beta: float = _f(0.1, "train.objective = dpo: beta, the strength of the pull towards the reference", min=0.0)
+    dpo_label_smoothing: float = _f(
+        0.0, "train.objective = dpo: the share of pairs assumed mislabelled (conservative DPO); 0 is DPO's own loss",
+        min=0.0, max=0.49,
     )  # fmt: skip
     sft_targets: Literal["assistant", "all"] = _f(
         "assistant", "train.objective = sft: learn the assistant turns only (their content and end token, by the"

@@ -101,6 +101,8 @@ def format_metrics(m: dict[str, float]) -> str:
         parts.append(f"{m['tokens_per_s']:,.0f} tok/s")
     if "mfu" in m:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if "rewards/accuracies" in m:  # a DPO step: the share of pairs preferred rightly, their mean reward margin
+        parts.append(f"reward acc {m['rewards/accuracies']:.2f}  margin {m['rewards/margins']:.3f}")
     if "moe/load_max" in m:  # a MoE model's most loaded expert over the mean, of its worst block (1.00: balanced)
         parts.append(f"expert load {m['moe/load_max']:.2f}x")
     return "  ".join(parts)

@@ -100,6 +100,21 @@ class RoutingCallback(Callback):
         metrics.update(routing.expert_loads())
 
 
+class PreferenceMetricsCallback(Callback):
+    """A DPO step's rewards, reward accuracy, margins, log-probabilities and KL to the reference
+    (`TrainModule.preference_metrics`, means over the ranks) into the step's metrics on the steps
+    MetricsCallback logs."""
+
+    order = 4
+
+    def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
+        t = ctx.cfg.train
+        found = getattr(ctx.module, "preference_metrics", None)
+        if not found or (step % t.log_every and step != t.steps):
+            return
+        metrics.update({name: ctx.mean_over_ranks(torch.tensor(value)) for name, value in found.items()})
+
+
 class EvalCallback(Callback):
     """The validation loss every `train.eval_every` steps and at the last, as an "eval" event."""
 
@@ -217,6 +232,10 @@ def _metrics(cfg: Config) -> Callback:
 
 def _routing(cfg: Config) -> Callback:
     return RoutingCallback()  # idle unless the train module routes (a MoE model)
+
+
+def _preferences(cfg: Config) -> Callback | None:
+    return PreferenceMetricsCallback() if cfg.train.objective == "dpo" else None
 
 
 def _eval(cfg: Config) -> Callback | None:

@@ -29,8 +29,10 @@ from liandan.checkpoint.resume import can_resume
 from liandan.common.layout import Layout, batch_split_refusal, resolve_layout
 from liandan.config import Config, ConfigError
 from liandan.data.pipeline.chat import prepare_chat_store
+from liandan.data.pipeline.preferences import prepare_preference_store
 from liandan.data.pipeline.prepare import open_prepared, open_stores, prepare_store
 from liandan.data.tokens.loader import Batch, PackedLoader
+from liandan.data.tokens.pairs import PairLoader
 from liandan.run import RunDir, RunLock, holds_progress, lock_run_dir
 from liandan.run.worker_env import WorkerEnv
 from liandan.track import FanOut, JsonlLogger, MetricsLogger, NullLogger
@@ -209,7 +211,7 @@ def build_data(cfg: Config, env: Environment, room: RunDir, resuming: bool,
         own = loader if hasattr(loader, "next_step") else loader(env, dp_rank, dp_size)  # type: ignore[operator]
         return Data(own, micro_batch, dp_rank, dp_size, list(getattr(own, "stores", [])),
                     getattr(own, "tokenizer", None))  # fmt: skip
-    sft = t.objective == "sft"
+    sft, dpo = t.objective == "sft", t.objective == "dpo"
     if sft and t.mask != "document":
         raise ConfigError('train.objective = "sft" needs train.mask = "document": packed conversations must not'
                           " attend to each other")  # fmt: skip
@@ -220,7 +222,9 @@ def build_data(cfg: Config, env: Environment, room: RunDir, resuming: bool,
         def prepare() -> None:
             if resuming and room.data_manifest.is_file():
                 return
-            if sft:
+            if dpo:
+                prepare_preference_store(cfg.data, room.data, env.say)
+            elif sft:
                 prepare_chat_store(cfg.data, room.data, env.say)
             else:
                 prepare_store(cfg.data, room.data, env.say)
@@ -228,6 +232,11 @@ def build_data(cfg: Config, env: Environment, room: RunDir, resuming: bool,
         env.on_main_then_share(prepare)
         store, tokenizer = open_prepared(room.data)
         stores = [store]
+    if dpo:
+        pairs = PairLoader(stores, t.seq_len, t.global_batch, cfg.run.seed, cfg.data.val_fraction, dp_rank, dp_size,
+                           weights=cfg.data.weights or None)  # fmt: skip
+        say_pairs(pairs, t, env.say)
+        return Data(pairs, micro_batch, dp_rank, dp_size, stores, tokenizer)
     packed = PackedLoader(
         stores, t.seq_len, t.global_batch, cfg.run.seed, cfg.data.val_fraction, dp_rank, dp_size,
         weights=cfg.data.weights or None, loss_mask=sft and t.sft_targets == "assistant",
@@ -251,11 +260,28 @@ def say_epochs(loader: PackedLoader, t: Any, say: Callable[[str], None]) -> None
         )
 
 
+def say_pairs(loader: PairLoader, t: Any, say: Callable[[str], None]) -> None:
+    """DPO counts in epochs over its pairs; a conversation longer than a row loses its end: say both."""
+    pairs = sum(len(s.train_windows) for s in loader.streams)
+    say(f"preference optimisation on {pairs:,} pairs per epoch: {t.steps} steps of {t.global_batch} pairs are"
+        f" {t.steps * t.global_batch / pairs:.2f} epochs")  # fmt: skip
+    long, total = loader.truncated()
+    if long:
+        say(f"warning: {long} of {total} conversations of the pairs are longer than train.seq_len + 1 ="
+            f" {t.seq_len + 1} tokens: each is cut there, the rest of its reply not compared")  # fmt: skip
+
+
 def build_train_module(cfg: Config, env: Environment, tokenizer: Any) -> TrainModule:
     """Dense causal-LM pretraining of the `[model]` family, with the `[optim]` optimizer; pipelined over
     `parallel.pp` ranks when it is above 1."""
     if tokenizer is None:
         raise ConfigError("the train module needs a tokenizer: give a loader with one, or a train module")
+    if cfg.train.objective == "dpo":
+        if env.layout.pp > 1:
+            raise ConfigError('train.objective = "dpo" does not run under pipeline parallelism yet (parallel.pp = 1)')
+        from liandan.train.preference import DPOTrainModule
+
+        return DPOTrainModule(cfg, tokenizer.vocab_size, env.mesh, env.layout, env.device, env.dtype)
     if env.layout.pp > 1:
         from liandan.train.pipeline import PipelineTrainModule
 

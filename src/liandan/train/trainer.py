@@ -73,7 +73,9 @@ class Trainer:
         self.say = parts.say
         self.progress = RunProgress()
         self.result = TrainResult(parts.room.path, cfg.train.steps)
-        self.tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
+        # a DPO step's global batch counts pairs, each two rows
+        rows = cfg.train.global_batch * (2 if cfg.train.objective == "dpo" else 1)
+        self.tokens_per_step = rows * cfg.train.seq_len
         if self.module.init_peak is not None:
             peaks = self.env.max_over_ranks([self.module.init_peak.host_bytes, self.module.init_peak.device_bytes])
             self.files.log_event("model_built", meta_init=cfg.train.meta_init, host_peak_bytes=peaks[0],
@@ -359,18 +361,23 @@ class Trainer:
             )
         elif c.init_from:
             self._init_from(locate(c.init_from))
+        reference = getattr(self.module, "reference", None)  # DPO's frozen reference: the initial weights
+        if reference is not None and c.init_from:
+            self._init_from(locate(c.init_from), [reference])
         if self.progress.step == 0 and self.dist.is_main:  # a restart with nothing to resume from starts over
             self.room.truncate_metrics(0)
 
-    def _init_from(self, source: Path) -> None:
+    def _init_from(self, source: Path, parts: list[torch.nn.Module] | None = None) -> None:
+        """Load `init_from` into the model parts (the train module's, or `parts`: a DPO reference)."""
+        what = "model weights" if parts is None else "the reference's weights"
         if is_weight_source(source):
-            self._init_from_weights(source)
+            self._init_from_weights(source, None if parts is None else parts[0], what)
             return
         if not (source / META).is_file():
             raise ConfigError(f"checkpoint.init_from = {source}: no checkpoint there ({META} missing)")
         self._check_model(read_meta(source), f"checkpoint.init_from = {source}")
-        self.checkpoints.load(source, self.module.model_parts)
-        self.say(f"initialised model weights from {source}")
+        self.checkpoints.load(source, self.module.model_parts if parts is None else parts)
+        self.say(f"initialised {what} from {source}")
         self.parts.event("initialised", path=str(source))
 
     def _check_model(self, meta: dict[str, Any], source: str) -> None:
@@ -396,13 +403,15 @@ class Trainer:
         self.say(f"{said}; loading what fits (checkpoint.allow_model_change)")
         self.parts.event("model_changed", source=source, differences=differ)
 
-    def _init_from_weights(self, source: Path) -> None:
+    def _init_from_weights(
+        self, source: Path, model: torch.nn.Module | None = None, what: str = "model weights"
+    ) -> None:
         """Hugging Face or consolidated weights, each rank reading only its shards' slices, tensor by tensor."""
         try:
-            read = load_weights(self.module.model, self.module.args, source)
+            read = load_weights(self.module.model if model is None else model, self.module.args, source)
         except (ValueError, OSError) as err:
             raise ConfigError(f"checkpoint.init_from = {source}: {err}") from None
-        self.say(f"initialised model weights from {source}")
+        self.say(f"initialised {what} from {source}")
         self.parts.event("initialised", path=str(source), bytes_read=self.env.sum_over_ranks(read))
 
     def _continue_from(self, meta: dict[str, Any], step: int, source: str) -> None:

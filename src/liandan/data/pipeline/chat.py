@@ -11,7 +11,7 @@ does for documents. The manifest is written last: a store without one is made ag
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +35,9 @@ from liandan.run import atomic_file
 REJECTS = "rejects.jsonl"
 
 
-def chat_files(cfg: DataSection) -> list[Path | str]:
+def chat_files(cfg: DataSection, objective: str = "sft", records: str = "chat records") -> list[Path | str]:
     if not cfg.paths:
-        raise DataError('train.objective = "sft" needs chat data: set data.paths to .jsonl files of chat records')
+        raise DataError(f'train.objective = "{objective}" needs {records}: set data.paths to .jsonl files of them')
     return expand_paths(InputSpec(name="chat", paths=list(cfg.paths), provenance="file"))
 
 
@@ -47,7 +47,9 @@ def prepare_chat_store(cfg: DataSection, out_dir: Path, say: Callable[[str], Non
     out_dir = Path(out_dir)
     files = chat_files(cfg)
     template = chat_template(cfg.chat_template, cfg.tokenizer)
-    tokenizer = _chat_tokenizer(cfg, template, files)
+    tokenizer = chat_tokenizer(
+        cfg, template, lambda: (r.text for _, r in _rendered(files, template, ReadStats(), lambda r: None))
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # the store is complete again only once it is all rewritten
     stats = ReadStats()
@@ -88,13 +90,13 @@ def _rendered(
                            "raw": json.dumps(conversation.messages, ensure_ascii=False)[:500]})  # fmt: skip
 
 
-def _chat_tokenizer(cfg: DataSection, template: ChatTemplate, files: list[Path | str]) -> HFTokenizer:
+def chat_tokenizer(cfg: DataSection, template: ChatTemplate, texts: Callable[[], Iterable[str]]) -> HFTokenizer:
     """`[data] tokenizer`, holding ChatML's markers when the template is the built-in one; a BPE is trained
-    on the rendered conversations (malformed ones left out, and not counted: the read that writes counts)."""
+    on `texts()`, the rendered conversations (malformed ones left out, and not counted: the read that writes
+    counts)."""
     if cfg.tokenizer == "bpe":
-        texts = (rendered.text for _, rendered in _rendered(files, template, ReadStats(), lambda r: None))
         specials = CHATML_TOKENS if template.name == "chatml" else ()
-        return train_bpe(texts, cfg.bpe_vocab_size, special_tokens=specials)
+        return train_bpe(texts(), cfg.bpe_vocab_size, special_tokens=specials)
     tokenizer = load_tokenizer(cfg.tokenizer)
     if template.name == "chatml":
         return with_chat_tokens(tokenizer)

@@ -191,6 +191,8 @@ class _Stream:
 
 
 class PackedLoader:
+    stream_type: type[_Stream] = _Stream  # what a sample is: here a window of packed tokens
+
     def __init__(
         self,
         stores: TokenStore | Sequence[TokenStore],
@@ -225,7 +227,7 @@ class PackedLoader:
         self.loss_mask = loss_mask
         self.stores, self.seq_len, self.global_batch = stores, seq_len, global_batch
         self.seed, self.val_fraction, self.dp_rank, self.dp_size = seed, val_fraction, dp_rank, dp_size
-        self.streams = [_Stream(s, i, seq_len, seed, val_fraction) for i, s in enumerate(stores)]
+        self.streams = [self.stream_type(s, i, seq_len, seed, val_fraction) for i, s in enumerate(stores)]
         self.schedule = MixtureSchedule(weights, global_batch)
         self.step = 0  # the next data step: optimizer steps plus the batches skipped so far
         self.skipped: list[tuple[int, int]] = []  # [first, end) data steps skipped, in order
