@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ast
 import sysconfig
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,5 +89,19 @@ def _module_docstrings(path: Path, min_chars: int = 80) -> str:
     except (SyntaxError, ValueError, OSError):
         return ""
     kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-    parts = [doc for node in ast.walk(tree) if isinstance(node, kinds) and (doc := ast.get_docstring(node))]
+    parts = [doc for node in _statements(tree) if isinstance(node, kinds) and (doc := ast.get_docstring(node))]
     return "\n\n".join(p for p in parts if len(p) >= min_chars)
+
+
+# What can hold a statement: a definition is never inside an expression (a lambda is not one).
+_BODIES = (ast.stmt, ast.excepthandler, ast.match_case)
+
+
+def _statements(tree: ast.Module) -> Iterator[ast.AST]:
+    """`ast.walk`'s nodes in its (breadth-first) order, less every expression and what is inside it: the same
+    definitions in the same order, at a fraction of the nodes."""
+    todo = deque([tree])
+    while todo:
+        node = todo.popleft()
+        todo.extend(child for child in ast.iter_child_nodes(node) if isinstance(child, _BODIES))
+        yield node
