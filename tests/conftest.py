@@ -1,4 +1,5 @@
 import os
+from collections import Counter
 
 import pytest
 
@@ -116,3 +117,65 @@ def forget_file_systems() -> None:
 
     remote._filesystem.cache_clear()
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+# -- how the suite is spread over xdist's workers (pyproject's addopts: --dist loadfile) ---------------------
+# A file's tests go to one worker, so that its module fixtures are made once; files that share a costly session
+# fixture go to one worker together, which makes it once rather than each worker that runs one of them. (xdist's
+# own answer, --dist loadgroup, renames the tests to group them, which pytest 9 no longer lets it do.)
+SHARED_SESSION_FIXTURE = {f"tests/{name}.py": "incident_run" for name in ("test_dash", "test_exporters", "test_report")}
+
+# Work goes out in the order below: the longest files first (about a minute or more each on the 2-core CI
+# machine, by its --durations), then the others, the files with most tests first, as xdist orders them. A long
+# file started last would leave the other worker idle while it runs; short files at the end even the two out.
+LONGEST_FIRST = [
+    "tests/test_supervisor.py",
+    "incident_run",
+    "tests/test_expert_parallel.py",
+    "tests/test_resume_oracle.py",
+    "tests/test_cli.py",
+    "tests/test_guard.py",
+    "tests/test_moe.py",
+    "tests/test_distributed.py",
+    "tests/test_checkpoint.py",
+    "tests/test_node_exclusion.py",
+    "tests/test_reshard.py",
+    "tests/test_muon.py",
+    "tests/test_health.py",
+    "tests/test_pipeline_checkpoints.py",
+    "tests/test_cpu_offload.py",
+    "tests/test_pipeline_health.py",
+]
+
+
+def work_unit(nodeid: str) -> str:
+    """What goes to one worker whole: the test's file, or the group of files it shares a session fixture with."""
+    file = nodeid.split("::", 1)[0]
+    return SHARED_SESSION_FIXTURE.get(file, file)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests in the order their work units go out (pyproject's --no-loadscope-reorder keeps it)."""
+    units = [work_unit(item.nodeid) for item in items]
+    sizes = Counter(units)
+    first = {unit: index for index, unit in reversed(list(enumerate(units)))}
+    rank = {unit: index for index, unit in enumerate(LONGEST_FIRST)}
+
+    def order(index: int) -> tuple:
+        unit = units[index]
+        return rank.get(unit, len(rank)), -sizes[unit], first[unit], index
+
+    items[:] = [items[i] for i in sorted(range(len(items)), key=order)]
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent without it
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None  # xdist's own scheduler for the mode asked for
+    from xdist.scheduler import LoadFileScheduling
+
+    class WorkUnitScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnitScheduling(config, log)
