@@ -32,8 +32,6 @@ from pathlib import Path
 from typing import Any, BinaryIO, Protocol
 
 import numpy as np
-from scipy.sparse import coo_matrix
-from scipy.sparse.csgraph import connected_components
 
 from liandan.data.dedup.minhash import EMPTY, NearDedupParams, fmix64, jaccard, ngram_hashes, splitmix64
 
@@ -286,6 +284,10 @@ def link(parent: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
     only roots are re-pointed (so `roots` follows at most one hop per earlier merge)."""
     if len(a) == 0:
         return
+    # here, not at the top: every training process imports the pipeline, and few of them dedup (0.2 s a process)
+    from scipy.sparse import coo_matrix
+    from scipy.sparse.csgraph import connected_components
+
     ra, rb = roots(parent, a), roots(parent, b)
     nodes, inverse = np.unique(np.concatenate([ra, rb]), return_inverse=True)
     pairs = len(ra)
