@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -330,11 +331,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_KILLED_RUNS: dict[tuple, Path] = {}
+
+
+def killed_after_step_6(config, name, before) -> Path:
+    """Run NAME's directory as layout `before` (nproc, overrides) leaves it when killed after step 6, with
+    synchronous saves (its checkpoint of step 4 complete). The killed run is trained once per config and layout
+    in this process, and copied for each NAME, so that the tests resuming it in several layouts each resume a
+    run of their own from the same files."""
+    runs = Path(config).parent / "runs"
+    key = (str(config), before[0], *before[1])
+    if key not in _KILLED_RUNS:
+        killed_name = f"killed-{len(_KILLED_RUNS)}"
+        killed = train_named(config, killed_name, before[0], *before[1], "--checkpoint.async_save=false",
+                             faults="kill@step:6:0")  # fmt: skip
+        assert killed.returncode != 0
+        _KILLED_RUNS[key] = runs / killed_name
+    shutil.copytree(_KILLED_RUNS[key], runs / name, symlinks=True)
+    return runs / name
+
+
 def kill_then_resume(config, name, before, after):
     """Run NAME in layout `before` (nproc, overrides) with synchronous saves, killed after step 6 (its checkpoint
-    of step 4 complete), then again in layout `after`; the finished process."""
-    killed = train_named(config, name, before[0], *before[1], "--checkpoint.async_save=false", faults="kill@step:6:0")
-    assert killed.returncode != 0
+    of step 4 complete; `killed_after_step_6`), then again in layout `after`; the finished process."""
+    killed_after_step_6(config, name, before)
     assert len(run_losses(config, name)) == 6
     done = train_named(config, name, after[0], *after[1])
     assert done.returncode == 0, done.stderr[-3000:]

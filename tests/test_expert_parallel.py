@@ -21,7 +21,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import free_port, read_run, run_liandan, run_losses, tiny_config, train_named, write_corpus
+from helpers import (
+    free_port,
+    killed_after_step_6,
+    read_run,
+    run_liandan,
+    run_losses,
+    tiny_config,
+    train_named,
+    write_corpus,
+)
 from liandan.common.layout import Layout, resolve_layout
 from liandan.config import ConfigError, load_config
 from liandan.doctor.resume import parse_layout
@@ -174,9 +183,7 @@ def test_train_moe_with_fsdp_x_tp_from_meta_init_matches_one_process(moe_setup):
 def test_resume_ep_checkpoint_in_another_layout(moe_setup, after):
     config, reference = moe_setup
     name = f"ep2-to-{after[0]}{''.join(after[1])}".replace("--parallel.", "-")
-    killed = train_named(config, name, 2, "--parallel.ep=2", "--checkpoint.async_save=false",
-                         faults="kill@step:6:0")  # fmt: skip
-    assert killed.returncode != 0
+    killed_after_step_6(config, name, (2, ["--parallel.ep=2"]))
     assert len(run_losses(config, name)) == 6
     before = run_losses(config, name)
     done = train_named(config, name, after[0], *after[1])

@@ -30,7 +30,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import free_port, liandan_here, read_run, run_losses, tiny_config, train_named, write_corpus
+from helpers import (
+    free_port,
+    killed_after_step_6,
+    liandan_here,
+    read_run,
+    run_losses,
+    tiny_config,
+    train_named,
+    write_corpus,
+)
 from liandan.config import ConfigError, load_config
 from liandan.model import ModelArgs, Transformer
 from liandan.model.roles import parameter_roles
@@ -407,8 +416,7 @@ def test_a_sharded_muon_run_resumes_in_another_layout(reshard_setup, after):
     one process (the 2-rank steps too), to the distributed tolerance."""
     config, reference = reshard_setup
     name = f"muon-fsdp2-to-{after[0]}{''.join(after[1])}".replace("--parallel.", "-")
-    killed = train_named(config, name, 2, "--checkpoint.async_save=false", faults="kill@step:6:0")
-    assert killed.returncode != 0
+    killed_after_step_6(config, name, (2, []))
     assert run_losses(config, name) == pytest.approx(reference[:6], rel=RTOL)
     done = train_named(config, name, after[0], *after[1])
     assert done.returncode == 0, done.stderr[-3000:]
