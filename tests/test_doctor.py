@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from helpers import MICRO_MODEL, read_run, run_liandan, tiny_config, write_corpus
+from helpers import MICRO_MODEL, liandan_here, read_run, run_liandan, tiny_config, write_corpus
 from liandan.config import load_config
 from liandan.run.worker_env import node_name
 
@@ -127,7 +127,7 @@ def test_bisection_names_the_faulty_rank_of_four_in_two_rounds(bisected):
     [event] = run.of_kind("doctor_bisect")
     assert (event["found"], event["host"], event["rounds"], event["ok"]) == (2, HOST, 2, False)
     assert json.loads((run_dir / "doctor-bisect.json").read_text())["found"] == 2
-    timeline = run_liandan("incidents", run_dir, check=True).stdout
+    timeline = liandan_here("incidents", run_dir, check=True).stdout
     assert f"DOCTOR BISECTION: bisection names rank 2 on host {HOST} after 2 round(s)" in timeline
 
 
@@ -200,7 +200,7 @@ def test_a_failing_preflight_stops_the_run_before_step_one(stopped_run):
     [event] = run.of_kind("doctor")
     assert not event["ok"] and [(f["rank"], f["check"]) for f in event["failures"]] == [(1, "golden")]
     assert not json.loads((run.path / "doctor.json").read_text())["ok"]
-    timeline = run_liandan("incidents", run_dir, check=True).stdout
+    timeline = liandan_here("incidents", run_dir, check=True).stdout
     assert f"DOCTOR STOPPED the run before step 1: rank 1 on host {HOST} computes wrong matrix products" in timeline
 
 
