@@ -198,7 +198,7 @@ def test_demo_runs_on_pythons_own_docs(tmp_path):
     for name in ("config.toml", "metrics.jsonl", "summary.json", "training.png", "hf/config.json",
                  "guard/spike-step-00000019.json", "doctor.json"):  # fmt: skip
         assert (run_dir / name).exists(), name
-    skipped = run_liandan("skipped", run_dir, check=True).stdout
+    skipped = liandan_here("skipped", run_dir, check=True).stdout
     assert skipped.startswith(f"9 skipped batch(es) of {run_dir} (") and "  data step 18: " in skipped
     for name in ("summary.json", "stores/corpus/manifest.json", "stores/corpus/tokenizer.json", "report/report.html"):
         assert (data_dir / name).exists(), name
