@@ -142,6 +142,7 @@ LONGEST_FIRST = [
     "tests/test_reshard.py",
     "tests/test_muon.py",
     "tests/test_health.py",
+    "tests/test_pipeline_parallel.py",
     "tests/test_pipeline_checkpoints.py",
     "tests/test_cpu_offload.py",
     "tests/test_pipeline_health.py",
