@@ -409,7 +409,7 @@ def test_cli_json_overrides_and_a_layout_that_does_not_fit(capsys):
 # run and subtracted.
 
 M_MMAP_THRESHOLD = -3
-TOLERANCE = 0.25  # measured: within 15% (docs/planning.md)
+TOLERANCE = 0.15  # measured: within 6% (docs/planning.md)
 # Full recomputation's activations are small (one layer input per layer), so the allocator's slack weighs
 # more: -4 to -8% interactively, -29 to -36% in CI's fresh virtual environment.
 TOLERANCE_SMALL_ACTIVATIONS = 0.5
@@ -452,6 +452,9 @@ def measure_runs(
                 "--train.steps=2",
                 "--train.mask=causal",
                 "--checkpoint.enabled=false",  # a save's staging is not training's memory
+                # the guard's rollback ring, a host copy of the model and optimizer state, is host memory on a
+                # GPU but counts in a CPU run's resident set
+                "--guard.enabled=false",
                 *RUNS.get(name, []),
                 *extra,
             )
