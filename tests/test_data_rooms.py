@@ -13,7 +13,7 @@ from liandan.data.documents.corpus import Document
 from liandan.data.steps.base import Filter, build_step, register
 
 # The modules that load torch: the loader, which only training imports, and what builds on it.
-NEEDS_TORCH = {"liandan.data.tokens.loader", "liandan.data.tokens.poison"}
+NEEDS_TORCH = {"liandan.data.tokens.loader", "liandan.data.tokens.pairs", "liandan.data.tokens.poison"}
 
 
 def _imports_in_a_fresh_process(code: str) -> str:

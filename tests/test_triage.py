@@ -95,6 +95,22 @@ def crash(text: str | None, cause: str = "exit code 1") -> dict:
             "code",
             "host c runs torch 2.12",
         ),
+        (
+            {
+                "kind": "doctor",
+                "ok": True,
+                "warnings": [
+                    {
+                        "check": "env",
+                        "rank": None,
+                        "host": "c",
+                        "what": "has 0.00 GiB free; 4 checkpoints of 0.00 GiB each need 0.01 GiB",
+                    }
+                ],
+            },
+            "hardware",
+            "0.00 GiB free",
+        ),
         ({"kind": "preempted", "signal": "SIGTERM"}, "hardware", "the cluster took the run's nodes back"),
         ({"kind": "incident", "failure": "crash"}, "unknown", "ended with  and no traceback"),
     ],

@@ -307,6 +307,10 @@ def _doctor(e: dict) -> Triage | None:
                 f"the doctor's {f.get('check')} check: {who} {f.get('what')}",
                 "exclude that host or replace the device; liandan doctor again before it rejoins",
             )
+    for f in findings:
+        if "free" in str(f.get("what", "")):  # room for checkpoints on the host's disk
+            return Triage("hardware", f"the doctor's {f.get('check')} check: host {f.get('host')} {f.get('what')}",
+                          "free space or move checkpoint.dir before the run needs it")  # fmt: skip
     if findings:
         f = findings[0]
         return Triage(
