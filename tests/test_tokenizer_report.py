@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from liandan.cli.main import main
 from liandan.data.inspect.fertility import WORD, by_language, fertility
@@ -138,15 +139,20 @@ def test_a_grown_model_starts_new_rows_from_their_old_tokens():
 @pytest.mark.slow
 def test_extend_a_runs_tokenizer_grow_its_checkpoint_and_warm_start(tmp_path, capsys):
     """An English run with its own BPE; its tokenizer extended on Chinese, its last checkpoint grown, and a run on
-    Chinese warm-started from it with the extended tokenizer: it starts from the English run's weights."""
-    from helpers import run_liandan, tiny_config
+    Chinese warm-started from it with the extended tokenizer: it starts from the English run's weights (both runs
+    in this process, as `liandan train` runs them in its worker)."""
+    from helpers import tiny_config
+    from liandan.checkpoint.hf import load_consolidated
+    from liandan.checkpoint.loading import load_model
     from liandan.run import RunDir
+    from liandan.train import Trainer
 
     en, zh = write_sources(tmp_path)
     cfg = tiny_config(tmp_path / "runs", en, "--run.name=en", "--data.tokenizer=bpe", "--data.bpe_vocab_size=320",
                       "--train.steps=4", "--checkpoint.every=4")  # fmt: skip
-    (tmp_path / "en.toml").write_text(cfg.to_toml())
-    run_liandan("train", tmp_path / "en.toml", check=True, timeout=300)
+    trainer = Trainer(cfg, say=lambda message: None)
+    trainer.train()
+    trainer.close()
     room = RunDir(tmp_path / "runs" / "en")
     store_tokenizer = room.path / "data" / "tokenizer.json"  # the tokenizer the run trained with
     extended, grown = tmp_path / "extended.json", tmp_path / "grown.safetensors"
@@ -154,8 +160,20 @@ def test_extend_a_runs_tokenizer_grow_its_checkpoint_and_warm_start(tmp_path, ca
                  "--checkpoint", str(room.checkpoints), "--weights-out", str(grown)]) == 0  # fmt: skip
     said = capsys.readouterr().out
     assert "every earlier id kept" in said and "grew step 4 of" in said and "vocabulary rows" in said
+    english, _ = load_model(room.checkpoints / "step-00000004")
+    weights, args = load_consolidated(grown)
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(store_tokenizer)).get_vocab_size()  # the padding rows past them take new ids
+    assert args.vocab_size > english.tok_embeddings.num_embeddings
+    assert torch.equal(weights["tok_embeddings.weight"][:ids], english.tok_embeddings.weight[:ids])
+    assert torch.equal(weights["output.weight"][:ids], english.output.weight[:ids])
     warm = tiny_config(tmp_path / "runs", zh, "--run.name=zh", f"--data.tokenizer={extended}", "--train.steps=2",
                        f"--checkpoint.init_from={grown}")  # fmt: skip
-    (tmp_path / "zh.toml").write_text(warm.to_toml())
-    done = run_liandan("train", tmp_path / "zh.toml", check=True, timeout=300)
-    assert "initialised model weights from" in done.stdout + done.stderr
+    told: list[str] = []
+    trainer = Trainer(warm, say=told.append)
+    start = trainer.module.model.tok_embeddings.weight.detach().clone()
+    trainer.train()
+    trainer.close()
+    assert any(line.startswith("initialised model weights from") for line in told), told
+    assert torch.equal(start, weights["tok_embeddings.weight"])  # the grown rows, new ones included
