@@ -76,6 +76,7 @@ def cmd_extend(args: argparse.Namespace, overrides: list[str]) -> int:
     source = Path(args.tokenizer)
     if not source.is_file():
         raise ConfigError(f"{args.tokenizer}: no such tokenizer.json")
+    checkpoint = _checkpoint_dir(args.checkpoint) if args.checkpoint else None  # found before anything is written
     try:
         extension = extend_tokenizer(source.read_text(), (text for _, text in _documents(args)), args.add)
     except (DataError, ValueError) as err:
@@ -84,20 +85,25 @@ def cmd_extend(args: argparse.Namespace, overrides: list[str]) -> int:
     added = len(extension.sources)
     print(f"added {added} token(s) to {args.tokenizer} (ids {extension.old_size}..{extension.old_size + added - 1}),"
           f" every earlier id kept: {args.out}")  # fmt: skip
-    if args.checkpoint:
-        _grow_checkpoint(args, extension)
+    if checkpoint is not None:
+        _grow_checkpoint(args, checkpoint, extension)
     return 0
 
 
-def _grow_checkpoint(args: argparse.Namespace, extension) -> None:
-    from liandan.checkpoint import hf
+def _checkpoint_dir(given: str):
     from liandan.checkpoint.info import resolve_checkpoint
+    from liandan.run.remote import locate
+
+    return resolve_checkpoint(locate(given))
+
+
+def _grow_checkpoint(args: argparse.Namespace, checkpoint, extension) -> None:
+    from liandan.checkpoint import hf
     from liandan.checkpoint.loading import load_model
     from liandan.model.spec import padded_vocab
     from liandan.model.vocab import grow_vocabulary
-    from liandan.run.remote import locate
 
-    model, meta = load_model(resolve_checkpoint(locate(args.checkpoint)))
+    model, meta = load_model(checkpoint)
     rows = model.tok_embeddings.num_embeddings
     if rows < extension.old_size:
         raise ConfigError(f"{args.checkpoint}: its model has {rows} embedding rows, fewer than the tokenizer's"
