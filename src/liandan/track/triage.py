@@ -295,30 +295,20 @@ def _doctor(e: dict) -> Triage | None:
     findings = (e.get("failures") or []) + (e.get("warnings") or [])
     if e.get("ok") and not findings:
         return None
-    for f in findings:
-        if f.get("check") in HARDWARE_CHECKS:
-            who = (
-                f"rank {f.get('rank')} on host {f.get('host')}"
-                if f.get("rank") is not None
-                else f"host {f.get('host')}"
-            )
-            return Triage(
-                "hardware",
-                f"the doctor's {f.get('check')} check: {who} {f.get('what')}",
-                "exclude that host or replace the device; liandan doctor again before it rejoins",
-            )
-    for f in findings:
-        if "free" in str(f.get("what", "")):  # room for checkpoints on the host's disk
-            return Triage("hardware", f"the doctor's {f.get('check')} check: host {f.get('host')} {f.get('what')}",
-                          "free space or move checkpoint.dir before the run needs it")  # fmt: skip
-    if findings:
-        f = findings[0]
+    if not findings:
+        return Triage("unknown", str(e.get("summary", "the doctor stopped the run")), "read doctor.json")
+
+    def said(f: dict) -> str:
+        who = f"rank {f.get('rank')} on host {f.get('host')}" if f.get("rank") is not None else f"host {f.get('host')}"
+        return f"the doctor's {f.get('check')} check: {who} {f.get('what')}"
+
+    if device := next((f for f in findings if f.get("check") in HARDWARE_CHECKS), None):
         return Triage(
-            "code",
-            f"the doctor's {f.get('check')} check: host {f.get('host')} {f.get('what')}",
-            "make the hosts' software the same",
+            "hardware", said(device), "exclude that host or replace the device; liandan doctor again before it rejoins"
         )
-    return Triage("unknown", str(e.get("summary", "the doctor stopped the run")), "read doctor.json")
+    if disk := next((f for f in findings if "free" in str(f.get("what", ""))), None):  # room for checkpoints
+        return Triage("hardware", said(disk), "free space or move checkpoint.dir before the run needs it")
+    return Triage("code", said(findings[0]), "make the hosts' software the same")
 
 
 _RULES = {
