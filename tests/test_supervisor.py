@@ -587,6 +587,33 @@ def test_a_peers_traceback_costs_the_console_one_line(setup, faults, first):
     assert "GLHF" not in done.stderr
 
 
+def test_the_rank_that_crashed_first_is_not_a_consequence_of_those_it_brought_down(tmp_path):
+    """Crash times, not which process is still alive when a traceback is read, decide: the rank that failed
+    first ends at once, and the peer it brought down may have ended too before its traceback is relayed."""
+    from liandan.resilience.supervisor import peer_ended_first
+    from liandan.run.layout import rank_file
+    from liandan.run.worker_env import CRASHED
+
+    def ended():
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()
+        return proc
+
+    living = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        procs = [(0, ended()), (1, ended()), (2, living)]
+        rank_file(tmp_path, 0, CRASHED).write_text("100.0")
+        rank_file(tmp_path, 1, CRASHED).write_text("101.5")
+        assert not peer_ended_first(procs, tmp_path, "rank 0")  # rank 1 crashed after it; rank 2 lives
+        assert peer_ended_first(procs, tmp_path, "rank 1")
+        assert peer_ended_first(procs, tmp_path, "rank 2")  # no crash time of its own: a peer has ended
+        assert not peer_ended_first([(2, living)], tmp_path, "rank 2")
+        rank_file(tmp_path, 1, CRASHED).unlink()  # killed: no time of its own, it ended
+        assert peer_ended_first(procs, tmp_path, "rank 0")
+    finally:
+        living.communicate(b"")
+
+
 def test_relay_holds_a_traceback_until_it_is_complete(tmp_path):
     """A traceback (chained ones too) is shown in full, or as one line when a peer ended first or it says a
     peer went away (all a node's supervisor can tell of other nodes); the log keeps every line."""

@@ -18,6 +18,7 @@ A process that trains plays one of three roles, decided from its config, `--npro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -28,7 +29,7 @@ from liandan.common.layout import batch_split_refusal, resolve_layout
 from liandan.config import Config, ConfigError, load_config
 from liandan.resilience.launch import Start, how_started
 from liandan.run.errors import DEVICE_FAULT_EXIT, RunStopped
-from liandan.run.worker_env import NNODES, WorkerEnv
+from liandan.run.worker_env import CRASHED, NNODES, WorkerEnv
 
 Role = Literal["supervise", "launch", "train"]
 ERROR_PREFIX = "liandan: error: "
@@ -221,8 +222,15 @@ def _crash_now() -> None:
     """A supervised worker that hit a bug: print the traceback and end at once. An orderly exit would wait for
     its peers in a process group that is about to be torn down anyway (a second or more), and the supervisor
     restarts the ranks only when it sees this one end."""
+    import time
     import traceback
 
+    from liandan.run.layout import rank_file
+
+    errors = WorkerEnv.from_env().error_dir
+    if errors is not None:  # when it failed, for the supervisor to tell a first failure from its consequences
+        with contextlib.suppress(OSError):
+            rank_file(errors, int(os.environ.get("RANK", "0")), CRASHED).write_text(repr(time.time()))
     traceback.print_exc()
     sys.stdout.flush()
     sys.stderr.flush()

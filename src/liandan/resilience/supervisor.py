@@ -20,6 +20,7 @@ failure in attempts.py, and preemption in preempt.py: bases of Supervisor that s
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -46,7 +47,8 @@ from liandan.resilience.relay import Relay
 from liandan.resilience.watch import SLOW_PHASES, WorkerWatch
 from liandan.run import RunDir, append_jsonl, atomic_write_json, lock_run_dir, temporary
 from liandan.run.errors import DEVICE_FAULT_EXIT
-from liandan.run.worker_env import WORKER_NAMES, NodeEnv, WorkerEnv, node_name
+from liandan.run.layout import rank_file
+from liandan.run.worker_env import CRASHED, WORKER_NAMES, NodeEnv, WorkerEnv, node_name
 from liandan.track.store import ingest_quietly
 from liandan.train import stores
 
@@ -230,10 +232,8 @@ class Supervisor(WorkerWatch, FailureRecords, Preemption):
                 self.relay.start(label, stream, sink)
         return attempt
 
-    @staticmethod
-    def _peer_ended(attempt: Attempt, label: str) -> bool:
-        """Whether a rank of the attempt other than `label`'s has ended: its traceback is a consequence."""
-        return any(not alive(proc.pid) for rank, proc in attempt.procs if f"rank {rank}" != label and rank is not None)
+    def _peer_ended(self, attempt: Attempt, label: str) -> bool:
+        return peer_ended_first(attempt.procs, self.errors, label)
 
     def _env(self, number: int) -> dict[str, str]:
         """The workers' environment for attempt `number`: this process's, the `attempt_env` hook's additions,
@@ -361,3 +361,21 @@ class Supervisor(WorkerWatch, FailureRecords, Preemption):
         over = f" over {launches} launches" if launches > 1 else ""
         self.say(f"supervisor: {restarts} restart(s); goodput {100 * goodput:.1f}% "
                  f"({kept:.1f}s of kept steps in {wall:.1f}s{over})")  # fmt: skip
+
+
+def peer_ended_first(procs: list, errors: Path, label: str) -> bool:
+    """Whether a rank among `procs` ((rank, process) pairs) other than `label`'s ended before `label`'s failed:
+    `label`'s traceback is then a consequence. A rank that crashed left the time it did in `errors` (`CRASHED`):
+    that time decides, not whether it is alive when the traceback is read, since the rank that fails first ends
+    at once and the ranks it brings down may end before its traceback has been relayed."""
+    crashed = {}
+    for rank, _ in procs:
+        with contextlib.suppress(OSError, ValueError):
+            crashed[rank] = float(rank_file(errors, rank, CRASHED).read_text())
+    own = next((crashed.get(rank) for rank, _ in procs if f"rank {rank}" == label), None)
+    for rank, proc in procs:
+        if rank is None or f"rank {rank}" == label or alive(proc.pid):
+            continue
+        if own is None or rank not in crashed or crashed[rank] < own:
+            return True
+    return False

@@ -52,6 +52,7 @@ PREEMPT_GRACE_S = "LIANDAN_PREEMPT_GRACE_S"  # seconds the supervisor gives its 
 PREEMPT_REQUEST = signal.SIGUSR2
 EXTERNAL_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ERROR_DIR = "LIANDAN_ERROR_DIR"  # where a worker leaves its user error, for its launcher to print once
+CRASHED = ".crashed"  # in ERROR_DIR, rank-N.crashed: when (time.time()) a worker crashed
 # -- WorkerEnv: from the user's environment, passed through
 NODE_NAME = "LIANDAN_NODE_NAME"  # this node's name (default: Slurm's, else the host name)
 CACHE_DIR = "LIANDAN_CACHE_DIR"  # liandan's cache (measured CPU peaks); default $XDG_CACHE_HOME/liandan
