@@ -311,15 +311,22 @@ def test_launch_takes_the_planners_layout(capsys, tiny_toml):
         assert all("passed over" in line for line in err.strip().splitlines()[:-1])
 
 
-def test_launch_passes_over_the_pipelines_the_trainer_refuses(capsys, tiny_toml):
-    # zbv runs two stages per rank; a layout the planner ranks with one is refused by the trainer, said and skipped
+def test_launch_gives_v_schedules_two_stages_per_rank_and_passes_over_what_the_trainer_refuses(capsys, tiny_toml):
+    # the planner's zbv layouts run two stages per rank, as the trainer needs; those the trainer does not run
+    # (zbv under FSDP, tp x pp with sequence parallelism) are said and skipped
     code, out, err = run_main(capsys, "launch", tiny_toml, "--nodes", "2", "--gpus-per-node", "2", "--layout", "auto",
                               "--hosts", "a,b", "--parallel.pp_schedule=zbv", "--model.moe_experts=4")  # fmt: skip
     assert code == 0
     *passed, chosen = err.strip().splitlines()
     assert passed and all(line.startswith("liandan: layout auto: passed over ") for line in passed)
-    assert all("parallel.pp_stages_per_rank = 1 must be 2" in line for line in passed)
+    assert not any("pp_stages_per_rank" in line for line in passed)
+    assert any("zbv computes weight gradients apart" in line for line in passed)
     assert " pp=" not in chosen and "--parallel.pp=1" in out
+    from liandan.plan.layouts import Candidate
+
+    for schedule, per_rank in [("zbv", 1), ("dualpipev", 1), ("1f1b", 1), ("interleaved-1f1b", 2)]:
+        pipelined = Candidate(1, 1, 1, 2, 1, 1, schedule, per_rank, 4, 1, "none", False).overrides()
+        assert f"--parallel.pp_stages_per_rank={2 if schedule in ('zbv', 'dualpipev') else per_rank}" in pipelined
 
 
 def test_launch_without_a_fitting_layout_says_so(capsys, tiny_toml):

@@ -137,7 +137,7 @@ class Candidate:
                f"--train.activation_checkpoint={self.checkpoint}"]  # fmt: skip
         if self.pp > 1:
             out += [f"--parallel.pp_schedule={self.schedule}", f"--parallel.pp_microbatches={self.microbatches}",
-                    f"--parallel.pp_stages_per_rank={self.stages_per_rank}", "--train.micro_batch=0"]  # fmt: skip
+                    f"--parallel.pp_stages_per_rank={self.v}", "--train.micro_batch=0"]  # fmt: skip
         else:
             out.append(f"--train.micro_batch={self.micro_batch}")
         return out
