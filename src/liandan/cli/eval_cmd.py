@@ -109,9 +109,13 @@ def evaluate_here(
             split = Split(info.rank, info.world_size, gather)
         if baseline is None:
             return _evaluate(path, run, cfg, tasks, info, split)[0]
+        from liandan.checkpoint.verify import CheckpointError
         from liandan.evaluate.tax import compare
 
-        before, source = _evaluate(baseline, run_dir_of(baseline), cfg, tasks, info, split, contamination=False)
+        try:
+            before, source = _evaluate(baseline, run_dir_of(baseline), cfg, tasks, info, split, contamination=False)
+        except CheckpointError as err:  # unreadable: a file that fails its checksum, no tokenizer to be found
+            raise CheckpointError(f"liandan eval --against: the base model {baseline}: {err}") from None
         notes = []
         if source is None:
             notes.append(f"{baseline}: no held-out sources (no run of its own, or [eval] heldout_sequences = 0):"
