@@ -11,7 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from helpers import SHARED_DATA, liandan_here, read_run, run_liandan, tiny_config, write_chat_data, write_corpus
+from helpers import (
+    SHARED_DATA,
+    liandan_here,
+    read_run,
+    run_liandan,
+    start_liandan,
+    tiny_config,
+    write_chat_data,
+    write_corpus,
+)
 from liandan.evaluate.tax import GAIN, TAX, WITHIN, compare, foreign_ids, task_verdict
 
 MC_RECORDS = [
@@ -234,3 +243,34 @@ def test_two_processes_give_the_comparison_of_one(pair, evaluated, tmp_path):
     two, one = json.loads(out.read_text())["tax"], evaluated["tax"]["tax"]
     assert two["tasks"] == one["tasks"]
     assert [r["after"] for r in two["heldout"]] == pytest.approx([r["after"] for r in one["heldout"]], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_the_dashboard_shows_the_newest_comparison(pair):
+    pytest.importorskip("starlette")
+    pytest.importorskip("uvicorn")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the browser tests need the [browser-tests] extra")
+    if not Path("/usr/bin/chromium").is_file():
+        pytest.skip("no Chromium at /usr/bin/chromium (Debian's chromium package) for the browser tests")
+    done = liandan_here("eval", pair["sft"], "--against", "--record", HELDOUT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    event = read_run(pair["sft"]).of_kind("eval_tax")[-1]
+    proc = start_liandan("dash", pair["tmp"], "--port", "0")
+    try:
+        url = next(line.split("dash: open ", 1)[1].strip() for line in proc.stdout if line.startswith("dash: open "))
+        with sync_api.sync_playwright() as playwright:
+            browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+            page = browser.new_page()
+            errors: list[str] = []
+            page.on("pageerror", lambda err: errors.append(str(err)))
+            page.goto(url + "#/run/sft")
+            page.wait_for_selector("#before-after")
+            text = page.locator("#before-after").inner_text()
+            browser.close()
+        assert not errors, errors
+        for row in event["tasks"]:
+            assert f"{row['before']:.3f}\t{row['after']:.3f}" in text and row["verdict"] in text
+        assert f"held-out data\tbits/byte\t{event['heldout'][0]['before']:.4f}" in text
+    finally:
+        proc.terminate()
+        proc.wait()

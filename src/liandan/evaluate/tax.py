@@ -118,8 +118,8 @@ def lines(comparison: dict[str, Any]) -> list[str]:
             f" {comparison['checkpoint']} (step {comparison['step']})")  # fmt: skip
     out = [head]
     for row in comparison["tasks"]:
-        mark = "  TAX: a drop beyond the prompt-format spread" if row["verdict"] == TAX else (
-            "  gain beyond the spread" if row["verdict"] == GAIN else "")  # fmt: skip
+        mark = {TAX: "  TAX: a drop beyond the prompt-format spread", GAIN: "  a gain beyond the spread"}.get(
+            row["verdict"], "  within the spread")  # fmt: skip
         out.append(f"  {row['task']} {row['metric']}: mean {row['before']:.3f} -> {row['after']:.3f}, change"
                    f" {row['change']:+.3f}, spread {row['spread_before']:.3f} -> {row['spread_after']:.3f}{mark}")  # fmt: skip
         out.append("    " + ", ".join(f"{fmt} {a:.3f} -> {b:.3f}" for fmt, (a, b) in row["formats"].items()))

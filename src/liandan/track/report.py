@@ -132,10 +132,11 @@ def gather(path: Path, timeline: list[str]) -> RunData:
         except ValueError:  # a run whose config does not say its batch
             by_tokens = None
         data = RunData(name, room.path, row, curves, marks, store.evaluations(name), store.forecasts(name),
-                       list(timeline), by_tokens, tax=store.events(name, ("eval_tax",)))  # fmt: skip
+                       list(timeline), by_tokens)  # fmt: skip
     drawn = draw_run(room)
     if drawn is not None:
         data.png = png_bytes(drawn[0])
+    data.tax = [e for e in data.evaluations if e.get("kind") == "eval_tax"]
     tax = report_tax.newest(data.tax)
     drawn_tax = report_tax.draw(tax) if tax is not None else None
     if drawn_tax is not None:
@@ -211,8 +212,9 @@ def _run_section(index: int, run: RunData, figures: dict, interactive: bool) -> 
         parts.append(f'<div class="timeline">{lines}</div>')
     else:
         parts.append("<p>no incidents</p>")
-    if run.evaluations:
-        parts += ["<h3>Evaluations</h3>", _table(run.evaluations)]
+    evaluations = [e for e in run.evaluations if e.get("kind") != "eval_tax"]  # shown in a section of its own
+    if evaluations:
+        parts += ["<h3>Evaluations</h3>", _table(evaluations)]
     if run.tax:
         png = _img(run.tax_png, f"before and after fine-tuning of {run.name}") if run.tax_png else None
         parts.append(report_tax.section(run.tax, f"run{index}-tax", figures, interactive, png))
