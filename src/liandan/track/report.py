@@ -2,7 +2,8 @@
 
 For each run: its summary (status, steps, tokens, losses, goodput, restarts), its loss, learning-rate,
 throughput and MFU curves with its incidents marked (the same marks as training.png), its incident timeline,
-evaluations and forecasts, and its resolved config; with several runs, their losses on one chart. Everything
+evaluations and forecasts, its scores before and after fine-tuning (`liandan eval --against --record`), and
+its resolved config; with several runs, their losses on one chart. Everything
 is in the file: the charts are plotly.js figures with plotly.js itself inlined from the installed `plotly`
 package (without it, the PNGs, inlined as data URIs), the styles inline, no request leaves the page. The PNGs
 are written beside the HTML file too, for slides and messages.
@@ -31,6 +32,7 @@ from typing import Any
 
 from liandan.config import ConfigError
 from liandan.run import RunDir, atomic_write
+from liandan.track import report_tax
 from liandan.track.marks import CATEGORIES, Mark, incident_marks
 from liandan.track.plot import VALIDATION_COLOUR, draw_comparison, draw_run, png_bytes
 from liandan.track.store import RunStore, StoreError, is_run_dir
@@ -59,6 +61,8 @@ class RunData:
     timeline: list[str]
     loss_by_tokens: dict[str, list] | None = None
     png: bytes | None = field(default=None, repr=False)
+    tax: list[dict] = field(default_factory=list)  # "eval_tax" events: before and after fine-tuning
+    tax_png: bytes | None = field(default=None, repr=False)
 
 
 def check_runs(paths: Sequence[Path | str]) -> list[Path]:
@@ -93,11 +97,13 @@ def write_report(runs: Sequence[tuple[Path, list[str]]], out: Path) -> list[Path
     data = [gather(path, lines) for path, (_, lines) in zip(paths, runs, strict=True)]
     written = [out]
     for run in data:
-        if run.png is not None:
-            png = out.with_name(f"{out.stem}-{_file_safe(run.name)}.png")
+        for picture, suffix in ((run.png, ""), (run.tax_png, "-tax")):
+            if picture is None:
+                continue
+            png = out.with_name(f"{out.stem}-{_file_safe(run.name)}{suffix}.png")
             if png in written:  # runs of one name from two projects
                 png = png.with_name(f"{png.stem}-{len(written)}.png")
-            atomic_write(png, run.png)
+            atomic_write(png, picture)
             written.append(png)
     compare = _comparison(data)
     compare_png = None
@@ -130,6 +136,11 @@ def gather(path: Path, timeline: list[str]) -> RunData:
     drawn = draw_run(room)
     if drawn is not None:
         data.png = png_bytes(drawn[0])
+    data.tax = [e for e in data.evaluations if e.get("kind") == "eval_tax"]
+    tax = report_tax.newest(data.tax)
+    drawn_tax = report_tax.draw(tax) if tax is not None else None
+    if drawn_tax is not None:
+        data.tax_png = png_bytes(drawn_tax)
     return data
 
 
@@ -171,7 +182,7 @@ def render(data: Sequence[RunData], compare: tuple[dict, str] | None, compare_pn
         scripts = (f"<script>{plotly_js}</script>\n<script>\nconst FIGURES = {_script_json(figures)};\n"
                    f"{_DRAW}</script>")  # fmt: skip
     generated = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    return _PAGE.format(title=_e(f"liandan report: {names}"), style=_STYLE, generated=generated,
+    return _PAGE.format(title=_e(f"liandan report: {names}"), style=_STYLE + report_tax.STYLE, generated=generated,
                         body="\n".join(sections), scripts=scripts)  # fmt: skip
 
 
@@ -201,8 +212,12 @@ def _run_section(index: int, run: RunData, figures: dict, interactive: bool) -> 
         parts.append(f'<div class="timeline">{lines}</div>')
     else:
         parts.append("<p>no incidents</p>")
-    if run.evaluations:
-        parts += ["<h3>Evaluations</h3>", _table(run.evaluations)]
+    evaluations = [e for e in run.evaluations if e.get("kind") != "eval_tax"]  # shown in a section of its own
+    if evaluations:
+        parts += ["<h3>Evaluations</h3>", _table(evaluations)]
+    if run.tax:
+        png = _img(run.tax_png, f"before and after fine-tuning of {run.name}") if run.tax_png else None
+        parts.append(report_tax.section(run.tax, f"run{index}-tax", figures, interactive, png))
     if run.forecasts:
         parts += ["<h3>Forecasts of the final loss</h3>", _forecast_table(run.forecasts)]
     config = run.row.get("config") or ""

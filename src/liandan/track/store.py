@@ -59,7 +59,7 @@ _STALE_S = 600.0  # a run of another host whose files have not changed for this 
 INCIDENT_KINDS = ("incident", "restart", "gave_up", "preempted", "rollback", "too_good", "nonfinite_loss",
                   "checkpoint_failed", "checkpoint_rejected", "node_excluded", "sdc", "straggler", "device_fault",
                   "train_stopped", "guard", "doctor")  # fmt: skip
-EVAL_KINDS = ("eval", "eval_task", "eval_heldout", "eval_sample")
+EVAL_KINDS = ("eval", "eval_task", "eval_heldout", "eval_sample", "eval_tax")
 CHECKPOINT_KINDS = ("checkpoint_saved", "checkpoint_failed", "checkpoint_rejected")
 # The events that start or end a stretch of training: the newest of them tells how the run stands.
 LIFECYCLE_KINDS = ("train_start", "train_end", "train_stopped", "gave_up", "preempted", "supervisor_start",

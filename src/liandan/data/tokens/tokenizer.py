@@ -80,6 +80,10 @@ class HFTokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def vocabulary(self) -> dict[str, int]:
+        """Every token, added ones included, with its id."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def with_special_tokens(self, tokens: Sequence[str]) -> HFTokenizer:
         """A copy with `tokens` added as special tokens (never split, appended to the vocabulary)."""
         from tokenizers import AddedToken

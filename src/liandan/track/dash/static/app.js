@@ -249,7 +249,8 @@ async function runView(main, name) {
          el("th", {}, h)))), incidentRows)),
     layerSection(layers, incidents),
     ...(experts ? [expertSection(name, experts)] : []),
-    evalSection(evaluations), checkpointSection(checkpoints), healthSection(health),
+    ...taxSection(evaluations), evalSection(evaluations.filter((e) => e.kind !== "eval_tax")),
+    checkpointSection(checkpoints), healthSection(health),
     el("div", { class: "section card" }, el("h2", {}, "Config"), el("details", {}, el("summary", {}, "config.toml"),
        el("pre", {}, run.config || "(none)"))));
   await drawRunCharts(name, run, incidents, evaluations);
@@ -287,6 +288,23 @@ function evalSection(evaluations) {
   return el("div", { class: "section card" }, el("h2", {}, `Evaluations (${evaluations.length})`),
     evaluations.length ? table("evaluations", ["step", "kind", "loss", "task", "score"], rows)
       : el("p", { class: "muted" }, "none"));
+}
+
+// `liandan eval --against --record`: the newest comparison with the base model, a tax (a drop beyond the
+// prompt-format spread, any rise of held-out bits per byte) in red.
+function taxSection(evaluations) {
+  const tax = evaluations.filter((e) => e.kind === "eval_tax").pop();
+  if (!tax) return [];
+  const row = (r, name, what, digits) => el("tr", { class: r.verdict === "tax" || r.verdict === "gain" ? r.verdict : "" },
+    el("td", {}, name), el("td", {}, what), el("td", { class: "num" }, num(r.before, digits)),
+    el("td", { class: "num" }, num(r.after, digits)), el("td", { class: "num" }, (r.change >= 0 ? "+" : "") + num(r.change, digits)),
+    el("td", { class: "num" }, r.spread === undefined ? "" : num(r.spread, 3)), el("td", {}, r.verdict || ""));
+  const rows = [...(tax.tasks || []).map((r) => row(r, r.task, r.metric, 3)),
+                ...(tax.heldout || []).map((r) => row(r, `held-out ${r.source}`, "bits/byte", 4))];
+  return [el("div", { class: "section card" }, el("h2", {}, "Before and after fine-tuning"),
+    el("p", { class: "muted" }, `base ${tax.baseline} (step ${tax.baseline_step}) → step ${tax.step}`),
+    table("before-after", ["task", "metric", "before", "after", "change", "spread", "verdict"], rows),
+    ...(tax.notes || []).map((n) => el("p", { class: "muted" }, n)))];
 }
 
 // A save's cost to training is the time it blocked the step; an async save's total runs on beside training.
