@@ -23,7 +23,7 @@ from liandan.config import ConfigError
 from liandan.data.documents.corpus import ReadStats
 from liandan.data.documents.preferences import read_preferences
 from liandan.track.logger import format_metrics
-from liandan.train.preference import dpo_loss, sequence_logps
+from liandan.train.preference import EMPTY_REPLY_LOGP, dpo_loss, sequence_logps
 
 
 def test_malformed_preference_records_are_counted_with_their_reasons(tmp_path):
@@ -77,7 +77,7 @@ def test_gradient_accumulation_gives_the_loss_and_gradients_of_the_whole_batch(t
     assert not any(p.grad is not None for p in module.reference.parameters())  # frozen
 
 
-def test_sequence_logps_equal_a_gather_by_hand():
+def test_sequence_logps_and_their_means_equal_a_gather_by_hand():
     torch.manual_seed(0)
     logits, targets = torch.randn(4, 7, 11), torch.randint(0, 11, (4, 7))
     targets[:, :3] = -1
@@ -86,6 +86,9 @@ def test_sequence_logps_equal_a_gather_by_hand():
         for t in range(3, 7):
             by_hand[row] += torch.log_softmax(logits[row, t], -1)[targets[row, t]]
     torch.testing.assert_close(sequence_logps(logits, targets), by_hand, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sequence_logps(logits, targets, average=True), by_hand / 4, rtol=0, atol=1e-6)
+    targets[0] = -1  # a row without any target has no mean: it is given a constant
+    assert sequence_logps(logits, targets, average=True)[0].item() == EMPTY_REPLY_LOGP
 
 
 def test_the_dpo_loss_and_its_gradients_equal_the_formula_trl_computes():

@@ -52,13 +52,19 @@ EMPTY_REPLY_LOGP = -1.0
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, average: bool = False) -> torch.Tensor:
     """(rows,) sum of the log-probabilities (fp32) of each row's targets, or with `average` their mean
     (EMPTY_REPLY_LOGP for a row without any); targets of -1 are left out."""
+    sums, counts = reply_logps(logits, targets)
+    return mean_logps(sums, counts) if average else sums
+
+
+def reply_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows,) sums of the log-probabilities (fp32) of each row's targets, and (rows,) how many it has."""
     kept = targets >= 0
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     picked = log_probs.gather(-1, targets.clamp(min=0)[..., None]).squeeze(-1)
-    sums = (picked * kept).sum(-1)
-    if not average:
-        return sums
-    counts = kept.sum(-1)
+    return (picked * kept).sum(-1), kept.sum(-1)
+
+
+def mean_logps(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return torch.where(counts > 0, sums / counts.clamp(min=1), EMPTY_REPLY_LOGP)
 
 
@@ -186,7 +192,8 @@ class DPOTrainModule(CausalLMTrainModule):
             logits = self.model(batch.inputs, doc_ids=doc_ids)
         if self.loss_name == "dpo":
             return self._dpo_loss(batch, logits, doc_ids, count)
-        average = sequence_logps(logits, batch.targets, average=True).view(-1, 2)
+        sums, counts = reply_logps(logits, batch.targets)
+        average = mean_logps(sums, counts).view(-1, 2)
         chosen_logps, rejected_logps = average[:, 0], average[:, 1]
         if self.loss_name == "simpo":
             losses, chosen, rejected = simpo_loss(chosen_logps, rejected_logps, self.beta, self.gamma,
@@ -195,9 +202,7 @@ class DPOTrainModule(CausalLMTrainModule):
         losses, chosen, rejected, log_odds = orpo_loss(chosen_logps, rejected_logps, self.beta)
         # The chosen replies' NLL, a mean over all their targets in the step: this micro-batch's mean times its
         # share of them (`Batch.loss_weight`), or, for a batch of its own (validation), its mean / count.
-        chosen_targets = batch.targets[0::2]
-        tokens = (chosen_targets >= 0).sum()
-        nll = -sequence_logps(logits[0::2], chosen_targets).sum() / tokens.clamp(min=1)
+        nll = -sums[0::2].sum() / counts[0::2].sum().clamp(min=1)
         weight = batch.loss_weight if batch.loss_weight is not None else 1 / count
         with torch.no_grad():
             stats = torch.cat([
@@ -244,5 +249,5 @@ class DPOTrainModule(CausalLMTrainModule):
 def _reward_stats(chosen: torch.Tensor, rejected: torch.Tensor, chosen_logps: torch.Tensor,
                   rejected_logps: torch.Tensor) -> torch.Tensor:  # fmt: skip
     """REWARDS's values: means over the micro-batch's pairs."""
-    return torch.stack([chosen.mean(), rejected.mean(), (chosen > rejected).float().mean(),
-                        (chosen - rejected).mean(), chosen_logps.detach().mean(), rejected_logps.detach().mean()])  # fmt: skip
+    return torch.stack([chosen.mean(), rejected.mean(), (chosen > rejected).float().mean(), (chosen - rejected).mean(),
+                        chosen_logps.detach().mean(), rejected_logps.detach().mean()])  # fmt: skip
