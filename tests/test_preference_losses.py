@@ -48,6 +48,9 @@ def test_accumulation_and_data_parallel_ranks_give_the_loss_and_gradients_of_the
         mean_metrics = {k: sum(m[k] for m in metrics) / len(metrics) for k in metrics[0]}
         found[name] = sum(losses) / len(losses), grads, mean_metrics
     assert "kl/token" not in found["whole"][2] and found["whole"][2]["rewards/margins"] != 0
+    # the guard's replay of a step and a validation batch of its own weigh the same
+    torch.testing.assert_close(module.replay_loss(loader.batch_at(0, 1), 1), found["whole"][0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(module.eval_batch(loader.batch_at(0, 4)), found["whole"][0], rtol=0, atol=1e-6)
     for name in ("micro", "ranks"):
         torch.testing.assert_close(found[name][0], found["whole"][0], rtol=0, atol=1e-6)
         for ours, theirs in zip(found[name][1], found["whole"][1]):
