@@ -91,8 +91,9 @@ class TrainSection:
     objective: Literal["lm", "sft", "dpo"] = _f(
         "lm", "lm: next-token prediction on every token (pretraining); sft: supervised fine-tuning on chat data"
         " (data.paths of chat records, rendered by data.chat_template), the loss taken where train.sft_targets says;"
-        " dpo: direct preference optimisation on data.paths of prompt/chosen/rejected records, against a frozen"
-        " reference (the initial weights); global_batch and micro_batch then count pairs"
+        " dpo: preference optimisation on data.paths of prompt/chosen/rejected records by train.preference_loss"
+        " (DPO against a frozen reference, the initial weights; or the reference-free SimPO or ORPO);"
+        " global_batch and micro_batch then count pairs"
     )  # fmt: skip
     dpo_beta: float = _f(
         0.1, "train.objective = dpo: beta; under train.preference_loss = dpo the strength of the pull towards the"
