@@ -491,3 +491,42 @@ def write_preference_data(directory: Path, n: int = 16, malformed: bool = True, 
     path = directory / "prefs.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     return path
+
+
+# A DPO run of the tiny config on a BPE of 300 tokens, the pairs in rows of 64 tokens.
+DPO_OVERRIDES = ["--train.objective=dpo", "--data.tokenizer=bpe", "--data.bpe_vocab_size=300", "--data.val_fraction=0",
+       "--train.seq_len=64", "--train.dpo_beta=0.5"]  # fmt: skip
+
+
+def pair_loader(tmp_path: Path, n: int = 6):
+    """(the read stats, the store, a loader of 4 pairs a step) of `n` preference records written to tmp_path."""
+    from liandan.config import load_config
+    from liandan.data.pipeline.preferences import prepare_preference_store
+    from liandan.data.tokens.pairs import PairLoader
+    from liandan.data.tokens.store import TokenStore
+
+    data = write_preference_data(tmp_path, n=n)
+    cfg = load_config(None, [f'--data.paths=["{data}"]', *DPO_OVERRIDES[1:3]]).data
+    stats = prepare_preference_store(cfg, tmp_path / "prefs", say=lambda m: None)
+    store = TokenStore(tmp_path / "prefs", verify=True)
+    return stats, store, PairLoader(store, 64, 4, seed=1)
+
+
+def dpo_config(tmp_path: Path, data: Path, *extra: str) -> Config:
+    """A DPO run of the tiny config on the preference records `data`, its checkpoints saved synchronously."""
+    return tiny_config(
+        tmp_path, data, *DPO_OVERRIDES, f'--data.paths=["{data}"]', "--checkpoint.async_save=false", *extra
+    )
+
+
+def recording_metrics(trainer) -> list[dict]:  # a liandan.train.Trainer
+    """The metrics the trainer logs, as it logs them."""
+    records = []
+    log = trainer.logger.log_metrics
+
+    def recorded(step, metrics):
+        records.append(dict(metrics))
+        log(step, metrics)
+
+    trainer.logger.log_metrics = recorded
+    return records

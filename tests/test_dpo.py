@@ -10,15 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import PREFERENCE_REJECTS, tiny_config, write_preference_data
+from helpers import (
+    DPO_OVERRIDES,
+    PREFERENCE_REJECTS,
+    dpo_config,
+    pair_loader,
+    recording_metrics,
+    tiny_config,
+    write_preference_data,
+)
 from liandan.config import ConfigError
 from liandan.data.documents.corpus import ReadStats
 from liandan.data.documents.preferences import read_preferences
 from liandan.track.logger import format_metrics
-from liandan.train.preference import dpo_loss, sequence_logps
-
-DPO = ["--train.objective=dpo", "--data.tokenizer=bpe", "--data.bpe_vocab_size=300", "--data.val_fraction=0",
-       "--train.seq_len=64", "--train.dpo_beta=0.5"]  # fmt: skip
+from liandan.train.preference import EMPTY_REPLY_LOGP, dpo_loss, sequence_logps
 
 
 def test_malformed_preference_records_are_counted_with_their_reasons(tmp_path):
@@ -33,21 +38,8 @@ def test_malformed_preference_records_are_counted_with_their_reasons(tmp_path):
     assert conversational.chosen[-1]["content"] == "one two three four" != conversational.rejected[-1]["content"]
 
 
-def _pair_loader(tmp_path, n=6):
-    from liandan.config import load_config
-    from liandan.data.pipeline.preferences import prepare_preference_store
-    from liandan.data.tokens.pairs import PairLoader
-    from liandan.data.tokens.store import TokenStore
-
-    data = write_preference_data(tmp_path, n=n)
-    cfg = load_config(None, [f'--data.paths=["{data}"]', *DPO[1:3]]).data
-    stats = prepare_preference_store(cfg, tmp_path / "prefs", say=lambda m: None)
-    store = TokenStore(tmp_path / "prefs", verify=True)
-    return stats, store, PairLoader(store, 64, 4, seed=1)
-
-
 def test_pairs_travel_as_two_rows_with_the_reply_alone_a_target(tmp_path):
-    stats, store, loader = _pair_loader(tmp_path)
+    stats, store, loader = pair_loader(tmp_path)
     assert stats.documents == 6 and store.num_documents == 12
     assert store.loss_mask["pairs"] and store.loss_mask["read"]["skipped"] == dict(Counter(PREFERENCE_REJECTS.values()))
     batch = loader.next_step(2)[0]
@@ -68,8 +60,8 @@ def test_pairs_travel_as_two_rows_with_the_reply_alone_a_target(tmp_path):
 def test_gradient_accumulation_gives_the_loss_and_gradients_of_the_whole_batch(tmp_path):
     from liandan.train.components import build_environment, build_train_module
 
-    _, store, loader = _pair_loader(tmp_path)
-    cfg = tiny_config(tmp_path, tmp_path / "unused.jsonl", *DPO)
+    _, store, loader = pair_loader(tmp_path)
+    cfg = tiny_config(tmp_path, tmp_path / "unused.jsonl", *DPO_OVERRIDES)
     module = build_train_module(cfg, build_environment(cfg, say=lambda m: None), store.tokenizer)
     params = list(module.model.parameters())
     found = {}
@@ -85,7 +77,7 @@ def test_gradient_accumulation_gives_the_loss_and_gradients_of_the_whole_batch(t
     assert not any(p.grad is not None for p in module.reference.parameters())  # frozen
 
 
-def test_sequence_logps_equal_a_gather_by_hand():
+def test_sequence_logps_and_their_means_equal_a_gather_by_hand():
     torch.manual_seed(0)
     logits, targets = torch.randn(4, 7, 11), torch.randint(0, 11, (4, 7))
     targets[:, :3] = -1
@@ -94,6 +86,9 @@ def test_sequence_logps_equal_a_gather_by_hand():
         for t in range(3, 7):
             by_hand[row] += torch.log_softmax(logits[row, t], -1)[targets[row, t]]
     torch.testing.assert_close(sequence_logps(logits, targets), by_hand, rtol=0, atol=1e-5)
+    torch.testing.assert_close(sequence_logps(logits, targets, average=True), by_hand / 4, rtol=0, atol=1e-6)
+    targets[0] = -1  # a row without any target has no mean: it is given a constant
+    assert sequence_logps(logits, targets, average=True)[0].item() == EMPTY_REPLY_LOGP
 
 
 def test_the_dpo_loss_and_its_gradients_equal_the_formula_trl_computes():
@@ -115,19 +110,15 @@ def test_the_dpo_loss_and_its_gradients_equal_the_formula_trl_computes():
     torch.testing.assert_close(rejected, 0.3 * (logps[1] - logps[3]).detach())
 
 
-def _dpo_config(tmp_path, data, *extra):
-    return tiny_config(tmp_path, data, *DPO, f'--data.paths=["{data}"]', "--checkpoint.async_save=false", *extra)
-
-
 def test_a_short_dpo_run_learns_the_preference(tmp_path):
     from liandan.train import Trainer
 
     data = write_preference_data(tmp_path, n=16, malformed=False)
     said = []
-    trainer = Trainer(_dpo_config(tmp_path, data, "--train.steps=12", "--optim.lr=3e-3", "--checkpoint.every=0"),
+    trainer = Trainer(dpo_config(tmp_path, data, "--train.steps=12", "--optim.lr=3e-3", "--checkpoint.every=0"),
                       say=said.append)  # fmt: skip
     assert any("preference optimisation on 16 pairs" in line for line in said), said
-    records = _recording(trainer)
+    records = recording_metrics(trainer)
     trainer.train()
     first, last = records[0], records[-1]
     assert abs(first["rewards/margins"]) < 1e-6 and first["kl/token"] < 1e-6  # the policy starts as the reference
@@ -142,10 +133,10 @@ def test_a_dpo_run_resumes_exactly(tmp_path):
 
     data = write_preference_data(tmp_path, n=6)
     common = ["--train.steps=6", "--checkpoint.every=2"]
-    trainer = Trainer(_dpo_config(tmp_path, data, *common), say=lambda m: None)
+    trainer = Trainer(dpo_config(tmp_path, data, *common), say=lambda m: None)
     straight = trainer.train()
     shutil.rmtree(trainer.run_dir / "checkpoints" / "step-00000006")
-    resumed = Trainer(_dpo_config(tmp_path, data, *common), say=lambda m: None)
+    resumed = Trainer(dpo_config(tmp_path, data, *common), say=lambda m: None)
     assert resumed.step == 4
     assert resumed.train().losses[-2:] == straight.losses[-2:]
 
@@ -160,12 +151,12 @@ def test_a_preference_store_written_ahead_trains_and_a_chat_store_is_refused(tmp
                         check=True).stdout  # fmt: skip
     assert "4 pairs" in said and "1 'chosen' equals 'rejected'" in said and "--train.objective=dpo" in said
     stores = f'--data.stores=["{tmp_path / "prefs"}"]'
-    trainer = Trainer(_dpo_config(tmp_path, data, stores, "--train.global_batch=2"), say=lambda m: None)
+    trainer = Trainer(dpo_config(tmp_path, data, stores, "--train.global_batch=2"), say=lambda m: None)
     assert trainer.parts.data.loader.next_step(2)[0].inputs.shape == (4, 64)
     liandan_here("data", "chat", write_chat_data(tmp_path), "--out", tmp_path / "sft", "--bpe-vocab-size=300",
                  check=True)  # fmt: skip
     with pytest.raises(DataError, match="without preference pairs"):
-        Trainer(_dpo_config(tmp_path, data, f'--data.stores=["{tmp_path / "sft"}"]', "--run.name=sft"),
+        Trainer(dpo_config(tmp_path, data, f'--data.stores=["{tmp_path / "sft"}"]', "--run.name=sft"),
                 say=lambda m: None)  # fmt: skip
 
 
@@ -174,9 +165,9 @@ def test_dpo_refuses_what_it_does_not_run(tmp_path):
 
     data = write_preference_data(tmp_path, n=4, malformed=False)
     with pytest.raises(ConfigError, match="dpo_beta must be positive"):
-        Trainer(_dpo_config(tmp_path, data, "--train.dpo_beta=0"), say=lambda m: None)
+        Trainer(dpo_config(tmp_path, data, "--train.dpo_beta=0"), say=lambda m: None)
     with pytest.raises(ConfigError, match="no checkpoint there"):
-        Trainer(_dpo_config(tmp_path, data, f"--checkpoint.init_from={tmp_path / 'missing'}", "--run.name=r2"),
+        Trainer(dpo_config(tmp_path, data, f"--checkpoint.init_from={tmp_path / 'missing'}", "--run.name=r2"),
                 say=lambda m: None)  # fmt: skip
 
 
@@ -258,7 +249,7 @@ def test_dpo_on_two_fsdp_ranks_equals_one_process(tmp_path):
 
     data = write_preference_data(tmp_path, n=8, malformed=False)
     config = tmp_path / "dpo.toml"
-    config.write_text(_dpo_config(tmp_path / "runs", data, "--train.steps=4", "--run.name=").to_toml())
+    config.write_text(dpo_config(tmp_path / "runs", data, "--train.steps=4", "--run.name=").to_toml())
     losses = {}
     for nproc in (1, 2):
         done = run_liandan("train", config, f"--nproc={nproc}", f"--run.name=n{nproc}", timeout=300)
@@ -277,30 +268,17 @@ def test_the_reference_is_init_from_on_every_start_a_resume_included(tmp_path):
     from liandan.train import Trainer
 
     data = write_preference_data(tmp_path, n=6, malformed=False)
-    first = Trainer(_dpo_config(tmp_path, data, "--train.steps=2", "--run.name=a", "--optim.lr=3e-3"),
+    first = Trainer(dpo_config(tmp_path, data, "--train.steps=2", "--run.name=a", "--optim.lr=3e-3"),
                     say=lambda m: None)  # fmt: skip
     first.train()
     start = first.run_dir / "checkpoints" / "step-00000002"
     common = ["--train.steps=4", "--checkpoint.every=2", "--run.name=b", f"--checkpoint.init_from={start}"]
-    trainer = Trainer(_dpo_config(tmp_path, data, *common), say=lambda m: None)
-    records = _recording(trainer)
+    trainer = Trainer(dpo_config(tmp_path, data, *common), say=lambda m: None)
+    records = recording_metrics(trainer)
     straight = trainer.train()
     assert records[0]["kl/token"] < 1e-9 and abs(records[0]["rewards/margins"]) < 1e-6
     assert records[-1]["kl/token"] > 0
     shutil.rmtree(trainer.run_dir / "checkpoints" / "step-00000004")
-    resumed = Trainer(_dpo_config(tmp_path, data, *common), say=lambda m: None)
+    resumed = Trainer(dpo_config(tmp_path, data, *common), say=lambda m: None)
     assert resumed.step == 2
     assert resumed.train().losses[-2:] == straight.losses[-2:]
-
-
-def _recording(trainer) -> list[dict]:
-    """The metrics the trainer logs, as it logs them."""
-    records = []
-    log = trainer.logger.log_metrics
-
-    def recorded(step, metrics):
-        records.append(dict(metrics))
-        log(step, metrics)
-
-    trainer.logger.log_metrics = recorded
-    return records

@@ -277,6 +277,11 @@ def check_config(cfg: Config) -> None:
         if not _MODULE_NAME.match(module):
             raise ConfigError(f"train.callbacks: {module!r} is not a module name (package.module)")
     check_exporters_named(cfg.track.exporters)
+    if t.preference_loss != "dpo" and t.objective != "dpo":
+        raise ConfigError(f'train.preference_loss = "{t.preference_loss}" is for train.objective = "dpo", not'
+                          f' "{t.objective}"')  # fmt: skip
+    if t.preference_loss == "orpo" and t.dpo_label_smoothing:
+        raise ConfigError('train.dpo_label_smoothing does not apply to train.preference_loss = "orpo": set it to 0')
     if cfg.schedule.warmup_steps > t.steps:
         raise ConfigError(f"schedule.warmup_steps = {cfg.schedule.warmup_steps} exceeds train.steps = {t.steps}")
 

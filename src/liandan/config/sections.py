@@ -91,13 +91,27 @@ class TrainSection:
     objective: Literal["lm", "sft", "dpo"] = _f(
         "lm", "lm: next-token prediction on every token (pretraining); sft: supervised fine-tuning on chat data"
         " (data.paths of chat records, rendered by data.chat_template), the loss taken where train.sft_targets says;"
-        " dpo: direct preference optimisation on data.paths of prompt/chosen/rejected records, against a frozen"
-        " reference (the initial weights); global_batch and micro_batch then count pairs"
+        " dpo: preference optimisation on data.paths of prompt/chosen/rejected records by train.preference_loss"
+        " (DPO against a frozen reference, the initial weights; or the reference-free SimPO or ORPO);"
+        " global_batch and micro_batch then count pairs"
     )  # fmt: skip
-    dpo_beta: float = _f(0.1, "train.objective = dpo: beta, the strength of the pull towards the reference", min=0.0)
+    dpo_beta: float = _f(
+        0.1, "train.objective = dpo: beta; under train.preference_loss = dpo the strength of the pull towards the"
+        " reference, under simpo the scale of the length-averaged rewards (SimPO's usual value is about 2), under"
+        " orpo lambda, the weight of the odds-ratio term (0.1 in the ORPO paper)", min=0.0,
+    )  # fmt: skip
     dpo_label_smoothing: float = _f(
-        0.0, "train.objective = dpo: the share of pairs assumed mislabelled (conservative DPO); 0 is DPO's own loss",
-        min=0.0, max=0.49,
+        0.0, "train.objective = dpo: the share of pairs assumed mislabelled (conservative DPO, under"
+        " train.preference_loss = dpo or simpo); 0 is the loss's own", min=0.0, max=0.49,
+    )  # fmt: skip
+    preference_loss: Literal["dpo", "simpo", "orpo"] = _f(
+        "dpo", "train.objective = dpo: dpo (against a frozen reference, the sum of each reply's log-probabilities);"
+        " simpo (SimPO, reference-free: each reply's log-probability averaged over its tokens, the chosen one to"
+        " lead by the margin train.simpo_gamma); orpo (ORPO, reference-free: the chosen reply's negative"
+        " log-likelihood plus dpo_beta times the log odds-ratio loss); simpo and orpo build no reference model"
+    )  # fmt: skip
+    simpo_gamma: float = _f(
+        0.5, "train.preference_loss = simpo: gamma, the reward margin the chosen reply is to lead by", min=0.0
     )  # fmt: skip
     sft_targets: Literal["assistant", "all"] = _f(
         "assistant", "train.objective = sft: learn the assistant turns only (their content and end token, by the"

@@ -101,9 +101,9 @@ class RoutingCallback(Callback):
 
 
 class PreferenceMetricsCallback(Callback):
-    """A DPO step's rewards, reward accuracy, margins, log-probabilities and KL to the reference
-    (`TrainModule.preference_metrics`, means over the ranks) into the step's metrics on the steps
-    MetricsCallback logs."""
+    """A preference step's rewards, reward accuracy, margins, log-probabilities and the loss's own metrics (the
+    KL to the reference under DPO; `TrainModule.preference_metrics`, means over the ranks) into the step's
+    metrics on the steps MetricsCallback logs."""
 
     order = 4
 

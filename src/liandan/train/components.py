@@ -263,8 +263,8 @@ def say_epochs(loader: PackedLoader, t: Any, say: Callable[[str], None]) -> None
 def say_pairs(loader: PairLoader, t: Any, say: Callable[[str], None]) -> None:
     """DPO counts in epochs over its pairs; a conversation longer than a row loses its end: say both."""
     pairs = sum(len(s.train_windows) for s in loader.streams)
-    say(f"preference optimisation on {pairs:,} pairs per epoch: {t.steps} steps of {t.global_batch} pairs are"
-        f" {t.steps * t.global_batch / pairs:.2f} epochs")  # fmt: skip
+    say(f"preference optimisation on {pairs:,} pairs per epoch ({t.preference_loss} loss): {t.steps} steps of"
+        f" {t.global_batch} pairs are {t.steps * t.global_batch / pairs:.2f} epochs")  # fmt: skip
     long, total = loader.truncated()
     if long:
         say(f"warning: {long} of {total} conversations of the pairs are longer than train.seq_len + 1 ="

@@ -10,6 +10,10 @@ pair i's.
 Everything else is `PackedLoader`'s: the seeded hold-out split, the epoch-by-epoch shuffled stream of each
 store, the mixture of several stores, the split over data-parallel ranks and the state, so a step's pairs are
 a function of (seed, step) alone and a resume is exact. `global_batch` and `micro_batch` count pairs.
+
+A micro-batch's `loss_weight` counts the targets of its chosen replies: its share of the chosen replies'
+targets of the whole global batch x data-parallel ranks, so that a loss averaged over those targets (ORPO's
+negative log-likelihood) weighs each of them the same whichever micro-batch and rank it falls to.
 """
 
 from __future__ import annotations
@@ -55,12 +59,23 @@ class PairLoader(PackedLoader):
         if unpaired := [str(s.path) for s in stores if not (s.loss_mask or {}).get("pairs")]:
             raise DataError(f"token stores without preference pairs (not written from prompt/chosen/rejected"
                             f" records): {', '.join(unpaired)}")  # fmt: skip
-        super().__init__(stores, seq_len, global_batch, seed, val_fraction, dp_rank, dp_size, weights)
+        super().__init__(stores, seq_len, global_batch, seed, val_fraction, dp_rank, dp_size, weights,
+                         loss_mask=True)  # fmt: skip
 
     def truncated(self) -> tuple[int, int]:
         """(conversations longer than a row, conversations): the longer ones lose their ends."""
         lengths = np.concatenate([np.diff(shard.doc_starts) for store in self.stores for shard in store.shards])
         return int((lengths > self.seq_len + 1).sum()), len(lengths)
+
+    def _targets_per_window(self, stores: np.ndarray, windows: np.ndarray) -> np.ndarray:
+        """How many targets each pair's chosen reply has in its row (after the row's first token, up to its cut)."""
+        counts = np.empty(len(windows), dtype=np.int64)
+        for sample, (store_index, window) in enumerate(zip(stores.tolist(), windows.tolist())):
+            shard_indices, firsts = self.streams[store_index].locate(np.array([window]))
+            shard = self.stores[store_index].shards[int(shard_indices[0])]
+            start, end = int(shard.doc_starts[int(firsts[0])]), int(shard.doc_starts[int(firsts[0]) + 1])
+            counts[sample] = np.count_nonzero(shard.loss_mask[start + 1 : min(end, start + self.seq_len + 1)])
+        return counts
 
     def _batch(self, stores: np.ndarray, windows: np.ndarray) -> Batch:
         rows = 2 * len(windows)
