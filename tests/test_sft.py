@@ -12,6 +12,7 @@ import torch
 from helpers import (
     CHAT_REJECTS,
     CHATML_GENERATION_TEMPLATE,
+    SFT_OVERRIDES,
     chat_conversations,
     liandan_here,
     tiny_config,
@@ -25,7 +26,7 @@ from liandan.data.documents.corpus import DataError, ReadStats
 from liandan.data.tokens.chat import IM_END, ChatMLTemplate, ModelTemplate, encode_conversation, with_chat_tokens
 from liandan.data.tokens.tokenizer import ByteTokenizer, train_bpe
 
-SFT = ["--train.objective=sft", "--data.tokenizer=bpe", "--data.bpe_vocab_size=320", "--data.val_fraction=0"]
+SFT = SFT_OVERRIDES
 
 
 def _masked_runs(tokenizer, ids, mask) -> list[str]:
@@ -292,3 +293,4 @@ def test_the_assistant_mask_and_loss_equal_transformers_and_trl(tmp_path):
     ours = to_hf_tensors(args, {name: p.grad for name, p in model.named_parameters()})
     for name, param in hf_model.named_parameters():
         torch.testing.assert_close(ours[name], param.grad, rtol=0, atol=1e-5)
+

@@ -4,18 +4,21 @@ directory or a run directory (its newest complete checkpoint)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from liandan.checkpoint.hf_tokenizer import HFChat
 from liandan.checkpoint.info import resolve_checkpoint
 from liandan.checkpoint.loading import load_model
 from liandan.checkpoint.verify import CheckpointError
 from liandan.config import Config, ConfigError, from_dict
 from liandan.data.documents.corpus import DataError
-from liandan.data.tokens.store import TOKENIZER_FILE
+from liandan.data.tokens.chat import CHATML_JINJA, CHATML_TOKENS, IM_END, ModelTemplate
+from liandan.data.tokens.store import MANIFEST, TOKENIZER_FILE
 from liandan.data.tokens.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 try:
@@ -88,6 +91,57 @@ def checkpoint_tokenizer(checkpoint: Path, meta: dict, run_dir: Path | None) -> 
             candidates.append(directory / "data" / TOKENIZER_FILE)
     candidates.append(checkpoint / TOKENIZER_FILE)
     return next((path for path in candidates if _is_tokenizer(path, meta.get("tokenizer"))), None)
+
+
+def checkpoint_chat(
+    checkpoint: Path, meta: dict, run_dir: Path | None, warn: Callable[[str], None] = print
+) -> HFChat | None:
+    """How the conversations a checkpoint was fine-tuned on were rendered, for its export; None for a model
+    that was not (pretraining). The template is the one the manifest of a store it trained on names
+    (`loss_mask.template`, in the same places `checkpoint_tokenizer` looks), else the saved config's
+    `data.chat_template` when its objective trains on chats. A model's own template is read again from the
+    tokenizer directory of the config's `data.tokenizer`; when that is gone or its template changed since,
+    `warn` says so and the export goes without one (None)."""
+    try:
+        config = tomllib.loads(meta.get("config") or "")
+    except tomllib.TOMLDecodeError:
+        config = {}
+    data = config.get("data", {})
+    template = _store_template(checkpoint, meta, run_dir)
+    if template is None and config.get("train", {}).get("objective") in ("sft", "dpo"):
+        template = data.get("chat_template", "chatml")
+    if template is None:
+        return None
+    if template == "chatml":
+        return HFChat(CHATML_JINJA, (IM_END,), CHATML_TOKENS)
+    source = Path(str(data.get("tokenizer", ""))).parent
+    try:
+        model = ModelTemplate(source)
+    except DataError as err:
+        warn(f"warning: the model's chat template the data was rendered with could not be read ({err}); the "
+             "export has no chat_template")  # fmt: skip
+        return None
+    if template != "tokenizer" and template != model.name:
+        warn(f"warning: the chat template of {source} changed since the data was rendered with it; the export "
+             "has no chat_template")  # fmt: skip
+        return None
+    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
+    return HFChat(model.template, (model.turn_end,) if model.turn_end else (), (), tokenizer_config)
+
+
+def _store_template(checkpoint: Path, meta: dict, run_dir: Path | None) -> str | None:
+    """`loss_mask.template` of the first store with the checkpoint's tokenizer that has a loss mask: a
+    fine-tuning store it trained on."""
+    stores = [Path(s) for s in _trained_on_stores(meta)]
+    stores += [d / "data" for d in (run_dir, checkpoint.parent.parent, checkpoint.parent) if d is not None]
+    for store in stores:
+        try:
+            manifest = json.loads((store / MANIFEST).read_text())
+        except (OSError, ValueError):  # not a local store (a URL, or gone): the config says the rest
+            continue
+        if manifest.get("tokenizer") == meta.get("tokenizer") and isinstance(manifest.get("loss_mask"), dict):
+            return manifest["loss_mask"].get("template")
+    return None
 
 
 def _is_tokenizer(path: Path, fingerprint: str | None) -> bool:

@@ -37,6 +37,18 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHATML_TOKENS = (IM_START, IM_END)
 TEMPLATES = ("chatml", "tokenizer")  # what `[data] chat_template` takes
 
+# The built-in ChatML as a Jinja chat template (tokenizer_config.json's `chat_template`), for models exported
+# to transformers: it renders as `ChatMLTemplate` does, with `add_generation_prompt` as `ChatMLTemplate.prompt`,
+# and marks with {% generation %} what an assistant turn learns (its content and <|im_end|>), so transformers'
+# return_assistant_tokens_mask and TRL's assistant_only_loss pick the tokens liandan's loss mask holds. The
+# newlines are expressions: transformers renders with trim_blocks, which drops one after a block tag.
+CHATML_JINJA = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 
 @dataclass
 class Rendered:
@@ -48,6 +60,11 @@ class ChatTemplate(Protocol):
     name: str  # recorded in the store's manifest
 
     def render(self, messages: list[dict[str, str]]) -> Rendered: ...
+
+    def prompt(self, messages: list[dict[str, str]]) -> str:
+        """The conversation followed by the opening of an assistant turn: what a model continues to answer
+        (transformers' `add_generation_prompt`)."""
+        ...
 
 
 class TemplateError(ValueError):
@@ -67,6 +84,9 @@ class ChatMLTemplate:
                 spans.append((start, len(text)))
             text += "\n"
         return Rendered(text, spans)
+
+    def prompt(self, messages: list[dict[str, str]]) -> str:
+        return self.render(messages).text + f"{IM_START}assistant\n"
 
 
 class ModelTemplate:
@@ -110,6 +130,19 @@ class ModelTemplate:
                 raise TemplateError("chat template is not prefix-stable")
             spans.append((len(prompt), len(turn.rstrip())))
         return Rendered(text, spans)
+
+    def prompt(self, messages: list[dict[str, str]]) -> str:
+        return self._apply(messages, True)
+
+    @property
+    def template(self) -> str:
+        """The Jinja text of the template."""
+        return self._hf.chat_template
+
+    @property
+    def turn_end(self) -> str | None:
+        """The tokenizer's end-of-sequence token, the one a model's template ends an assistant turn with."""
+        return self._hf.eos_token
 
 
 def chat_template(name: str, tokenizer_file: str) -> ChatTemplate:
