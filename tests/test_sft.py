@@ -294,3 +294,23 @@ def test_the_assistant_mask_and_loss_equal_transformers_and_trl(tmp_path):
     for name, param in hf_model.named_parameters():
         torch.testing.assert_close(ours[name], param.grad, rtol=0, atol=1e-5)
 
+
+@pytest.mark.slow  # two runs, one of two processes
+def test_sft_on_two_fsdp_ranks_equals_one_process(tmp_path):
+    """The same fine-tuning run on one process and on two FSDP ranks: every step's loss (the mean over the
+    global batch's assistant tokens, whichever rank holds them) is the same to rounding."""
+    from helpers import read_run, run_liandan
+
+    data = write_chat_data(tmp_path, n=12, malformed=False)
+    config = tmp_path / "sft.toml"
+    config.write_text(tiny_config(tmp_path / "runs", data, *SFT, "--train.steps=4", "--run.name=",
+                                  "--checkpoint.async_save=false").to_toml())  # fmt: skip
+    losses = {}
+    for nproc in (1, 2):
+        done = run_liandan("train", config, f"--nproc={nproc}", f"--run.name=n{nproc}", timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        run = read_run(tmp_path / "runs" / f"n{nproc}")
+        losses[nproc] = [r["loss"] for r in run.metrics]
+        assert run.summary["world_size"] == nproc
+    assert len(losses[1]) == 4 and losses[1][-1] < losses[1][0]
+    assert losses[2] == pytest.approx(losses[1], rel=1e-5)
