@@ -73,8 +73,9 @@ def test_a_chatml_fine_tune_renders_in_transformers_as_it_trained(chatml_export)
 
 def test_generation_in_transformers_stops_at_the_end_of_a_turn_as_liandans_does(chatml_export):
     """Greedy generation from a chat prompt gives liandan's tokens and stops at <|im_end|>. The two-step model
-    rarely writes it by itself, so both models are given the same output row for it: twice the row of the
-    token liandan writes third, which makes <|im_end|> the greedy choice by then."""
+    rarely writes it by itself, so both models are given the same output row for it: the row of the token
+    liandan writes third, plus what raises its logit there by 1, which makes <|im_end|> the greedy choice by
+    then."""
     from liandan.evaluate.loading import load_for_eval
     from liandan.evaluate.scoring import generate
 
@@ -87,8 +88,13 @@ def test_generation_in_transformers_stops_at_the_end_of_a_turn_as_liandans_does(
     assert im_end in hf_model.generation_config.eos_token_id
 
     free = generate(model, [prompt], max_new_tokens=8)[0]
+    states = []
+    hook = model.output.register_forward_hook(lambda module, inputs, output: states.append(inputs[0][0, -1]))
     with torch.no_grad():
-        row = 2 * model.output.weight[free[2]]
+        model(torch.tensor([prompt + free[:2]]))
+        hook.remove()
+        state = states[0]
+        row = model.output.weight[free[2]] + state / state.dot(state)
         model.output.weight[im_end] = row
         hf_model.get_output_embeddings().weight[im_end] = row
     ours = generate(model, [prompt], max_new_tokens=8, eos_id=im_end)
@@ -99,7 +105,7 @@ def test_generation_in_transformers_stops_at_the_end_of_a_turn_as_liandans_does(
 
 def test_a_models_own_template_is_exported_as_it_rendered_the_data(tmp_path):
     tokenizer_file = write_hf_chat_tokenizer(tmp_path / "model")  # Zephyr's style, turns ending in </s>
-    _, out = _fine_tuned_export(tmp_path, f"--data.tokenizer={tokenizer_file}", "--data.chat_template=tokenizer")
+    run_dir, out = _fine_tuned_export(tmp_path, f"--data.tokenizer={tokenizer_file}", "--data.chat_template=tokenizer")
     theirs = transformers.AutoTokenizer.from_pretrained(str(out))
     source = ModelTemplate(tokenizer_file.parent)
     assert theirs.chat_template == source.template
@@ -112,6 +118,11 @@ def test_a_models_own_template_is_exported_as_it_rendered_the_data(tmp_path):
     end = tokenizer.token_id("</s>")
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [end, tokenizer.eos_id]
+
+    (tmp_path / "model").rename(tmp_path / "moved")  # the template can no longer be read: said, and left out
+    said = liandan_here("export", run_dir, tmp_path / "again", "--hf", check=True).stdout
+    assert "could not be read" in said and "the export has no chat_template" in said
+    assert "chat_template" not in json.loads((tmp_path / "again" / "tokenizer_config.json").read_text())
 
 
 def test_a_pretrained_model_exports_without_a_chat_template(tmp_path):
