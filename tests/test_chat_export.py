@@ -119,9 +119,13 @@ def test_a_models_own_template_is_exported_as_it_rendered_the_data(tmp_path):
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [end, tokenizer.eos_id]
 
-    (tmp_path / "model").rename(tmp_path / "moved")  # the template can no longer be read: said, and left out
+    (tmp_path / "model").rename(tmp_path / "moved")  # the run's store keeps the model's tokenizer_config.json
+    liandan_here("export", run_dir, tmp_path / "kept", "--hf", check=True)
+    kept = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "kept"))
+    assert kept.chat_template == source.template and kept.eos_token == "</s>"
+    (run_dir / "data" / "tokenizer_config.json").unlink()  # now nowhere: said, and left out
     said = liandan_here("export", run_dir, tmp_path / "again", "--hf", check=True).stdout
-    assert "could not be read" in said and "the export has no chat_template" in said
+    assert "was not found" in said and "the export has no chat_template" in said
     assert "chat_template" not in json.loads((tmp_path / "again" / "tokenizer_config.json").read_text())
 
 

@@ -87,7 +87,7 @@ def test_a_models_chat_template_renders_as_transformers_does_and_masks_each_assi
 def test_a_models_template_writes_the_store_with_its_own_tokens_and_its_refusals_counted(tmp_path):
     from liandan.config import load_config
     from liandan.data.pipeline.chat import prepare_chat_store
-    from liandan.data.tokens.store import TokenStore
+    from liandan.data.tokens.store import TokenStore, verify_store
     from liandan.data.tokens.tokenizer import HFTokenizer
 
     tokenizer_file = write_hf_chat_tokenizer(tmp_path / "model")
@@ -102,6 +102,10 @@ def test_a_models_template_writes_the_store_with_its_own_tokens_and_its_refusals
     store = TokenStore(tmp_path / "sft", verify=True)
     assert store.fingerprint == HFTokenizer.load(tokenizer_file).fingerprint()  # nothing added to a model's own
     assert store.loss_mask["template"].startswith("tokenizer:") and store.num_documents == 5
+    kept = ModelTemplate(tmp_path / "sft")  # the store keeps the model's tokenizer_config.json, checked as its files
+    assert kept.name == store.loss_mask["template"] and kept.turn_end == "</s>"
+    (tmp_path / "sft" / "tokenizer_config.json").write_text("{}")
+    assert any("tokenizer_config.json holds" in p for p in verify_store(tmp_path / "sft"))
 
 
 def test_chat_data_needs_a_tokenizer_with_room_for_special_tokens():

@@ -99,39 +99,41 @@ def checkpoint_chat(
     """How the conversations a checkpoint was fine-tuned on were rendered, for its export; None for a model
     that was not (pretraining). The template is the one the manifest of a store it trained on names
     (`loss_mask.template`, in the same places `checkpoint_tokenizer` looks), else the saved config's
-    `data.chat_template` when its objective trains on chats. A model's own template is read again from the
-    tokenizer directory of the config's `data.tokenizer`; when that is gone or its template changed since,
-    `warn` says so and the export goes without one (None)."""
+    `data.chat_template` when its objective trains on chats. A model's own template is read from that
+    store, which keeps the model's tokenizer_config.json, else from the directory of the config's
+    `data.tokenizer`; when neither holds it (or holds another template), `warn` says so and the export
+    goes without one (None)."""
     try:
         config = tomllib.loads(meta.get("config") or "")
     except tomllib.TOMLDecodeError:
         config = {}
     data = config.get("data", {})
-    template = _store_template(checkpoint, meta, run_dir)
+    template, store = _store_template(checkpoint, meta, run_dir)
     if template is None and config.get("train", {}).get("objective") in ("sft", "dpo"):
         template = data.get("chat_template", "chatml")
     if template is None:
         return None
     if template == "chatml":
         return HFChat(CHATML_JINJA, (IM_END,), CHATML_TOKENS)
-    source = Path(str(data.get("tokenizer", ""))).parent
-    try:
-        model = ModelTemplate(source)
-    except DataError as err:
-        warn(f"warning: the model's chat template the data was rendered with could not be read ({err}); the "
-             "export has no chat_template")  # fmt: skip
-        return None
-    if template != "tokenizer" and template != model.name:
-        warn(f"warning: the chat template of {source} changed since the data was rendered with it; the export "
-             "has no chat_template")  # fmt: skip
-        return None
-    tokenizer_config = json.loads((source / "tokenizer_config.json").read_text())
-    return HFChat(model.template, (model.turn_end,) if model.turn_end else (), (), tokenizer_config)
+    places = [store] if store is not None else []
+    if isinstance(data.get("tokenizer"), str) and data["tokenizer"] not in ("byte", "bpe"):
+        places.append(Path(data["tokenizer"]).parent)
+    for place in places:
+        try:
+            model = ModelTemplate(place)
+        except DataError:
+            continue
+        if template in ("tokenizer", model.name):  # the config names no hash; a store's manifest does
+            return HFChat(model.template, (model.turn_end,) if model.turn_end else (), (), model.tokenizer_config())
+    where = " nor in ".join(str(p) for p in places) or "anywhere"
+    warn(f"warning: the model's chat template the data was rendered with was not found (not in {where}); the "
+         "export has no chat_template")  # fmt: skip
+    return None
 
 
-def _store_template(checkpoint: Path, meta: dict, run_dir: Path | None) -> str | None:
-    """`loss_mask.template` of the first store with the checkpoint's tokenizer that has a loss mask: a
-    fine-tuning store it trained on."""
+def _store_template(checkpoint: Path, meta: dict, run_dir: Path | None) -> tuple[str | None, Path | None]:
+    """(`loss_mask.template`, the store) of the first store with the checkpoint's tokenizer that has a loss
+    mask: a fine-tuning store it trained on; (None, None) when there is none."""
     stores = [Path(s) for s in _trained_on_stores(meta)]
     stores += [d / "data" for d in (run_dir, checkpoint.parent.parent, checkpoint.parent) if d is not None]
     for store in stores:
@@ -140,8 +142,8 @@ def _store_template(checkpoint: Path, meta: dict, run_dir: Path | None) -> str |
         except (OSError, ValueError):  # not a local store (a URL, or gone): the config says the rest
             continue
         if manifest.get("tokenizer") == meta.get("tokenizer") and isinstance(manifest.get("loss_mask"), dict):
-            return manifest["loss_mask"].get("template")
-    return None
+            return manifest["loss_mask"].get("template"), store
+    return None, None
 
 
 def _is_tokenizer(path: Path, fingerprint: str | None) -> bool:

@@ -23,6 +23,7 @@ that closes its turn.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -99,7 +100,8 @@ class ModelTemplate:
             raise DataError(
                 "rendering a model's chat template needs transformers (pip install 'liandan[hf]')"
             ) from None
-        if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        self.directory = Path(tokenizer_dir)
+        if not (self.directory / "tokenizer.json").is_file():
             raise DataError(f"no tokenizer.json in {tokenizer_dir} to render its chat template with")
         try:  # local files only: a missing file must not become a download attempt
             self._hf = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
@@ -133,6 +135,19 @@ class ModelTemplate:
 
     def prompt(self, messages: list[dict[str, str]]) -> str:
         return self._apply(messages, True)
+
+    def tokenizer_config(self) -> dict:
+        """The model's tokenizer_config.json with its template in it (transformers also reads one from
+        chat_template.jinja) and its special tokens (also read from special_tokens_map.json): what renders
+        this template again from a directory with only the tokenizer.json beside it."""
+        directory = self.directory
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+        special = directory / "special_tokens_map.json"
+        if special.is_file():
+            for key, value in json.loads(special.read_text(encoding="utf-8")).items():
+                config.setdefault(key, value)
+        config.setdefault("chat_template", self.template)
+        return config
 
     @property
     def template(self) -> str:
@@ -175,6 +190,12 @@ def encode_conversation(tokenizer: HFTokenizer, rendered: Rendered) -> tuple[lis
     for first, end in rendered.assistant_spans:
         mask[(starts >= first) & (starts < end)] = 1
     return ids, mask
+
+
+def template_tokenizer_config(template: ChatTemplate) -> dict | None:
+    """What a store rendered by `template` keeps beside its tokenizer: a model's tokenizer_config.json (None
+    for the built-in template, which liandan writes again itself)."""
+    return template.tokenizer_config() if isinstance(template, ModelTemplate) else None
 
 
 def describe_mask(template: ChatTemplate) -> dict:
