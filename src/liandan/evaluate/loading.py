@@ -125,9 +125,9 @@ def checkpoint_chat(
             continue
         if template in ("tokenizer", model.name):  # the config names no hash; a store's manifest does
             return HFChat(model.template, (model.turn_end,) if model.turn_end else (), (), model.tokenizer_config())
-    where = " nor in ".join(str(p) for p in places) or "anywhere"
-    warn(f"warning: the model's chat template the data was rendered with was not found (not in {where}); the "
-         "export has no chat_template")  # fmt: skip
+    where = f"not in {' nor in '.join(str(p) for p in places)}" if places else "no store or model directory named"
+    warn(f"warning: the model's chat template the data was rendered with was not found ({where}); the export "
+         "has no chat_template")  # fmt: skip
     return None
 
 

@@ -141,7 +141,8 @@ class ModelTemplate:
         chat_template.jinja) and its special tokens (also read from special_tokens_map.json): what renders
         this template again from a directory with only the tokenizer.json beside it."""
         directory = self.directory
-        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+        path = directory / "tokenizer_config.json"
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
         special = directory / "special_tokens_map.json"
         if special.is_file():
             for key, value in json.loads(special.read_text(encoding="utf-8")).items():
