@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from liandan.config import Config, load_config
+from liandan.data.tokens.chat import CHATML_JINJA
 from liandan.run import RunDir
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -375,6 +376,11 @@ def run_losses(config, name):
     return [r["loss"] for r in read_run(config.parent / "runs" / name).metrics]
 
 
+# Fine-tuning on chats with a BPE trained for the run (ChatML's markers among its special tokens), all the data
+# trained on.
+SFT_OVERRIDES = ["--train.objective=sft", "--data.tokenizer=bpe", "--data.bpe_vocab_size=320", "--data.val_fraction=0"]
+
+
 # Chat records for supervised fine-tuning: conversations whose turns are sentences of Python's own
 # documentation, a prompt/response pair, and one record of each malformed kind with the reason it is counted under.
 CHAT_REJECTS = {
@@ -431,15 +437,9 @@ ZEPHYR_TEMPLATE = (
 )
 
 
-# ChatML as liandan's built-in template writes it, with {% generation %} around what an assistant turn learns
-# (its content and <|im_end|>), for transformers' return_assistant_tokens_mask and TRL's assistant_only_loss.
-# The newlines are expressions: transformers renders with trim_blocks, which drops one after a block tag.
-CHATML_GENERATION_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['role'] == 'assistant' %}"
-    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}"
-    "{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+# ChatML as liandan's built-in template writes it, with {% generation %} around what an assistant turn learns:
+# the template an export of a ChatML fine-tune carries.
+CHATML_GENERATION_TEMPLATE = CHATML_JINJA
 
 
 def write_hf_chat_tokenizer(directory: Path, template: str = ZEPHYR_TEMPLATE) -> Path:

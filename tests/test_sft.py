@@ -12,6 +12,7 @@ import torch
 from helpers import (
     CHAT_REJECTS,
     CHATML_GENERATION_TEMPLATE,
+    SFT_OVERRIDES,
     chat_conversations,
     liandan_here,
     tiny_config,
@@ -25,7 +26,7 @@ from liandan.data.documents.corpus import DataError, ReadStats
 from liandan.data.tokens.chat import IM_END, ChatMLTemplate, ModelTemplate, encode_conversation, with_chat_tokens
 from liandan.data.tokens.tokenizer import ByteTokenizer, train_bpe
 
-SFT = ["--train.objective=sft", "--data.tokenizer=bpe", "--data.bpe_vocab_size=320", "--data.val_fraction=0"]
+SFT = SFT_OVERRIDES
 
 
 def _masked_runs(tokenizer, ids, mask) -> list[str]:
@@ -86,7 +87,7 @@ def test_a_models_chat_template_renders_as_transformers_does_and_masks_each_assi
 def test_a_models_template_writes_the_store_with_its_own_tokens_and_its_refusals_counted(tmp_path):
     from liandan.config import load_config
     from liandan.data.pipeline.chat import prepare_chat_store
-    from liandan.data.tokens.store import TokenStore
+    from liandan.data.tokens.store import TokenStore, verify_store
     from liandan.data.tokens.tokenizer import HFTokenizer
 
     tokenizer_file = write_hf_chat_tokenizer(tmp_path / "model")
@@ -101,6 +102,10 @@ def test_a_models_template_writes_the_store_with_its_own_tokens_and_its_refusals
     store = TokenStore(tmp_path / "sft", verify=True)
     assert store.fingerprint == HFTokenizer.load(tokenizer_file).fingerprint()  # nothing added to a model's own
     assert store.loss_mask["template"].startswith("tokenizer:") and store.num_documents == 5
+    kept = ModelTemplate(tmp_path / "sft")  # the store keeps the model's tokenizer_config.json, checked as its files
+    assert kept.name == store.loss_mask["template"] and kept.turn_end == "</s>"
+    (tmp_path / "sft" / "tokenizer_config.json").write_text("{}")
+    assert any("tokenizer_config.json holds" in p for p in verify_store(tmp_path / "sft"))
 
 
 def test_chat_data_needs_a_tokenizer_with_room_for_special_tokens():
@@ -292,3 +297,24 @@ def test_the_assistant_mask_and_loss_equal_transformers_and_trl(tmp_path):
     ours = to_hf_tensors(args, {name: p.grad for name, p in model.named_parameters()})
     for name, param in hf_model.named_parameters():
         torch.testing.assert_close(ours[name], param.grad, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow  # two runs, one of two processes
+def test_sft_on_two_fsdp_ranks_equals_one_process(tmp_path):
+    """The same fine-tuning run on one process and on two FSDP ranks: every step's loss (the mean over the
+    global batch's assistant tokens, whichever rank holds them) is the same to rounding."""
+    from helpers import read_run, run_liandan
+
+    data = write_chat_data(tmp_path, n=12, malformed=False)
+    config = tmp_path / "sft.toml"
+    config.write_text(tiny_config(tmp_path / "runs", data, *SFT, "--train.steps=4", "--run.name=",
+                                  "--checkpoint.async_save=false").to_toml())  # fmt: skip
+    losses = {}
+    for nproc in (1, 2):
+        done = run_liandan("train", config, f"--nproc={nproc}", f"--run.name=n{nproc}", timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        run = read_run(tmp_path / "runs" / f"n{nproc}")
+        losses[nproc] = [r["loss"] for r in run.metrics]
+        assert run.summary["world_size"] == nproc
+    assert len(losses[1]) == 4 and losses[1][-1] < losses[1][0]
+    assert losses[2] == pytest.approx(losses[1], rel=1e-5)

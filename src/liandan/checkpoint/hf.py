@@ -8,7 +8,8 @@ architectures) comes from its spec's `hf` adapter (`liandan.model.spec`); for Ll
 
 * `export_hf` writes a directory that `transformers` loads (Llama: `LlamaForCausalLM`, `Qwen2ForCausalLM` with
   query/key/value biases, `Qwen3ForCausalLM` with qk-norm; with experts `MixtralForCausalLM` or
-  `Qwen3MoeForCausalLM`), optionally with the tokenizer.
+  `Qwen3MoeForCausalLM`), optionally with the tokenizer, and for a model fine-tuned on chats its chat
+  template and the tokens that end a turn (`HFChat`).
 * `import_hf` reads such a directory (one safetensors file or a sharded one with an index) back into liandan
   naming, choosing the family by the config's `model_type` (Llama's adapter reads llama, qwen2, qwen3,
   mistral, mixtral and qwen3_moe), and refuses configurations the family cannot express, naming the field.
@@ -26,13 +27,12 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from liandan.common import tokens
+from liandan.checkpoint.hf_tokenizer import HFChat, tokenizer_eos, turn_end_ids, write_tokenizer
 from liandan.model.spec import HFAdapter, ModelSpec, Stacked, spec_for, specs
 from liandan.model.spec import get as get_model_spec
 from liandan.run import atomic_write, replacing, umask_mode
@@ -224,6 +224,7 @@ def export_hf(
     out_dir: Path,
     tokenizer_json: Path | None = None,
     dtype: torch.dtype = torch.float32,
+    chat: HFChat | None = None,
 ) -> Path:
     """Write `model.safetensors` and `config.json` (and, given `tokenizer_json`, the tokenizer files) to
     `out_dir` so that `transformers` loads them with `from_pretrained(out_dir)`. Returns `out_dir`.
@@ -233,7 +234,14 @@ def export_hf(
     `model.embed_tokens.weight` is stored and the config says `tie_word_embeddings: true`. The tokenizer's
     end-of-document token (`<|endoftext|>` for tokenizers liandan trains) becomes both the end-of-sequence and
     the beginning-of-sequence token: liandan separates documents with it, as GPT-2 does. Multipliers the
-    Hugging Face architecture lacks (muP's on the logits) are folded into the weights by the family's adapter."""
+    Hugging Face architecture lacks (muP's on the logits) are folded into the weights by the family's adapter.
+
+    With `chat` (and the tokenizer, which it needs), tokenizer_config.json carries the chat template and
+    the model stops generating at the end of a turn: the end-of-sequence ids of config.json and of a
+    generation_config.json are the turn's end tokens followed by the end-of-document token, as Qwen2's chat
+    models have them. For ChatML the tokenizer's `eos_token` is then `<|im_end|>`, its `pad_token` the
+    end-of-document token and its markers `additional_special_tokens`; a model's own template comes with that
+    model's tokenizer_config.json, kept as it is."""
     out_dir = Path(out_dir)
     _dtype_name(dtype)
     tensors = _check_state_dict(state_dict, args, "state dict")
@@ -246,62 +254,35 @@ def export_hf(
             "of the exported weights; export to an empty directory"
         )
 
-    eos_token, eos_id = None, None
+    eos_token, eos_id, stop_ids = None, None, []
+    if chat is not None and tokenizer_json is None:
+        raise ValueError("a chat template is exported with its tokenizer: the tokenizer.json was not found")
     if tokenizer_json is not None:
         tokenizer_json = Path(tokenizer_json)
         if not tokenizer_json.is_file():
             raise FileNotFoundError(f"tokenizer file not found: {tokenizer_json}")
-        eos_token, eos_id, tok_vocab = _tokenizer_eos(tokenizer_json)
+        eos_token, eos_id, tok_vocab = tokenizer_eos(tokenizer_json)
         if tok_vocab > args.vocab_size:
             raise ValueError(
                 f"tokenizer {tokenizer_json} has {tok_vocab} tokens but the model's vocab_size is {args.vocab_size}"
             )
+        if chat is not None:
+            stop_ids = turn_end_ids(tokenizer_json, chat, eos_id)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     adapter = _adapter(spec_for(args))
     hf_tensors = to_hf_tensors(args, adapter.export_weights(args, tensors))
     hf_tensors = _prepare_for_save(hf_tensors, dtype, adapter.fp32_suffixes)
     _save_safetensors(hf_tensors, out_dir / "model.safetensors", {"format": "pt"})
-    _write_json(out_dir / "config.json", hf_config(args, dtype, eos_id))
+    config = hf_config(args, dtype, eos_id)
+    if stop_ids:
+        config["eos_token_id"] = stop_ids
+        generation = {"bos_token_id": eos_id, "eos_token_id": stop_ids, "pad_token_id": eos_id}
+        _write_json(out_dir / "generation_config.json", generation)
+    _write_json(out_dir / "config.json", config)
     if tokenizer_json is not None:
-        _write_tokenizer(tokenizer_json, out_dir, eos_token, args.max_seq_len)
+        write_tokenizer(tokenizer_json, out_dir, eos_token, args.max_seq_len, chat)
     return out_dir
-
-
-def _tokenizer_eos(path: Path) -> tuple[str, int, int]:
-    """(end-of-document token, its id, vocabulary size) of a tokenizer.json, found by the same rule the
-    trainer uses (`liandan.common.tokens.eos_id`)."""
-    from tokenizers import Tokenizer
-
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as err:  # noqa: BLE001 - tokenizers raises plain Exception for malformed files
-        raise ValueError(f"cannot read tokenizer {path}: {err}") from None
-    try:
-        eos = tokens.eos_id(tok.token_to_id)
-    except ValueError as err:
-        raise ValueError(f"tokenizer {path}: {err}") from None
-    return tok.id_to_token(eos), eos, tok.get_vocab_size()
-
-
-def _write_tokenizer(tokenizer_json: Path, out_dir: Path, eos_token: str, max_len: int) -> None:
-    target = out_dir / "tokenizer.json"
-    if tokenizer_json.resolve() != target.resolve():
-        shutil.copyfile(tokenizer_json, target)
-    special = {"bos_token": eos_token, "eos_token": eos_token}
-    _write_json(
-        out_dir / "tokenizer_config.json",
-        {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            **special,
-            "model_max_length": max_len,
-            # The tokenizer.json adds no special tokens and decodes byte-exactly; keep both that way.
-            "add_bos_token": False,
-            "add_eos_token": False,
-            "clean_up_tokenization_spaces": False,
-        },
-    )
-    _write_json(out_dir / "special_tokens_map.json", special)
 
 
 # ----------------------------------------------------------------------------------------------------------

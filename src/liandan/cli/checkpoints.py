@@ -24,7 +24,8 @@ def add_commands(sub) -> None:
     p.add_argument("checkpoint", help="a checkpoint, or a run directory (its newest checkpoint)")
     p.add_argument("out", help="output directory (--hf) or .safetensors file (--consolidated)")
     kind = p.add_mutually_exclusive_group(required=True)
-    kind.add_argument("--hf", action="store_true", help="safetensors + config.json + tokenizer for transformers")
+    kind.add_argument("--hf", action="store_true", help="safetensors + config.json + tokenizer (and the chat"
+                      " template of a model fine-tuned on chats) for transformers")  # fmt: skip
     kind.add_argument("--consolidated", action="store_true", help="one .safetensors file in liandan's naming")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="weight dtype of an --hf export")
     p.set_defaults(command=cmd_export)
@@ -87,14 +88,14 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.checkpoint.info import resolve_checkpoint
     from liandan.checkpoint.loading import load_model
     from liandan.data.tokens.tokenizer import ByteTokenizer
-    from liandan.evaluate.loading import checkpoint_tokenizer
+    from liandan.evaluate.loading import checkpoint_chat, checkpoint_tokenizer
 
     given = locate(args.checkpoint)
     source = resolve_checkpoint(given)
     model, meta = load_model(source)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     out = Path(args.out)
-    missing_tokenizer = False
+    missing_tokenizer, chat = False, None
     try:
         if args.consolidated:
             hf.save_consolidated(state, model.args, out)
@@ -102,10 +103,13 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
             tokenizer = checkpoint_tokenizer(source, meta, given if given != source else None)
             missing_tokenizer = tokenizer is None and meta.get("tokenizer") not in (None, ByteTokenizer().fingerprint())
             dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-            hf.export_hf(state, model.args, out, tokenizer_json=tokenizer, dtype=dtype)
+            chat = checkpoint_chat(source, meta, given if given != source else None) if tokenizer else None
+            hf.export_hf(state, model.args, out, tokenizer_json=tokenizer, dtype=dtype, chat=chat)
     except ValueError as err:
         raise _user_error(err) from None
     print(f"exported step {meta['step']} of {source} to {out}")
+    if not args.consolidated and chat is not None:
+        print(f"with its chat template; generation stops at {', '.join(chat.turn_end) or 'the end of a document'}")
     if missing_tokenizer:
         print(f"warning: the tokenizer {meta['tokenizer']} it was trained with was not found (not in the run's data "
               "directory nor in its [data] stores); the export has no tokenizer.json")  # fmt: skip

@@ -4,18 +4,21 @@ directory or a run directory (its newest complete checkpoint)."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from liandan.checkpoint.hf_tokenizer import HFChat
 from liandan.checkpoint.info import resolve_checkpoint
 from liandan.checkpoint.loading import load_model
 from liandan.checkpoint.verify import CheckpointError
 from liandan.config import Config, ConfigError, from_dict
 from liandan.data.documents.corpus import DataError
-from liandan.data.tokens.store import TOKENIZER_FILE
+from liandan.data.tokens.chat import CHATML_JINJA, CHATML_TOKENS, IM_END, ModelTemplate
+from liandan.data.tokens.store import MANIFEST, TOKENIZER_FILE
 from liandan.data.tokens.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 try:
@@ -88,6 +91,59 @@ def checkpoint_tokenizer(checkpoint: Path, meta: dict, run_dir: Path | None) -> 
             candidates.append(directory / "data" / TOKENIZER_FILE)
     candidates.append(checkpoint / TOKENIZER_FILE)
     return next((path for path in candidates if _is_tokenizer(path, meta.get("tokenizer"))), None)
+
+
+def checkpoint_chat(
+    checkpoint: Path, meta: dict, run_dir: Path | None, warn: Callable[[str], None] = print
+) -> HFChat | None:
+    """How the conversations a checkpoint was fine-tuned on were rendered, for its export; None for a model
+    that was not (pretraining). The template is the one the manifest of a store it trained on names
+    (`loss_mask.template`, in the same places `checkpoint_tokenizer` looks), else the saved config's
+    `data.chat_template` when its objective trains on chats. A model's own template is read from that
+    store, which keeps the model's tokenizer_config.json, else from the directory of the config's
+    `data.tokenizer`; when neither holds it (or holds another template), `warn` says so and the export
+    goes without one (None)."""
+    try:
+        config = tomllib.loads(meta.get("config") or "")
+    except tomllib.TOMLDecodeError:
+        config = {}
+    data = config.get("data", {})
+    template, store = _store_template(checkpoint, meta, run_dir)
+    if template is None and config.get("train", {}).get("objective") in ("sft", "dpo"):
+        template = data.get("chat_template", "chatml")
+    if template is None:
+        return None
+    if template == "chatml":
+        return HFChat(CHATML_JINJA, (IM_END,), CHATML_TOKENS)
+    places = [store] if store is not None else []
+    if isinstance(data.get("tokenizer"), str) and data["tokenizer"] not in ("byte", "bpe"):
+        places.append(Path(data["tokenizer"]).parent)
+    for place in places:
+        try:
+            model = ModelTemplate(place)
+        except DataError:
+            continue
+        if template in ("tokenizer", model.name):  # the config names no hash; a store's manifest does
+            return HFChat(model.template, (model.turn_end,) if model.turn_end else (), (), model.tokenizer_config())
+    where = f"not in {' nor in '.join(str(p) for p in places)}" if places else "no store or model directory named"
+    warn(f"warning: the model's chat template the data was rendered with was not found ({where}); the export "
+         "has no chat_template")  # fmt: skip
+    return None
+
+
+def _store_template(checkpoint: Path, meta: dict, run_dir: Path | None) -> tuple[str | None, Path | None]:
+    """(`loss_mask.template`, the store) of the first store with the checkpoint's tokenizer that has a loss
+    mask: a fine-tuning store it trained on; (None, None) when there is none."""
+    stores = [Path(s) for s in _trained_on_stores(meta)]
+    stores += [d / "data" for d in (run_dir, checkpoint.parent.parent, checkpoint.parent) if d is not None]
+    for store in stores:
+        try:
+            manifest = json.loads((store / MANIFEST).read_text())
+        except (OSError, ValueError):  # not a local store (a URL, or gone): the config says the rest
+            continue
+        if manifest.get("tokenizer") == meta.get("tokenizer") and isinstance(manifest.get("loss_mask"), dict):
+            return manifest["loss_mask"].get("template"), store
+    return None, None
 
 
 def _is_tokenizer(path: Path, fingerprint: str | None) -> bool:

@@ -26,6 +26,7 @@ from liandan.data.tokens.chat import (
     chat_template,
     describe_mask,
     encode_conversation,
+    template_tokenizer_config,
     with_chat_tokens,
 )
 from liandan.data.tokens.store import MANIFEST, shard_path, write_manifest, write_masked_shard
@@ -67,7 +68,7 @@ def prepare_chat_store(cfg: DataSection, out_dir: Path, say: Callable[[str], Non
         raise DataError(f"no conversation of {len(files)} file(s) could be read ({stats.summary()});"
                         f" see {out_dir / REJECTS}")  # fmt: skip
     mask = {**describe_mask(template), "read": {"conversations": stats.documents, "skipped": dict(stats.skipped)}}
-    write_manifest(out_dir, [shard], tokenizer, loss_mask=mask)
+    write_manifest(out_dir, [shard], tokenizer, loss_mask=mask, tokenizer_config=template_tokenizer_config(template))
     say(f"read {len(files)} chat file(s): {stats.summary().replace('documents', 'conversations')}")
     say(f"rendered with the {template.name} template, tokenized (vocabulary {tokenizer.vocab_size}):"
         f" {shard.tokens:,} tokens")  # fmt: skip

@@ -26,6 +26,7 @@ from liandan.data.tokens.chat import (
     chat_template,
     describe_mask,
     encode_conversation,
+    template_tokenizer_config,
 )
 from liandan.data.tokens.store import MANIFEST, shard_path, write_manifest, write_masked_shard
 from liandan.run import atomic_file
@@ -68,7 +69,7 @@ def prepare_preference_store(cfg: DataSection, out_dir: Path, say: Callable[[str
         "pairs": True,  # documents 2i and 2i + 1 are pair i's chosen and rejected conversations
         "read": {"pairs": stats.documents, "skipped": dict(stats.skipped)},
     }
-    write_manifest(out_dir, [shard], tokenizer, loss_mask=mask)
+    write_manifest(out_dir, [shard], tokenizer, loss_mask=mask, tokenizer_config=template_tokenizer_config(template))
     say(f"read {len(files)} preference file(s): {stats.summary().replace('documents', 'pairs')}")
     say(f"rendered with the {template.name} template, tokenized (vocabulary {tokenizer.vocab_size}):"
         f" {shard.tokens:,} tokens")  # fmt: skip

@@ -23,6 +23,7 @@ that closes its turn.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -37,6 +38,18 @@ IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 CHATML_TOKENS = (IM_START, IM_END)
 TEMPLATES = ("chatml", "tokenizer")  # what `[data] chat_template` takes
 
+# The built-in ChatML as a Jinja chat template (tokenizer_config.json's `chat_template`), for models exported
+# to transformers: it renders as `ChatMLTemplate` does, with `add_generation_prompt` as `ChatMLTemplate.prompt`,
+# and marks with {% generation %} what an assistant turn learns (its content and <|im_end|>), so transformers'
+# return_assistant_tokens_mask and TRL's assistant_only_loss pick the tokens liandan's loss mask holds. The
+# newlines are expressions: transformers renders with trim_blocks, which drops one after a block tag.
+CHATML_JINJA = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}"
+    "{{ message['content'] + '<|im_end|>' }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 
 @dataclass
 class Rendered:
@@ -48,6 +61,11 @@ class ChatTemplate(Protocol):
     name: str  # recorded in the store's manifest
 
     def render(self, messages: list[dict[str, str]]) -> Rendered: ...
+
+    def prompt(self, messages: list[dict[str, str]]) -> str:
+        """The conversation followed by the opening of an assistant turn: what a model continues to answer
+        (transformers' `add_generation_prompt`)."""
+        ...
 
 
 class TemplateError(ValueError):
@@ -68,6 +86,9 @@ class ChatMLTemplate:
             text += "\n"
         return Rendered(text, spans)
 
+    def prompt(self, messages: list[dict[str, str]]) -> str:
+        return self.render(messages).text + f"{IM_START}assistant\n"
+
 
 class ModelTemplate:
     """The chat template of a Hugging Face tokenizer directory, rendered by transformers."""
@@ -79,7 +100,8 @@ class ModelTemplate:
             raise DataError(
                 "rendering a model's chat template needs transformers (pip install 'liandan[hf]')"
             ) from None
-        if not (Path(tokenizer_dir) / "tokenizer.json").is_file():
+        self.directory = Path(tokenizer_dir)
+        if not (self.directory / "tokenizer.json").is_file():
             raise DataError(f"no tokenizer.json in {tokenizer_dir} to render its chat template with")
         try:  # local files only: a missing file must not become a download attempt
             self._hf = AutoTokenizer.from_pretrained(str(tokenizer_dir), local_files_only=True)
@@ -110,6 +132,33 @@ class ModelTemplate:
                 raise TemplateError("chat template is not prefix-stable")
             spans.append((len(prompt), len(turn.rstrip())))
         return Rendered(text, spans)
+
+    def prompt(self, messages: list[dict[str, str]]) -> str:
+        return self._apply(messages, True)
+
+    def tokenizer_config(self) -> dict:
+        """The model's tokenizer_config.json with its template in it (transformers also reads one from
+        chat_template.jinja) and its special tokens (also read from special_tokens_map.json): what renders
+        this template again from a directory with only the tokenizer.json beside it."""
+        directory = self.directory
+        path = directory / "tokenizer_config.json"
+        config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        special = directory / "special_tokens_map.json"
+        if special.is_file():
+            for key, value in json.loads(special.read_text(encoding="utf-8")).items():
+                config.setdefault(key, value)
+        config.setdefault("chat_template", self.template)
+        return config
+
+    @property
+    def template(self) -> str:
+        """The Jinja text of the template."""
+        return self._hf.chat_template
+
+    @property
+    def turn_end(self) -> str | None:
+        """The tokenizer's end-of-sequence token, the one a model's template ends an assistant turn with."""
+        return self._hf.eos_token
 
 
 def chat_template(name: str, tokenizer_file: str) -> ChatTemplate:
@@ -142,6 +191,12 @@ def encode_conversation(tokenizer: HFTokenizer, rendered: Rendered) -> tuple[lis
     for first, end in rendered.assistant_spans:
         mask[(starts >= first) & (starts < end)] = 1
     return ids, mask
+
+
+def template_tokenizer_config(template: ChatTemplate) -> dict | None:
+    """What a store rendered by `template` keeps beside its tokenizer: a model's tokenizer_config.json (None
+    for the built-in template, which liandan writes again itself)."""
+    return template.tokenizer_config() if isinstance(template, ModelTemplate) else None
 
 
 def describe_mask(template: ChatTemplate) -> dict:

@@ -9,6 +9,8 @@ Layout of a store directory:
     shard-00000.mask.npy    only in a store for supervised fine-tuning, whose manifest then has "loss_mask" (what
                             the mask means, the template that rendered the conversations): one uint8 per token,
                             1 where the token is a target to learn (an assistant's), 0 elsewhere
+    tokenizer_config.json   only where a model's own chat template rendered the conversations: that model's,
+                            its template included, so the export of a model fine-tuned on the store finds it
 
 A shard's .bin starts with a fixed 256-byte little-endian header, so a shard describes itself without the
 manifest:
@@ -59,6 +61,7 @@ _CHECKSUM_AT = HEADER_SIZE - 8
 DTYPE_CODES = {1: np.dtype(np.uint16), 2: np.dtype(np.uint32)}
 MANIFEST = "manifest.json"
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # a model's own, in a store its chat template rendered
 LOSS_MASK = "loss_mask"  # the manifest's key describing a store's loss-mask channel, present only in stores with one
 LOSS_MASK_SUFFIX = ".mask.npy"
 
@@ -257,10 +260,16 @@ def _provenance_line(doc: Document) -> str:
 
 
 def write_manifest(
-    store_dir: Path, shards: list[ShardInfo], tokenizer: Tokenizer, loss_mask: dict | None = None
+    store_dir: Path,
+    shards: list[ShardInfo],
+    tokenizer: Tokenizer,
+    loss_mask: dict | None = None,
+    tokenizer_config: dict | None = None,
 ) -> None:
     """Save the tokenizer and the manifest that makes `store_dir` a store; call once, after every shard is written.
-    `loss_mask` describes the loss-mask channel of shards written by `write_masked_shard` (none otherwise)."""
+    `loss_mask` describes the loss-mask channel of shards written by `write_masked_shard` (none otherwise).
+    `tokenizer_config` (a model's tokenizer_config.json, whose chat template rendered the conversations) is
+    saved beside the tokenizer, making the store a Hugging Face tokenizer directory, and listed with it."""
     store_dir = Path(store_dir)
     fingerprint = tokenizer.fingerprint()
     shards = sorted(shards, key=lambda s: s.path.name)  # tasks finish in any order; the manifest must not care
@@ -294,6 +303,10 @@ def write_manifest(
             {"name": s.path.name, "documents": s.documents, "tokens": s.tokens, "files": s.files} for s in shards
         ],
     }
+    if tokenizer_config is not None:
+        config_path = store_dir / TOKENIZER_CONFIG_FILE
+        atomic_write(config_path, json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
+        manifest["tokenizer_config_file"] = {"bytes": config_path.stat().st_size, "xxh3_64": file_checksum(config_path)}
     if loss_mask is not None:
         unmasked = [s.path.name for s in shards if loss_mask_path(s.path).name not in s.files]
         if unmasked:
@@ -446,6 +459,8 @@ def verify_store(store_dir: str | Path) -> list[str]:
     try:
         manifest = json.loads((store_dir / MANIFEST).read_bytes())
         expected = {TOKENIZER_FILE: manifest["tokenizer_file"]}
+        if "tokenizer_config_file" in manifest:
+            expected[TOKENIZER_CONFIG_FILE] = manifest["tokenizer_config_file"]
         for shard in manifest["shards"]:
             expected.update(shard["files"])
     except FileNotFoundError:
