@@ -49,6 +49,16 @@ class ChatTemplate(Protocol):
 
     def render(self, messages: list[dict[str, str]]) -> Rendered: ...
 
+    def generation_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The conversation so far, then what opens the assistant's next turn: the text a model continues
+        with its reply, a prefix of the conversation rendered with that reply."""
+        ...
+
+    def turn_end(self) -> str:
+        """What closes an assistant turn after its content (less trailing whitespace): where generation of a
+        reply stops ("" when the template writes nothing there)."""
+        ...
+
 
 class TemplateError(ValueError):
     """A conversation the template cannot render (a model's template refusing its roles' order, say)."""
@@ -67,6 +77,12 @@ class ChatMLTemplate:
                 spans.append((start, len(text)))
             text += "\n"
         return Rendered(text, spans)
+
+    def generation_prompt(self, messages: list[dict[str, str]]) -> str:
+        return self.render(messages).text + f"{IM_START}assistant\n"
+
+    def turn_end(self) -> str:
+        return IM_END
 
 
 class ModelTemplate:
@@ -110,6 +126,19 @@ class ModelTemplate:
                 raise TemplateError("chat template is not prefix-stable")
             spans.append((len(prompt), len(turn.rstrip())))
         return Rendered(text, spans)
+
+    def generation_prompt(self, messages: list[dict[str, str]]) -> str:
+        return self._apply(messages, True)
+
+    def turn_end(self) -> str:
+        """Found as the spans are: a probe reply's turn less the generation prompt, after the reply."""
+        probe = "liandan-probe-reply"
+        asked = [{"role": "user", "content": "liandan-probe-question"}]
+        prompt = self._apply(asked, True)
+        turn = self._apply([*asked, {"role": "assistant", "content": probe}], False).rstrip()
+        if not turn.startswith(prompt) or probe not in turn[len(prompt) :]:
+            raise TemplateError("chat template is not prefix-stable")
+        return turn[turn.rindex(probe) + len(probe) :]
 
 
 def chat_template(name: str, tokenizer_file: str) -> ChatTemplate:
