@@ -219,3 +219,34 @@ def test_the_file_is_written_whole_or_not_at_all(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prefs.jsonl"]  # no temporary left behind
     write_preferences(out, [good], PrefsSummary("sums", "train", pairs=1))
     assert _records(out) == [good] and json.loads(summary_path(out).read_text())["pairs"] == 1
+
+
+def test_a_run_tuned_with_a_models_template_samples_with_it_and_says_when_it_is_not_found(tmp_path):
+    import shutil
+
+    from liandan.train import Trainer
+
+    task_file, chat = write_sums_task(tmp_path)
+    tokenizer = write_hf_chat_tokenizer(tmp_path / "zephyr")
+    cfg = tiny_config(tmp_path, chat, "--train.objective=sft", f"--data.tokenizer={tokenizer}",
+                      "--data.chat_template=tokenizer", "--data.val_fraction=0", "--train.steps=4",
+                      "--checkpoint.async_save=false")  # fmt: skip
+    Trainer(cfg, say=lambda m: None).train()
+    run, out = tmp_path / "run", tmp_path / "p.jsonl"
+    # this BPE never saw the questions: a prompt takes more of the 64-token window than ChatML's tokenizer's
+    short = ("--limit=2", "--reference-as-chosen", "--max-new-tokens=12")
+    done = liandan_here("prefs", run, "--task", task_file, "--out", out, *short)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(summary_path(out).read_text())
+    assert summary["settings"]["template"] == ModelTemplate(tokenizer.parent).name != "chatml"
+    assert summary["samples"] == 8 and summary["pairs"] > 0, summary
+    assert len(list(read_preferences(out, on_reject=lambda r: pytest.fail(str(r))))) == summary["pairs"]
+
+    shutil.move(tokenizer.parent, tmp_path / "moved")
+    lost = liandan_here("prefs", run, "--task", task_file, "--out", tmp_path / "q.jsonl", "--limit=2")
+    assert lost.returncode == 2 and len(lost.stderr.strip().splitlines()) == 1
+    assert "name that model's tokenizer directory with --chat-template" in lost.stderr
+    found = liandan_here("prefs", run, "--task", task_file, "--out", tmp_path / "q.jsonl", *short,
+                         f"--chat-template={tmp_path / 'moved'}")  # fmt: skip
+    assert found.returncode == 0, found.stderr
+    assert (tmp_path / "q.jsonl").read_bytes() == out.read_bytes()
