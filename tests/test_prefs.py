@@ -6,6 +6,7 @@ task's items into fine-tuning and held-out items; and bad input refused in one l
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -169,10 +170,13 @@ def test_the_reference_answer_is_chosen_where_no_sample_is_right_and_the_pairs_t
     for record in from_reference:
         assert record["chosen"] == task.items[record["item"]].answer
 
-    checkpoint = next((run / "checkpoints").iterdir())
-    cfg = tiny_config(tmp_path, out, "--train.objective=dpo", f'--data.paths=["{out}"]', "--data.val_fraction=0",
-                      f"--data.tokenizer={run / 'data' / 'tokenizer.json'}", f"--checkpoint.init_from={checkpoint}",
-                      "--train.steps=2", "--train.global_batch=2", "--checkpoint.enabled=false")  # fmt: skip
+    # the command the output ends with trains on the file: from the checkpoint, with its tokenizer
+    told = done.stdout.strip().splitlines()[-1]
+    assert told.startswith("train on them: liandan train CONFIG --train.objective=dpo")
+    overrides = shlex.split(told.split("CONFIG", 1)[1])
+    assert f"--checkpoint.init_from={next((run / 'checkpoints').iterdir())}" in overrides
+    cfg = tiny_config(tmp_path, out, *overrides, "--data.val_fraction=0", "--train.steps=2", "--train.global_batch=2",
+                      "--checkpoint.enabled=false")  # fmt: skip
     said: list[str] = []
     result = Trainer(cfg, say=said.append).train()
     assert any(f"preference optimisation on {len(records)} pairs" in line for line in said), said
@@ -241,6 +245,7 @@ def test_a_run_tuned_with_a_models_template_samples_with_it_and_says_when_it_is_
     assert summary["settings"]["template"] == ModelTemplate(tokenizer.parent).name != "chatml"
     assert summary["samples"] == 8 and summary["pairs"] > 0, summary
     assert len(list(read_preferences(out, on_reject=lambda r: pytest.fail(str(r))))) == summary["pairs"]
+    assert f"--data.tokenizer={tokenizer} --data.chat_template=tokenizer" in done.stdout  # what DPO renders with
 
     shutil.move(tokenizer.parent, tmp_path / "moved")
     lost = liandan_here("prefs", run, "--task", task_file, "--out", tmp_path / "q.jsonl", "--limit=2")

@@ -73,7 +73,8 @@ def cmd_prefs(args: argparse.Namespace, overrides: list[str]) -> int:
         model, tokenizer, config = load_for_eval(path, tokenizer=args.tokenizer, device=device)
     except CheckpointError as err:
         raise CheckpointError(f"{err} (a run writes checkpoints as it trains: `liandan train CONFIG`)") from None
-    template, notes = template_of_checkpoint(resolve_checkpoint(path), config, tokenizer, args.chat_template)
+    checkpoint = resolve_checkpoint(path)
+    template, notes = template_of_checkpoint(checkpoint, config, tokenizer, args.chat_template)
     for note in notes:
         print(note, file=sys.stderr)
     asked = args.max_new_tokens or task.max_new_tokens
@@ -85,7 +86,7 @@ def cmd_prefs(args: argparse.Namespace, overrides: list[str]) -> int:
     indices = split_items(len(task.items), args.items)
     indices = indices[: args.limit] if args.limit else indices
     summary = PrefsSummary(task.name, args.items, settings={
-        "checkpoint": str(resolve_checkpoint(path)), "template": template.name, "limit": args.limit,
+        "checkpoint": str(checkpoint), "template": template.name, "limit": args.limit,
         **vars(settings),
     })  # fmt: skip
     if settings.max_new_tokens < asked:
@@ -100,11 +101,26 @@ def cmd_prefs(args: argparse.Namespace, overrides: list[str]) -> int:
         print(line)
     print(f"wrote {out} and {sidecar}")
     if summary.pairs:
-        print(f"train on them: liandan train CONFIG --train.objective=dpo --data.paths='[\"{out}\"]' ...")
+        print(_dpo_command(args, out, checkpoint, template))
     elif not args.reference_as_chosen:
         print("no pair: no question had both a correct and an incorrect reply; --reference-as-chosen pairs the"
               " reference answer against the incorrect ones")  # fmt: skip
     return 0
+
+
+def _dpo_command(args: argparse.Namespace, out: Path, checkpoint: Path, template) -> str:
+    """The line that trains on the pairs: DPO renders them with data.chat_template, and a model's template is
+    read beside data.tokenizer, so that names the template's directory rather than the run's copy."""
+    from liandan.checkpoint.info import read_meta
+    from liandan.evaluate.loading import checkpoint_tokenizer
+
+    if template.name == "chatml":
+        tokenizer_file = args.tokenizer or checkpoint_tokenizer(checkpoint, read_meta(checkpoint), None)
+        flags = f" --data.tokenizer={tokenizer_file}" if tokenizer_file else ""
+    else:
+        flags = f" --data.tokenizer={template.directory / 'tokenizer.json'} --data.chat_template=tokenizer"
+    return (f"train on them: liandan train CONFIG --train.objective=dpo --data.paths='[\"{out}\"]'"
+            f" --checkpoint.init_from={checkpoint}{flags}")  # fmt: skip
 
 
 def _check(args: argparse.Namespace) -> None:

@@ -115,10 +115,11 @@ def template_of_checkpoint(
     if template.name == "chatml":
         missing = [t for t in CHATML_TOKENS if getattr(tokenizer, "token_id", lambda _: None)(t) is None]
         if missing:
+            unrecorded = " and its run recorded no chat template" if recorded is None and given is None else ""
             raise CheckpointError(
-                f"{checkpoint}: its tokenizer has no chat markers ({', '.join(missing)}) and its run recorded no"
-                ' chat template: fine-tune it on chat data first (train.objective = "sft"), or name a model\'s'
-                " tokenizer directory with --chat-template"
+                f"{checkpoint}: its tokenizer has no chat markers ({', '.join(missing)}){unrecorded}: fine-tune it"
+                ' on chat data first (train.objective = "sft"), or name a model\'s tokenizer directory with'
+                " --chat-template"
             )
     return template, notes
 

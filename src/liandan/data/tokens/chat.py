@@ -106,6 +106,7 @@ class ModelTemplate:
             raise DataError(f"{tokenizer_dir} has no chat_template in its tokenizer_config.json; use"
                             " data.chat_template = \"chatml\"")  # fmt: skip
         self.name = "tokenizer:" + xxhash.xxh64_hexdigest(template.encode("utf-8"))
+        self.directory = Path(tokenizer_dir)
 
     def _apply(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         try:
