@@ -48,6 +48,8 @@ def chat_run(tmp_path_factory):
                       "--data.val_fraction=0", f"--train.steps={SFT_STEPS}", "--optim.lr=3e-3",
                       "--checkpoint.async_save=false", "--checkpoint.every=0")  # fmt: skip
     Trainer(cfg, say=lambda m: None).train()
+    # the loss falls fast enough for the guard's too-good-to-be-true report, which must skip the prompts' -1 targets
+    assert list((tmp / "run" / "guard").glob("drop-step-*.json"))
     return tmp / "run", task
 
 
