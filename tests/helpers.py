@@ -530,3 +530,30 @@ def recording_metrics(trainer) -> list[dict]:  # a liandan.train.Trainer
 
     trainer.logger.log_metrics = recorded
     return records
+
+
+SUMS_TASK = """name = "sums"
+description = "one-step sums in GSM8K's answer form"
+kind = "generation"
+path = "sums.jsonl"
+question_field = "question"
+answer_field = "answer"
+answer_regex = "#### (-?[0-9.,]+)"
+max_new_tokens = 24
+"""
+
+
+def write_sums_task(directory: Path, n: int = 40) -> tuple[Path, Path]:
+    """A generation task of `n` one-step sums answered as GSM8K answers (`a + b = c\\n#### c`), and the same
+    items as chat records (prompt, response) to fine-tune on: (the task file, the chat .jsonl)."""
+    items = []
+    for i in range(n):
+        a, b = i % 5, (3 * i) % 4
+        items.append({"question": f"Ann has {a} pens and gets {b} more. How many pens?",
+                      "answer": f"{a} + {b} = {a + b}\n#### {a + b}"})  # fmt: skip
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sums.jsonl").write_text("".join(json.dumps(item) + "\n" for item in items))
+    chat = directory / "sums-chat.jsonl"
+    chat.write_text("".join(json.dumps({"prompt": x["question"], "response": x["answer"]}) + "\n" for x in items))
+    (directory / "sums.toml").write_text(SUMS_TASK)
+    return directory / "sums.toml", chat

@@ -59,7 +59,7 @@ def test_a_chatml_fine_tune_renders_in_transformers_as_it_trained(chatml_export)
         assert list(marked["assistant_masks"]) == mask.tolist()  # what liandan's loss learned
         asking = messages[:-1]  # up to the last user turn, then the opening of the assistant's
         prompt = theirs.apply_chat_template(asking, tokenize=True, add_generation_prompt=True, return_dict=False)
-        assert prompt == _liandan_ids(tokenizer, template.prompt(asking))
+        assert prompt == _liandan_ids(tokenizer, template.generation_prompt(asking))
         assert prompt[-3:] == _liandan_ids(tokenizer, f"{IM_START}assistant\n")
 
     im_start, im_end = tokenizer.token_id(IM_START), tokenizer.token_id(IM_END)
@@ -83,7 +83,7 @@ def test_generation_in_transformers_stops_at_the_end_of_a_turn_as_liandans_does(
     model, tokenizer, _ = load_for_eval(run_dir)
     im_end = tokenizer.token_id(IM_END)
     messages = [{"role": "user", "content": "What does pass do?"}]
-    prompt = _liandan_ids(tokenizer, ChatMLTemplate().prompt(messages))
+    prompt = _liandan_ids(tokenizer, ChatMLTemplate().generation_prompt(messages))
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(str(out), attn_implementation="eager")
     assert im_end in hf_model.generation_config.eos_token_id
 
@@ -114,7 +114,7 @@ def test_a_models_own_template_is_exported_as_it_rendered_the_data(tmp_path):
         ids, _ = encode_conversation(tokenizer, source.render(messages))
         assert theirs.apply_chat_template(messages, tokenize=True, return_dict=False) == ids
         prompt = theirs.apply_chat_template(messages[:-1], add_generation_prompt=True, return_dict=False)
-        assert prompt == _liandan_ids(tokenizer, source.prompt(messages[:-1]))
+        assert prompt == _liandan_ids(tokenizer, source.generation_prompt(messages[:-1]))
     end = tokenizer.token_id("</s>")
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation["eos_token_id"] == [end, tokenizer.eos_id]

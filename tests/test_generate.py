@@ -53,6 +53,21 @@ def test_sampler_draws_only_from_the_top_k():
     assert set(Sampler(temperature=50.0, seed=0).choose(logits).tolist()) == {0, 1, 2, 3, 4}
 
 
+def test_prompt_seeds_draw_each_prompt_alike_alone_or_batched_with_or_without_the_cache(trained_run):
+    model, tokenizer, _ = load_for_eval(trained_run)
+    prompts = tokenizer.encode_batch(["The ", "Every word ", "A"])
+
+    def drawn(chosen, seeds, **kwargs):
+        sampler = Sampler(temperature=1.5, prompt_seeds=seeds)
+        return generate(model, chosen, max_new_tokens=8, batch_size=3, sampler=sampler, **kwargs)
+
+    together = drawn(prompts, [11, 12, 13])
+    assert drawn(prompts[1:2], [12]) == together[1:2]  # alone, unpadded: the same draws
+    assert drawn(prompts, [11, 12, 13], use_cache=False) == together
+    other = drawn(prompts, [11, 99, 13])
+    assert other[0] == together[0] and other[2] == together[2] and other[1] != together[1]
+
+
 def test_a_long_prompt_is_cut_from_the_left_and_said(trained_run):
     done = liandan_here("generate", trained_run, "word " * 40, "--max-new-tokens=8", "--temperature=0")
     assert done.returncode == 0, done.stderr

@@ -103,7 +103,7 @@ def test_a_models_template_writes_the_store_with_its_own_tokens_and_its_refusals
     assert store.fingerprint == HFTokenizer.load(tokenizer_file).fingerprint()  # nothing added to a model's own
     assert store.loss_mask["template"].startswith("tokenizer:") and store.num_documents == 5
     kept = ModelTemplate(tmp_path / "sft")  # the store keeps the model's tokenizer_config.json, checked as its files
-    assert kept.name == store.loss_mask["template"] and kept.turn_end == "</s>"
+    assert kept.name == store.loss_mask["template"] and kept.eos_token == "</s>"
     (tmp_path / "sft" / "tokenizer_config.json").write_text("{}")
     assert any("tokenizer_config.json holds" in p for p in verify_store(tmp_path / "sft"))
 

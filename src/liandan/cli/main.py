@@ -36,6 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "import": ("checkpoints", "turn Hugging Face Llama weights into a checkpoint to train from"),
     "eval": ("eval_cmd", "score a checkpoint on tasks under several prompt formats, held-out bits per byte per source, and contamination"),
     "generate": ("generate_cmd", "continue a prompt with a checkpoint's model: sampled (temperature, top-k, seed) or greedy"),
+    "prefs": ("prefs_cmd", "preference pairs for DPO from a checkpoint's sampled answers, graded against a task's reference answers"),
     "plan": ("plan_cmd", "parameters, FLOPs, memory per device, the smallest layout that fits, run time and cost"),
     "fit": ("fit_cmd", "fit a scaling law L(N, D) = E + A/N^α + B/D^β (and L(C)) to runs, with bootstrap intervals"),
     "optimal": ("fit_cmd", "compute-optimal parameters and tokens for a FLOP budget (or tokens for a size) under a scaling law"),

@@ -124,7 +124,7 @@ def checkpoint_chat(
         except DataError:
             continue
         if template in ("tokenizer", model.name):  # the config names no hash; a store's manifest does
-            return HFChat(model.template, (model.turn_end,) if model.turn_end else (), (), model.tokenizer_config())
+            return HFChat(model.template, (model.eos_token,) if model.eos_token else (), (), model.tokenizer_config())
     where = f"not in {' nor in '.join(str(p) for p in places)}" if places else "no store or model directory named"
     warn(f"warning: the model's chat template the data was rendered with was not found ({where}); the export "
          "has no chat_template")  # fmt: skip

@@ -12,10 +12,12 @@ from rich.markup import escape  # "task [format]" is not markup
 
 
 class EvalProgress:
-    def __init__(self, total: int, *, show: bool = True):
+    def __init__(self, total: int, *, show: bool = True, name: str = "eval", unit: str = "requests scored"):
         """`total`: the requests to score (`runner.task_requests` summed over the tasks); `show` False
-        keeps it silent (the ranks but the first)."""
+        keeps it silent (the ranks but the first). `name` heads the bar and each line, `unit` says what is
+        counted (`liandan prefs` counts samples drawn)."""
         self.total, self.done, self.show = total, 0, show
+        self.name, self.unit = name, unit
         self.started = time.perf_counter()
         self.bar: Any = None
         if show and sys.stderr.isatty():
@@ -24,7 +26,7 @@ class EvalProgress:
             from liandan.run.console import make_console
 
             self.bar = Progress(
-                TextColumn("[bold]eval"),
+                TextColumn(f"[bold]{escape(name)}"),
                 TextColumn("{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
@@ -40,7 +42,7 @@ class EvalProgress:
         if self.bar is not None:
             self.bar.update(self.task, description=escape(label))
         elif self.show:
-            self._say(f"eval {label}: {self.done:,}/{self.total:,} requests scored{self._time_left()}")
+            self._say(f"{self.name} {label}: {self.done:,}/{self.total:,} {self.unit}{self._time_left()}")
 
     def advance(self, requests: int) -> None:
         self.done += requests
@@ -52,7 +54,7 @@ class EvalProgress:
         if self.bar is not None:
             self.bar.update(self.task, description=escape(label))
         elif self.show:
-            self._say(f"eval: {label}")
+            self._say(f"{self.name}: {label}")
 
     def close(self) -> None:
         if self.bar is not None:

@@ -327,45 +327,67 @@ def generate(
             for start in range(0, len(order), batch_size):
                 chunk = order[start : start + batch_size]
                 _generate_cached(
-                    model, [trimmed[i] for i in chunk], [outputs[i] for i in chunk], max_new_tokens, device, choose
+                    model,
+                    [trimmed[i] for i in chunk],
+                    [outputs[i] for i in chunk],
+                    max_new_tokens,
+                    device,
+                    choose,
+                    prompt_ids=chunk,
                 )
                 if progress is not None:
                     progress(len(chunk))
         else:
             # without the cache: also under sequence parallelism, whose splits one new position cannot take
-            for prompt, output in zip(trimmed, outputs, strict=True):
-                _generate_uncached(model, prompt, output, max_new_tokens, device, split, choose)
+            for row, (prompt, output) in enumerate(zip(trimmed, outputs, strict=True)):
+                _generate_uncached(model, prompt, output, max_new_tokens, device, split, choose, row)
                 if progress is not None:
                     progress(1)
     return [output.result() for output in outputs]
 
 
-def _greedy(logits: torch.Tensor) -> torch.Tensor:
+def _greedy(logits: torch.Tensor, rows: Sequence[int] = ()) -> torch.Tensor:
     return logits.argmax(-1)
 
 
 class Sampler:
     """Draws the next token of each row from its logits (rows, V): softmax(logits / temperature) over the
     `top_k` most likely tokens (all when None), from a generator seeded with `seed`, so that one seed gives
-    one text. A temperature of 0 is greedy."""
+    one text. A temperature of 0 is greedy.
 
-    def __init__(self, temperature: float = 1.0, top_k: int | None = None, seed: int = 0):
+    With `prompt_seeds`, prompt i of a `generate` call draws from a generator of its own seeded with
+    `prompt_seeds[i]`: its text then depends on its seed, not on which prompts share its batch or come
+    before it (to the rounding of a differently shaped batch)."""
+
+    def __init__(
+        self, temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
+        prompt_seeds: Sequence[int] | None = None,
+    ):  # fmt: skip
         if temperature < 0:
             raise ValueError(f"temperature = {temperature} must be at least 0")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k = {top_k} must be at least 1")
         self.temperature, self.top_k = temperature, top_k
         self.generator = torch.Generator().manual_seed(seed)
+        self.prompt_generators = (
+            None if prompt_seeds is None else [torch.Generator().manual_seed(s) for s in prompt_seeds]
+        )
 
-    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+    def choose(self, logits: torch.Tensor, rows: Sequence[int] = ()) -> torch.Tensor:
+        """The next token of each row; `rows` are the rows' prompt indices (used with `prompt_seeds`)."""
         if self.temperature == 0:
             return _greedy(logits)
         logits = logits.float().cpu() / self.temperature  # drawn on the CPU: the same text on every device
         if self.top_k is not None and self.top_k < logits.shape[-1]:
             kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
-        drawn = torch.multinomial(logits.softmax(-1), 1, generator=self.generator)[:, 0]
-        return drawn
+        probs = logits.softmax(-1)
+        if self.prompt_generators is None:
+            return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        if len(rows) != probs.shape[0]:
+            raise ValueError(f"{probs.shape[0]} rows of logits but {len(rows)} prompt indices")
+        return torch.cat([torch.multinomial(probs[r : r + 1], 1, generator=self.prompt_generators[prompt])[:, 0]
+                          for r, prompt in enumerate(rows)])  # fmt: skip
 
 
 def _generate_cached(
@@ -374,8 +396,11 @@ def _generate_cached(
     outputs: list[_Output],
     max_new_tokens: int,
     device: torch.device,
-    choose: Callable[[torch.Tensor], torch.Tensor] = _greedy,
+    choose: Callable[[torch.Tensor, Sequence[int]], torch.Tensor] = _greedy,
+    prompt_ids: Sequence[int] = (),
 ) -> None:
+    """`prompt_ids`: the prompts' indices in the whole `generate` call (what a per-prompt sampler draws by)."""
+    prompt_ids = list(prompt_ids) or list(range(len(prompts)))
     width = max(len(p) for p in prompts)
     pads = [width - len(p) for p in prompts]
     tokens = torch.zeros(len(prompts), width, dtype=torch.long)
@@ -386,7 +411,7 @@ def _generate_cached(
     logits = model(tokens.to(device), cache=cache, logits_at=last)[:, -1]
     active = list(range(len(prompts)))  # rows of `outputs` still in the batch, in batch order
     for step in range(max_new_tokens):
-        chosen = choose(logits).to(device)
+        chosen = choose(logits, [prompt_ids[i] for i in active]).to(device)
         keep = [row for row, token in enumerate(chosen.tolist()) if not outputs[active[row]].push(token)]
         if not keep or step == max_new_tokens - 1:
             return
@@ -405,12 +430,13 @@ def _generate_uncached(
     max_new_tokens: int,
     device: torch.device,
     split: int = 1,
-    choose: Callable[[torch.Tensor], torch.Tensor] = _greedy,
+    choose: Callable[[torch.Tensor, Sequence[int]], torch.Tensor] = _greedy,
+    row: int = 0,
 ) -> None:
     sequence = list(prompt)
     for _ in range(max_new_tokens):
         padded = sequence + [0] * (_padded(len(sequence), split) - len(sequence))
-        token = int(choose(model(torch.tensor([padded], device=device))[:, len(sequence) - 1])[0])
+        token = int(choose(model(torch.tensor([padded], device=device))[:, len(sequence) - 1], [row])[0])
         if output.push(token):
             return
         sequence.append(token)

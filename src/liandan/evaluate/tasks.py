@@ -37,6 +37,8 @@ from liandan.config import ConfigError
 from liandan.evaluate.formats import BUILTIN_FORMATS, PromptFormat, format_from_table
 
 KINDS = ("multiple_choice", "generation")
+ITEM_SPLITS = ("train", "heldout", "all")  # what `split_items` takes
+HELDOUT_EVERY = 5  # every fifth item of a task (the 5th, 10th, ... in file order) is held out from fine-tuning
 DEFAULT_DATA_DIR = "../shared/data"
 # A source checkout's root (src/liandan/evaluate/tasks.py is three folders down): its ../shared/data is the
 # default data directory wherever liandan runs from; an installed liandan has none.
@@ -93,6 +95,19 @@ class Task:
             return None
         found = match.group(1) if match.groups() else match.group(0)
         return found.strip().replace(",", "").rstrip(".")
+
+
+def split_items(count: int, split: str) -> list[int]:
+    """The indices (0-based, in file order) of a task's items in `split`, by the one fixed rule that keeps
+    fine-tuning and held-out items apart wherever they are drawn (`liandan prefs`, benchmarks, reports): item
+    i is held out when i % HELDOUT_EVERY == HELDOUT_EVERY - 1 (the 5th, 10th, 15th, ...), the rest are for
+    training; "all" is every item."""
+    if split not in ITEM_SPLITS:
+        raise ConfigError(f"items split {split!r} is not one of {', '.join(ITEM_SPLITS)}")
+    if split == "all":
+        return list(range(count))
+    heldout = split == "heldout"
+    return [i for i in range(count) if (i % HELDOUT_EVERY == HELDOUT_EVERY - 1) == heldout]
 
 
 _KEYS = {

@@ -62,9 +62,14 @@ class ChatTemplate(Protocol):
 
     def render(self, messages: list[dict[str, str]]) -> Rendered: ...
 
-    def prompt(self, messages: list[dict[str, str]]) -> str:
-        """The conversation followed by the opening of an assistant turn: what a model continues to answer
-        (transformers' `add_generation_prompt`)."""
+    def generation_prompt(self, messages: list[dict[str, str]]) -> str:
+        """The conversation so far, then what opens the assistant's next turn: the text a model continues
+        with its reply, a prefix of the conversation rendered with that reply."""
+        ...
+
+    def turn_end(self) -> str:
+        """What closes an assistant turn after its content (less trailing whitespace): where generation of a
+        reply stops ("" when the template writes nothing there)."""
         ...
 
 
@@ -86,8 +91,11 @@ class ChatMLTemplate:
             text += "\n"
         return Rendered(text, spans)
 
-    def prompt(self, messages: list[dict[str, str]]) -> str:
+    def generation_prompt(self, messages: list[dict[str, str]]) -> str:
         return self.render(messages).text + f"{IM_START}assistant\n"
+
+    def turn_end(self) -> str:
+        return IM_END
 
 
 class ModelTemplate:
@@ -112,6 +120,7 @@ class ModelTemplate:
             raise DataError(f"{tokenizer_dir} has no chat_template in its tokenizer_config.json; use"
                             " data.chat_template = \"chatml\"")  # fmt: skip
         self.name = "tokenizer:" + xxhash.xxh64_hexdigest(template.encode("utf-8"))
+        self.directory = Path(tokenizer_dir)
 
     def _apply(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
         try:
@@ -133,8 +142,18 @@ class ModelTemplate:
             spans.append((len(prompt), len(turn.rstrip())))
         return Rendered(text, spans)
 
-    def prompt(self, messages: list[dict[str, str]]) -> str:
+    def generation_prompt(self, messages: list[dict[str, str]]) -> str:
         return self._apply(messages, True)
+
+    def turn_end(self) -> str:
+        """Found as the spans are: a probe reply's turn less the generation prompt, after the reply."""
+        probe = "liandan-probe-reply"
+        asked = [{"role": "user", "content": "liandan-probe-question"}]
+        prompt = self._apply(asked, True)
+        turn = self._apply([*asked, {"role": "assistant", "content": probe}], False).rstrip()
+        if not turn.startswith(prompt) or probe not in turn[len(prompt) :]:
+            raise TemplateError("chat template is not prefix-stable")
+        return turn[turn.rindex(probe) + len(probe) :]
 
     def tokenizer_config(self) -> dict:
         """The model's tokenizer_config.json with its template in it (transformers also reads one from
@@ -156,7 +175,7 @@ class ModelTemplate:
         return self._hf.chat_template
 
     @property
-    def turn_end(self) -> str | None:
+    def eos_token(self) -> str | None:
         """The tokenizer's end-of-sequence token, the one a model's template ends an assistant turn with."""
         return self._hf.eos_token
 

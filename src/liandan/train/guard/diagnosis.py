@@ -295,6 +295,8 @@ def easiest_tokens(ctx: TrainContext, data_step: int) -> list[dict[str, Any]]:
                 logits = model(batch.inputs)
             logits = (logits.full_tensor() if hasattr(logits, "full_tensor") else logits).float().flatten(0, 1)
             targets = batch.targets.flatten()
+            kept = targets >= 0  # fine-tuning's prompts and padding (target -1) are no targets
+            logits, targets = logits[kept], targets[kept]
             losses = torch.nn.functional.cross_entropy(logits, targets, reduction="none").double().cpu()
             targets = targets.cpu()
             count.index_add_(0, targets, torch.ones_like(losses))
