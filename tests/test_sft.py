@@ -300,9 +300,9 @@ def test_the_assistant_mask_and_loss_equal_transformers_and_trl(tmp_path):
 
 
 @pytest.mark.slow  # two runs, one of two processes
-def test_sft_on_two_fsdp_ranks_equals_one_process(tmp_path):
-    """The same fine-tuning run on one process and on two FSDP ranks: every step's loss (the mean over the
-    global batch's assistant tokens, whichever rank holds them) is the same to rounding."""
+def test_sft_on_two_fsdp_ranks_and_under_tensor_parallelism_equals_one_process(tmp_path):
+    """The same fine-tuning run on one process, on two FSDP ranks and on two tensor-parallel ranks: every step's
+    loss (the mean over the global batch's assistant tokens, whichever rank holds them) is the same to rounding."""
     from helpers import read_run, run_liandan
 
     data = write_chat_data(tmp_path, n=12, malformed=False)
@@ -310,11 +310,15 @@ def test_sft_on_two_fsdp_ranks_equals_one_process(tmp_path):
     config.write_text(tiny_config(tmp_path / "runs", data, *SFT, "--train.steps=4", "--run.name=",
                                   "--checkpoint.async_save=false").to_toml())  # fmt: skip
     losses = {}
-    for nproc in (1, 2):
-        done = run_liandan("train", config, f"--nproc={nproc}", f"--run.name=n{nproc}", timeout=300)
+    layouts = {"one": ["--nproc=1"], "fsdp": ["--nproc=2"], "tp": ["--nproc=2", "--parallel.tp=2"]}
+    for name, layout in layouts.items():
+        done = run_liandan("train", config, *layout, f"--run.name={name}", timeout=300)
         assert done.returncode == 0, done.stderr[-3000:]
-        run = read_run(tmp_path / "runs" / f"n{nproc}")
-        losses[nproc] = [r["loss"] for r in run.metrics]
-        assert run.summary["world_size"] == nproc
-    assert len(losses[1]) == 4 and losses[1][-1] < losses[1][0]
-    assert losses[2] == pytest.approx(losses[1], rel=1e-5)
+        run = read_run(tmp_path / "runs" / name)
+        losses[name] = [r["loss"] for r in run.metrics]
+        assert run.summary["world_size"] == int(layout[0].split("=")[1])
+        [start] = run.of_kind("train_start")
+        assert ("tp=2" in start["layout"]) == (name == "tp"), start["layout"]
+    assert len(losses["one"]) == 4 and losses["one"][-1] < losses["one"][0]
+    assert losses["fsdp"] == pytest.approx(losses["one"], rel=1e-5)
+    assert losses["tp"] == pytest.approx(losses["one"], rel=1e-5)
