@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import least_squares, minimize
+from scipy.optimize import least_squares, minimize, minimize_scalar
 
 from liandan.config import ConfigError
 
@@ -138,11 +138,22 @@ class MixtureLaw:
         return {"c": self.c, "t": [float(x) for x in self.t]}
 
 
-def fit_law(weights: np.ndarray, losses: np.ndarray, start: MixtureLaw | None = None) -> MixtureLaw:
-    """Least squares in the loss, c between 0 and just under the smallest loss; from `start` (a bootstrap's
-    full fit) or from three floors, keeping the best."""
+def fit_law(weights: np.ndarray, losses: np.ndarray) -> MixtureLaw:
+    """Least squares in the loss, c between 0 and just under the smallest loss. The floor c is weakly
+    determined, so the start is found on c alone: for each c, t is the linear fit of log(L - c) on w, and c
+    the one whose law is closest to the losses (a bounded scalar search); least squares over (c, t) polishes."""
     W, y = np.asarray(weights, dtype=float), np.asarray(losses, dtype=float)
     top = float(y.min()) * (1 - 1e-6)
+
+    def slopes_for(c: float) -> np.ndarray:
+        return np.linalg.lstsq(W, np.log(y - c), rcond=None)[0]
+
+    def cost(c: float) -> float:
+        r = c + np.exp(W @ slopes_for(c)) - y
+        return float(r @ r)
+
+    c0 = float(minimize_scalar(cost, bounds=(0.0, top * (1 - 1e-4)), method="bounded").x)
+    x0 = np.concatenate([[c0], slopes_for(c0)])
 
     def residuals(x: np.ndarray) -> np.ndarray:
         return x[0] + np.exp(W @ x[1:]) - y
@@ -150,22 +161,10 @@ def fit_law(weights: np.ndarray, losses: np.ndarray, start: MixtureLaw | None = 
     def jacobian(x: np.ndarray) -> np.ndarray:
         return np.column_stack([np.ones(len(y)), np.exp(W @ x[1:])[:, None] * W])
 
-    starts = []
-    if start is not None:
-        starts.append(np.concatenate([[min(start.c, top * 0.999)], start.t]))
-    else:
-        for floor in (0.0, 0.5, 0.9):
-            c0 = floor * top
-            t0, *_ = np.linalg.lstsq(W, np.log(y - c0), rcond=None)
-            starts.append(np.concatenate([[c0], t0]))
-    best = None
-    for x0 in starts:
-        res = least_squares(
-            residuals, x0, jac=jacobian, bounds=([0.0] + [-np.inf] * W.shape[1], [top] + [np.inf] * W.shape[1])
-        )
-        if best is None or res.cost < best.cost:
-            best = res
-    return MixtureLaw(float(best.x[0]), best.x[1:].copy())
+    res = least_squares(
+        residuals, x0, jac=jacobian, bounds=([0.0] + [-np.inf] * W.shape[1], [top] + [np.inf] * W.shape[1])
+    )
+    return MixtureLaw(float(res.x[0]), res.x[1:].copy())
 
 
 @dataclass(frozen=True)
@@ -188,7 +187,7 @@ class Fit:
         for i in range(n):
             keep = np.arange(n) != i
             laws = [
-                fit_law(self.weights[keep], self.losses[keep, j], start=law) if a else law
+                fit_law(self.weights[keep], self.losses[keep, j]) if a else law
                 for j, (a, law) in enumerate(zip(target, self.laws))
             ]
             errors[i] = self.predict(laws, target, self.weights[i]) - self.losses[i] @ target
@@ -207,7 +206,7 @@ def fit_mixture(weights, losses, names: Sequence[str], bootstrap: int = 200, see
         rows = rng.integers(0, n, n)
         if len(np.unique(rows)) < k + 2:  # too few distinct proxies to pin a law down
             continue
-        samples.append([fit_law(W[rows], Y[rows, j], start=law) for j, law in enumerate(laws)])
+        samples.append([fit_law(W[rows], Y[rows, j]) for j in range(k)])
     return Fit(list(names), W, Y, laws, samples)
 
 
