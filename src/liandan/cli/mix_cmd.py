@@ -96,12 +96,15 @@ def cmd_mix(args: argparse.Namespace, overrides: list[str]) -> int:
             console.print(f"  {p.name}: " + ", ".join(f"{n} {w:.3f}" for n, w in zip(names, p.weights)))
         return 0
     outcomes = run_swarm(swarm, cfg.train.steps, args.parallel, _Reporter(console, names))
+    states = [o.state for o in outcomes]
+    console.print(f"proxies: {states.count('finished')} trained now, {states.count('reused')} finished earlier,"
+                  f" {states.count('failed')} failed")  # fmt: skip
     done = [o for o in outcomes if o.bits_per_byte and all(math.isfinite(v) for v in o.bits_per_byte.values())]
     failed = [o for o in outcomes if o.state == "failed"]
-    if len(done) < len(sources) + 2:
+    if len(done) < len(sources) + 3:
         why = f"; the first failure: {failed[0].proxy.name}: {failed[0].note}" if failed else ""
         raise ConfigError(f"{len(done)} of {len(outcomes)} proxies have held-out results, a law over"
-                          f" {len(sources)} sources needs {len(sources) + 2}{why}")  # fmt: skip
+                          f" {len(sources)} sources needs {len(sources) + 3}{why}")  # fmt: skip
     weights = np.array([o.proxy.weights for o in done])
     losses = np.array([[o.bits_per_byte[n] for n in names] for o in done])
     fit = mx.fit_mixture(weights, losses, names, bootstrap=args.bootstrap, seed=args.seed)

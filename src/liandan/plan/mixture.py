@@ -60,8 +60,8 @@ def design_swarm(
     counts a concentration of 1 draws uniformly over the simplex and a larger one stays nearer natural. The
     draws come from one seeded stream in order: a swarm of more runs begins with the same proxies."""
     k = len(natural)
-    if runs < k + 2:
-        raise ConfigError(f"--runs = {runs}: a law over {k} sources needs at least {k + 2} proxies")
+    if runs < k + 3:
+        raise ConfigError(f"--runs = {runs}: a law over {k} sources and its bootstrap need at least {k + 3} proxies")
     if not concentration > 0 or not math.isfinite(concentration):
         raise ConfigError(f"--concentration = {concentration} must be a positive number")
     p = np.asarray(natural, dtype=float) / float(np.sum(natural))
@@ -197,12 +197,14 @@ class Fit:
 def fit_mixture(weights, losses, names: Sequence[str], bootstrap: int = 200, seed: int = 0) -> Fit:
     W, Y = np.asarray(weights, dtype=float), np.asarray(losses, dtype=float)
     n, k = W.shape
-    if n < k + 2:
-        raise ConfigError(f"{n} finished proxies for {k} sources: a law needs at least {k + 2}")
+    if n < k + 3:
+        raise ConfigError(f"{n} finished proxies for {k} sources: a law and its bootstrap need at least {k + 3}")
     laws = [fit_law(W, Y[:, j]) for j in range(k)]
     rng = np.random.default_rng(seed)
     samples = []
-    while len(samples) < bootstrap:
+    for _ in range(50 * bootstrap):
+        if len(samples) == bootstrap:
+            break
         rows = rng.integers(0, n, n)
         if len(np.unique(rows)) < k + 2:  # too few distinct proxies to pin a law down
             continue
