@@ -245,7 +245,7 @@ def test_mix_end_to_end_then_a_rerun_reuses_the_finished_proxies(corpus):
     for source in ("prose", "more", "noise"):
         assert source in done.stdout
     # a proxy that never wrote its summary (killed at its end) is trained again; the others are read back
-    proxies = sorted((out / "proxies").iterdir())
+    proxies = sorted(p for p in (out / "proxies").iterdir() if p.is_dir())  # beside them: the run store
     (proxies[3] / "summary.json").unlink()
     before = {p.name: (p / "metrics.jsonl").stat().st_mtime_ns for p in proxies}
     again = run_liandan(*args)
