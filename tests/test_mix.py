@@ -165,11 +165,11 @@ def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("mix")
     pages = [(name, topics[name]) for name in sorted(topics)]
     rng = random.Random(0)
+    noise = [Document("noise", n, "".join(rng.choices("abcdefgh ,.", k=len(t)))) for n, t in pages[45:60]]
     stores = [
         _store(root / "prose", [Document("prose", n, t) for n, t in pages[:30]]),
         _store(root / "more", [Document("more", n, t) for n, t in pages[30:45]]),
-        _store(root / "noise", [Document("noise", n, "".join(rng.choices("abcdefgh ,.", k=len(t))))
-                                for n, t in pages[45:60]]),  # fmt: skip
+        _store(root / "noise", noise),
     ]
     config = root / "run.toml"
     config.write_text(f"""
