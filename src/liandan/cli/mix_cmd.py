@@ -222,6 +222,7 @@ def plot_values(analysis: dict[str, Any], out: Path) -> Path:
             ax.errorbar(value, y, xerr=[[max(0.0, value - low)], [max(0.0, high - value)]], fmt="o", capsize=4,
                         color=colour[s["verdict"]])  # fmt: skip
         ax.axvline(0, color="black", lw=0.8)
+        ax.locator_params(axis="x", nbins=5)
         ax.set(title=title, xlabel=f"change in {analysis['target']} held-out bits per byte")
         ax.grid(alpha=0.3)
     axes[0].set_yticks(range(len(names)), [f"{n} ({s['verdict']})" for n, s in zip(names, sources)])
