@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import random
+import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from helpers import liandan_here, run_liandan
+from helpers import liandan_here, process_tree, read_metrics, run_liandan, start_liandan, wait_for_step
 from liandan.config import ConfigError
 from liandan.data import ByteTokenizer, Document, shard_path, write_manifest, write_shard
 from liandan.plan import mixture as mx
@@ -207,16 +209,20 @@ enabled = false
 def test_bad_input_gets_one_line(corpus):
     root, config = corpus
     stores = json.loads(config.read_text().split("stores = ", 1)[1].splitlines()[0])
+    mismatched = root / "mismatched.toml"
+    mismatched.write_text(config.read_text().replace("[data]\n", "[data]\nweights = [1, 2]\n"))
     cases = [
-        ([f'--data.stores=["{stores[0]}"]'], "needs two or more token stores"),
-        ([f'--data.stores=["{stores[0]}", "{root / "missing"}"]'], "missing"),
-        (["--data.weights=[1, 2]"], "liandan mix sets data.weights"),
-        (["--train.steps=4", "--max-repeat", "0.01"], "more than --max-repeat"),
-        (["--train.steps=4", "--target", "1,2"], "gives 2 weights for 3 sources"),
-        (["--train.steps=4", "--runs", "4"], "at least 6 proxies"),
+        (config, [f'--data.stores=["{stores[0]}"]'], "needs two or more token stores"),
+        (config, ["--data.stores=[]"], "give [data] stores"),
+        (config, [f'--data.stores=["{stores[0]}", "{root / "missing"}"]'], "missing"),
+        (config, ["--data.weights=[1, 2]"], "liandan mix sets data.weights"),
+        (mismatched, [], "[data] weights gives 2 weights for 3 stores"),
+        (config, ["--train.steps=4", "--max-repeat", "0.01"], "more than --max-repeat"),
+        (config, ["--train.steps=4", "--target", "1,2"], "gives 2 weights for 3 sources"),
+        (config, ["--train.steps=4", "--runs", "4"], "at least 6 proxies"),
     ]
-    for args, message in cases:
-        done = liandan_here("mix", config, "--out", root / "bad", "--design-only", *args)
+    for chosen, args, message in cases:
+        done = liandan_here("mix", chosen, "--out", root / "bad", "--design-only", *args)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and message in lines[0], (args, done.stderr)
     done = liandan_here("mix", config, "--out", root / "bad", "--design-only", "--train.steps=4", check=True)
@@ -231,17 +237,27 @@ def test_mix_end_to_end_then_a_rerun_reuses_the_finished_proxies(corpus):
     out = root / "swarm"
     args = ["mix", config, "--out", out, "--runs", "6", "--parallel", "2", "--bootstrap", "20", "--train.steps=3",
             "--target", "prose"]  # fmt: skip
+    # stopped while its first proxies train: none is left running
+    mix = start_liandan(*args, quiet=True)
+    wait_for_step(out / "proxies" / "p000-natural", 1, mix)
+    tree = process_tree(mix.pid)
+    mix.send_signal(signal.SIGTERM)
+    assert mix.wait(timeout=60) == 130
+    assert len(tree) > 1 and not [pid for pid in tree if Path(f"/proc/{pid}").exists()]
+    # run again: the interrupted proxies start over, and all six finish
     done = run_liandan(*args)
     assert done.returncode == 0, done.stderr
     report = json.loads((out / "mix.json").read_text())
-    assert [p["state"] for p in report["proxies"]] == ["finished"] * 6
+    assert {p["state"] for p in report["proxies"]} <= {"finished", "reused"} and len(report["proxies"]) == 6
     assert all(set(p["bits_per_byte"]) == {"prose", "more", "noise"} for p in report["proxies"])
+    steps = [r["step"] for r in read_metrics(out / "proxies" / "p000-natural") if "loss" in r]
+    assert steps == [1, 2, 3]  # the interrupted attempt's records were not kept beside the new ones
     analysis = report["analysis"]
     assert analysis["target"] == "prose" and analysis["target_weights"] == [1.0, 0.0, 0.0]
     assert {s["verdict"] for s in analysis["sources"]} <= {"helps", "neutral", "hurts"}
     assert sum(analysis["recommended"]["weights"]) == pytest.approx(1)
     assert (out / "mix.png").stat().st_size > 1000
-    assert "6 trained now, 0 finished earlier" in done.stdout and "train on it: --data.stores=" in done.stdout
+    assert "0 failed" in done.stdout and "train on it: --data.stores=" in done.stdout
     for source in ("prose", "more", "noise"):
         assert source in done.stdout
     # a proxy that never wrote its summary (killed at its end) is trained again; the others are read back
@@ -253,5 +269,5 @@ def test_mix_end_to_end_then_a_rerun_reuses_the_finished_proxies(corpus):
     assert "1 trained now, 5 finished earlier" in again.stdout
     after = {p.name: (p / "metrics.jsonl").stat().st_mtime_ns for p in proxies}
     assert [name for name in before if before[name] != after[name]] == [proxies[3].name]
-    rerun = json.loads((out / "mix.json").read_text())
+    rerun = json.loads((out / "mix.json").read_text())  # trained again, bit for bit the same
     assert [p["bits_per_byte"] for p in rerun["proxies"]] == [p["bits_per_byte"] for p in report["proxies"]]

@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -195,6 +197,7 @@ def run_swarm(swarm: Swarm, steps: int, parallel: int = 1, reporter: SwarmReport
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // parallel)))
     running: list[_Running] = []
     total = len(swarm.proxies)
+    on_term = _stop_on_sigterm()
     try:
         while pending or running:
             while pending and len(running) < parallel:
@@ -216,7 +219,21 @@ def run_swarm(swarm: Swarm, steps: int, parallel: int = 1, reporter: SwarmReport
         for job in running:  # interrupted: the proxies still training are stopped; a rerun starts them again
             stop_process(job.process)
             job.log.close()
+        if on_term is not None:
+            signal.signal(signal.SIGTERM, on_term)
     return [outcomes[p.name] for p in swarm.proxies]
+
+
+def _stop_on_sigterm():
+    """SIGTERM ends the swarm as Ctrl-C does, so that no proxy is left training without it. Returns the
+    handler it replaced (None off the main thread, where signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, interrupt)
 
 
 def _outcome(swarm: Swarm, job: _Running, names: Sequence[str]) -> ProxyOutcome:
