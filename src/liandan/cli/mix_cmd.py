@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +104,9 @@ def cmd_mix(args: argparse.Namespace, overrides: list[str]) -> int:
     failed = [o for o in outcomes if o.state == "failed"]
     if len(done) < len(sources) + 3:
         why = f"; the first failure: {failed[0].proxy.name}: {failed[0].note}" if failed else ""
-        raise ConfigError(f"{len(done)} of {len(outcomes)} proxies have held-out results, a law over"
-                          f" {len(sources)} sources needs {len(sources) + 3}{why}")  # fmt: skip
+        print(f"liandan: error: {len(done)} of {len(outcomes)} proxies have held-out results, a law over"
+              f" {len(sources)} sources needs {len(sources) + 3}{why}", file=sys.stderr)  # fmt: skip
+        return 1
     weights = np.array([o.proxy.weights for o in done])
     losses = np.array([[o.bits_per_byte[n] for n in names] for o in done])
     fit = mx.fit_mixture(weights, losses, names, bootstrap=args.bootstrap, seed=args.seed)
