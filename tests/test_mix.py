@@ -77,6 +77,8 @@ def test_the_fit_recovers_the_true_law():
         assert law.predict(unseen) == pytest.approx(truth.predict(unseen), rel=1e-4)
     assert fit.laws[0].c == pytest.approx(0.9, abs=1e-3) and fit.laws[0].t == pytest.approx(TRUTH[0].t, abs=1e-2)
     assert np.abs(fit.leave_one_out(np.ones(3) / 3)).max() < 1e-4
+    saved = mx.MixtureLaw.from_dict(json.loads(json.dumps(fit.laws[1].to_dict())))  # as mix.json holds it
+    assert saved.predict(unseen) == pytest.approx(fit.laws[1].predict(unseen), rel=1e-12)
 
 
 @pytest.fixture(scope="module")

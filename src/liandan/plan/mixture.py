@@ -137,6 +137,11 @@ class MixtureLaw:
     def to_dict(self) -> dict:
         return {"c": self.c, "t": [float(x) for x in self.t]}
 
+    @classmethod
+    def from_dict(cls, data: dict) -> MixtureLaw:
+        """A law as mix.json holds it (`analysis.fit.laws.<source>`), to predict other mixtures' losses."""
+        return cls(float(data["c"]), np.asarray(data["t"], dtype=float))
+
 
 def fit_law(weights: np.ndarray, losses: np.ndarray) -> MixtureLaw:
     """Least squares in the loss, c between 0 and just under the smallest loss. The floor c is weakly
