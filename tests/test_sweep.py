@@ -16,7 +16,8 @@ from liandan.cli.main import main
 from liandan.config import ConfigError, ScheduleSection
 from liandan.plan.forecast import annealing_areas, schedule_fractions
 from liandan.plan.pruner import ForecastPruner
-from liandan.plan.sweep import Reporter, _MetricsTail, _stop, _Sweep, load_sweep, make_pruner
+from liandan.plan.sweep import Reporter, _MetricsTail, _Sweep, load_sweep, make_pruner
+from liandan.plan.trial_process import stop_process
 
 optuna.logging.set_verbosity(optuna.logging.ERROR)
 
@@ -126,7 +127,7 @@ def test_a_diverging_trial_is_stopped_at_once(base, tmp_path):
         curve = sweep_curve(spec)
         verdict = sweep._follow(trial, process, _MetricsTail(metrics), curve, total=20)
     finally:
-        _stop(process)
+        stop_process(process)
     assert verdict == "diverged: loss nan at step 3"
     assert process.returncode is not None  # ended, not left behind
     assert curve.steps == [1, 2, 3]

@@ -42,6 +42,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "optimal": ("fit_cmd", "compute-optimal parameters and tokens for a FLOP budget (or tokens for a size) under a scaling law"),
     "forecast": ("forecast_cmd", "forecast a run's final loss from its partial loss curve (learning-rate-annealing scaling law)"),
     "sweep": ("sweep_cmd", "search hyperparameters with Optuna: each trial a training run, bad ones pruned early"),
+    "mix": ("mix_cmd", "which data to train on: proxy runs over mixture weights, a fitted law, each source's value, recommended weights"),
     "check-transfer": ("transfer_cmd", "whether learning rates tuned at one width hold at others: a coordinate check across widths"),
     "runs": ("runs_cmd", "list the runs of a project directory (status, tokens, losses, goodput, incidents, forecast)"),
     "dash": ("dash_cmd", "a live web dashboard of the runs in a project directory (needs the [dash] extra)"),

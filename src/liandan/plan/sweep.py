@@ -38,6 +38,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from liandan.config import Config, ConfigError, describe, load_config
 from liandan.plan.forecast import measured_final_loss, schedule_fractions
 from liandan.plan.pruner import ForecastPruner, PartialCurve
+from liandan.plan.trial_process import last_error, stop_process
 from liandan.run import JsonlTail, RunDir
 
 if sys.version_info >= (3, 11):
@@ -371,14 +372,14 @@ class _Sweep:
                 trial.set_user_attr("note", "interrupted")
                 raise
             finally:
-                _stop(process)
+                stop_process(process)
                 trial.set_user_attr("steps", curve.steps[-1] if curve.steps else 0)
                 trial.set_user_attr("seconds", round(time.perf_counter() - started, 2))
         if verdict is not None:
             trial.set_user_attr("note", verdict)
             raise optuna.TrialPruned(verdict)
         if process.returncode != 0:
-            error = _last_error(room.trial_log)
+            error = last_error(room.trial_log)
             if "the loss-spike guard stopped the run" in error:  # it diverged: a verdict on the trial, not a failure
                 note = f"stopped by the loss-spike guard at step {curve.steps[-1] if curve.steps else 0}"
                 trial.set_user_attr("note", note)
@@ -448,23 +449,6 @@ class _Sweep:
             self.failures_in_a_row = 0
         if finished >= self.spec.trials:
             study.stop()
-
-
-def _stop(process: subprocess.Popen) -> None:
-    """End a trial's process: SIGTERM, then SIGKILL if it has not ended within 30 s."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _last_error(log: Path) -> str:
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    errors = [line for line in lines if line.startswith("liandan: error:")]
-    return (errors or lines or ["no output"])[-1][:300]
 
 
 # ---------------------------------------------------------------------------------------------------------
