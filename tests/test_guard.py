@@ -286,6 +286,27 @@ def test_slow_logit_growth_only_warned_about_moves_the_level_and_a_jump_is_still
     assert logit_findings(GuardCallback(GuardSection()), jump) == [51]
 
 
+def test_early_divergence_allows_a_noisy_preference_loss_and_catches_its_climb():
+    """A DPO-like loss (falling from ln 2 with batch-to-batch noise of a tenth of its level) raises nothing in the
+    window of the early-divergence rule; the same loss climbing far above its level is caught."""
+    from liandan.train.guard.rules import History, Rise
+
+    draw = random.Random(7)
+    losses = [max(0.05, 0.69 - 0.004 * i + draw.gauss(0, 0.06)) for i in range(90)]
+    history = History(100)
+    rise = Rise(history, until=100, rise=0.15, mads=5.0)
+    fraction_only = Rise(history, until=100, rise=0.15)
+    alarms, fraction_alarms = [], []
+    for step, loss in enumerate(losses):
+        verdict, fraction = rise.judge(loss), fraction_only.judge(loss)
+        alarms += [step] if verdict and verdict.over else []
+        fraction_alarms += [step] if fraction and fraction.over else []
+        history.add(loss)
+    assert alarms == [] and len(fraction_alarms) > 5  # the fraction alone took this noise for divergence
+    verdict = rise.judge(1.4)  # twice ln 2: the policy now prefers the rejected replies
+    assert verdict is not None and verdict.over
+
+
 def test_rules_ignore_a_falling_trend_and_catch_a_jump():
     rule = Rule(size=100, warmup=10, mads=5, min_ratio=0.05)
     rng = random.Random(0)

@@ -285,9 +285,9 @@ class GuardSection:
     spike_persist: int = _f(2, "consecutive steps over the threshold that make a spike...", min=1)
     spike_immediate: float = _f(2.0, "...unless one step is this many times over it: a spike at once", min=1.0)
     diverge_rise: float = _f(
-        0.15, "early divergence: until `window` losses are known, a loss this fraction above the lowest level so"
-        " far (median of 3 steps; the first loss counts) for spike_persist steps, or spike_immediate times as far"
-        " once; 0 disables", min=0.0,
+        0.15, "early divergence: until `window` losses are known, a loss this fraction (and spike_mads noise units)"
+        " above the lowest level so far (median of 3 steps; the first loss counts) for spike_persist steps, or"
+        " spike_immediate times as far once; 0 disables", min=0.0,
     )  # fmt: skip
     grad_mads: float = _f(8.0, "gradient-norm explosion: log norm this many noise units above its running level...",
                           min=0.0)  # fmt: skip

@@ -46,7 +46,7 @@ class GuardCallback(Callback):
         self.grad = Rule(g.window, g.warmup, g.grad_mads, g.grad_min_ratio, log=True)
         self.logit = Rule(g.window, g.warmup, g.logit_mads, g.logit_min_ratio, log=True)
         self.z = Rule(g.window, g.warmup, g.logit_mads, g.logit_min_ratio, log=True)
-        self.rise = Rise(self.loss.history, g.window, g.diverge_rise)
+        self.rise = Rise(self.loss.history, g.window, g.diverge_rise, g.spike_mads)
         self.spike_streak, self.drop_streak, self.rise_streak = Streak(), Streak(), Streak()
         self.sources = SourceWatch(g.window, g.warmup, g.drop_mads, g.source_floor, g.source_collapse, g.spike_persist)
         self.source_names: list[str] = []  # of a mixture watched source by source; empty otherwise

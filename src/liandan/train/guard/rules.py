@@ -111,19 +111,24 @@ class Rule:
 
 class Rise:
     """Early divergence: while the loss history is shorter than `until` (the spike rule's noise is not yet
-    known), a loss more than `rise` (a fraction) above the lowest level the run has reached. The level is the
-    median of three consecutive accepted losses (of all of them while there are fewer), so that one lucky batch
-    does not set the bar; the first loss counts, so a loss that climbs above where it started is caught too."""
+    known), a loss more than `rise` (a fraction) above the lowest level the run has reached, and more than
+    `mads` noise units (the history's, as the spike rule measures it) above it. The level is the median of three
+    consecutive accepted losses (of all of them while there are fewer), so that one lucky batch does not set the
+    bar; the first loss counts, so a loss that climbs above where it started is caught too. The noise term
+    matters where the loss is noisy against its level: a preference loss of a few pairs a step (DPO's starts at
+    ln 2 and moves by a tenth from batch to batch), whose lowest three-step level is some noise units below its
+    true one; a pretraining loss falling from ln(vocabulary) is bounded by the fraction."""
 
-    def __init__(self, history: History, until: int, rise: float):
-        self.history, self.until, self.rise = history, until, rise
+    def __init__(self, history: History, until: int, rise: float, mads: float = 0.0):
+        self.history, self.until, self.rise, self.mads = history, until, rise, mads
 
     def judge(self, value: float) -> Verdict | None:
         values = list(self.history.values)
         if not self.rise or not values or len(values) >= self.until or not math.isfinite(value):
             return None
         lowest = min(median(values[i : i + 3]) for i in range(max(1, len(values) - 2)))
-        return Verdict(value, lowest, self.rise * abs(lowest), value - lowest)
+        _, noise = self.history.center_and_spread()
+        return Verdict(value, lowest, max(self.rise * abs(lowest), self.mads * noise), value - lowest)
 
 
 class Streak:
