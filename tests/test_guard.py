@@ -292,7 +292,8 @@ def test_early_divergence_allows_a_noisy_preference_loss_and_catches_its_climb()
     from liandan.train.guard.rules import History, Rise
 
     draw = random.Random(7)
-    losses = [max(0.05, 0.69 - 0.004 * i + draw.gauss(0, 0.06)) for i in range(90)]
+    # its first steps are ln 2 exactly: the policy is the reference while the learning rate warms up
+    losses = [math.log(2)] * 10 + [max(0.05, 0.69 - 0.004 * i + draw.gauss(0, 0.06)) for i in range(80)]
     history = History(100)
     rise = Rise(history, until=100, rise=0.15, mads=5.0)
     fraction_only = Rise(history, until=100, rise=0.15)

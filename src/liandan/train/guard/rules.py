@@ -31,12 +31,14 @@ class History:
     def __len__(self) -> int:
         return len(self.values)
 
-    def center_and_spread(self) -> tuple[float, float]:
+    def center_and_spread(self, newest: int = 0) -> tuple[float, float]:
         """(running level, noise as a standard deviation). The level is the median of the newest `LEVEL`
-        values; the noise is the MAD of step-to-step differences over the whole history, divided by sqrt(2):
-        differences cancel the trend, so a loss that is still falling fast does not pass for noise."""
+        values; the noise is the MAD of step-to-step differences over the whole history (or its `newest`
+        values), divided by sqrt(2): differences cancel the trend, so a loss that is still falling fast does not
+        pass for noise."""
         values = list(self.values)
         level = median(values[-LEVEL:])
+        values = values[-newest:] if newest else values
         if len(values) < 3:
             return level, 0.0
         diffs = [b - a for a, b in itertools.pairwise(values)]
@@ -109,6 +111,9 @@ class Rule:
         self.history.load_state_dict(state)
 
 
+RISE_NOISE = 16  # losses the early-divergence rule takes the noise over
+
+
 class Rise:
     """Early divergence: while the loss history is shorter than `until` (the spike rule's noise is not yet
     known), a loss more than `rise` (a fraction) above the lowest level the run has reached, and more than
@@ -117,7 +122,9 @@ class Rise:
     bar; the first loss counts, so a loss that climbs above where it started is caught too. The noise term
     matters where the loss is noisy against its level: a preference loss of a few pairs a step (DPO's starts at
     ln 2 and moves by a tenth from batch to batch), whose lowest three-step level is some noise units below its
-    true one; a pretraining loss falling from ln(vocabulary) is bounded by the fraction."""
+    true one; a pretraining loss falling from ln(vocabulary) is bounded by the fraction. The noise is the newest
+    `RISE_NOISE` losses': a start that does not move (DPO's first steps are ln 2 exactly, while the policy is
+    still the reference) would pass for a noiseless loss."""
 
     def __init__(self, history: History, until: int, rise: float, mads: float = 0.0):
         self.history, self.until, self.rise, self.mads = history, until, rise, mads
@@ -127,7 +134,7 @@ class Rise:
         if not self.rise or not values or len(values) >= self.until or not math.isfinite(value):
             return None
         lowest = min(median(values[i : i + 3]) for i in range(max(1, len(values) - 2)))
-        _, noise = self.history.center_and_spread()
+        _, noise = self.history.center_and_spread(newest=RISE_NOISE)
         return Verdict(value, lowest, max(self.rise * abs(lowest), self.mads * noise), value - lowest)
 
 
