@@ -557,3 +557,15 @@ def write_sums_task(directory: Path, n: int = 40) -> tuple[Path, Path]:
     chat.write_text("".join(json.dumps({"prompt": x["question"], "response": x["answer"]}) + "\n" for x in items))
     (directory / "sums.toml").write_text(SUMS_TASK)
     return directory / "sums.toml", chat
+
+
+# A multiple-choice task file over tiny_mc.jsonl (records of q, choices and gold), one shot.
+MC_TOML = """name = "tiny_mc"
+kind = "multiple_choice"
+path = "tiny_mc.jsonl"
+question_field = "q"
+choices_field = "choices"
+label_field = "gold"
+n_shot = 1
+seed = 3
+"""

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import SHARED_DATA, liandan_here, read_run, run_liandan, tiny_config, write_corpus
+from helpers import MC_TOML, SHARED_DATA, liandan_here, read_run, run_liandan, tiny_config, write_corpus
 from liandan.config import ConfigError, DataSection
 from liandan.data.pipeline.prepare import prepare_store
 from liandan.data.tokens.loader import PackedLoader
@@ -48,15 +48,6 @@ MC_RECORDS = [
     {"q": "Two plus two is", "choices": ["four", "a very long wrong answer", "five"], "gold": 2},
     {"q": "The sky is", "choices": ["blue", "green"], "gold": 1},
 ]
-MC_TOML = """name = "tiny_mc"
-kind = "multiple_choice"
-path = "tiny_mc.jsonl"
-question_field = "q"
-choices_field = "choices"
-label_field = "gold"
-n_shot = 1
-seed = 3
-"""
 
 
 def test_multiple_choice_outcome_by_hand():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import (
+    MC_TOML,
     SHARED_DATA,
     liandan_here,
     read_run,
@@ -29,15 +30,6 @@ MC_RECORDS = [
     {"q": "The sky is", "choices": ["blue", "green"], "gold": 1},
     {"q": "Water is", "choices": ["wet", "a kind of rock"], "gold": 0},
 ]
-MC_TOML = """name = "tiny_mc"
-kind = "multiple_choice"
-path = "tiny_mc.jsonl"
-question_field = "q"
-choices_field = "choices"
-label_field = "gold"
-n_shot = 1
-seed = 3
-"""
 HELDOUT = "--eval.heldout_sequences=4"
 
 
