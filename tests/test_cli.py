@@ -118,6 +118,22 @@ def test_train_command_end_to_end(config):
     assert summary["steps"] == 6
 
 
+@pytest.mark.parametrize("supervised", [True, False], ids=["supervised", "alone"])
+def test_a_run_whose_console_goes_away_trains_on_to_its_end(config, supervised):
+    """The program reading a run's output ends (a pipe into `head`, a driver script killed): the run goes on
+    quietly and saves its last checkpoint, where it used to die of BrokenPipeError at its next line, unsaved."""
+    name = f"console-gone-{supervised}"
+    run = start_liandan("train", config, f"--run.name={name}", f"--resilience.supervise={str(supervised).lower()}",
+                        "--train.steps=12")  # fmt: skip
+    assert run.stdout.readline().startswith("run directory:")
+    run.stdout.close()
+    run.stderr.close()  # every line from here on meets a closed pipe
+    assert run.wait(timeout=300) == 0
+    records = read_run(config.parent / "runs" / name)
+    assert records.summary["steps"] == 12 and records.of_kind("train_end")
+    assert (config.parent / "runs" / name / "checkpoints" / "step-00000012").is_dir()
+
+
 def _wait_for(condition, process, what, timeout=300):
     deadline = time.monotonic() + timeout
     while not condition():

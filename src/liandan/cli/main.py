@@ -7,11 +7,13 @@ is `liandan.resilience.roles.run_training`; the `train` command parses its argum
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from liandan import __version__, plugins
 from liandan.config import ConfigError, describe, load_config
@@ -51,6 +53,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # a process of its own (the tests call main with their arguments and their captures)
+        sys.stdout, sys.stderr = QuietWhenGone(sys.stdout), QuietWhenGone(sys.stderr)
     argv = sys.argv[1:] if argv is None else argv
     parser = _parser(_command_word(argv))
     args, extra = parser.parse_known_args(argv)
@@ -77,6 +81,41 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         report_error("interrupted")
         return 130
+
+
+class QuietWhenGone:
+    """sys.stdout or sys.stderr, going quiet once whatever read it has gone (the program it was piped to, or
+    the one that started this process, ended) instead of raising BrokenPipeError into a run that is training:
+    what a run says it also keeps in its files. The stream's descriptor then points at os.devnull, so that
+    what is still buffered, and the processes this one starts, write there without error too."""
+
+    def __init__(self, stream: Any):
+        self._stream, self._gone = stream, False
+
+    def write(self, text: str) -> int:
+        if not self._gone:
+            try:
+                return self._stream.write(text)
+            except BrokenPipeError:
+                self._go_quiet()
+        return len(text)
+
+    def flush(self) -> None:
+        if not self._gone:
+            try:
+                self._stream.flush()
+            except BrokenPipeError:
+                self._go_quiet()
+
+    def _go_quiet(self) -> None:
+        self._gone = True
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())
+            os.close(devnull)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def describe_error(err: BaseException) -> str:
