@@ -308,6 +308,25 @@ def test_early_divergence_allows_a_noisy_preference_loss_and_catches_its_climb()
     assert verdict is not None and verdict.over
 
 
+def test_under_dpo_the_loss_is_not_judged_and_the_rest_still_is():
+    """A DPO run's loss (a few pairs a step) jumps between batches: the guard's loss rules stay out of it, while
+    a non-finite value and an exploding gradient are still found."""
+    from liandan.train.guard.callback import GuardCallback
+
+    guard = GuardCallback(load_config(None, []).guard, judge_loss=False)
+    draw = random.Random(3)
+    findings = [guard._judge(n, max(0.05, 0.5 + draw.gauss(0, 0.15)), 1.0 + draw.random() / 10, 0, 0)
+                for n in range(1, 60)]  # fmt: skip
+    findings.append(guard._judge(60, 2.5, 1.0, 0, 0))  # five times the level: a spike of any pretraining loss
+    assert all(found == [] for found in findings)
+    assert [kind for kind, _, _ in guard._judge(61, 0.5, 500.0, 0, 0)] == ["grad"]
+    assert [kind for kind, _, _ in guard._judge(62, math.nan, 1.0, 0, 0)] == ["nonfinite"]
+    judged = GuardCallback(load_config(None, []).guard)
+    for n in range(1, 60):
+        judged._judge(n, 0.5 + 0.01 * (n % 3), 1.0, 0, 0)
+    assert "spike" in [kind for kind, _, _ in judged._judge(60, 2.5, 1.0, 0, 0)]  # (and early divergence)
+
+
 def test_rules_ignore_a_falling_trend_and_catch_a_jump():
     rule = Rule(size=100, warmup=10, mads=5, min_ratio=0.05)
     rng = random.Random(0)

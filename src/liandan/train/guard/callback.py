@@ -38,8 +38,9 @@ ROUTER_DETECTORS = {"collapse", "drift"}  # judged after the update, from the st
 class GuardCallback(Callback):
     order = 5  # first: its veto and its rollback come before anything else reads the step
 
-    def __init__(self, cfg: GuardSection):
+    def __init__(self, cfg: GuardSection, judge_loss: bool = True):
         self.cfg = g = cfg
+        self.judge_loss = judge_loss  # the loss rules (spike, drop, early divergence); the others always judge
         self.loss = Rule(g.window, g.warmup, g.spike_mads, g.spike_min_ratio)
         self.drop = Rule(g.window, g.warmup, g.drop_mads, g.drop_min_ratio, downward=True)
         self.drop.history = self.loss.history  # one loss history, judged both ways
@@ -265,6 +266,8 @@ class GuardCallback(Callback):
             self.rise_streak.update(n, False)
             return found
         spike, drop, rise = self.loss.judge(loss), self.drop.judge(loss), self.rise.judge(loss)
+        if not self.judge_loss:
+            spike = drop = rise = None
         streak = self.spike_streak.update(n, bool(spike and spike.over))
         if spike and spike.over and (streak >= self.cfg.spike_persist or spike.severity >= self.cfg.spike_immediate):
             found.append(("spike", self.spike_streak.began, spike.describe("loss")))
@@ -447,4 +450,6 @@ def _event_fields(plan: dict, rollback: dict, found: dict) -> dict[str, Any]:
 
 
 def _guard(cfg: Config) -> Callback | None:
-    return GuardCallback(cfg.guard) if cfg.guard.enabled else None
+    # A preference loss of a few pairs a step is a noisy, heavy-tailed mean that moves by half its level from
+    # batch to batch as the policy leaves the reference: its spikes and drops say nothing of the run's health
+    return GuardCallback(cfg.guard, judge_loss=cfg.train.objective != "dpo") if cfg.guard.enabled else None
