@@ -156,7 +156,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("runs/gsm8k"))
     parser.add_argument("--pretrain-steps", type=int, default=300)
-    parser.add_argument("--sft-steps", type=int, default=200)
+    parser.add_argument("--sft-steps", type=int, default=600)
     parser.add_argument("--dpo-steps", type=int, default=150)
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--samples", type=int, default=4, help="answers sampled per question by liandan prefs")
