@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -89,3 +90,37 @@ def test_a_heartbeat_on_a_network_disk_replaces_the_file(tmp_path, monkeypatch, 
     beat.beat(1, "forward")
     assert beat.path.stat().st_ino != inode  # a new file each beat, whole: what a client of another node sees
     assert "crc32" not in beat.path.read_text() and read_heartbeats(RunDir(tmp_path))[0]["phase"] == "forward"
+
+
+def test_a_heartbeat_times_whole_steps(tmp_path, monkeypatch):
+    """A rank times its own steps, from one step's batch to the next's (the supervisor's hang timeout follows
+    them, however short they are next to its poll), and its checkpoints; a resumed start or a guard's rollback
+    times no step of its own, the steps it replays count."""
+    clock = [100.0]
+    monkeypatch.setattr(heartbeat, "time", SimpleNamespace(time=lambda: clock[0]))
+    beat = Heartbeat(RunDir(tmp_path), rank=0)
+
+    def step(begin, count, checkpoint_s=0.0):
+        """Step `count + 1`, its batch at `begin`, 0.5 s long (and a checkpoint after it); the last record."""
+        for offset, at_count, phase in [(0.0, count, "data"), (0.1, count, "forward"), (0.2, count, "backward"),
+                                        (0.3, count, "optimizer"), (0.4, count + 1, "collective"),
+                                        (0.5, count + 1, "step_end")]:  # fmt: skip
+            clock[0] = begin + offset
+            beat.beat(at_count, phase)
+        if checkpoint_s:
+            beat.beat(count + 1, "checkpoint")
+            clock[0] += checkpoint_s
+        [record] = read_heartbeats(RunDir(tmp_path))
+        return record
+
+    beat.beat(0, "startup")  # resumed at step 4
+    assert "step_s" not in step(101.0, 4)  # the first batch has no batch before it
+    assert step(101.5, 5, checkpoint_s=3.0)["step_s"] == 0.5
+    record = step(105.0, 6)
+    assert record["step_s"] == 2.0  # the median of 0.5 and 3.5 (a step with its checkpoint)
+    assert record["longest"]["checkpoint"] == 3.0  # and the checkpoint on its own
+    assert step(105.5, 7)["step_s"] == 0.5  # the median of 0.5, 3.5 and 0.5: a rare checkpoint passed over
+    beat.beat(8, "rollback")  # back to the state of step 4: the count falls, no step is timed
+    assert step(106.5, 4)["step_s"] == 0.5
+    assert step(107.0, 5)["step_s"] == 0.5  # the replayed step counts: 0.5, 3.5, 0.5, 0.5
+    beat.close()

@@ -327,12 +327,19 @@ def test_hang_timeout_follows_the_phase(setup):
     cfg = load_config(config, ["--resilience.startup_timeout_s=600", "--resilience.hang_floor_s=1"])
     supervisor = Supervisor(cfg, [sys.executable, "-c", "pass"], config.parent / "runs" / "phases", nproc=2)
     assert supervisor.hang_timeout(["startup", "startup"]) == 600  # nothing learned yet
-    supervisor.step_seconds = [0.5, 0.7, 0.6]
+    assert supervisor.hang_timeout(["data", "forward"]) == 600  # no step timed yet
+    # The ranks report their own times: the slowest rank's median step and longest checkpoint count.
+    reports = [{"rank": 0, "step_s": 0.5, "longest": {"checkpoint": 0.2}}, {"rank": 1, "step_s": 0.6, "longest": {}}]
+    assert supervisor._learn_timings(reports)  # a rank completed a step: progress
     assert supervisor.hang_timeout(["data", "forward"]) == 4 * 0.6  # hang_factor 4 x median step
     assert supervisor.hang_timeout(["data", "done"]) == 600  # the teardown after the last step
-    assert supervisor.hang_timeout(["checkpoint", "optimizer"]) == 600  # no checkpoint timed yet
-    supervisor.phase_seconds["checkpoint"] = [0.2, 3.0]
-    assert supervisor.hang_timeout(["checkpoint", "optimizer"]) == 4 * 3.0  # the longest checkpoint so far
+    assert supervisor.hang_timeout(["checkpoint", "optimizer"]) == 4 * 0.6  # the step's, which is longer
+    assert supervisor._learn_timings([{"rank": 0, "step_s": 0.7, "longest": {"checkpoint": 3.0}}])
+    assert supervisor.hang_timeout(["checkpoint", "optimizer"]) == 4 * 3.0  # the longest checkpoint reported
+    assert supervisor.hang_timeout(["eval", "optimizer"]) == 600  # no evaluation timed yet
+    # A restarted attempt's ranks, before their first step, keep what the last attempt's reported.
+    assert not supervisor._learn_timings([{"rank": 0, "longest": {}}, {"rank": 1, "longest": {}}])
+    assert supervisor.hang_timeout(["data", "checkpoint"]) == 4 * 3.0
     # The rank that stopped first is loading a batch, which it reports takes 0.01-0.3 s:
     stuck = {"rank": 1, "step": 5, "phase": "data", "time": 100.0, "longest": {"data": 0.3, "forward": 0.9}}
     waiting = {"rank": 0, "step": 5, "phase": "forward", "time": 100.2, "longest": {"data": 0.4}}
@@ -341,6 +348,47 @@ def test_hang_timeout_follows_the_phase(setup):
     assert supervisor.first_stopped_timeout([waiting, stuck], progressed=False) is None  # a first step warms up
     assert supervisor.first_stopped_timeout([waiting, {**stuck, "phase": "checkpoint"}]) is None
     assert supervisor.first_stopped_timeout([waiting, {**stuck, "longest": {}}]) is None  # nothing reported yet
+
+
+HUNG_WORKER = """
+import os, sys, threading
+from liandan.run import RunDir
+from liandan.train.heartbeat import Heartbeat
+
+beat = Heartbeat(RunDir(sys.argv[1]), int(os.environ["RANK"]))
+beat.enable_stack_dumps()
+beat.beat(0, "startup")
+for step in range(5):  # steps of microseconds: between two of the supervisor's polls, all of them
+    for phase in ("data", "forward", "backward", "optimizer"):
+        beat.beat(step, phase)
+    beat.beat(step + 1, "step_end")
+for phase in ("data", "forward", "backward"):
+    beat.beat(5, phase)
+threading.Event().wait()  # stuck in the backward of step 6, as in a collective whose peer never comes
+"""
+
+
+def test_a_hang_after_steps_shorter_than_a_poll_is_found_by_the_step_time(tmp_path):
+    """Workers that run five steps and hang before the supervisor has polled twice: the ranks' own step
+    times set the timeout (the floor here), not the start-up's, which the supervisor kept when it had to see
+    a step pass between two polls (a short run under load waited for startup_timeout_s)."""
+    cfg = tiny_config(tmp_path / "runs", tmp_path / "corpus.jsonl", "--resilience.hang_floor_s=1",
+                      "--resilience.hang_factor=4", "--resilience.startup_timeout_s=60",
+                      "--resilience.max_restarts=0")  # fmt: skip
+    run_dir = tmp_path / "runs" / "run"
+    run_dir.mkdir(parents=True)
+    worker = [sys.executable, "-c", HUNG_WORKER, str(run_dir)]
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("LIANDAN_")}
+    try:
+        assert Supervisor(cfg, worker, run_dir, nproc=2, say=lambda m: None).run() == 1  # no restart allowed
+    finally:
+        os.environ.update(saved)
+    [incident] = read_run(run_dir).of_kind("incident")
+    assert incident["failure"] == "hang" and incident["cause"] == "hang in backward" and incident["step"] == 5
+    assert incident["evidence"]["timeout_seconds"] == 1.0  # not startup_timeout_s
+    assert all(beat["step_s"] < 1 for beat in incident["evidence"]["ranks"])
+    assert "threading.py" in incident["evidence"]["stacks"]["1"]  # asked for and recorded before the end
+    assert incident["workers_left_alive"] == []
 
 
 def test_the_rank_furthest_behind_stopped_first():

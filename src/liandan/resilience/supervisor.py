@@ -9,10 +9,12 @@ a training step hang_factor x the median step time (at least hang_floor_s), or l
 first is in a part of a step that it reports usually takes far less (hang_factor x its longest recent time
 there, at least hang_floor_s); for checkpoints and evaluation
 hang_factor x the longest one seen (startup_timeout_s before one has been seen); startup_timeout_s for the
-start-up and the teardown after the last step. The supervisor then asks every rank for its Python stacks
-(SIGUSR1, faulthandler), records them, and kills every process of the attempt. Every failure is an incident
-in events.jsonl with its evidence and the steps and seconds it cost; the run's goodput (the share of wall
-time spent on steps that were kept, over every launch of the run) goes into summary.json.
+start-up and the teardown after the last step. The ranks time their steps, checkpoints and evaluations
+themselves and report the times in their heartbeats: steps shorter than the supervisor's poll count too.
+The supervisor then asks every rank for its Python stacks (SIGUSR1, faulthandler), records them, and kills
+every process of the attempt. Every failure is an incident in events.jsonl with its evidence and the steps
+and seconds it cost; the run's goodput (the share of wall time spent on steps that were kept, over every
+launch of the run) goes into summary.json.
 
 The watch over an attempt (exits, hangs, their stacks) is in watch.py, the record of an attempt and of its
 failure in attempts.py, and preemption in preempt.py: bases of Supervisor that share its state.
@@ -44,7 +46,7 @@ from liandan.resilience.processes import (
     module_command,
 )
 from liandan.resilience.relay import Relay
-from liandan.resilience.watch import SLOW_PHASES, WorkerWatch
+from liandan.resilience.watch import WorkerWatch
 from liandan.run import RunDir, append_jsonl, atomic_write_json, lock_run_dir, temporary
 from liandan.run.errors import DEVICE_FAULT_EXIT
 from liandan.run.layout import rank_file
@@ -75,8 +77,10 @@ class Supervisor(WorkerWatch, FailureRecords, Preemption):
         self.module = module_command(worker_cmd)
         self.use_standby = bool(self.module) and not self.rendezvous and NodeEnv.from_env().standby
         self.standby = StandbyPool(nproc)
-        self.step_seconds: list[float] = []
-        self.phase_seconds: dict[str, list[float]] = {p: [] for p in SLOW_PHASES}
+        # What the ranks' heartbeats report (watch.py): their median step time and their longest checkpoint
+        # and evaluation, the slowest rank's; an attempt starts with the one before it's.
+        self.step_seconds: float | None = None
+        self.phase_seconds: dict[str, float] = {}
         self.pending_recovery: dict | None = None
         self.snapshots: Path | None = None  # this supervisor's memory snapshot directory, made by run()
         self.store_warned = False

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import statistics
 import time
 
 from liandan.resilience.attempts import Attempt, file_size, read_tail
@@ -26,32 +25,26 @@ class WorkerWatch:
     """Watching an attempt until it ends, fails or hangs (a base of Supervisor)."""
 
     def _watch(self, attempt: Attempt) -> None:
-        last_key, last_change, last_step_time, top_step, progressed = None, time.time(), None, -1, False
-        seen: dict[int, dict] = {}
+        last_key, last_change, top_step, progressed = None, time.time(), -1, False
         while True:
             self.clock.wait(POLL_S)
             if self._exited(attempt) or self.signals.first:
                 break
             beats = self._beats(attempt)
             now = time.time()
-            for beat in beats:
-                if self.rendezvous and beat["host"] == self.node:
-                    self.clock.watch(beat["pid"])  # the local workers' exact death times, for attribution
-                before = seen.get(beat["rank"])
-                moved = before and (before["step"], before["phase"]) != (beat["step"], beat["phase"])
-                if moved and before["phase"] in SLOW_PHASES:
-                    self.phase_seconds[before["phase"]].append(beat["time"] - before["time"])
-                seen[beat["rank"]] = beat
+            if self.rendezvous:
+                for beat in beats:
+                    if beat["host"] == self.node:
+                        self.clock.watch(beat["pid"])  # the local workers' exact death times, for attribution
+            if self._learn_timings(beats) and not progressed:
+                progressed = True
+                self._prepare_standby(attempt.number + 1)
             key = tuple((b["rank"], b["step"], b["phase"]) for b in beats)
             if key != last_key:
                 last_key, last_change = key, now
                 step = max((b["step"] for b in beats if b["phase"] != "startup"), default=-1)
                 if step > top_step:
-                    if last_step_time is not None:
-                        self.step_seconds.append((now - last_step_time) / (step - top_step))
-                        progressed = True
-                        self._prepare_standby(attempt.number + 1)
-                    top_step, last_step_time = step, now
+                    top_step = step
                     self._note_recovery(step)
             timeout = self.hang_timeout([b["phase"] for b in beats], progressed)
             first = self.first_stopped_timeout(beats, progressed)
@@ -62,6 +55,20 @@ class WorkerWatch:
                 break
         final = max((b["step"] for b in self._beats(attempt)), default=-1)
         self._note_recovery(final)  # the last steps may have run between two polls
+
+    def _learn_timings(self, beats: list[dict]) -> bool:
+        """The step time and the longest checkpoint and evaluation the ranks report in their heartbeats (the
+        slowest rank's), kept until this attempt's ranks report their own. Timed by the ranks, not by this
+        poll: a run whose steps are shorter than a poll could reach a hang before two polls saw it move, and
+        its timeout would have stayed the start-up's. True when a rank of this attempt has completed a step."""
+        steps = [b["step_s"] for b in beats if b.get("step_s")]
+        if steps:
+            self.step_seconds = max(steps)
+        for phase in SLOW_PHASES:
+            longest = [b["longest"][phase] for b in beats if b.get("longest", {}).get(phase)]
+            if longest:
+                self.phase_seconds[phase] = max(longest)
+        return bool(steps)
 
     def _let_peers_fail(self, attempt: Attempt) -> None:
         """A rank failed: its peers fail in their next collective within moments, each printing that a peer went
@@ -130,9 +137,9 @@ class WorkerWatch:
     def _phase_timeout(self, phase: str, progressed: bool) -> float:
         r = self.r
         if phase in STEP_PHASES and self.step_seconds and (progressed or not self.cfg.train.compile):
-            return max(r.hang_floor_s, r.hang_factor * statistics.median(self.step_seconds[-50:]))
-        if phase in SLOW_PHASES and self.phase_seconds[phase]:
-            return max(r.hang_floor_s, r.hang_factor * max(self.phase_seconds[phase][-20:]))
+            return max(r.hang_floor_s, r.hang_factor * self.step_seconds)
+        if phase in SLOW_PHASES and self.phase_seconds.get(phase):
+            return max(r.hang_floor_s, r.hang_factor * self.phase_seconds[phase])
         return r.startup_timeout_s  # start-up, the teardown after the last step, a first checkpoint or eval
 
     def _handle_hang(self, attempt: Attempt, beats: list[dict]) -> None:

@@ -17,6 +17,7 @@ import contextlib
 import faulthandler
 import os
 import signal
+import statistics
 import sys
 import time
 import zlib
@@ -31,6 +32,9 @@ PHASES = ("startup", "data", "forward", "backward", "optimizer", "collective", "
 # The parts of a training step. FSDP's and TP's collectives run inside forward, backward and optimizer (the
 # gradient norm); `collective` is the loop's own (the mean loss over ranks).
 STEP_PHASES = ("data", "forward", "backward", "optimizer", "collective", "step_end")
+# What a heartbeat times besides whole steps: the parts of a step, and what may come between two steps.
+TIMED_PHASES = (*STEP_PHASES, "checkpoint", "eval")
+RECENT = 50  # how many of the latest durations of each timed phase, and of whole steps, a heartbeat sums up
 # The order in which a rank passes the phases for one value of `step` (the steps completed): what follows a
 # step (its logged loss, evaluation, checkpoint) is beaten with the new count, and so are the next step's
 # parts. Forward and backward repeat for each micro-batch. A guard's rollback replays steps from the state it
@@ -63,8 +67,13 @@ class Heartbeat:
         self._stacks = None
         self._last: tuple[str, float] | None = None
         # Recent durations of each part of a step, so the watchdog can tell a part that usually takes
-        # milliseconds (loading a batch) from the step as a whole.
-        self._durations: dict[str, collections.deque] = {p: collections.deque(maxlen=50) for p in STEP_PHASES}
+        # milliseconds (loading a batch) from the step as a whole, and of checkpoints and evaluations.
+        self._durations: dict[str, collections.deque] = {p: collections.deque(maxlen=RECENT) for p in TIMED_PHASES}
+        # Recent durations of whole steps (from a step's batch to the next's), timed here: a watchdog that polls
+        # would miss steps shorter than its poll, and with them the step time its timeout follows.
+        self._steps: collections.deque = collections.deque(maxlen=RECENT)
+        self._step_s: float | None = None  # their median, reported in each beat
+        self._step_started: tuple[int, float] | None = None  # (the step count, when that step's batch began)
 
     def beat(self, step: int, phase: str, micro: int = 0) -> None:
         """`micro`: the micro-batch a forward or backward is for."""
@@ -72,9 +81,24 @@ class Heartbeat:
         if self._last is not None and self._last[0] in self._durations:
             self._durations[self._last[0]].append(now - self._last[1])
         self._last = (phase, now)
+        self._time_step(step, phase, now)
         record = {"rank": self.rank, "pid": os.getpid(), "host": self.host, "step": step, "phase": phase,
                   "micro": micro, "time": now, "longest": {p: round(max(d), 4) for p, d in self._durations.items() if d}}  # fmt: skip
+        if self._step_s is not None:
+            record["step_s"] = self._step_s
         self._write(dumps_json(record))
+
+    def _time_step(self, step: int, phase: str, now: float) -> None:
+        """A step's time runs from its batch (`data`, beaten with the count of steps before it) to the next
+        step's batch: the step and what follows it (its logged loss, the callbacks, an evaluation or a
+        checkpoint, which the median passes over where they are rare), as a watchdog sees steps go by. A
+        count that does not grow by one between two batches (a guard's rollback, a resumed start) times nothing."""
+        if phase != "data":
+            return
+        if self._step_started is not None and step == self._step_started[0] + 1:
+            self._steps.append(now - self._step_started[1])
+            self._step_s = round(statistics.median(self._steps), 4)
+        self._step_started = (step, now)
 
     def _write(self, text: str) -> None:
         """Best-effort: a heartbeat that cannot be written (a full disk) must not end training. In place on a
