@@ -69,20 +69,14 @@ def _take(records: list[dict], limit: int) -> list[dict]:
     return out
 
 
-def write_stores(out: Path) -> list[Path]:
-    from liandan.data import ByteTokenizer, Document, shard_path, write_manifest, write_shard
+def source_documents(sizes: dict[str, int]) -> dict:
+    """The documents of each source named in `sizes`, about that many bytes each: shakespeare, wiki
+    (WikiText-2 from its start), zh (the Chinese classics) and shuffled (the WikiText-2 after wiki's, with the
+    letters of every word shuffled)."""
+    from liandan.data import Document
 
-    def store(name: str, docs: list) -> Path:
-        path = out / "stores" / name
-        if not (path / "manifest.json").exists():
-            shard = write_shard(docs, ByteTokenizer(), shard_path(path, 0))
-            write_manifest(path, [shard], ByteTokenizer())
-        return path
-
-    text = (SHARED / "en-shakespeare.txt").read_text()[:SOURCE_BYTES]
     wiki = [json.loads(line) for line in (SHARED / "en-wikitext2.jsonl").open()]
-    zh = [json.loads(line) for line in (SHARED / "zh-classics.jsonl").open()]
-    first = _take(wiki, SOURCE_BYTES)
+    first = _take(wiki, sizes.get("wiki", SOURCE_BYTES))
     rng = random.Random(0)
 
     def shuffle(match: re.Match) -> str:
@@ -90,13 +84,33 @@ def write_stores(out: Path) -> list[Path]:
         rng.shuffle(letters)
         return "".join(letters)
 
-    rest = _take(wiki[len(first) :], SOURCE_BYTES)
-    return [
-        store("shakespeare", [Document("shakespeare", str(i), text[i : i + 4000]) for i in range(0, len(text), 4000)]),
-        store("wiki", [Document("wiki", r["id"], r["text"]) for r in first]),
-        store("zh", [Document("zh", r["id"], r["text"]) for r in _take(zh, SOURCE_BYTES)]),
-        store("shuffled", [Document("shuffled", r["id"], re.sub(r"[A-Za-z]+", shuffle, r["text"])) for r in rest]),
-    ]
+    def make(name: str, size: int) -> list:
+        if name == "shakespeare":
+            text = (SHARED / "en-shakespeare.txt").read_text()[:size]
+            return [Document(name, str(i), text[i : i + 4000]) for i in range(0, len(text), 4000)]
+        if name == "wiki":
+            return [Document(name, r["id"], r["text"]) for r in first]
+        if name == "zh":
+            zh = [json.loads(line) for line in (SHARED / "zh-classics.jsonl").open()]
+            return [Document(name, r["id"], r["text"]) for r in _take(zh, size)]
+        rest = _take(wiki[len(first) :], size)
+        return [Document(name, r["id"], re.sub(r"[A-Za-z]+", shuffle, r["text"])) for r in rest]
+
+    return {name: make(name, size) for name, size in sizes.items()}
+
+
+def write_stores(out: Path) -> list[Path]:
+    from liandan.data import ByteTokenizer, shard_path, write_manifest, write_shard
+
+    paths = []
+    names = ("shakespeare", "wiki", "zh", "shuffled")
+    for name, docs in source_documents(dict.fromkeys(names, SOURCE_BYTES)).items():
+        path = out / "stores" / name
+        if not (path / "manifest.json").exists():
+            shard = write_shard(docs, ByteTokenizer(), shard_path(path, 0))
+            write_manifest(path, [shard], ByteTokenizer())
+        paths.append(path)
+    return paths
 
 
 def main() -> int:

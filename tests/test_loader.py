@@ -84,6 +84,30 @@ def test_mixture_schedule_holds_for_awkward_weights():
         fresh.restore(37, [0, 0, 0])
 
 
+def test_a_store_of_weight_zero_is_never_trained_on_but_keeps_its_held_out_windows(stores):
+    loader = PackedLoader(stores, seq_len=32, global_batch=16, seed=1, val_fraction=0.1, weights=[0.7, 0.0, 0.3])
+    seen = np.zeros(3)
+    for step in range(200):
+        seen += np.bincount(loader.stores_for_step(step), minlength=3)
+    assert seen[1] == 0 and abs(seen[0] - 0.7 * 200 * 16) < 1
+    assert len(loader.streams[1].val_windows) > 0
+
+
+def test_runs_of_other_seeds_share_the_held_out_windows_of_one_split_seed(stores):
+    def loader(seed: int, split_seed: int = -1) -> PackedLoader:
+        return PackedLoader(stores, 32, 8, seed=seed, val_fraction=0.2, weights=[1, 1, 1], split_seed=split_seed)
+
+    a, b, c = loader(1, split_seed=7), loader(2, split_seed=7), loader(7)
+    for i in range(3):
+        assert np.array_equal(a.streams[i].val_windows, b.streams[i].val_windows)
+        assert np.array_equal(a.streams[i].val_windows, c.streams[i].val_windows)
+        assert not np.array_equal(loader(1).streams[i].val_windows, a.streams[i].val_windows)
+    assert not np.array_equal(a.windows_for_step(0)[1], b.windows_for_step(0)[1])  # the data order is the seed's
+    with pytest.raises(DataError, match="split_seed"):
+        loader(1).load_state_dict(a.state_dict())
+    assert "split_seed" not in c.state_dict()  # a state of the default split loads as states saved before it did
+
+
 def test_default_weights_follow_token_counts(stores):
     loader = PackedLoader(stores, seq_len=32, global_batch=64, seed=0)
     tokens = np.array([s.num_tokens for s in stores])
@@ -226,8 +250,12 @@ def loader_steps(loader, step):
 def test_bad_mixtures_are_refused(stores, tmp_path):
     with pytest.raises(DataError, match="2 mixture weights for 3 token stores"):
         PackedLoader(stores, 32, 8, seed=0, weights=[1, 2])
-    with pytest.raises(DataError, match="must be positive"):
-        PackedLoader(stores, 32, 8, seed=0, weights=[1, 0, 2])
+    with pytest.raises(DataError, match="must be non-negative numbers, not all zero"):
+        PackedLoader(stores, 32, 8, seed=0, weights=[1, -1, 2])
+    with pytest.raises(DataError, match="must be non-negative numbers, not all zero"):
+        PackedLoader(stores, 32, 8, seed=0, weights=[0, 0, 0])
+    with pytest.raises(DataError, match="must be non-negative numbers, not all zero"):
+        PackedLoader(stores, 32, 8, seed=0, weights=[1, float("nan"), 2])
     tiny = _store(tmp_path / "tiny", [Document("t", "0", "just a few words")])
     with pytest.raises(DataError, match="too small for one training sequence of 256 tokens"):
         PackedLoader(tiny, 256, 4, seed=0)

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tomllib
 
 from helpers import liandan_here, process_tree, read_metrics, run_liandan, start_liandan, wait_for_step
 from liandan.config import ConfigError
 from liandan.data import ByteTokenizer, Document, shard_path, write_manifest, write_shard
 from liandan.plan import mixture as mx
+from liandan.plan import mixture_check as mc
 
 NAMES = ["web", "books", "spam"]
 TOKENS = [6000, 3000, 1000]
@@ -231,6 +233,16 @@ def test_bad_input_gets_one_line(corpus):
     assert "p000-natural" in done.stdout and "p005-dirichlet" in done.stdout  # 3 sources: 12 proxies by default
     done = liandan_here("mix", config, "--out", root / "bad", "--design-only", "--train.steps=4", "--seed=1")
     assert done.returncode == 2 and "holds the proxies of another swarm (its seed differ" in done.stderr
+    for args, message in [
+        (["--larger", "model.dim"], "give KEY=VALUE"),
+        (["--larger", "run.seed=3"], "liandan mix sets run.seed for each validation run"),
+        (["--larger", "model.dimm=64"], "dimm"),
+        (["--seeds", "1"], "at least 2 seeds"),
+        (["--design-only"], "--design-only trains nothing"),
+    ]:
+        done = liandan_here("mix", config, "--out", root / "bad", "--train.steps=4", "--validate", *args)
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and message in lines[0], (args, done.stderr)
 
 
 @pytest.mark.slow
@@ -273,3 +285,63 @@ def test_mix_end_to_end_then_a_rerun_reuses_the_finished_proxies(corpus):
     assert [name for name in before if before[name] != after[name]] == [proxies[3].name]
     rerun = json.loads((out / "mix.json").read_text())  # trained again, bit for bit the same
     assert [p["bits_per_byte"] for p in rerun["proxies"]] == [p["bits_per_byte"] for p in report["proxies"]]
+    # checked at a larger size: the recommended, natural and uniform mixtures, two seeds each, on one held-out split
+    larger = [*args, "--validate", "--seeds", "2", "--larger", "model.dim=48", "--larger", "train.steps=4"]
+    done = run_liandan(*larger)
+    assert done.returncode == 0, done.stderr
+    assert "6 finished earlier" in done.stdout and "validation runs: 6 trained now" in done.stdout
+    check = json.loads((out / "validate-prose.json").read_text())
+    assert check["parameters"]["ratio"] > 1.5 and check["steps"] == 4 and check["target"] == "prose"
+    kinds = ("recommended", "natural", "uniform")
+    assert [r["name"] for r in check["runs"]] == [f"{k}-s{s}" for s in (1, 2) for k in kinds]
+    for run in check["runs"]:
+        config = tomllib.loads((Path(run["run_dir"]) / "config.toml").read_text())
+        assert config["run"]["seed"] == run["seed"] and config["data"]["split_seed"] == 1
+        assert config["model"]["llama"]["dim"] == 48 and config["data"]["weights"] == pytest.approx(run["weights"])
+        assert set(run["bits_per_byte"]) == {"prose", "more", "noise"}
+    recommended = check["mixtures"]["recommended"]
+    assert recommended["weights"] == pytest.approx(mc.without_tiny(analysis["recommended"]["weights"]))
+    prose = [r["bits_per_byte"]["prose"] for r in check["runs"] if r["kind"] == "recommended"]
+    assert recommended["measured"] == pytest.approx(prose) and recommended["mean"] == pytest.approx(np.mean(prose))
+    assert (out / "validate-prose.png").stat().st_size > 1000 and "the law's prediction" in done.stdout
+    again = run_liandan(*larger)  # finished runs are read back; another size in the same place is refused
+    assert again.returncode == 0 and "validation runs: 0 trained now, 6 finished earlier" in again.stdout
+    assert json.loads((out / "validate-prose.json").read_text())["mixtures"] == check["mixtures"]
+    other = run_liandan(*args, "--validate", "--seeds", "2", "--larger", "model.dim=64", "--larger", "train.steps=4")
+    assert other.returncode == 2 and "holds the validation runs of another recommendation or size" in other.stderr
+
+
+def test_validation_moves_the_law_to_the_larger_size_by_the_anchors_and_judges_beyond_the_spread():
+    target = np.array([0.5, 0.5, 0.0])
+    laws = {n: law.to_dict() for n, law in zip(NAMES, TRUTH)}
+    mixtures = {"recommended": (0.7, 0.3, 0.0), "natural": tuple(NATURAL), "uniform": (1 / 3,) * 3}
+    runs = mc.validation_runs(mixtures, seeds=3, first_seed=5)
+    assert [p.name for p in runs[:4]] == ["recommended-s5", "natural-s5", "uniform-s5", "recommended-s6"]
+    shift = np.array([-0.4, -0.3, -0.1])  # the larger model: lower losses, by source
+    noise = {5: 0.0, 6: 0.004, 7: -0.004}
+
+    def results(extra: dict[str, float]):
+        return [{n: float(law.predict(np.array(p.weights)) + s + noise[p.seed] + extra.get(p.kind, 0.0))
+                 for n, law, s in zip(NAMES, TRUTH, shift)} for p in runs]  # fmt: skip
+
+    report = mc.summarise(runs, results({}), laws, target, NAMES)
+    rec = report["mixtures"]["recommended"]
+    truth = float(
+        sum(a * (law.predict(np.array(mixtures["recommended"])) + s) for a, law, s in zip(target, TRUTH, shift))
+    )
+    assert report["shift"] == pytest.approx(dict(zip(NAMES, shift)), abs=1e-12)
+    assert rec["predicted"] == pytest.approx(truth, abs=1e-12) and rec["mean"] == pytest.approx(truth, abs=1e-12)
+    assert rec["error_relative"] == pytest.approx(0, abs=1e-12)
+    assert rec["high"] - rec["low"] == pytest.approx(0.008) and rec["seeds"] == [5, 6, 7]
+    assert rec["predicted_at_proxy_size"] - rec["predicted"] == pytest.approx(-(shift @ target))
+    # natural's worst mixture margin is large; a recommended run 0.05 worse overlaps uniform's seeds
+    assert report["beats"]["natural"]["beyond_spread"] == (rec["high"] < report["mixtures"]["natural"]["low"])
+    worse = mc.summarise(runs, results({"recommended": 0.5}), laws, target, NAMES)
+    assert not any(b["beyond_spread"] for b in worse["beats"].values())
+    assert worse["prediction_error_relative"] < 0  # it measured worse than the law said
+    better = mc.summarise(runs, results({"recommended": -0.5}), laws, target, NAMES)
+    assert all(b["beyond_spread"] and b["margin"] > 0.4 for b in better["beats"].values())
+    # a recommendation trains with its tiny weights left out; --larger is checked
+    assert mc.without_tiny([0.6, 0.39995, 0.00005]) == (0.60003, 0.39997, 0.0)
+    with pytest.raises(ConfigError, match="at least 2 seeds"):
+        mc.validation_runs(mixtures, seeds=1, first_seed=0)

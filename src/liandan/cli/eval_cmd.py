@@ -206,7 +206,7 @@ def _loader(run_cfg: Any, run: Path) -> Any:
         return None
     t = run_cfg.train
     return PackedLoader(stores, t.seq_len, t.global_batch, run_cfg.run.seed, run_cfg.data.val_fraction,
-                        weights=run_cfg.data.weights or None)  # fmt: skip
+                        weights=run_cfg.data.weights or None, split_seed=run_cfg.data.split_seed)  # fmt: skip
 
 
 def _launch(args: argparse.Namespace, overrides: list[str], baseline: Path | None) -> int:

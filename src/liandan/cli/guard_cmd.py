@@ -100,7 +100,7 @@ def open_loader(cfg, room: RunDir) -> PackedLoader:
         stores = [open_prepared(room.data)[0]]
     t = cfg.train
     return PackedLoader(stores, t.seq_len, t.global_batch, cfg.run.seed, cfg.data.val_fraction,
-                        weights=cfg.data.weights or None)  # fmt: skip
+                        weights=cfg.data.weights or None, split_seed=cfg.data.split_seed)  # fmt: skip
 
 
 def describe_range(r: SkippedRange) -> str:

@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from liandan.config import ConfigError
-
-ZERO = 1e-4  # a recommended weight below this is the source left out
+from liandan.plan.mixture_check import ZERO
 
 
 def add_commands(sub) -> None:
@@ -45,6 +44,13 @@ def add_commands(sub) -> None:
                    help="weight of KL(w || natural) added to the target's law (default 0)")  # fmt: skip
     p.add_argument("--bootstrap", type=int, default=200, metavar="B", help="bootstrap resamples (default 200)")
     p.add_argument("--design-only", action="store_true", help="print the swarm and the caps; train nothing")
+    p.add_argument("--validate", action="store_true",
+                   help="then train the recommended, natural and uniform mixtures at a larger size for --seeds seeds"
+                   " and set the law's predicted target against the measured one")  # fmt: skip
+    p.add_argument("--larger", action="append", default=[], metavar="KEY=VALUE",
+                   help="the larger size, as overrides on the proxies' config, repeated: --larger model.dim=256"
+                   " --larger train.steps=600 (default: model.dim doubled)")  # fmt: skip
+    p.add_argument("--seeds", type=int, default=3, metavar="N", help="seeds of each validation run (default 3)")
     p.set_defaults(command=cmd_mix)
 
 
@@ -57,6 +63,8 @@ def cmd_mix(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.plan.mixture_runs import Swarm, check_overrides, planned_tokens, read_sources, run_swarm
     from liandan.run.console import make_console
 
+    if args.validate and args.design_only:
+        raise ConfigError("--validate trains the swarm and then the larger runs; --design-only trains nothing")
     if args.parallel < 1:
         raise ConfigError(f"--parallel = {args.parallel} must be at least 1")
     if args.bootstrap < 10:
@@ -72,6 +80,10 @@ def cmd_mix(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError("[eval] heldout_sequences = 0: the proxies are scored by their held-out bits per byte")
     if not cfg.data.val_fraction:
         raise ConfigError("[data] val_fraction = 0: the proxies need held-out windows of every store")
+    if args.validate:
+        from liandan.cli.mix_validate import larger_config
+
+        larger_config(args, config, list(overrides), cfg)
     sources = read_sources(cfg)
     names = [s.name for s in sources]
     tokens = [s.tokens for s in sources]
@@ -130,6 +142,10 @@ def cmd_mix(args: argparse.Namespace, overrides: list[str]) -> int:
     if failed:
         console.print(f"note: {len(failed)} proxies failed (the first: {failed[0].proxy.name}: {failed[0].note});"
                       " the fit uses the others; run again to retry them", markup=False)  # fmt: skip
+    if args.validate:
+        from liandan.cli.mix_validate import validate
+
+        return validate(args, cfg, swarm, analysis, console)
     return 0
 
 

@@ -180,6 +180,10 @@ class DataSection:
     tokenizer: str = _f("bpe", "byte, bpe (trained on the corpus), or a path to a tokenizer.json")
     bpe_vocab_size: int = _f(4096, "vocabulary size when training a BPE tokenizer", min=260)
     val_fraction: float = _f(0.02, "share of sequences held out for validation", min=0.0, max=0.5)
+    split_seed: int = _f(
+        -1, "seed of which sequences are held out; -1: run.seed. Runs of different seeds given one split_seed are"
+        " scored on the same held-out sequences", min=-1
+    )  # fmt: skip
     stores: list[str] = _f(
         [], "token stores written by `liandan data run` (directories or URLs: s3://..., gs://...); when set, paths"
         " and tokenizer are unused"

@@ -39,11 +39,13 @@ def default_runs(sources: int) -> int:
 @dataclass(frozen=True)
 class Proxy:
     name: str
-    kind: str  # natural, uniform, config (the run config's own weights) or dirichlet
+    kind: str  # natural, uniform, config (the run config's own weights), dirichlet; or recommended
     weights: tuple[float, ...]
+    seed: int | None = None  # the run's own run.seed (a validation run's); None: the config's
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "kind": self.kind, "weights": list(self.weights)}
+        seed = {} if self.seed is None else {"seed": self.seed}
+        return {"name": self.name, "kind": self.kind, "weights": list(self.weights), **seed}
 
 
 def _tidy(weights: np.ndarray) -> tuple[float, ...]:

@@ -94,21 +94,25 @@ class Swarm:
     out: Path
     seed: int
     concentration: float
+    runs_dir: str = "proxies"  # under `out`; validate-<target> for the runs of `liandan mix --validate`
 
     @property
     def proxies_dir(self) -> Path:
-        return self.out / "proxies"
+        return self.out / self.runs_dir
 
     @property
     def design_path(self) -> Path:
-        return self.out / "design.json"
+        return self.out / "design.json" if self.runs_dir == "proxies" else self.proxies_dir / "design.json"
 
     def identity(self) -> dict:
         """What makes two swarms the same: a rerun with more or fewer runs is the same swarm (its proxies are
-        drawn in the same order), anything else is another."""
-        return {"config": str(self.config.resolve()), "overrides": list(self.overrides),
-                "sources": [vars(s) for s in self.sources], "seed": self.seed,
-                "concentration": self.concentration}  # fmt: skip
+        drawn in the same order), anything else is another. A validation's runs are part of what it is."""
+        identity = {"config": str(self.config.resolve()), "overrides": list(self.overrides),
+                    "sources": [vars(s) for s in self.sources], "seed": self.seed,
+                    "concentration": self.concentration}  # fmt: skip
+        if self.runs_dir != "proxies":
+            identity["runs"] = [p.to_dict() for p in self.proxies]
+        return identity
 
     def claim(self) -> None:
         """Write design.json, refusing a directory that holds another swarm."""
@@ -121,9 +125,12 @@ class Swarm:
             mine = self.identity()
             if held != mine:
                 differ = ", ".join(k for k in mine if held.get(k) != mine[k])
+                if self.runs_dir != "proxies":
+                    raise ConfigError(f"{self.proxies_dir} holds the validation runs of another recommendation or"
+                                      f" size (its {differ} differ); remove it or use another --out")  # fmt: skip
                 raise ConfigError(f"{self.out} holds the proxies of another swarm (its {differ} differ);"
                                   " use another --out")  # fmt: skip
-        self.out.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         design = {"identity": self.identity(), "proxies": [p.to_dict() for p in self.proxies]}
         path.write_text(json.dumps(design, indent=1) + "\n")
 
@@ -134,7 +141,8 @@ class Swarm:
         weights = "[" + ", ".join(repr(w) for w in proxy.weights) + "]"
         return [sys.executable, "-m", "liandan.cli", "train", str(self.config), *self.overrides,
                 f"--data.weights={weights}", f"--run.name={proxy.name}", f"--run.output_dir={self.proxies_dir}",
-                "--run.overwrite=true", "--resilience.supervise=false", f"--eval.every={steps}"]  # fmt: skip
+                "--run.overwrite=true", "--resilience.supervise=false", f"--eval.every={steps}",
+                *([] if proxy.seed is None else [f"--run.seed={proxy.seed}"])]  # fmt: skip
 
 
 def proxy_result(run_dir: Path, names: Sequence[str]) -> dict[str, float] | None:

@@ -234,12 +234,13 @@ def build_data(cfg: Config, env: Environment, room: RunDir, resuming: bool,
         stores = [store]
     if dpo:
         pairs = PairLoader(stores, t.seq_len, t.global_batch, cfg.run.seed, cfg.data.val_fraction, dp_rank, dp_size,
-                           weights=cfg.data.weights or None)  # fmt: skip
+                           weights=cfg.data.weights or None, split_seed=cfg.data.split_seed)  # fmt: skip
         say_pairs(pairs, t, env.say)
         return Data(pairs, micro_batch, dp_rank, dp_size, stores, tokenizer)
     packed = PackedLoader(
         stores, t.seq_len, t.global_batch, cfg.run.seed, cfg.data.val_fraction, dp_rank, dp_size,
         weights=cfg.data.weights or None, loss_mask=sft and t.sft_targets == "assistant",
+        split_seed=cfg.data.split_seed,
     )  # fmt: skip
     if sft:
         say_epochs(packed, t, env.say)

@@ -150,7 +150,8 @@ class MixtureSchedule:
 class _Stream:
     """One store's windows: the held-out ones and the endless, epoch-by-epoch shuffled training stream."""
 
-    def __init__(self, store: TokenStore, index: int, seq_len: int, seed: int, val_fraction: float):
+    def __init__(self, store: TokenStore, index: int, seq_len: int, seed: int, val_fraction: float,
+                 split_seed: int | None = None):  # fmt: skip
         self.store, self.index, self.seq_len, self.seed = store, index, seq_len, seed
         per_shard = np.array([max(0, (s.num_tokens - 1) // seq_len) for s in store.shards], dtype=np.int64)
         self.window_ends = np.cumsum(per_shard)
@@ -163,7 +164,8 @@ class _Stream:
                 f" sequence of {seq_len} tokens"
             )
         index_dtype = np.int32 if windows < 2**31 else np.int64
-        order = np.random.default_rng([seed, index, _SPLIT]).permutation(windows).astype(index_dtype)
+        split = seed if split_seed is None else split_seed
+        order = np.random.default_rng([split, index, _SPLIT]).permutation(windows).astype(index_dtype)
         self.val_windows = order[:n_val]  # kept in random order: any prefix is a fair sample
         self.train_windows = np.sort(order[n_val:])
         self._epochs: dict[int, np.ndarray] = {}
@@ -204,9 +206,12 @@ class PackedLoader:
         dp_size: int = 1,
         weights: Sequence[float] | None = None,
         loss_mask: bool = False,
+        split_seed: int = -1,
     ):
         """`loss_mask`: targets that a store's loss-mask channel leaves out (a fine-tuning store's prompts) are
-        -1, which the loss skips; every store must have one. Off, every token is a target."""
+        -1, which the loss skips; every store must have one. Off, every token is a target. `split_seed`: the
+        seed of which windows are held out (-1: `seed`), so that runs of other seeds can be scored on the same
+        ones."""
         stores = [stores] if isinstance(stores, TokenStore) else list(stores)
         if not stores:
             raise DataError("no token stores to train on")
@@ -220,14 +225,17 @@ class PackedLoader:
             weights = [s.num_tokens for s in stores]  # zero-token stores are refused below as too small
         if len(weights) != len(stores):
             raise DataError(f"{len(weights)} mixture weights for {len(stores)} token stores; give one per store")
-        if not all(math.isfinite(w) and w > 0 for w in weights):
-            raise DataError(f"mixture weights must be positive numbers, got {list(weights)}")
+        # A weight of 0 keeps a store out of training but in the held-out evaluation (a mixture that drops it).
+        if not (all(math.isfinite(w) and w >= 0 for w in weights) and sum(weights) > 0):
+            raise DataError(f"mixture weights must be non-negative numbers, not all zero, got {list(weights)}")
         if loss_mask and (unmasked := [str(s.path) for s in stores if s.loss_mask is None]):
             raise DataError(f"token stores without a loss mask (not written from chat data): {', '.join(unmasked)}")
         self.loss_mask = loss_mask
         self.stores, self.seq_len, self.global_batch = stores, seq_len, global_batch
         self.seed, self.val_fraction, self.dp_rank, self.dp_size = seed, val_fraction, dp_rank, dp_size
-        self.streams = [self.stream_type(s, i, seq_len, seed, val_fraction) for i, s in enumerate(stores)]
+        self.split_seed = seed if split_seed < 0 else split_seed
+        self.streams = [self.stream_type(s, i, seq_len, seed, val_fraction, self.split_seed)
+                        for i, s in enumerate(stores)]  # fmt: skip
         self.schedule = MixtureSchedule(weights, global_batch)
         self.step = 0  # the next data step: optimizer steps plus the batches skipped so far
         self.skipped: list[tuple[int, int]] = []  # [first, end) data steps skipped, in order
@@ -241,6 +249,8 @@ class PackedLoader:
             "val_fraction": self.val_fraction,
             "stores": [s.checksum for s in self.stores],
             "weights": self.schedule.weights,
+            # only when it is not the seed: states saved before it existed still load
+            **({"split_seed": self.split_seed} if self.split_seed != self.seed else {}),
         }
 
     def state_dict(self) -> dict:
@@ -255,6 +265,8 @@ class PackedLoader:
                 if key == "stores":
                     raise DataError(f"loader state was saved for other token stores ({state[key]}; these are {ours})")
                 raise DataError(f"loader state has {key}={state[key]}, this run has {ours}")
+        if (theirs := state.get("split_seed", state["seed"])) != self.split_seed:
+            raise DataError(f"loader state has split_seed={theirs}, this run has {self.split_seed}")
         if forgets("loader", int(state["step"])):  # a planted resume bug: the fresh position stays
             return
         self.schedule.restore(int(state["step"]), state["mixture"])

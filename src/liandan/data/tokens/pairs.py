@@ -30,7 +30,8 @@ class _PairStream(_Stream):
     """One store's pairs: the held-out ones and the endless, epoch-by-epoch shuffled training stream (the
     windows of `_Stream` are pairs here)."""
 
-    def __init__(self, store: TokenStore, index: int, seq_len: int, seed: int, val_fraction: float):
+    def __init__(self, store: TokenStore, index: int, seq_len: int, seed: int, val_fraction: float,
+                 split_seed: int | None = None):  # fmt: skip
         self.store, self.index, self.seq_len, self.seed = store, index, seq_len, seed
         per_shard = np.array([s.num_documents // 2 for s in store.shards], dtype=np.int64)
         self.window_ends = np.cumsum(per_shard)
@@ -40,7 +41,7 @@ class _PairStream(_Stream):
         if pairs - n_val < 1:
             raise DataError(f"preference store {store.path} holds no pair to train on ({pairs} pairs,"
                             f" {n_val} held out)")  # fmt: skip
-        order = np.random.default_rng([seed, index, _SPLIT]).permutation(pairs)
+        order = np.random.default_rng([seed if split_seed is None else split_seed, index, _SPLIT]).permutation(pairs)
         self.val_windows = order[:n_val]
         self.train_windows = np.sort(order[n_val:])
         self._epochs: dict[int, np.ndarray] = {}
@@ -54,13 +55,14 @@ class _PairStream(_Stream):
 class PairLoader(PackedLoader):
     stream_type = _PairStream
 
-    def __init__(self, stores, seq_len, global_batch, seed, val_fraction=0.0, dp_rank=0, dp_size=1, weights=None):
+    def __init__(self, stores, seq_len, global_batch, seed, val_fraction=0.0, dp_rank=0, dp_size=1, weights=None,
+                 split_seed=-1):  # fmt: skip
         stores = [stores] if isinstance(stores, TokenStore) else list(stores)
         if unpaired := [str(s.path) for s in stores if not (s.loss_mask or {}).get("pairs")]:
             raise DataError(f"token stores without preference pairs (not written from prompt/chosen/rejected"
                             f" records): {', '.join(unpaired)}")  # fmt: skip
         super().__init__(stores, seq_len, global_batch, seed, val_fraction, dp_rank, dp_size, weights,
-                         loss_mask=True)  # fmt: skip
+                         loss_mask=True, split_seed=split_seed)  # fmt: skip
 
     def truncated(self) -> tuple[int, int]:
         """(conversations longer than a row, conversations): the longer ones lose their ends."""
