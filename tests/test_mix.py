@@ -81,6 +81,25 @@ def test_the_fit_recovers_the_true_law():
     assert np.abs(fit.leave_one_out(np.ones(3) / 3)).max() < 1e-4
     saved = mx.MixtureLaw.from_dict(json.loads(json.dumps(fit.laws[1].to_dict())))  # as mix.json holds it
     assert saved.predict(unseen) == pytest.approx(fit.laws[1].predict(unseen), rel=1e-12)
+    # a weighting of the proxies (the bootstrap's) still finds an exact law; a proxy of weight 0 does not count
+    proxy_weights = np.random.default_rng(0).dirichlet(np.ones(len(losses))) * len(losses)
+    assert mx.fit_law(weights, losses[:, 0], proxy_weights).predict(unseen) == pytest.approx(
+        TRUTH[0].predict(unseen), rel=1e-4)  # fmt: skip
+    off = losses[:, 0].copy()
+    off[5] += 1.0
+    ignored = mx.fit_law(weights, off, np.where(np.arange(len(off)) == 5, 0.0, 1.0))
+    assert ignored.predict(unseen) == pytest.approx(TRUTH[0].predict(unseen), rel=1e-3)
+
+
+def test_the_bootstrap_keeps_every_proxy_so_intervals_stay_near_the_fit():
+    """Few proxies over three sources, with noise: resampled with replacement, some refits lost the proxies
+    spanning a source's weights and predicted thousands; weighted, every refit sees them all."""
+    weights, losses = _swarm(runs=8, noise=0.02, seed=3)
+    fit = mx.fit_mixture(weights, losses, NAMES, bootstrap=100)
+    analysis = mx.analyse(fit, "average", np.ones(3) / 3, NATURAL, mx.repeat_caps(TOKENS, 1000, 4, NAMES))
+    for kind in ("recommended", "natural", "uniform"):
+        m = analysis[kind]
+        assert m["low"] <= m["loss"] <= m["high"] < m["loss"] + 0.5, (kind, m)
 
 
 @pytest.fixture(scope="module")

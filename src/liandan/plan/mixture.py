@@ -8,8 +8,10 @@ regression is, and it stays positive and convex in w, so its minimum on the capp
 local solver finds. (A constant factor in front is redundant: on the simplex k · exp(t · w) = exp((t + log k)
 · w).) A target is a weighted sum of the sources' held-out losses; its law is the same sum of theirs.
 
-Intervals come from the bootstrap over proxies (resampled with replacement, every law refitted on the same
-resample), fit quality from leave-one-out predictions. The recommendation minimises the target's law,
+Intervals come from the Bayesian bootstrap over proxies (Rubin 1981: every proxy kept, with a random weight
+drawn from a flat Dirichlet, every law refitted with the same weights), fit quality from leave-one-out
+predictions. Unlike resampling with replacement, no refit loses the proxies that pin down a source's weight
+range and extrapolates wildly beyond the ones it kept. The recommendation minimises the target's law,
 optionally plus λ · KL(w ‖ natural) (olmix's pull towards the natural mixture), under a cap per source: it may
 be repeated at most R times at the planned token budget, so w_j ≤ R · tokens_j / budget.
 """
@@ -145,28 +147,30 @@ class MixtureLaw:
         return cls(float(data["c"]), np.asarray(data["t"], dtype=float))
 
 
-def fit_law(weights: np.ndarray, losses: np.ndarray) -> MixtureLaw:
-    """Least squares in the loss, c between 0 and just under the smallest loss. The floor c is weakly
-    determined, so the start is found on c alone: for each c, t is the linear fit of log(L - c) on w, and c
-    the one whose law is closest to the losses (a bounded scalar search); least squares over (c, t) polishes."""
+def fit_law(weights: np.ndarray, losses: np.ndarray, proxy_weights: np.ndarray | None = None) -> MixtureLaw:
+    """Least squares in the loss (each proxy's squared error times its `proxy_weights`, 1 by default), c between
+    0 and just under the smallest loss. The floor c is weakly determined, so the start is found on c alone: for
+    each c, t is the linear fit of log(L - c) on w, and c the one whose law is closest to the losses (a bounded
+    scalar search); least squares over (c, t) polishes."""
     W, y = np.asarray(weights, dtype=float), np.asarray(losses, dtype=float)
+    s = np.ones(len(y)) if proxy_weights is None else np.sqrt(np.asarray(proxy_weights, dtype=float))
     top = float(y.min()) * (1 - 1e-6)
 
     def slopes_for(c: float) -> np.ndarray:
-        return np.linalg.lstsq(W, np.log(y - c), rcond=None)[0]
+        return np.linalg.lstsq(W * s[:, None], np.log(y - c) * s, rcond=None)[0]
 
     def cost(c: float) -> float:
-        r = c + np.exp(W @ slopes_for(c)) - y
+        r = (c + np.exp(W @ slopes_for(c)) - y) * s
         return float(r @ r)
 
     c0 = float(minimize_scalar(cost, bounds=(0.0, top * (1 - 1e-4)), method="bounded").x)
     x0 = np.concatenate([[c0], slopes_for(c0)])
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        return x[0] + np.exp(W @ x[1:]) - y
+        return (x[0] + np.exp(W @ x[1:]) - y) * s
 
     def jacobian(x: np.ndarray) -> np.ndarray:
-        return np.column_stack([np.ones(len(y)), np.exp(W @ x[1:])[:, None] * W])
+        return np.column_stack([np.ones(len(y)), np.exp(W @ x[1:])[:, None] * W]) * s[:, None]
 
     res = least_squares(
         residuals, x0, jac=jacobian, bounds=([0.0] + [-np.inf] * W.shape[1], [top] + [np.inf] * W.shape[1])
@@ -176,13 +180,14 @@ def fit_law(weights: np.ndarray, losses: np.ndarray) -> MixtureLaw:
 
 @dataclass(frozen=True)
 class Fit:
-    """The laws of every source, fitted on all proxies, and refitted on `bootstrap` resamples."""
+    """The laws of every source, fitted on all proxies, and refitted under `bootstrap` random weightings of
+    the proxies."""
 
     names: list[str]
     weights: np.ndarray  # proxies x sources
     losses: np.ndarray  # proxies x sources: held-out bits per byte
     laws: list[MixtureLaw]
-    samples: list[list[MixtureLaw]]  # bootstrap resamples x sources
+    samples: list[list[MixtureLaw]]  # bootstrap weightings x sources
 
     def predict(self, laws: Sequence[MixtureLaw], target: np.ndarray, w: np.ndarray) -> np.ndarray:
         return sum(a * law.predict(w) for a, law in zip(target, laws) if a)
@@ -209,13 +214,9 @@ def fit_mixture(weights, losses, names: Sequence[str], bootstrap: int = 200, see
     laws = [fit_law(W, Y[:, j]) for j in range(k)]
     rng = np.random.default_rng(seed)
     samples = []
-    for _ in range(50 * bootstrap):
-        if len(samples) == bootstrap:
-            break
-        rows = rng.integers(0, n, n)
-        if len(np.unique(rows)) < k + 2:  # too few distinct proxies to pin a law down
-            continue
-        samples.append([fit_law(W[rows], Y[rows, j]) for j in range(k)])
+    for _ in range(bootstrap):
+        proxy_weights = rng.dirichlet(np.ones(n)) * n
+        samples.append([fit_law(W, Y[:, j], proxy_weights) for j in range(k)])
     return Fit(list(names), W, Y, laws, samples)
 
 
