@@ -143,3 +143,42 @@ def test_a_pretrained_model_exports_without_a_chat_template(tmp_path):
     config = json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())
     assert "chat_template" not in config and config["eos_token"] == "<|endoftext|>"
     assert not (tmp_path / "hf" / "generation_config.json").exists()
+
+
+def test_fine_tuning_a_hugging_face_model_on_its_own_template_exports_back_to_transformers(tmp_path):
+    """The way a user takes a downloaded model: its directory (weights, tokenizer, chat template) starts a
+    fine-tuning run that renders the chats with that template, and the export loads in transformers with the
+    same template and gives liandan's logits on a chat it renders itself."""
+    from liandan.checkpoint.loading import load_model
+    from liandan.train import Trainer
+
+    tokenizer_file = write_hf_chat_tokenizer(tmp_path / "model")
+    vocab = 64 * -(-HFTokenizer.load(tokenizer_file).vocab_size // 64)
+    torch.manual_seed(0)
+    start = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=False,
+    ))  # fmt: skip
+    start.save_pretrained(tmp_path / "model")
+    data = write_chat_data(tmp_path, n=6, malformed=False)
+    cfg = tiny_config(tmp_path, data, *SFT_OVERRIDES, f'--data.paths=["{data}"]', f"--data.tokenizer={tokenizer_file}",
+                      "--data.chat_template=tokenizer", f"--checkpoint.init_from={tmp_path / 'model'}",
+                      "--model.ffn_dim=96", "--train.steps=2", "--checkpoint.every=2",
+                      "--checkpoint.async_save=false")  # fmt: skip
+    trainer = Trainer(cfg, say=lambda m: None)
+    trainer.train()
+    said = liandan_here("export", trainer.run_dir, tmp_path / "tuned", "--hf", check=True).stdout
+    assert "with its chat template" in said
+
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "tuned"))
+    assert theirs.chat_template == ModelTemplate(tokenizer_file.parent).template
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "tuned")).eval()
+    ours, _ = load_model(trainer.run_dir / "checkpoints" / "step-00000002")
+    rendered = theirs.apply_chat_template(chat_conversations(1)[0], tokenize=True, return_dict=False)
+    ids = torch.tensor([rendered[:64]])  # the model's longest sequence
+    with torch.no_grad():
+        assert (tuned(ids).logits - ours.eval()(ids)).abs().max().item() < 1e-4
+        # trained from the downloaded weights, and moved by the fine-tuning
+        moved = (tuned.model.embed_tokens.weight - start.model.embed_tokens.weight).abs()
+        assert 0 < moved.max().item() < 0.01  # two steps of AdamW move each weight by about lr at most
