@@ -13,6 +13,8 @@ summary.json exists is not trained again, so the sweep can be stopped and contin
     python benchmarks/muon_vs_adamw.py --out runs/muon-vs-adamw                    # both corpora, 1 process
     python benchmarks/muon_vs_adamw.py --out runs/muon-vs-adamw --nproc 2          # the same under FSDP2
     python benchmarks/muon_vs_adamw.py --out runs/small --dim 128 --layers 4 --steps 200   # a quick look
+    python benchmarks/muon_vs_adamw.py --out runs/fsdp2 --nproc 2 --lr en:adamw=5e-4 --lr en:muon=4e-3 \
+        --lr zh:adamw=2e-3 --lr zh:muon=4e-3                # only these rates (a sweep's winners, elsewhere)
 """
 
 from __future__ import annotations
@@ -135,15 +137,19 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--dtype", default="auto", help="train.dtype")
     parser.add_argument("--parallel", type=int, default=1, help="runs trained at once (several fit on one GPU)")
+    parser.add_argument("--lr", action="append", default=[], metavar="CORPUS:OPTIMIZER=LR",
+                        help="train only these rates, repeatable (default: each optimizer's whole grid)")  # fmt: skip
     a = parser.parse_args()
     if not SHARED.is_dir():
         sys.exit(f"the shared corpora are not at {SHARED}")
     a.out.mkdir(parents=True, exist_ok=True)
     corpora = a.corpora.split(",")
+    chosen = [(c, o, float(lr)) for c, o, lr in (item.replace(":", "=").split("=") for item in a.lr)]
+    grids = {(c, o): [lr for cc, oo, lr in chosen if (cc, oo) == (c, o)] or (GRIDS[o] if not chosen else [])
+             for c in corpora for o in GRIDS}  # fmt: skip
     pending = [
         (corpus, optimizer, lr)
-        for corpus in corpora
-        for optimizer, grid in GRIDS.items()
+        for (corpus, optimizer), grid in grids.items()
         for lr in grid
         if not (a.out / run_name(corpus, optimizer, lr) / "summary.json").is_file()
     ]
@@ -156,8 +162,8 @@ def main() -> None:
     for corpus in corpora:
         best: dict[str, tuple[float, Path]] = {}
         print(f"\n{corpus}: final validation loss by learning rate")
-        for optimizer, grid in GRIDS.items():
-            for lr in grid:
+        for optimizer in GRIDS:
+            for lr in grids[corpus, optimizer]:
                 run = a.out / run_name(corpus, optimizer, lr)
                 summary = json.loads((run / "summary.json").read_text())
                 print(f"  {optimizer:6s} lr {lr:<7g} val {summary['val_loss']:.4f}  params {summary['parameters']:,}")
