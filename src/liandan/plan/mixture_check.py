@@ -1,8 +1,8 @@
 """`liandan mix --validate` (docs/mixtures.md): the recommended mixture checked at a larger size.
 
 The recommended, the natural and the uniform mixture are each trained at the larger size (the proxies'
-config with `--larger` overrides; by default twice the width, about four times the parameters) for several
-seeds. A seed is the run's `run.seed`: the model's initialisation and the data order. Every run is scored on the
+config with `--larger` overrides; by default twice the width: nearly four times the parameters outside the
+embeddings) for several seeds. A seed is the run's `run.seed`: the model's initialisation and the data order. Every run is scored on the
 same held-out windows (`data.split_seed` is the config's `run.seed` throughout), so the spread between seeds
 is the training's alone, and the three mixtures of one seed differ only in their weights.
 
