@@ -42,7 +42,8 @@ def add_commands(sub) -> None:
                    " seq_len)")  # fmt: skip
     p.add_argument("--kl", type=float, default=0.0, metavar="LAMBDA",
                    help="weight of KL(w || natural) added to the target's law (default 0)")  # fmt: skip
-    p.add_argument("--bootstrap", type=int, default=200, metavar="B", help="bootstrap resamples (default 200)")
+    p.add_argument("--bootstrap", type=int, default=200, metavar="B",
+                   help="bootstrap refits, each under random weights of the proxies (default 200)")  # fmt: skip
     p.add_argument("--design-only", action="store_true", help="print the swarm and the caps; train nothing")
     p.add_argument("--validate", action="store_true",
                    help="then train the recommended, natural and uniform mixtures at a larger size for --seeds seeds"
@@ -209,7 +210,7 @@ def _summary_lines(analysis: dict[str, Any], per_source: dict[str, float], sourc
         lines.append(f"{kind:>11}: predicted {analysis['target']} {m['loss']:.4f} bits/byte"
                      f" [{m['low']:.4f}, {m['high']:.4f}]")  # fmt: skip
     each = ", ".join(f"{n} {v:.2%}" for n, v in per_source.items())
-    lines.append(f"fit: {fit['proxies']} proxies, {fit['bootstrap']} bootstrap resamples; leave-one-out error of"
+    lines.append(f"fit: {fit['proxies']} proxies, {fit['bootstrap']} bootstrap refits; leave-one-out error of"
                  f" the target {fit['loo_rms_relative']:.2%} RMS, {fit['loo_max_relative']:.2%} at most; per source"
                  f" {each}")  # fmt: skip
     kept = [(s, w) for s, w in zip(sources, analysis["recommended"]["weights"]) if w >= ZERO]
