@@ -364,3 +364,12 @@ def test_validation_moves_the_law_to_the_larger_size_by_the_anchors_and_judges_b
     assert mc.without_tiny([0.6, 0.39995, 0.00005]) == (0.60003, 0.39997, 0.0)
     with pytest.raises(ConfigError, match="at least 2 seeds"):
         mc.validation_runs(mixtures, seeds=1, first_seed=0)
+
+
+def test_the_default_larger_size_doubles_the_width_of_a_nested_model_section():
+    from liandan.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "tiny.toml", [])  # [model.llama] dim
+    assert mc.larger_overrides([], cfg) == [f"--model.dim={2 * cfg.model.llama.dim}"]
+    assert mc.larger_overrides(["--model.n_layers=6", "train.steps=9"], cfg) == ["--model.n_layers=6",
+                                                                                "--train.steps=9"]  # fmt: skip

@@ -40,7 +40,9 @@ def larger_overrides(items: Sequence[str], cfg: Config) -> list[str]:
     """`--larger KEY=VALUE` items as `--KEY=VALUE` overrides on top of the proxies' own; none given: the
     proxies' width doubled."""
     if not items:
-        return [f"--model.dim={2 * cfg.model.dim}"]
+        from liandan.model.spec import model_args
+
+        return [f"--model.dim={2 * model_args(cfg.model, 0).dim}"]  # the family's own width, nested or flat
     out = []
     for item in items:
         key, eq, value = item.removeprefix("--").partition("=")
