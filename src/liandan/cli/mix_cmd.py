@@ -84,7 +84,7 @@ def cmd_mix(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.validate:
         from liandan.cli.mix_validate import larger_config
 
-        larger_config(args, config, list(overrides), cfg)
+        larger, big = larger_config(args, config, list(overrides), cfg)
     sources = read_sources(cfg)
     names = [s.name for s in sources]
     tokens = [s.tokens for s in sources]
@@ -146,7 +146,7 @@ def cmd_mix(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.validate:
         from liandan.cli.mix_validate import validate
 
-        return validate(args, cfg, swarm, analysis, console)
+        return validate(args, cfg, larger, big, swarm, analysis, console)
     return 0
 
 

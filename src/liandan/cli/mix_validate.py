@@ -15,18 +15,20 @@ from liandan.config import Config, ConfigError
 def larger_config(
     args: argparse.Namespace, config: Path, overrides: list[str], cfg: Config
 ) -> tuple[list[str], Config]:
-    """The validation runs' overrides on top of the proxies' and the config they make; checked before the swarm
+    """The larger size's overrides on top of the proxies' and the config they make; checked before the swarm
     trains, so that a wrong `--larger` costs nothing."""
     from liandan.config import load_config
     from liandan.plan.mixture_check import larger_overrides
 
     if args.seeds < 2:
         raise ConfigError(f"--seeds = {args.seeds}: a spread needs at least 2 seeds")
-    larger = [*larger_overrides(args.larger, cfg), f"--data.split_seed={cfg.run.seed}"]
+    larger = larger_overrides(args.larger, cfg)
     return larger, load_config(config, [*overrides, *larger])
 
 
-def validate(args: argparse.Namespace, cfg: Config, swarm, analysis: dict[str, Any], console) -> int:
+def validate(args: argparse.Namespace, cfg: Config, larger: list[str], big: Config, swarm, analysis: dict[str, Any],
+             console) -> int:  # fmt: skip
+    """`larger`, `big`: what `larger_config` gave."""
     import numpy as np
 
     from liandan.cli.mix_cmd import _Reporter
@@ -34,7 +36,6 @@ def validate(args: argparse.Namespace, cfg: Config, swarm, analysis: dict[str, A
     from liandan.plan import mixture_check as mc
     from liandan.plan.mixture_runs import Swarm, run_swarm
 
-    larger, big = larger_config(args, swarm.config, swarm.overrides, cfg)
     names = [s.name for s in swarm.sources]
     vocab = TokenStore(swarm.sources[0].path).vocab_size
     small_n, big_n = mc.total_parameters(cfg, vocab), mc.total_parameters(big, vocab)
@@ -43,11 +44,12 @@ def validate(args: argparse.Namespace, cfg: Config, swarm, analysis: dict[str, A
     mixtures = {kind: tuple(round(float(x), 6) for x in w) for kind, w in mixtures.items()}
     runs = mc.validation_runs(mixtures, args.seeds, cfg.run.seed)
     name = mc.validation_name(analysis["target"])
-    checking = Swarm(swarm.config, [*swarm.overrides, *larger], swarm.sources, runs, swarm.out, swarm.seed,
-                     swarm.concentration, runs_dir=name)  # fmt: skip
+    one_split = f"--data.split_seed={cfg.run.seed}"  # every seed scored on the same held-out windows
+    checking = Swarm(swarm.config, [*swarm.overrides, *larger, one_split], swarm.sources, runs, swarm.out,
+                     swarm.seed, swarm.concentration, runs_dir=name)  # fmt: skip
     checking.claim()
     console.print(f"validation: {len(runs)} runs ({', '.join(mc.KINDS)} x {args.seeds} seeds) at"
-                  f" {' '.join(larger[:-1])}: {big_n:,} parameters, {big_n / small_n:.1f}x the proxies' {small_n:,};"
+                  f" {' '.join(larger)}: {big_n:,} parameters, {big_n / small_n:.1f}x the proxies' {small_n:,};"
                   f" {big.train.steps} steps x {big.train.global_batch} x {big.train.seq_len} tokens, in"
                   f" {checking.proxies_dir}", markup=False)  # fmt: skip
     outcomes = run_swarm(checking, big.train.steps, args.parallel, _Reporter(console, names))

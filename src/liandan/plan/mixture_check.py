@@ -22,12 +22,12 @@ import numpy as np
 
 from liandan.config import Config, ConfigError
 from liandan.plan.mixture import ROUND, MixtureLaw, Proxy
+from liandan.plan.mixture_runs import SET_BY_MIX
 
 KINDS = ("recommended", "natural", "uniform")
 ANCHORS = ("natural", "uniform")
 ZERO = 1e-4  # a recommended weight below this is the source left out
-RESERVED = ("data.weights", "run.name", "run.output_dir", "run.overwrite", "resilience.supervise", "eval.every",
-            "run.seed", "data.split_seed")  # fmt: skip
+RESERVED = (*SET_BY_MIX, "run.seed", "data.split_seed")  # set by the validation for each run
 
 
 def validation_name(target_label: str) -> str:
