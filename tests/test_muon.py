@@ -87,6 +87,25 @@ def test_muon_takes_the_hidden_matrices_and_adamw_the_rest(tied):
     assert all(g["adjust_lr_fn"] == "match_rms_adamw" and g["weight_decay"] == 0.1 for g in muon_opt.param_groups)
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_embedding_and_the_head_take_their_own_learning_rate_scales(tied):
+    model = _model(tie_embeddings=tied)
+    section = _section("--optim.lr=0.01", "--optim.muon.embedding_lr_scale=10", "--optim.muon.head_lr_scale=0.5")
+    muon_opt, adamw = build_muon(model, section, torch.device("cpu"))
+    lr_of = {id(p): g["lr"] for o in (muon_opt, adamw) for g in o.param_groups for p in g["params"]}
+    assert lr_of[id(model.tok_embeddings.weight)] == pytest.approx(0.1)  # a tied head is the embedding
+    if not tied:
+        assert lr_of[id(model.output.weight)] == pytest.approx(0.005)
+    assert lr_of[id(model.norm.weight)] == pytest.approx(0.01)
+    assert all(g["lr"] == pytest.approx(0.01) for g in muon_opt.param_groups)  # Muon's matrices: unscaled
+    decay_of = {id(p): g["weight_decay"] for g in adamw.param_groups for p in g["params"]}
+    assert decay_of[id(model.tok_embeddings.weight)] == 0.0  # the scales change no group's decay
+    if not tied:
+        assert decay_of[id(model.output.weight)] == 0.1
+    with pytest.raises(ConfigError, match="embedding_lr_scale = -1"):
+        _section("--optim.muon.embedding_lr_scale=-1")
+
+
 def test_the_config_selects_muon_and_its_keys(tmp_path):
     cfg = load_config(None, ["--optim.name=muon", "--optim.muon.adjust_lr=spectral", "--optim.muon.momentum=0.9"])
     assert cfg.optim.options.adjust_lr == "spectral" and cfg.optim.muon.momentum == 0.9

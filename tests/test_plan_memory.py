@@ -416,12 +416,16 @@ TOLERANCE_SMALL_ACTIVATIONS = 0.5
 STATES = ["--model.n_layers=4", "--model.max_seq_len=32", "--train.seq_len=32", "--train.global_batch=1"]
 ACTIVATIONS = ["--model.dim=64", "--model.n_layers=4", "--model.n_heads=4", "--model.n_kv_heads=4",
                "--model.max_seq_len=128", "--train.seq_len=128", "--train.global_batch=16"]  # fmt: skip
+LONG = [*ACTIVATIONS, "--model.max_seq_len=512", "--train.seq_len=512"]
 RUNS = {
     "tiny": [],  # tiny_config: 0.1M parameters, for the fixed cost of a run
     "states-3.3M": [*STATES, "--model.dim=256", "--model.n_heads=4", "--model.n_kv_heads=4"],
     "states-13M": [*STATES, "--model.dim=512", "--model.n_heads=8", "--model.n_kv_heads=8"],
     "activations-none": ACTIVATIONS,
     "activations-full": [*ACTIVATIONS, "--train.activation_checkpoint=full"],
+    # 4x the tokens: full recomputation's activations large enough that the allocator's slack weighs little
+    "activations-long-none": LONG,
+    "activations-long-full": [*LONG, "--train.activation_checkpoint=full"],
     # measured for docs/planning.md only: liandan's selective policy keeps less than the paper's selective
     "activations-selective": [*ACTIVATIONS, "--train.activation_checkpoint=selective"],
 }

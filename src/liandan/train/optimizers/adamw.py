@@ -1,6 +1,7 @@
 """AdamW with decay groups: matrices decay; norm weights, biases and embedding tables do not. Hidden matrices
 take their learning rate divided by their width multiplier (1 under the standard parameterization; the fan-in
-over the base model's under muP, where Adam's best rate for them shrinks as 1/width)."""
+over the base model's under muP, where Adam's best rate for them shrinks as 1/width); the embedding and the
+head take theirs times `embedding_lr_scale` and `head_lr_scale`."""
 
 from __future__ import annotations
 
@@ -27,12 +28,15 @@ def _decays(r: RoledParameter, decay_norms_and_embeddings: bool) -> bool:
 
 def adamw_groups(roled: list[RoledParameter], section: OptimSection) -> list[dict]:
     """Torch param groups for `roled`: one per (decay, learning-rate scale), each with its own peak `lr`
-    (the schedule multiplies every group's own)."""
+    (the schedule multiplies every group's own). The scale is 1 / width multiplier for hidden matrices, the
+    options' `embedding_lr_scale` and `head_lr_scale` for the embedding and the head, 1 otherwise."""
     o = section.options
     groups: dict[tuple[bool, float], dict] = {}
     for r in roled:
         decays = _decays(r, o.decay_norms_and_embeddings)
-        scale = 1.0 / r.width_mult if r.role == "hidden" else 1.0
+        # a tied head is the embedding (role "embedding") and takes its scale
+        by_role = {"hidden": 1.0 / r.width_mult, "embedding": o.embedding_lr_scale, "head": o.head_lr_scale}
+        scale = by_role.get(r.role, 1.0)
         group = groups.setdefault((decays, scale), {"params": [], "weight_decay": o.weight_decay if decays else 0.0,
                                                     "lr": section.lr * scale})  # fmt: skip
         group["params"].append(r.param)
