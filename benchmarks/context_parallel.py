@@ -1,6 +1,7 @@
-"""Context parallelism on CUDA: PyTorch's ring attention in liandan's context-parallel step against one process.
+"""Context parallelism: PyTorch's ring attention in liandan's context-parallel step against one process.
 
-Two ranks (one GPU each with NCCL; on a machine of one GPU, both on it, over gloo) hold the same Llama. Each
+Two ranks (one GPU each with NCCL; on a machine of one GPU, both on it, over gloo; without a GPU, CPU processes
+over gloo, one thread each) hold the same Llama. Each
 step, every rank computes the loss and gradients of the whole batch alone (SDPA over the whole sequence), then
 the same batch split by `liandan.train.context_parallel.sequence_split` (PyTorch's `context_parallel`: the
 causal load-balancing order, the rotary positions, ring attention in forward and backward) with the loss
@@ -11,6 +12,7 @@ rank's step time under the ring).
 
     python benchmarks/context_parallel.py --quick      # < 60 s on one GPU: seq 8192, 4 layers of width 512
     python benchmarks/context_parallel.py --seq-len 32768 --steps 5
+    python benchmarks/context_parallel.py --seq-len 4096 --layers 2 --steps 3   # on the CPU (no GPU)
 """
 
 from __future__ import annotations
@@ -32,13 +34,19 @@ from liandan.train.context_parallel import cp_refusal, mean_over_cp, sequence_sp
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    cuda = torch.cuda.is_available()
     shared = torch.cuda.device_count() < world
-    device = torch.device("cuda", 0 if shared else rank)
-    torch.cuda.set_device(device)
+    if cuda:
+        device = torch.device("cuda", 0 if shared else rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
     dist.init_process_group("gloo" if shared else "nccl", rank=rank, world_size=world)
     from torch.distributed.device_mesh import init_device_mesh
 
-    cp_mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("cp",))
+    cp_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
+    sync = torch.cuda.synchronize if cuda else lambda: None
     model_args = ModelArgs(vocab_size=8192, dim=512, n_layers=args.layers, n_heads=8, n_kv_heads=4,
                            max_seq_len=args.seq_len, attention="sdpa")  # fmt: skip
     torch.manual_seed(0)
@@ -48,13 +56,13 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     rows = []
     for step in range(args.steps + 1):
         tokens = torch.randint(0, model_args.vocab_size, (args.batch, args.seq_len + 1), generator=generator)
-        inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+        inputs, targets = tokens[:, :-1].to(device), tokens[:, 1:].to(device).clone()  # a copy on the CPU too
         targets[0, : args.seq_len // 8] = -1  # left-out targets: the ranks' shares of the counted ones differ
-        torch.cuda.synchronize()
+        sync()
         start = time.perf_counter()
         whole = model(inputs, targets)
         whole.backward()
-        torch.cuda.synchronize()
+        sync()
         whole_s = time.perf_counter() - start
         whole_grads = [p.grad.clone() for p in params]
         model.zero_grad()
@@ -62,7 +70,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         with sequence_split(cp_mesh, inputs, targets) as part:
             loss = model(part.inputs, part.targets, positions=part.positions) * part.weight
             loss.backward()
-        torch.cuda.synchronize()
+        sync()
         split_s = time.perf_counter() - start
         for p in params:
             dist.all_reduce(p.grad)
@@ -73,10 +81,10 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         )
         model.zero_grad()
         if step:  # the first step compiles and warms the kernels
-            rows.append((float(whole), split_loss, worst, whole_s, split_s))
+            rows.append((float(whole.detach()), split_loss, worst, whole_s, split_s))
     if rank == 0:
-        name = torch.cuda.get_device_name(device)
-        how = "both on one GPU over gloo" if shared else "one GPU each over NCCL"
+        name = torch.cuda.get_device_name(device) if cuda else "CPU"
+        how = ("both on one GPU over gloo" if shared else "one GPU each over NCCL") if cuda else "one thread each, gloo"
         print(f"{name}: cp = {world} ({how}), batch {args.batch} x {args.seq_len}, {args.layers} layers, fp32")
         for whole_loss, split_loss, worst, whole_s, split_s in rows:
             print(f"loss whole {whole_loss:.6f} split {split_loss:.6f} (rel diff {abs(split_loss / whole_loss - 1):.1e})"

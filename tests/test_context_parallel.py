@@ -1,13 +1,14 @@
-"""Context parallelism (`parallel.cp`) on the CPU: what runs here.
+"""Context parallelism (`parallel.cp`) on the CPU, with PyTorch's ring attention over the CPU's SDPA kernel
+(`liandan.train.cpu_ring`).
 
-PyTorch's ring attention runs only CUDA's SDPA kernels (liandan.train.context_parallel says why), so a CPU run
-asking for cp > 1 is refused in one line; benchmarks/context_parallel.py checks the ring on a GPU. The rest of a
-context-parallel step is tested on 2 gloo ranks by tests/cp_worker.py, with a stand-in for the attention
-(gathered keys and values under the causal mask of their positions): the sequence sharded in the causal
-load-balancing order by PyTorch's `context_parallel`, the rotary positions travelling with the tokens, the loss
-weights when targets are left out, the loss over the cp ranks, and FSDP2's gradient average over dp_shard x cp.
-Tolerances: the losses equal to a relative 1e-6 (they came out bit-equal), the gradients to 1e-5 absolute
-(seen: 1e-6; the keys' reductions run in another order).
+tests/cp_worker.py runs a context-parallel step on 2 gloo ranks against the same model in one process: the
+sequence sharded in the causal load-balancing order by PyTorch's `context_parallel`, the rotary positions
+travelling with the tokens, the ring in forward and backward, the loss weights when targets are left out, the
+loss over the cp ranks, and FSDP2's gradient average over dp_shard x cp. Tolerances: the losses equal to a
+relative 1e-6, the gradients to 1e-5 absolute (seen: 1e-6; the ring merges the chunks' partial attention by
+their log-sum-exp, in another order than one kernel over the whole sequence). The trainer's runs: a sequence
+of 1,024 tokens over cp = 2 and over cp = 2 x dp_shard = 2 gives one process's losses to 1e-5, and a kill and
+resume under cp = 2 the losses of the run that never stopped, bit for bit.
 """
 
 import json
@@ -17,8 +18,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from helpers import free_port, run_liandan, tiny_config, write_corpus
+from helpers import free_port, kill_then_resume, run_losses, tiny_config, train_named, write_corpus
 from liandan.train.context_parallel import cp_refusal
 
 TESTS = Path(__file__).resolve().parent
@@ -37,7 +39,11 @@ def test_cp_refusals_name_what_to_set():
     assert cp_refusal(2, 64, "causal", "flex", "cuda") == (
         "parallel.cp = 2 needs model.attention = 'sdpa' (or 'auto'): ring attention is SDPA's"
     )
-    assert cp_refusal(2, 64, "causal", "sdpa", "cpu").startswith("parallel.cp = 2 needs CUDA: PyTorch's ring")
+    assert cp_refusal(2, 64, "causal", "sdpa", "cpu") is None  # PyTorch's ring over the CPU's kernel
+    assert cp_refusal(2, 64, "causal", "sdpa", "mps") == (
+        "parallel.cp = 2 needs CUDA or the CPU: PyTorch's ring attention (torch"
+        f" {torch.__version__}) shards their SDPA kernels only, not mps's"
+    )
 
 
 @pytest.mark.slow
@@ -76,11 +82,43 @@ def test_sequence_split_loss_and_gradients_match_one_process(tmp_path):
     assert reports[0]["share"]["weight"] != reports[1]["share"]["weight"]  # the left-out targets fell on rank 0
 
 
+# 1,024 tokens a sequence: each cp rank attends over its 512 and the ring brings it the rest
+LONG = ["--train.mask=causal", "--model.max_seq_len=1024", "--train.seq_len=1024", "--train.steps=8",
+        "--checkpoint.every=4", "--resilience.supervise=false", "--doctor.preflight=false"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def long_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cp")
+    config = root / "tiny.toml"
+    config.write_text(tiny_config(root / "runs", write_corpus(root), "--run.name=", *LONG).to_toml())
+    done = train_named(config, "one", 1)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return config, run_losses(config, "one")
+
+
 @pytest.mark.slow
-def test_cp_on_the_cpu_is_refused_in_one_line(tmp_path):
-    config = tmp_path / "tiny.toml"
-    config.write_text(tiny_config(tmp_path / "runs", write_corpus(tmp_path)).to_toml())
-    done = run_liandan("train", config, "--nproc=2", "--parallel.cp=2", "--train.mask=causal", timeout=180)
-    assert done.returncode == 2, done.stderr[-3000:]
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("liandan: error: parallel.cp = 2 needs CUDA: PyTorch's ring")
+@pytest.mark.parametrize(
+    "nproc, layout, shown",
+    [(2, ["--parallel.cp=2"], "dp_shard=1, tp=1, cp=2)"),
+     (4, ["--parallel.cp=2", "--parallel.dp_shard=2"], "dp_shard=2, tp=1, cp=2)")],
+    ids=["cp2", "cp2-dp_shard2"],
+)  # fmt: skip
+def test_a_long_sequence_split_over_cp_ranks_trains_as_one_process(long_run, nproc, layout, shown):
+    config, reference = long_run
+    name = "-".join(o.split(".")[-1] for o in layout)
+    done = train_named(config, name, nproc, *layout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert shown in done.stdout  # split over the cp ranks, not taken as data parallelism (which gives these losses too)
+    assert run_losses(config, name) == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_a_cp_run_killed_and_resumed_gives_the_losses_of_the_run_that_never_stopped(long_run):
+    config, _ = long_run
+    done = train_named(config, "cp-straight", 2, "--parallel.cp=2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    straight = run_losses(config, "cp-straight")
+    cp = (2, ["--parallel.cp=2"])
+    kill_then_resume(config, "cp-resumed", cp, cp)
+    assert run_losses(config, "cp-resumed") == straight  # bit for bit

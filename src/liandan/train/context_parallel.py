@@ -13,9 +13,9 @@ Each rank's loss is the mean over its own tokens, weighted by its share of the m
 (times cp): FSDP2's gradient average over dp_shard x cp then makes the gradient of the whole sequence's mean,
 and the mean of the weighted losses over the cp ranks is the sequence's loss, the one that is reported.
 
-PyTorch's ring attention takes the CUDA SDPA kernels (flash, memory-efficient, cuDNN) only: on the CPU, SDPA
-runs `_scaled_dot_product_flash_attention_for_cpu`, for which DTensor has no sharding rule, and the math
-kernel mixes DTensors with plain tensors (torch 2.13); `cp_refusal` says so in one line.
+PyTorch's ring attention takes the CUDA SDPA kernels (flash, memory-efficient, cuDNN); on the CPU, SDPA runs
+`_scaled_dot_product_flash_attention_for_cpu`, which `liandan.train.cpu_ring` hands to the same ring. Other
+devices are refused in one line by `cp_refusal`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from liandan.train import cpu_ring
 
 IGNORED = -1  # a target the loss leaves out (liandan.model.loss)
 
@@ -43,9 +45,13 @@ def cp_refusal(cp: int, seq_len: int, mask: str, attention: str, device_type: st
                 " document mask")  # fmt: skip
     if attention not in ("auto", "sdpa"):
         return f"parallel.cp = {cp} needs model.attention = 'sdpa' (or 'auto'): ring attention is SDPA's"
-    if device_type != "cuda":
-        return (f"parallel.cp = {cp} needs CUDA: PyTorch's ring attention (torch {torch.__version__}) shards"
-                " only CUDA's SDPA kernels, and the CPU's has no context-parallel rule")  # fmt: skip
+    if device_type == "cpu" and (why := cpu_ring.missing()):
+        return (
+            f"parallel.cp = {cp} on the CPU needs PyTorch's ring attention internals (torch {torch.__version__}): {why}"
+        )
+    if device_type not in ("cuda", "cpu"):
+        return (f"parallel.cp = {cp} needs CUDA or the CPU: PyTorch's ring attention (torch {torch.__version__})"
+                f" shards their SDPA kernels only, not {device_type}'s")  # fmt: skip
     return None
 
 
@@ -71,6 +77,8 @@ def sequence_split(cp_mesh: DeviceMesh | None, inputs: torch.Tensor, targets: to
         return
     from torch.distributed.tensor.experimental import context_parallel
 
+    if inputs.device.type == "cpu":
+        cpu_ring.install()
     batch, seq = inputs.shape
     positions = torch.arange(seq, device=inputs.device).repeat(batch, 1)
     counted = (targets != IGNORED).sum()
