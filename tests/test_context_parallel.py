@@ -6,9 +6,9 @@ sequence sharded in the causal load-balancing order by PyTorch's `context_parall
 travelling with the tokens, the ring in forward and backward, the loss weights when targets are left out, the
 loss over the cp ranks, and FSDP2's gradient average over dp_shard x cp. Tolerances: the losses equal to a
 relative 1e-6, the gradients to 1e-5 absolute (seen: 1e-6; the ring merges the chunks' partial attention by
-their log-sum-exp, in another order than one kernel over the whole sequence). The trainer's runs: a sequence
-of 1,024 tokens over cp = 2 and over cp = 2 x dp_shard = 2 gives one process's losses to 1e-5, and a kill and
-resume under cp = 2 the losses of the run that never stopped, bit for bit.
+their log-sum-exp, in another order than one kernel over the whole sequence). The trainer's runs: a sequence of
+1,024 tokens over cp = 2, cp = 2 x dp_shard = 2 and cp = 2 x tp = 2 gives one process's losses to 1e-5, and a
+kill and resume under cp = 2 the losses of the run that never stopped, bit for bit.
 """
 
 import json
@@ -101,8 +101,9 @@ def long_run(tmp_path_factory):
 @pytest.mark.parametrize(
     "nproc, layout, shown",
     [(2, ["--parallel.cp=2"], "dp_shard=1, tp=1, cp=2)"),
-     (4, ["--parallel.cp=2", "--parallel.dp_shard=2"], "dp_shard=2, tp=1, cp=2)")],
-    ids=["cp2", "cp2-dp_shard2"],
+     (4, ["--parallel.cp=2", "--parallel.dp_shard=2"], "dp_shard=2, tp=1, cp=2)"),
+     (4, ["--parallel.cp=2", "--parallel.tp=2"], "dp_shard=1, tp=2, cp=2)")],
+    ids=["cp2", "cp2-dp_shard2", "cp2-tp2"],
 )  # fmt: skip
 def test_a_long_sequence_split_over_cp_ranks_trains_as_one_process(long_run, nproc, layout, shown):
     config, reference = long_run
