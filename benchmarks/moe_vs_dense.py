@@ -4,7 +4,9 @@ the same tokens of the shared English and Chinese text.
 The dense model's SwiGLU feed-forward has hidden size F; the MoE model's blocks route each token to top-2 of
 8 experts of hidden size F/3 and through one shared expert of F/3, so a token goes through 3 x F/3 = F hidden
 units as in the dense model (the router's dim x 8 weights are the only extra active parameters): the same
-FLOPs per token within a few percent, 3x the feed-forward parameters. Balanced by the auxiliary-loss-free
+FLOPs per token within a few percent, 3x the feed-forward parameters. `--experts`, `--top-k` and
+`--shared-experts` change the split (each expert F / (top-k + shared experts), so the active hidden units stay
+F): finer-grained experts, as DeepSeekMoE's, or more of them. Balanced by the auxiliary-loss-free
 expert bias on sigmoid scores (DeepSeek-V3; `--score softmax`, `--bias-rate`, `--aux-loss`, `--z-loss` try
 other balancing). Everything else is shared: attention, width, depth, data split (a mixture of both
 corpora), seed, schedule, batch, steps.
@@ -34,19 +36,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared" / "data" / "corpus"
 CORPORA = [SHARED / "en-wikitext2.jsonl", SHARED / "zh-classics.jsonl"]
-EXPERTS, TOP_K, SHARED_EXPERTS = 8, 2, 1
 
 
 def run_config(a: argparse.Namespace, name: str, out: Path) -> str:
     heads = max(1, a.dim // 64)
     ffn = a.ffn or 3 * a.dim
-    expert = ffn // (TOP_K + SHARED_EXPERTS)
+    expert = ffn // (a.top_k + a.shared_experts)
     moe = ""
     if name == "moe":
-        moe = f"""moe_experts = {EXPERTS}
-moe_top_k = {TOP_K}
+        moe = f"""moe_experts = {a.experts}
+moe_top_k = {a.top_k}
 moe_ffn_dim = {expert}
-moe_shared_experts = {SHARED_EXPERTS}
+moe_shared_experts = {a.shared_experts}
 moe_balance = "bias"
 moe_bias_rate = {a.bias_rate}
 moe_score = "{a.score}"
@@ -55,7 +56,7 @@ moe_z_loss = {a.z_loss}
 """
     paths = ", ".join(f'"{p}"' for p in CORPORA)
     return f"""[run]
-seed = 1
+seed = {a.seed}
 output_dir = "{out}"
 name = "{name}"
 
@@ -85,7 +86,7 @@ seq_len = {a.seq}
 dtype = "{a.dtype}"
 log_every = {a.log_every}
 eval_every = {max(1, a.steps // 20)}
-eval_batches = 8
+eval_batches = {a.eval_batches}
 
 [resilience]
 supervise = false
@@ -154,11 +155,17 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=0, help="the dense hidden size F (0: 3 x dim)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=1, help="run.seed: initialisation and data order")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--experts", type=int, default=8, help="routed experts per MoE block")
+    parser.add_argument("--top-k", type=int, default=2, help="routed experts per token")
+    parser.add_argument("--shared-experts", type=int, default=1,
+                        help="each expert's hidden size is F / (top-k + shared experts): a token's active hidden units are F")  # fmt: skip
     parser.add_argument("--bias-rate", type=float, default=1e-2, help="a few times --lr (DeepSeek-V3: 1e-3 at 2.2e-4)")
     parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--eval-batches", type=int, default=8, help="validation batches per evaluation")
     parser.add_argument("--score", choices=("softmax", "sigmoid"), default="sigmoid")
     parser.add_argument("--aux-loss", type=float, default=0.0, help="weight of the load-balancing loss")
     parser.add_argument("--z-loss", type=float, default=0.0, help="weight of the router z-loss")
