@@ -137,3 +137,24 @@ def test_resume_from_a_pipeline_checkpoint_is_exact_in_its_layout_and_close_with
     checks = json.loads(report_path.read_text())["checks"]
     assert [(c["saved_in"], c["resumed_in"], c["exact"]) for c in checks] == [("pp2", "pp2", True), ("pp2", "1", False)]
     assert all(c["passed"] for c in checks)
+
+
+@pytest.mark.slow
+def test_resume_from_a_context_parallel_checkpoint_is_exact_in_its_layout_and_close_without_it(config, tmp_path):
+    """A reference trained with each sequence split over 2 ranks (ring attention on the CPU) resumed in its own
+    layout is bit for bit the run that never stopped; resumed in one process, within the tolerance."""
+    report_path = tmp_path / "report.json"
+    done = run_liandan(
+        "doctor", "--resume", config, "--layouts=cp2,1", "--save-in=first", "--resume-steps=4",
+        f"--json={report_path}", "--train.mask=causal", env=_environment(), timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    checks = json.loads(report_path.read_text())["checks"]
+    assert [(c["saved_in"], c["resumed_in"], c["exact"]) for c in checks] == [("cp2", "cp2", True), ("cp2", "1", False)]
+    assert all(c["passed"] for c in checks)
+
+
+def test_a_context_parallel_layout_the_config_cannot_split_is_refused(config, capsys):
+    assert main(["doctor", "--resume", str(config), "--layouts=1,cp2", "--train.mask=document"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "layout cp2: parallel.cp = 2 needs train.mask = 'causal'" in line

@@ -21,8 +21,8 @@ def add_resume_option(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--layouts",
         metavar="L1,L2,...",
-        help="comma-separated layouts to train and resume in: 1, ddpN, fsdpN, tpN, or combinations such as"
-        " fsdp2+tp2 (default: 1 and every 2-process layout the config trains in)",
+        help="comma-separated layouts to train and resume in: 1, ddpN, fsdpN, tpN, epN, ppN, cpN, or combinations"
+        " such as fsdp2+tp2 (default: 1 and every 2-process layout the config trains in)",
     )
     group.add_argument(
         "--resume-steps",

@@ -41,10 +41,10 @@ RELATIVE_TOLERANCE = 1e-5
 DEFAULT_STEPS = 8
 # each: every layout saves a checkpoint (3 runs per layout); first: only the first layout does (1 per layout + 1)
 SAVE_IN = ("each", "first")
-_PART = re.compile(r"^(ddp|fsdp|tp|ep|pp)(\d+)$")
+_PART = re.compile(r"^(ddp|fsdp|tp|ep|pp|cp)(\d+)$")
 _LAYOUT_HELP = (
     "1, ddpN, fsdpN, tpN, epN (experts over N of the fsdp ranks), ppN (pipeline stages, by"
-    " parallel.pp_schedule) or a combination such as fsdp2+tp2"
+    " parallel.pp_schedule), cpN (each sequence over N ranks) or a combination such as fsdp2+tp2"
 )
 
 
@@ -70,14 +70,15 @@ class LayoutChoice:
     def overrides(self) -> list[str]:
         lay = self.layout
         return [f"--parallel.dp_replicate={lay.dp_replicate}", f"--parallel.dp_shard={lay.dp_shard}",
-                f"--parallel.tp={lay.tp}", f"--parallel.pp={lay.pp}", f"--parallel.ep={lay.ep}"]  # fmt: skip
+                f"--parallel.tp={lay.tp}", f"--parallel.pp={lay.pp}", f"--parallel.ep={lay.ep}",
+                f"--parallel.cp={lay.cp}"]  # fmt: skip
 
 
 def parse_layout(text: str) -> LayoutChoice:
     name = text.strip().lower()
     if name in ("1", "single"):
         return LayoutChoice("1", Layout(1, 1, 1))
-    sizes = {"ddp": 1, "fsdp": 1, "tp": 1, "ep": 1, "pp": 1}
+    sizes = {"ddp": 1, "fsdp": 1, "tp": 1, "ep": 1, "pp": 1, "cp": 1}
     seen = set()
     for part in re.split(r"[+x]", name):
         match = _PART.match(part)
@@ -86,7 +87,7 @@ def parse_layout(text: str) -> LayoutChoice:
         seen.add(match.group(1))
         sizes[match.group(1)] = int(match.group(2))
     try:
-        layout = Layout(sizes["ddp"], sizes["fsdp"], sizes["tp"], pp=sizes["pp"], ep=sizes["ep"])
+        layout = Layout(sizes["ddp"], sizes["fsdp"], sizes["tp"], pp=sizes["pp"], ep=sizes["ep"], cp=sizes["cp"])
     except ValueError as err:
         raise ConfigError(f"--layouts: '{text}': {err}") from None
     return LayoutChoice(name, layout)
@@ -119,7 +120,19 @@ def layout_refusal(cfg: Config, choice: LayoutChoice) -> str | None:
         from liandan.train.pipeline import pipeline_config_refusal
 
         return pipeline_config_refusal(cfg, lay, args)
+    if lay.cp > 1:
+        from liandan.train.context_parallel import cp_refusal
+
+        attention = getattr(args, "attention", "sdpa")
+        if why := cp_refusal(lay.cp, t.seq_len, t.mask, attention, "cuda" if _on_gpu() else "cpu"):
+            return why
     return ep_refusal(args, lay.ep)
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def default_layouts(cfg: Config, on_gpu: bool) -> tuple[list[LayoutChoice], list[str]]:
