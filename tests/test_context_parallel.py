@@ -46,6 +46,20 @@ def test_cp_refusals_name_what_to_set():
     )
 
 
+def test_a_torch_without_the_ring_internals_is_refused_in_one_line(monkeypatch):
+    from liandan.train import cpu_ring
+
+    assert cpu_ring.missing() is None  # this torch has them
+    monkeypatch.setattr(cpu_ring, "_NEEDED", (*cpu_ring._NEEDED, "_a_name_torch_does_not_have"))
+    assert cp_refusal(2, 64, "causal", "sdpa", "cpu") == (
+        f"parallel.cp = 2 on the CPU needs PyTorch's ring attention internals (torch {torch.__version__}):"
+        f" {cpu_ring._CP_ATTENTION} has no _a_name_torch_does_not_have"
+    )
+    monkeypatch.setattr(cpu_ring, "_CP_ATTENTION", "torch.no_such_module")
+    assert "torch.no_such_module does not import" in cp_refusal(2, 64, "causal", "sdpa", "cpu")
+    assert cp_refusal(2, 64, "causal", "sdpa", "cuda") is None  # CUDA's ring is PyTorch's own
+
+
 @pytest.mark.slow
 def test_sequence_split_loss_and_gradients_match_one_process(tmp_path):
     world, port = 2, str(free_port())
