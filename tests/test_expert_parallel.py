@@ -199,7 +199,7 @@ def test_resume_ep_checkpoint_in_another_layout(moe_setup, after):
 
 def test_doctor_names_expert_parallel_layouts():
     assert parse_layout("fsdp2+ep2").layout == Layout(1, 2, 1, ep=2)
-    assert parse_layout("fsdp2+ep2").overrides()[-1] == "--parallel.ep=2"
+    assert "--parallel.ep=2" in parse_layout("fsdp2+ep2").overrides()
     with pytest.raises(ConfigError, match=r"^--layouts: 'fsdp2\+ep4': parallel.ep = 4 must divide"):
         parse_layout("fsdp2+ep4")
 
