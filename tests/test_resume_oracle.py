@@ -124,33 +124,26 @@ def test_bad_input_is_one_line(config, capsys, arguments, message):
 
 
 @pytest.mark.slow
-def test_resume_from_a_pipeline_checkpoint_is_exact_in_its_layout_and_close_without_it(config, tmp_path):
-    """A reference trained on 2 pipeline stages (1F1B, two blocks) resumed in its own layout is bit for bit
-    the run that never stopped; resumed in one process (one micro-batch where the pipeline ran two), within
-    the tolerance."""
+@pytest.mark.parametrize(
+    "layout, override",
+    [("pp2", "--model.n_layers=2"), ("cp2", "--train.mask=causal")],
+    ids=["pipeline", "context-parallel"],
+)
+def test_resume_from_a_split_checkpoint_is_exact_in_its_layout_and_close_without_it(config, tmp_path, layout, override):
+    """A reference trained on 2 pipeline stages (1F1B, two blocks) or with each sequence split over 2 ranks (ring
+    attention on the CPU), resumed in its own layout, is bit for bit the run that never stopped; resumed in one
+    process, within the tolerance."""
     report_path = tmp_path / "report.json"
     done = run_liandan(
-        "doctor", "--resume", config, "--layouts=pp2,1", "--save-in=first", "--resume-steps=4",
-        f"--json={report_path}", "--model.n_layers=2", env=_environment(), timeout=600,
+        "doctor", "--resume", config, f"--layouts={layout},1", "--save-in=first", "--resume-steps=4",
+        f"--json={report_path}", override, env=_environment(), timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     checks = json.loads(report_path.read_text())["checks"]
-    assert [(c["saved_in"], c["resumed_in"], c["exact"]) for c in checks] == [("pp2", "pp2", True), ("pp2", "1", False)]
-    assert all(c["passed"] for c in checks)
-
-
-@pytest.mark.slow
-def test_resume_from_a_context_parallel_checkpoint_is_exact_in_its_layout_and_close_without_it(config, tmp_path):
-    """A reference trained with each sequence split over 2 ranks (ring attention on the CPU) resumed in its own
-    layout is bit for bit the run that never stopped; resumed in one process, within the tolerance."""
-    report_path = tmp_path / "report.json"
-    done = run_liandan(
-        "doctor", "--resume", config, "--layouts=cp2,1", "--save-in=first", "--resume-steps=4",
-        f"--json={report_path}", "--train.mask=causal", env=_environment(), timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    checks = json.loads(report_path.read_text())["checks"]
-    assert [(c["saved_in"], c["resumed_in"], c["exact"]) for c in checks] == [("cp2", "cp2", True), ("cp2", "1", False)]
+    assert [(c["saved_in"], c["resumed_in"], c["exact"]) for c in checks] == [
+        (layout, layout, True),
+        (layout, "1", False),
+    ]
     assert all(c["passed"] for c in checks)
 
 
