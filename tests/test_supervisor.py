@@ -731,3 +731,31 @@ def test_a_lost_peers_gloo_error_is_one_plain_line_on_the_console(tmp_path):
              f" process ending; traceback in {relay.log_path})")  # fmt: skip
     assert console.getvalue().splitlines() == [shown, "step 5"]
     assert gloo in relay.log_path.read_text()  # the log keeps it whole
+
+
+def test_a_lost_peers_plain_log_line_goes_to_the_log_only_when_a_peer_ended(tmp_path):
+    """gloo logs a closed connection on a line of its own before the traceback it leads to: once a peer has
+    ended, that line and the traceback are the one consequence line on the console; a plain line followed by
+    more output is shown only when no peer ended (the network itself failed)."""
+    import io
+
+    from liandan.resilience.relay import Relay
+
+    gloo = ("[rank0]:[E1129 07:19:34.235867753 ProcessGroupGloo.cpp:67] Gloo connectFullMesh failed with [/__w/pytorch"
+            "/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:35035.")  # fmt: skip
+    error = "RuntimeError: Gloo connectFullMesh failed with Connection closed by peer"
+    crash = f'Traceback (most recent call last):\n  File "a.py", line 1, in f\n    g()\n{error}\n'
+    for output in (f"step 1\n{gloo}\n{crash}", f"step 1\n{gloo}\nstep 2\n", f"step 1\n{gloo}\n"):
+        for peer_ended in (True, False):
+            relay, console = Relay(tmp_path / "attempt.log", lambda label, ended=peer_ended: ended), io.StringIO()
+            relay.follow("rank 0", io.StringIO(output), console)
+            relay.close()
+            assert relay.log_path.read_text() == output
+            shown = console.getvalue().splitlines()
+            if "Traceback" in output:
+                summary = f"rank 0: {error} (a consequence of another process ending; traceback in {relay.log_path})"
+                assert shown == ["step 1", summary], shown  # a traceback saying a peer went away is one line
+            elif peer_ended:
+                assert shown == output.splitlines()[:1] + output.splitlines()[2:], shown
+            else:
+                assert console.getvalue() == output

@@ -4,7 +4,9 @@ every traceback kept for the incident, and the console shown what a person needs
 When one rank dies, its peers fail in their next collective and each prints a long traceback that says only
 that a peer went away (gloo: "Connection reset by peer"). On the console such a traceback becomes one line
 that names the rank, the error and where the whole of it is; the rank that failed first keeps its
-traceback on the console, as it tells what went wrong.
+traceback on the console, as it tells what went wrong. A plain line that says a peer went away (gloo's own
+log of a closed connection, printed before the traceback it leads to) is held back and goes only to the log
+when a peer had ended: the console then shows the peer's error, not the noise of its going.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Relay:
         # Whether another process had ended when the error line came: decided then, as this process's own
         # end (and the supervisor's ending the others) follows its traceback within moments.
         after_peer = False
+        lost: list[str] = []  # plain lines saying a peer went away, held until it is known whether one ended
         for line in stream:
             with self.lock:
                 self.last_lines.append(line.rstrip("\n"))
@@ -79,15 +82,24 @@ class Relay:
                     held.append(line)
                     state = "frames" if opens else "gap"
                     continue
-                self._show(label, held, sink, after_peer)
-                held, state, after_peer = [], None, False
+                self._show(label, lost + held, sink, after_peer)
+                held, state, after_peer, lost = [], None, False, []
             if text.startswith(TRACEBACK):
                 held, state = [line], "frames"
                 continue
+            if lost_a_peer(text):
+                lost.append(line)
+                continue
+            if lost and not self.peer_ended(label):
+                sink.writelines(lost)
+            lost = []
             sink.write(line)
             sink.flush()
         if held:  # cut short when the supervisor ended this process: a consequence if a peer ended first
-            self._show(label, held, sink, after_peer or (state == "frames" and self.peer_ended(label)))
+            self._show(label, lost + held, sink, after_peer or (state == "frames" and self.peer_ended(label)))
+        elif lost and not self.peer_ended(label):
+            sink.writelines(lost)
+            sink.flush()
 
     def _log(self, line: str) -> None:
         """Keep `line` in the attempt's log. A log that cannot be written (a full disk) is given up, said once,
@@ -109,7 +121,10 @@ class Relay:
             )
 
     def _show(self, label: str, lines: list[str], sink: IO[str], after_peer: bool) -> None:
-        text = "".join(lines)
+        """Show a complete traceback (after any held lost-peer lines that led to it), or as a consequence one
+        line that stands for both."""
+        start = next(i for i, line in enumerate(lines) if line.startswith(TRACEBACK))
+        text = "".join(lines[start:])
         with self.lock:
             self.tracebacks.setdefault(label, []).append(text[-KEPT_TRACEBACK_CHARS:])
         error = next((line.strip() for line in reversed(lines) if line.strip()), "")
@@ -117,7 +132,7 @@ class Relay:
             sink.write(f"{label}: {brief(error)} (a consequence of another process ending; traceback in"
                        f" {self.log_path})\n")  # fmt: skip
         else:
-            sink.write(text)
+            sink.write("".join(lines))
         sink.flush()
 
     def close(self) -> None:
