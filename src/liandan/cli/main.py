@@ -161,7 +161,12 @@ def _parser(command: str | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train a model from a TOML run config")
     p.add_argument("config", help="run config (TOML), e.g. configs/tiny.toml")
-    p.add_argument("--nproc", type=int, default=1, help="local processes to launch through torchrun")
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="local processes to start (the supervisor starts them; torchrun when resilience.supervise = false)",
+    )
     p.set_defaults(command=cmd_train)
 
     p = sub.add_parser("demo", help="tokenize, train and sample a small model end to end on the CPU")

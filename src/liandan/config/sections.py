@@ -384,7 +384,7 @@ class DoctorSection:
     matmul_size: int = _f(0, "side of the matrices whose product times matmul throughput; 0: 512 on CPUs, 4096 on"
                           " GPUs", min=0, max=16384)  # fmt: skip
     copy_mib: float = _f(0.0, "MiB copied to time memory bandwidth; 0: 32 on CPUs, 512 on GPUs", min=0.0)
-    measure_s: float = _f(0.1, "seconds each throughput is timed for (the best repetition counts)", min=0.01,
+    measure_s: float = _f(0.1, "seconds each throughput is timed for (the median repetition counts)", min=0.01,
                           max=10.0)  # fmt: skip
     collective_kib: float = _f(64.0, "KiB each rank sends in the collective correctness tests", min=1.0)
     bandwidth_mib: float = _f(0.0, "MiB per rank in the collective bandwidth tests, across all ranks and in pairs;"
