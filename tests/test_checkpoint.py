@@ -165,6 +165,31 @@ def test_damaged_newest_checkpoint_falls_back(config, straight, killed_after_the
     assert_same_weights(final_weights(config, name), straight[1])
 
 
+def test_a_run_whose_every_checkpoint_fails_verification_stops_rather_than_start_over(
+    config, killed_after_the_last_save
+):
+    """Starting from step 0 past checkpoints that no longer verify would lose the run's progress behind a
+    warning, and its next saves would retire the checkpoints someone could still repair: the run stops in one
+    line and leaves the run directory as it was."""
+    run = copy_of_killed(config, killed_after_the_last_save, "all-damaged")
+    damaged = {}
+    for directory in sorted((run / "checkpoints").glob("step-*")):
+        shard = _shard(directory)
+        shard.write_bytes(shard.read_bytes()[::-1])  # same size, other bytes: fails its checksum
+        damaged[shard] = shard.read_bytes()
+    assert len(damaged) == 2
+    metrics = (run / "metrics.jsonl").read_bytes()
+    done = train(config, "all-damaged", expect=2)
+    assert "Traceback" not in done.stderr, done.stderr
+    error = done.stderr.strip().splitlines()[-1]
+    assert error.startswith("liandan: error: none of the 2 checkpoint(s) under ") and "step-00000008" in error
+    assert "move the checkpoints aside to start over" in error
+    assert [e["step"] for e in events(config, "all-damaged", "checkpoint_rejected")] == [8, 4]
+    assert all(shard.read_bytes() == data for shard, data in damaged.items())
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000004", "step-00000008"]
+    assert (run / "metrics.jsonl").read_bytes() == metrics  # nothing trained, nothing truncated
+
+
 @pytest.mark.slow
 def test_retention_keeps_newest_and_milestones(config):
     train(

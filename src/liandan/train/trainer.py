@@ -24,7 +24,7 @@ from liandan.checkpoint.resume import choose_resume
 from liandan.checkpoint.saving import SaveError
 from liandan.checkpoint.streaming import is_weight_source, load_weights
 from liandan.checkpoint.train_state import parts_parameters
-from liandan.checkpoint.verify import step_of
+from liandan.checkpoint.verify import CheckpointError, step_of
 from liandan.common.peaks import mixed_peak_flops
 from liandan.config import Config, ConfigError
 from liandan.faults import collapse_router, corrupt_gradients, flip_parameter_bit, learning_rate_burst, maybe_inject
@@ -342,6 +342,8 @@ class Trainer:
                 )
             point = choose_resume(in_memory, step_of(Path(newest[0])) if newest else None,
                                   lambda: newest_checkpoint(self.checkpoints))  # the supervisor's verdict, if fresh  # fmt: skip
+            if point.source == "none":
+                self._refuse_to_start_over()
         if point is not None and point.source == "memory":
             snapshot = f"the memory snapshot of step {point.step} in {self.parts.snapshots.directory}"
             self._check_model(self.parts.snapshots.state_of(point.step), snapshot)
@@ -366,6 +368,18 @@ class Trainer:
             self._init_from(locate(c.init_from), [reference])
         if self.progress.step == 0 and self.dist.is_main:  # a restart with nothing to resume from starts over
             self.room.truncate_metrics(0)
+
+    def _refuse_to_start_over(self) -> None:
+        """Stop, on every rank, where the run holds complete checkpoints and none of them verifies: starting
+        from step 0 would throw away the run's progress behind a warning, and its new saves would soon retire
+        the checkpoints that a person could still repair or inspect."""
+        complete = self.env.on_main_then_share(lambda: [str(p) for p in self.checkpoints.complete_checkpoints()])
+        if complete:
+            raise CheckpointError(
+                f"none of the {len(complete)} checkpoint(s) under {self.checkpoints.root} verifies (each rejection"
+                f" is above; the newest is {complete[-1]}), and the run does not start over from step 0 past"
+                " them: move the checkpoints aside to start over"
+            )
 
     def _init_from(self, source: Path, parts: list[torch.nn.Module] | None = None) -> None:
         """Load `init_from` into the model parts (the train module's, or `parts`: a DPO reference)."""
