@@ -1,5 +1,6 @@
 """Checkpoints with real processes and real files: kills, corruption, tampering, full disks, retention, resume."""
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -11,7 +12,7 @@ from helpers import fill_disk, liandan_here, read_run, run_liandan, tiny_config,
 from liandan.checkpoint.loading import load_model
 from liandan.checkpoint.manager import CheckpointManager
 from liandan.checkpoint.rng import rng_state, set_rng_state
-from liandan.checkpoint.verify import CheckpointError, verify
+from liandan.checkpoint.verify import CheckpointError, verify, write_manifest
 
 STEPS = 8
 
@@ -131,7 +132,7 @@ def _shard(directory: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("damage", ["flip", "truncate", "no-manifest", "missing-file"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no-manifest", "missing-file", "meta-without-step"])
 def test_damaged_newest_checkpoint_falls_back(config, straight, killed_after_the_last_save, damage):
     name = f"damaged-{damage}"
     newest = copy_of_killed(config, killed_after_the_last_save, name) / "checkpoints" / "step-00000008"
@@ -149,9 +150,14 @@ def test_damaged_newest_checkpoint_falls_back(config, straight, killed_after_the
     elif damage == "no-manifest":
         (newest / "manifest.json").unlink()
         words = []
-    else:
+    elif damage == "missing-file":
         (newest / "meta.json").unlink()
         words = ["meta.json is missing"]
+    else:  # changed together with its checksum: the manifest passes it, the meta is checked for itself
+        meta = json.loads((newest / "meta.json").read_text())
+        (newest / "meta.json").write_text(json.dumps({**meta, "step": "eight"}))
+        write_manifest(newest)
+        words = ["meta.json does not give the step", "'eight'"]
     info = liandan_here("ckpt", "info", newest)
     assert info.returncode == 0 and "NOT VERIFIED" in info.stdout
     for word in words:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import xxhash
 
+from liandan.run import META
 from liandan.run.files import atomic_write, fsync_path
 from liandan.run.remote import RemotePath, locate
 from liandan.run.steps import (  # noqa: F401 - re-exported for checkpoint callers
@@ -98,6 +99,22 @@ def verify(directory: Path, checksums: bool = True) -> None:
         from liandan.checkpoint.restricted import read_metadata
 
         read_metadata(directory)
+    if (directory / META).is_file():
+        _check_meta(directory)
+
+
+def _check_meta(directory: Path) -> None:
+    """meta.json must say which step it is: a file changed together with its checksum passes the manifest,
+    and resuming from it would otherwise fail outside the fallback to an older checkpoint."""
+    try:
+        meta = json.loads((directory / META).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{directory}: file {META} is not JSON: {err}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{directory}: file {META} is not a JSON object")
+    step = meta.get("step")
+    if type(step) is not int or step < 0:
+        raise CheckpointError(f"{directory}: file {META} does not give the step as a whole number (step: {step!r})")
 
 
 def total_bytes(directory: Path) -> int:
