@@ -4,7 +4,7 @@ import shutil
 import numpy as np
 import pytest
 
-from helpers import environment_without, run_liandan, tiny_config, write_corpus
+from helpers import environment_without, read_run, run_liandan, tiny_config, write_corpus
 from liandan.data import (
     ByteTokenizer,
     DataError,
@@ -331,3 +331,31 @@ def test_trainer_trains_on_a_mixture_of_stores_and_resumes(stores, tmp_path):
     resumed = Trainer(tiny_config(tmp_path, unused, *common, "--run.name=straight"), say=lambda m: None)
     assert resumed.step == 2
     assert resumed.train().losses[-2:] == straight.losses[-2:]
+
+
+def test_validation_gives_every_rank_as_many_batches_and_nothing_when_nothing_is_held_out(stores):
+    """Sharded forwards pair up across ranks, so a rank with one batch more would wait forever: an odd count of
+    held-out windows loses one. Stores that hold nothing out give no batches (no loss), not an empty mean."""
+    counts = set()
+    for fraction in (0.01, 0.012, 0.014, 0.016):
+        held_out = len(PackedLoader(stores[:1], 128, 4, seed=0, val_fraction=fraction).streams[0].val_windows)
+        counts.add(held_out % 2)
+        ranks = [PackedLoader(stores[:1], 128, 4, seed=0, val_fraction=fraction, dp_size=2, dp_rank=rank)
+                 for rank in (0, 1)]  # fmt: skip
+        batches = [r.validation(n_batches=held_out, batch_size=1) for r in ranks]  # more than there are
+        assert len(batches[0]) == len(batches[1]) == held_out // 2, (fraction, held_out)
+    assert counts == {0, 1}  # both cases met
+    assert PackedLoader(stores, 128, 4, seed=0, val_fraction=0.0).validation(n_batches=2, batch_size=2) == []
+
+
+def test_a_run_that_holds_nothing_out_reports_no_validation_loss(stores, tmp_path):
+    from liandan.train import Trainer
+
+    said = []
+    cfg = tiny_config(tmp_path, write_corpus(tmp_path), f'--data.stores=["{stores[0].path}"]', "--train.steps=2",
+                      "--data.val_fraction=0", "--train.eval_every=1", "--run.name=none-held-out")  # fmt: skip
+    trainer = Trainer(cfg, say=said.append)
+    result = trainer.train()
+    assert result.val_loss is None  # not 0.0, which reads as a perfect model
+    assert not read_run(trainer.run_dir).of_kind("eval")
+    assert sum("no validation loss: the token stores hold no window out" in line for line in said) == 1, said

@@ -120,12 +120,21 @@ class EvalCallback(Callback):
 
     order = 20
 
+    def __init__(self) -> None:
+        self.said_none = False
+
     def after_step(self, ctx: TrainContext, step: int, metrics: dict[str, float]) -> None:
         t = ctx.cfg.train
         if (step % t.eval_every and step != t.steps) or ctx.rollback.pending:
             return
         ctx.phase("eval")
         loss = ctx.validation_loss()
+        if loss is None:  # no number rather than a made-up one: a 0.0 would read as a perfect model
+            if not self.said_none:
+                ctx.say(f"no validation loss: the token stores hold no window out (data.val_fraction ="
+                        f" {ctx.cfg.data.val_fraction}, or fewer held-out windows than data-parallel ranks)")  # fmt: skip
+                self.said_none = True
+            return
         ctx.result.val_loss = loss
         ctx.logger.log_event("eval", step=step, loss=loss)
         by_source = self.losses_by_source(ctx)

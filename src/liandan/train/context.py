@@ -195,9 +195,12 @@ class TrainContext:
         """What a resume at this step needs besides the tensors (schedule, loader, callbacks' states)."""
         return self._services["resume_state"]()
 
-    def validation_loss(self) -> float:
-        """The mean loss over `train.eval_batches` validation batches, over all ranks."""
+    def validation_loss(self) -> float | None:
+        """The mean loss over `train.eval_batches` validation batches, over all ranks; None, on every rank
+        alike, when the stores hold no window out (`data.val_fraction = 0`, or too few windows for the ranks)."""
         batches = self.loader.validation(self.cfg.train.eval_batches, self.micro_batch)
+        if not batches:
+            return None
         return self.mean_over_ranks(self.module.eval_batch(batches))
 
     def mean_over_ranks(self, value: torch.Tensor) -> float:

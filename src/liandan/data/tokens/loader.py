@@ -361,6 +361,8 @@ class PackedLoader:
         if len(self.streams) > 1:
             place = np.random.default_rng([self.seed, _VALIDATION]).permutation(len(windows))
             stores, windows = stores[place], windows[place]
+        even = len(windows) // self.dp_size * self.dp_size  # every rank as many batches: sharded forwards pair up
+        stores, windows = stores[:even], windows[:even]
         stores, windows = stores[self.dp_rank :: self.dp_size], windows[self.dp_rank :: self.dp_size]
         return [
             self._batch(stores[i : i + batch_size], windows[i : i + batch_size])
