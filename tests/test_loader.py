@@ -310,6 +310,10 @@ def test_an_out_of_range_token_id_ends_a_supervised_run_at_once(corpus, tmp_path
     assert all("a consequence of another process ending" in line for line in before), done.stderr
     events = (tmp_path / "runs" / "ids" / "events.jsonl").read_text()
     assert '"incident"' not in events and '"restart"' not in events
+    [stopped] = read_run(tmp_path / "runs" / "ids").of_kind("train_stopped")  # ended, not left "running"
+    assert stopped["cause"] == "user error" and stopped["error"] == last.removeprefix("liandan: error: ")
+    listed = run_liandan("runs", tmp_path / "runs")
+    assert listed.returncode == 0 and "stopped" in listed.stdout and "running" not in listed.stdout, listed.stdout
 
 
 def test_trainer_trains_on_a_mixture_of_stores_and_resumes(stores, tmp_path):

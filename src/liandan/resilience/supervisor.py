@@ -138,9 +138,11 @@ class Supervisor(WorkerWatch, FailureRecords, Preemption):
                     self._event("restart", attempt=restarts, after_seconds=0.0, step=fault.get("step"))
                     continue
                 if attempt.user_error is not None:  # a bad config, a missing file: restarting cannot help
+                    log = self.room.attempt_log(attempt.number, self.log_node)
+                    message = attempt.user_error or f"a worker ended with a user error; its output is in {log}"
+                    # the run's records say it ended, and why, rather than leave it "running" until stale
+                    self._event("train_stopped", error=message, cause="user error")
                     if not self.rendezvous and not printed:  # else torchrun's agent or the worker printed it
-                        log = self.room.attempt_log(attempt.number, self.log_node)
-                        message = attempt.user_error or f"a worker ended with a user error; its output is in {log}"
                         print(ERROR_PREFIX + message, file=sys.stderr)
                     return 2
                 self._prepare_standby(restarts + 1)  # its imports overlap the bookkeeping below

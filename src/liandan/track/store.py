@@ -284,7 +284,8 @@ class RunStore:
         return json.loads(row[0]) if row else {}
 
     def _status(self, db: sqlite3.Connection, room: RunDir, name: str, summary: dict | None) -> str:
-        """running, finished, stopped (the run stopped itself: its checkpoints were not being saved), gave up
+        """running, finished, stopped (on an error a restart cannot mend: a bad config or input, checkpoints
+        that were not being saved), gave up
         (the supervisor did), preempted, or interrupted (its process ended without a word: killed, crashed)."""
         newest = self._newest(db, name, LIFECYCLE_KINDS)
         kind = newest.get("kind")
