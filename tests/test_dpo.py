@@ -166,9 +166,24 @@ def test_dpo_refuses_what_it_does_not_run(tmp_path):
     data = write_preference_data(tmp_path, n=4, malformed=False)
     with pytest.raises(ConfigError, match="dpo_beta must be positive"):
         Trainer(dpo_config(tmp_path, data, "--train.dpo_beta=0"), say=lambda m: None)
-    with pytest.raises(ConfigError, match="no checkpoint there"):
+    with pytest.raises(ConfigError, match="missing: no such file or directory"):
         Trainer(dpo_config(tmp_path, data, f"--checkpoint.init_from={tmp_path / 'missing'}", "--run.name=r2"),
                 say=lambda m: None)  # fmt: skip
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no checkpoint there"):
+        Trainer(dpo_config(tmp_path, data, f"--checkpoint.init_from={tmp_path / 'empty'}", "--run.name=r3"),
+                say=lambda m: None)  # fmt: skip
+
+
+def test_a_missing_init_from_is_refused_before_any_data_is_prepared(tmp_path):
+    from liandan.resilience.roles import run_training
+
+    config = tmp_path / "run.toml"
+    config.write_text(dpo_config(tmp_path, write_preference_data(tmp_path, n=4, malformed=False)).to_toml())
+    missing = tmp_path / "missing"
+    with pytest.raises(ConfigError, match=f"checkpoint.init_from = {missing}: no such file or directory"):
+        run_training(config, overrides=[f"--checkpoint.init_from={missing}", "--run.name=early"])
+    assert not (tmp_path / "early").exists()  # no run directory, no data prepared
 
 
 @pytest.mark.slow  # TRL's import and trainer: about 13 s

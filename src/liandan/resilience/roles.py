@@ -80,6 +80,9 @@ def run_training(
     from liandan.track.exporters import check_exporters
 
     check_exporters(cfg.track)  # a tracker's library that is missing: the extra to install
+    source = cfg.checkpoint.init_from
+    if source and "://" not in source and not Path(source).exists():  # before any data is tokenized
+        raise ConfigError(f"checkpoint.init_from = {source}: no such file or directory")
     if nproc < 1:
         raise ConfigError(f"--nproc = {nproc} must be at least 1")
     if not os.environ.get("WORLD_SIZE") and not os.environ.get(NNODES):  # all ranks here: known now

@@ -387,6 +387,8 @@ class Trainer:
         if is_weight_source(source):
             self._init_from_weights(source, None if parts is None else parts[0], what)
             return
+        if not source.exists():
+            raise ConfigError(f"checkpoint.init_from = {source}: no such file or directory")
         if not (source / META).is_file():
             raise ConfigError(f"checkpoint.init_from = {source}: no checkpoint there ({META} missing)")
         self._check_model(read_meta(source), f"checkpoint.init_from = {source}")
