@@ -256,6 +256,10 @@ def test_demo_takes_a_directory_of_data_files(tmp_path):
     empty.mkdir()
     done = run_liandan("demo", "--data", empty, "--output-dir", tmp_path)
     assert_one_line_error(done, f"--data {empty}: the directory holds no .txt, .jsonl or .parquet files")
+    before = set(tmp_path.iterdir())
+    done = run_liandan("demo", "--steps", "0", "--output-dir", tmp_path)  # refused before any data is written
+    assert_one_line_error(done, "train.steps = 0 is too small; it must be >= 1")
+    assert set(tmp_path.iterdir()) == before
 
 
 @pytest.mark.slow

@@ -98,15 +98,16 @@ def data_files(given: list[str]) -> list[str]:
 def run_demo(data: list[str] | None, steps: int | None, output_dir: Path, overrides: list[str]) -> int:
     name = f"demo-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
     settings = list(DEMO_SETTINGS)
-    vocab_size = load_config(None, settings + overrides).data.bpe_vocab_size  # checks the overrides, too
-    data_summary = prepare_data(data, output_dir / f"{name}-data", vocab_size)
-    store = Path(next(iter(data_summary["stores"].values()))["path"])  # one input, so one store
     if steps is not None:
         settings.append(f"--train.steps={steps}")
         settings.append(f"--train.eval_every={max(1, steps // 6)}")
         settings.append(f"--schedule.warmup_steps={min(30, max(1, steps // 10))}")
         settings.append(f"--checkpoint.every={max(1, steps // 3)}")
         settings.append(f"--forecast.every={max(1, steps // 5)}")
+    # checks --steps and the overrides before any data is written
+    vocab_size = load_config(None, settings + overrides).data.bpe_vocab_size
+    data_summary = prepare_data(data, output_dir / f"{name}-data", vocab_size)
+    store = Path(next(iter(data_summary["stores"].values()))["path"])  # one input, so one store
     settings.append(f"--run.output_dir={output_dir}")
     settings.append(f"--run.name={name}")
     cfg = load_config(None, settings + overrides)
