@@ -72,7 +72,10 @@ def test_help_lists_commands():
         (["stray"], ["unrecognised argument 'stray'"]),
         (['--data.paths=["/no/such/file.jsonl"]'], ["data file not found: /no/such/file.jsonl"]),
         (["--data.tokenizer=/no/tokenizer.json"], ["tokenizer file not found"]),
-        (["--parallel.tp=2"], ["parallel.dp_replicate x parallel.tp = 2 must divide", "but 1 were launched"]),
+        (
+            ["--parallel.tp=2"],
+            ["parallel.dp_replicate x parallel.tp = 2 must divide", "number of processes, 1 (--nproc"],
+        ),
         (["--run.output_dir=/proc/liandan-runs"], ["/proc/liandan-runs"]),
         (["--run.name=../../outside"], ["run.name = '../../outside' must be one directory name"]),
         (["--run.name=/tmp/absolute-run"], ["run.name = '/tmp/absolute-run' must be one directory name"]),

@@ -100,7 +100,7 @@ def test_impossible_layout_is_refused_before_launch(setup):
     assert done.stderr.strip().splitlines() == [
         (
             "liandan: error: parallel.dp_replicate x parallel.tp = 3 must divide the number of processes,"
-            " but 2 were launched (set --nproc or the torchrun/srun task count)"
+            " 2 (--nproc, or the torchrun/srun task count)"
         )
     ]
 

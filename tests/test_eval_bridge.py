@@ -150,6 +150,10 @@ def test_loading_refuses_what_is_not_a_checkpoint(tmp_path):
         load_for_eval(tmp_path / "missing")
     with pytest.raises(CheckpointError, match="no checkpoint at"):
         load_for_eval(tmp_path)
+    from liandan.checkpoint.info import resolve_checkpoint  # what export, info and generate share
+
+    with pytest.raises(CheckpointError, match="no such run or checkpoint"):
+        resolve_checkpoint(tmp_path / "missing")
 
 
 @pytest.mark.slow

@@ -78,7 +78,7 @@ def test_a_long_prompt_is_cut_from_the_left_and_said(trained_run):
 def test_errors_are_one_line(trained_run, tmp_path):
     (tmp_path / "fresh").mkdir()
     no_checkpoint = liandan_here("generate", tmp_path / "fresh", "x")
-    assert no_checkpoint.returncode == 2 and "liandan train" in no_checkpoint.stderr
+    assert no_checkpoint.returncode == 2 and "no checkpoint at" in no_checkpoint.stderr
     assert len(no_checkpoint.stderr.strip().splitlines()) == 1
     too_many = liandan_here("generate", trained_run, "x", "--max-new-tokens=64")
     assert too_many.returncode == 2 and "at most 63" in too_many.stderr

@@ -65,6 +65,8 @@ def resolve_checkpoint(path: Path) -> Path:
     if (path / MANIFEST).is_file() or (path / META).is_file():
         return path
     remote = isinstance(path, RemotePath)
+    if not remote and not path.exists():
+        raise CheckpointError(f"no such run or checkpoint: {path}")
     for root in (path,) if remote else (path, run_checkpoint_root(path)):  # a store holds no run directory
         steps = complete_checkpoints(root) if remote else step_dirs(root)  # in a store, one being saved has none
         if steps:

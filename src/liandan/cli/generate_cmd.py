@@ -35,15 +35,10 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"liandan generate: no such run or checkpoint: {path}")
     import torch
 
-    from liandan.checkpoint.verify import CheckpointError
     from liandan.evaluate.loading import load_for_eval
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        model, tokenizer, _ = load_for_eval(path, tokenizer=args.tokenizer, device=device)
-    except CheckpointError as err:
-        raise CheckpointError(f"{err} (a run writes checkpoints as it trains: `liandan train CONFIG`, or "
-                              "`liandan import` Hugging Face weights)") from None  # fmt: skip
+    model, tokenizer, _ = load_for_eval(path, tokenizer=args.tokenizer, device=device)
     for text in generate_texts(model, tokenizer, args, say=lambda line: print(line, file=sys.stderr)):
         print(text)
     return 0

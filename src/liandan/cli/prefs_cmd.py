@@ -55,7 +55,6 @@ def cmd_prefs(args: argparse.Namespace, overrides: list[str]) -> int:
     import torch
 
     from liandan.checkpoint.info import resolve_checkpoint
-    from liandan.checkpoint.verify import CheckpointError
     from liandan.evaluate.loading import load_for_eval
     from liandan.evaluate.preferences import (
         PrefsSummary,
@@ -69,10 +68,7 @@ def cmd_prefs(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.evaluate.tasks import split_items
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        model, tokenizer, config = load_for_eval(path, tokenizer=args.tokenizer, device=device)
-    except CheckpointError as err:
-        raise CheckpointError(f"{err} (a run writes checkpoints as it trains: `liandan train CONFIG`)") from None
+    model, tokenizer, config = load_for_eval(path, tokenizer=args.tokenizer, device=device)
     checkpoint = resolve_checkpoint(path)
     template, notes = template_of_checkpoint(checkpoint, config, tokenizer, args.chat_template)
     for note in notes:

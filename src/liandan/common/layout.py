@@ -93,7 +93,7 @@ def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:
             piped = " x parallel.pp" if cfg.pp != 1 else ""
             raise ValueError(
                 f"parallel.dp_replicate{named} x parallel.tp{piped} = {rest} must divide the number of processes,"
-                f" but {world_size} were launched (set --nproc or the torchrun/srun task count)"
+                f" {world_size} (--nproc, or the torchrun/srun task count)"
             )
         shard = world_size // rest
     layout = Layout(cfg.dp_replicate, shard, cfg.tp, pp=cfg.pp, ep=cfg.ep, cp=cfg.cp)
@@ -103,7 +103,7 @@ def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:
             + (f" x cp={layout.cp}" if layout.cp != 1 else "")
             + f" x tp={layout.tp}"
             + (f" x pp={layout.pp}" if layout.pp != 1 else "")
-            + f" = {layout.world_size} processes, but {world_size} were launched"
+            + f" = {layout.world_size} processes, not {world_size} (--nproc, or the torchrun/srun task count)"
         )
     if layout.cp > 1 and layout.ep > 1:
         raise ValueError("parallel.cp and parallel.ep cannot both exceed 1 yet: expert parallelism borrows its"
