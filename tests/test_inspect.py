@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from dataclasses import asdict
 
 import numpy as np
@@ -300,3 +301,9 @@ def test_malformed_records_are_counted_and_reported(tmp_path):
     source = data["sources"]["mixed"]
     assert source["documents"] == 12 and sum(source["records_skipped"].values()) == 3
     assert "could not be read" in (tmp_path / "report" / "report.md").read_text(encoding="utf-8")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no plotting library's warning about a chart with nothing in it
+        done = liandan_here("data", "inspect", empty, "--out", tmp_path / "empty-report")
+    assert done.returncode == 0 and "empty: 1 record(s) skipped: 1 empty file" in done.stdout, done.stderr
