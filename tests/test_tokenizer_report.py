@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -160,6 +161,18 @@ def test_extend_a_runs_tokenizer_grow_its_checkpoint_and_warm_start(tmp_path, ca
                  "--checkpoint", str(room.checkpoints), "--weights-out", str(grown)]) == 0  # fmt: skip
     said = capsys.readouterr().out
     assert "every earlier id kept" in said and "grew step 4 of" in said and "vocabulary rows" in said
+    # The text it was trained on holds nothing new; a checkpoint that fails to load leaves nothing half-written.
+    nothing, half, half_weights = tmp_path / "nothing.json", tmp_path / "half.json", tmp_path / "half.safetensors"
+    assert main(["tokenizer", "extend", str(store_tokenizer), str(en), "--add", "5", "--out", str(nothing)]) == 2
+    assert "no new token to add" in capsys.readouterr().err and not nothing.exists()
+    damaged = tmp_path / "damaged"
+    shutil.copytree(room.checkpoints / "step-00000004", damaged)
+    shard = min(damaged.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[::-1])
+    assert main(["tokenizer", "extend", str(store_tokenizer), str(zh), "--add", "100", "--out", str(half),
+                 "--checkpoint", str(damaged), "--weights-out", str(half_weights)]) == 2  # fmt: skip
+    assert "fails its checksum" in capsys.readouterr().err
+    assert not half.exists() and not half_weights.exists()
     english, _ = load_model(room.checkpoints / "step-00000004")
     weights, args = load_consolidated(grown)
     from tokenizers import Tokenizer

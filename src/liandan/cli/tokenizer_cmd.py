@@ -81,12 +81,16 @@ def cmd_extend(args: argparse.Namespace, overrides: list[str]) -> int:
         extension = extend_tokenizer(source.read_text(), (text for _, text in _documents(args)), args.add)
     except (DataError, ValueError) as err:
         raise ConfigError(f"{args.tokenizer}: {str(err).splitlines()[0]}") from None
-    Path(args.out).write_text(extension.tokenizer_json)
     added = len(extension.sources)
+    if not added:
+        raise ConfigError(f"{args.tokenizer}: no new token to add: the text's frequent pieces are already in its"
+                          " vocabulary; nothing written")  # fmt: skip
+    grown = _grow_checkpoint(args, checkpoint, extension) if checkpoint is not None else None  # may still fail
+    Path(args.out).write_text(extension.tokenizer_json)
     print(f"added {added} token(s) to {args.tokenizer} (ids {extension.old_size}..{extension.old_size + added - 1}),"
           f" every earlier id kept: {args.out}")  # fmt: skip
-    if checkpoint is not None:
-        _grow_checkpoint(args, checkpoint, extension)
+    if grown is not None:
+        grown()
     return 0
 
 
@@ -97,7 +101,9 @@ def _checkpoint_dir(given: str):
     return resolve_checkpoint(locate(given))
 
 
-def _grow_checkpoint(args: argparse.Namespace, checkpoint, extension) -> None:
+def _grow_checkpoint(args: argparse.Namespace, checkpoint, extension) -> Callable[[], None]:
+    """The checkpoint's model grown by the extension's rows, in memory (where loading fails, before anything is
+    written); returns what writes it."""
     from liandan.checkpoint import hf
     from liandan.checkpoint.loading import load_model
     from liandan.model.spec import padded_vocab
@@ -110,11 +116,15 @@ def _grow_checkpoint(args: argparse.Namespace, checkpoint, extension) -> None:
                           f" {extension.old_size} ids: not the model of this tokenizer")  # fmt: skip
     size = max(rows, padded_vocab(0, extension.old_size + len(extension.sources)))
     grow_vocabulary(model, size, extension.sources)
-    hf.save_consolidated({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.args,
-                         Path(args.weights_out))  # fmt: skip
-    print(f"grew step {meta['step']} of {args.checkpoint} from {rows} to {size} vocabulary rows, each new token's"
-          f" rows the mean of its old tokens': {args.weights_out} (checkpoint.init_from, with data.tokenizer ="
-          f" {args.out})")  # fmt: skip
+
+    def write() -> None:
+        hf.save_consolidated({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.args,
+                             Path(args.weights_out))  # fmt: skip
+        print(f"grew step {meta['step']} of {args.checkpoint} from {rows} to {size} vocabulary rows, each new"
+              f" token's rows the mean of its old tokens': {args.weights_out} (checkpoint.init_from, with"
+              f" data.tokenizer = {args.out})")  # fmt: skip
+
+    return write
 
 
 def load_encoder(spec: str) -> tuple[str, Encoder]:
