@@ -89,6 +89,16 @@ def test_bad_inputs_end_in_one_line(tmp_path, capsys, argv, words):
     assert len(err) == 1 and words in err[0], err
 
 
+def test_records_the_readers_skip_are_counted_not_silently_left_out(tmp_path, capsys):
+    good = [json.dumps({"text": f"Record {i} is plain English text."}) for i in range(5)]
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_bytes(("\n".join(good) + "\n{not json\n[1, 2]\n").encode() + b'{"text": "bad \xff byte"}\n')
+    assert main(["tokenizer", "report", "byte", str(mixed)]) == 0
+    shown = capsys.readouterr().out
+    assert "over 5 document(s)" in shown
+    assert "mixed: 3 record(s) skipped: " in shown and "malformed JSON" in shown and "invalid UTF-8" in shown
+
+
 # -- extending a tokenizer ----------------------------------------------------------------------------------
 def english_tokenizer(tmp_path):
     from liandan.data.tokens.tokenizer import train_bpe

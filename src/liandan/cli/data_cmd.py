@@ -165,11 +165,7 @@ def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
             read_stats=read_stats,
             expected_languages={source: languages for source in sources} if languages else None,
         )
-    for source, counts in read_stats.items():
-        if counts.skipped:
-            print(
-                f"{source}: {sum(counts.skipped.values())} record(s) skipped: {counts.summary().split('skipped: ')[1]}"
-            )
+    say_skipped(read_stats)
     print(f"report: {args.out.rstrip('/')}/report.html ({len(report.flags)} anomaly flag(s))")
     for flag in report.flags:
         print(f"  flag: {getattr(flag, 'message', flag)}")
@@ -177,6 +173,14 @@ def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
 
 
 @contextlib.contextmanager
+def say_skipped(read_stats: dict) -> None:
+    """A line for each source (name -> ReadStats) whose reader skipped records, with the reasons counted."""
+    for source, counts in read_stats.items():
+        if counts.skipped:
+            print(f"{source}: {sum(counts.skipped.values())} record(s) skipped:"
+                  f" {counts.summary().split('skipped: ')[1]}")  # fmt: skip
+
+
 def _report_dir(out: str):
     """Where the report is written: `out` itself, or for a URL a local directory published there when done."""
     if not is_url(out):

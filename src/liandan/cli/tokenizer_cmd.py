@@ -13,6 +13,7 @@ import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from liandan.cli.data_cmd import say_skipped
 from liandan.config import ConfigError
 
 Encoder = Callable[[list[str]], list[list[int]]]
@@ -52,7 +53,9 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     if args.max_docs < 0:
         raise ConfigError(f"--max-docs = {args.max_docs} must be 0 (all) or more")
     name, encode = load_encoder(args.tokenizer)
-    rows = fertility(_documents(args), encode)
+    read_stats: dict = {}
+    rows = fertility(_documents(args, read_stats), encode)
+    say_skipped(read_stats)
     if not rows:
         raise ConfigError(f"no text to tokenize in {', '.join(args.paths)}")
     languages = by_language(rows)
@@ -77,10 +80,12 @@ def cmd_extend(args: argparse.Namespace, overrides: list[str]) -> int:
     if not source.is_file():
         raise ConfigError(f"{args.tokenizer}: no such tokenizer.json")
     checkpoint = _checkpoint_dir(args.checkpoint) if args.checkpoint else None  # found before anything is written
+    read_stats: dict = {}
     try:
-        extension = extend_tokenizer(source.read_text(), (text for _, text in _documents(args)), args.add)
+        extension = extend_tokenizer(source.read_text(), (text for _, text in _documents(args, read_stats)), args.add)
     except (DataError, ValueError) as err:
         raise ConfigError(f"{args.tokenizer}: {str(err).splitlines()[0]}") from None
+    say_skipped(read_stats)
     added = len(extension.sources)
     if not added:
         raise ConfigError(f"{args.tokenizer}: no new token to add: the text's frequent pieces are already in its"
@@ -163,7 +168,10 @@ def _sentencepiece(path: Path) -> Encoder:
     return lambda texts: model.encode(texts)
 
 
-def _documents(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+def _documents(args: argparse.Namespace, read_stats: dict) -> Iterator[tuple[str, str]]:
+    """(source, text) of each document; what each file's reader skips is counted in `read_stats` (source ->
+    ReadStats), to be said once the documents are read."""
+    from liandan.data.documents.corpus import ReadStats
     from liandan.data.documents.readers import files_in_directory, read_file
 
     for name in args.paths:
@@ -172,7 +180,9 @@ def _documents(args: argparse.Namespace) -> Iterator[tuple[str, str]]:
             raise ConfigError(f"{name}: no such file or directory")
         for file in files_in_directory(path, name) if path.is_dir() else [path]:
             source = Path(file).name.split(".")[0]
-            docs = read_file(Path(file), source=source, text_field=args.text_field, txt_mode=args.txt_mode)
+            stats = read_stats.setdefault(source, ReadStats())
+            docs = read_file(Path(file), source=source, text_field=args.text_field, txt_mode=args.txt_mode,
+                             stats=stats)  # fmt: skip
             for count, doc in enumerate(docs, 1):
                 yield source, doc.text
                 if count == args.max_docs:
