@@ -172,7 +172,6 @@ def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
     return 0
 
 
-@contextlib.contextmanager
 def say_skipped(read_stats: dict) -> None:
     """A line for each source (name -> ReadStats) whose reader skipped records, with the reasons counted."""
     for source, counts in read_stats.items():
@@ -181,6 +180,7 @@ def say_skipped(read_stats: dict) -> None:
                   f" {counts.summary().split('skipped: ')[1]}")  # fmt: skip
 
 
+@contextlib.contextmanager
 def _report_dir(out: str):
     """Where the report is written: `out` itself, or for a URL a local directory published there when done."""
     if not is_url(out):
