@@ -279,6 +279,23 @@ def test_config_errors_raise_config_error(tmp_path):
         load_pipeline(None, ["--model.dim=3"])
 
 
+def test_step_options_of_a_wrong_type_end_in_one_line_naming_step_and_option(tmp_path):
+    (tmp_path / "x.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    head = '[[inputs]]\nname = "a"\npaths = ["x.jsonl"]\n'
+    for body, message in [
+        ('[[steps]]\nname = "normalize"\nhtml = "false"\n', "step 'normalize': html = 'false' must be true or false"),
+        ('[[steps]]\nname = "language"\nlanguages = "en"\n', "step 'language': languages = 'en' must be a list of"),
+        ('[[steps]]\nname = "language"\nmin_score = 7\n', "step 'language': min_score = 7 is too large"),
+        ('languages = ["english"]\n', "input 'a': inputs.languages = ['english']: 'english' is not a language code"),
+    ]:
+        toml = tmp_path / "p.toml"
+        toml.write_text(head + body)
+        done = liandan_here("data", "run", toml)
+        assert done.returncode == 2 and done.stderr.strip().startswith("liandan: error: " + message), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "data").exists()
+
+
+
 def test_a_second_run_into_the_same_output_is_refused_in_one_line(tmp_path):
     """The first `data run` hangs after writing its first cleaned shard, holding the output; a second one
     into the same output is refused, naming the first, and runs once the first is gone."""
