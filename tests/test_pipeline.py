@@ -279,6 +279,46 @@ def test_config_errors_raise_config_error(tmp_path):
         load_pipeline(None, ["--model.dim=3"])
 
 
+def test_step_options_of_a_wrong_type_end_in_one_line_naming_step_and_option(tmp_path):
+    (tmp_path / "x.jsonl").write_text(json.dumps({"text": "hello"}) + "\n")
+    head = '[[inputs]]\nname = "a"\npaths = ["x.jsonl"]\n'
+    for body, message in [
+        ('[[steps]]\nname = "normalize"\nhtml = "false"\n', "step 'normalize': html = 'false' must be true or false"),
+        ('[[steps]]\nname = "language"\nlanguages = "en"\n', "step 'language': languages = 'en' must be a list of"),
+        ('[[steps]]\nname = "language"\nmin_score = 7\n', "step 'language': min_score = 7 is too large"),
+        ('languages = ["english"]\n', "input 'a': inputs.languages = ['english']: 'english' is not a language code"),
+    ]:
+        toml = tmp_path / "p.toml"
+        toml.write_text(head + body)
+        done = liandan_here("data", "run", toml)
+        assert done.returncode == 2 and done.stderr.strip().startswith("liandan: error: " + message), done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and not (tmp_path / "data").exists()
+
+
+def test_a_run_that_keeps_nothing_names_the_reasons_and_the_rejects(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    records = [{"id": f"b{i}", "body": "no text field"} for i in range(3)]
+    records += [{"id": f"s{i}", "text": "Too short to keep."} for i in range(2)]
+    (tmp_path / "docs.jsonl").write_bytes(
+        "".join(json.dumps(r) + "\n" for r in records).encode() + b'{"id": "u", "text": "bad \xff"}\n'
+    )
+    toml = tmp_path / "p.toml"
+    toml.write_text(
+        '[pipeline]\noutput = "out"\nworkers = 1\ninspect = false\n[tokenizer]\nkind = "byte"\n'
+        '[[inputs]]\nname = "a"\npaths = ["empty.jsonl", "docs.jsonl"]\n[[steps]]\nname = "gopher_quality"\n'
+    )
+    done = liandan_here("data", "run", toml)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    rejects = tmp_path / "out" / "clean" / "*.rejects.jsonl.zst"
+    assert done.stderr.strip() == (
+        "liandan: error: no document survived cleaning and deduplication (dropped: 3 no string field 'text', 2"
+        " gopher_quality:too_few_words, 1 empty file and 1 more (1 other reason)); every dropped record is in"
+        f" {rejects}"
+    )
+    reasons = [r["reason"] for path in sorted(rejects.parent.glob(rejects.name)) for r in read_jsonl_zst(path)]
+    assert sorted(reasons).count("invalid UTF-8") == 1 and len(reasons) == 7
+
+
 def test_a_second_run_into_the_same_output_is_refused_in_one_line(tmp_path):
     """The first `data run` hangs after writing its first cleaned shard, holding the output; a second one
     into the same output is refused, naming the first, and runs once the first is gone."""

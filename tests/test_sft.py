@@ -20,7 +20,7 @@ from helpers import (
     write_corpus,
     write_hf_chat_tokenizer,
 )
-from liandan.config import ConfigError
+from liandan.config import ConfigError, load_config
 from liandan.data.documents.chat import read_conversations
 from liandan.data.documents.corpus import DataError, ReadStats
 from liandan.data.tokens.chat import IM_END, ChatMLTemplate, ModelTemplate, encode_conversation, with_chat_tokens
@@ -150,6 +150,16 @@ def test_a_fine_tuning_store_describes_its_mask_and_a_pretraining_store_has_none
     assert sorted(p.name for p in (tmp_path / "lm").iterdir()) == [
         "manifest.json", "shard-00000.bin", "shard-00000.docs.jsonl", "tokenizer.json"
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("size", ["-1", "0", "5", "259"])
+def test_a_bpe_vocabulary_below_the_bound_of_data_bpe_vocab_size_is_refused_in_one_line(tmp_path, size):
+    done = liandan_here("data", "chat", write_chat_data(tmp_path), "--out", tmp_path / "sft", "--bpe-vocab-size", size)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"liandan: error: --bpe-vocab-size = {size} is too small; it must be >= 260"
+    assert not (tmp_path / "sft").exists()
+    with pytest.raises(ConfigError, match=f"data.bpe_vocab_size = {size} is too small; it must be >= 260"):
+        load_config(None, [f"--data.bpe_vocab_size={size}"])  # the same bound, worded the same
 
 
 def _sft_batch(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import inspect
 import json
 import tempfile
@@ -260,6 +261,10 @@ def cmd_chat(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.config import DataSection
     from liandan.data.pipeline.chat import prepare_chat_store
 
+    # the bound `data.bpe_vocab_size` and `tokenizer.vocab_size` have, before a BPE is trained with it
+    lowest = next(f for f in dataclasses.fields(DataSection) if f.name == "bpe_vocab_size").metadata["min"]
+    if args.bpe_vocab_size < lowest:
+        raise ConfigError(f"--bpe-vocab-size = {args.bpe_vocab_size} is too small; it must be >= {lowest}")
     out = Path(args.out)
     if (out / "manifest.json").is_file() and not args.overwrite:
         raise ConfigError(f"{out} already holds a token store; pass --overwrite to replace it")

@@ -95,6 +95,11 @@ class PipelineLayout:
     def rejects(self, task: Task) -> Path:
         return self._jsonl(f"{task.label}.rejects")
 
+    @property
+    def rejects_glob(self) -> str:
+        """The pattern every task's rejects file matches."""
+        return str(self._jsonl("*.rejects"))
+
     def exact_hashes(self, task: Task) -> Path:
         return self.clean_dir / f"{task.name}.exact.npy"
 

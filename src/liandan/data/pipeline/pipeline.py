@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from liandan.data.documents.corpus import DataError, Document, ReadStats
-from liandan.data.pipeline.drops import drops_by
+from liandan.data.pipeline.drops import drop_reasons, drops_by
 from liandan.data.pipeline.executor import make_executor
 from liandan.data.pipeline.layout import PipelineLayout, Task
 from liandan.data.pipeline.pipeline_config import PipelineConfig, expand_paths
@@ -261,7 +261,8 @@ class DedupStage(Stage):
         stats["removed"] = int(remove.sum())
         if stats["removed"] == total:
             raise DataError(
-                f"no document survived cleaning and deduplication; see the rejects files under {layout.clean_dir}"
+                f"no document survived cleaning and deduplication ({drop_reasons(ctx.results['clean'], stats)});"
+                f" every dropped record is in {layout.rejects_glob}"
             )
         return stats
 

@@ -32,6 +32,7 @@ from typing import Any, Literal
 from liandan.config import ConfigError, build_section, parse_override, read_toml
 from liandan.config import option as _f
 from liandan.data.steps.base import Step, build_step
+from liandan.data.steps.langid import check_language_codes
 from liandan.run.remote import is_url, locate
 
 
@@ -110,6 +111,10 @@ class PipelineConfig:
                 raise ConfigError(f"inputs.name = {spec.name!r} must be a non-empty name of letters, digits, - _ .")
             if not spec.paths:
                 raise ConfigError(f"input '{spec.name}' has no paths")
+            try:
+                check_language_codes("inputs.languages", spec.languages)
+            except (TypeError, ValueError) as err:
+                raise ConfigError(f"input '{spec.name}': {err}") from None
         if len(set(names)) != len(names):
             raise ConfigError(f"input names must differ; got {names}")
         for spec in self.steps:  # build once here so a bad step stops the run before any work

@@ -9,6 +9,10 @@ pipeline TOML can list them:
     name = "gopher_quality"
     min_words = 50
 
+Each option is checked against the annotation of the constructor's parameter before the step is built
+(`liandan.data.steps.options`): a string where true/false or a list is expected is an error, not a truthy value
+or a list of letters. Where an option may be None, `false` stands for it (TOML has no null).
+
 Every dropped document is handed to `on_drop` (the pipeline writes them to a rejects file), so nothing
 vanishes without a record.
 """
@@ -24,6 +28,7 @@ from typing import Any, ClassVar
 from liandan import plugins
 from liandan.config import ConfigError
 from liandan.data.documents.corpus import Document
+from liandan.data.steps.options import check_options
 
 
 @dataclass
@@ -148,7 +153,8 @@ def step_class(name: str) -> type[Step]:
 
 
 def build_step(spec: dict[str, Any]) -> Step:
-    """A step from its config table: `name` picks the class, the other keys are its keyword arguments."""
+    """A step from its config table: `name` picks the class, the other keys are its keyword arguments, each
+    checked against the constructor's annotations."""
     spec = dict(spec)
     name = str(spec.pop("name", ""))
     cls = step_class(name)
@@ -157,7 +163,8 @@ def build_step(spec: dict[str, Any]) -> Step:
     for key in spec:
         if key not in allowed:
             raise ConfigError(f"step '{name}' has no option '{key}'; options: {', '.join(allowed) or 'none'}")
+    options = check_options(name, cls, spec)
     try:
-        return cls(**spec)
+        return cls(**options)
     except (TypeError, ValueError) as err:
         raise ConfigError(f"step '{name}': {err}") from None

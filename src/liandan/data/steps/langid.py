@@ -13,8 +13,21 @@ from typing import Any
 
 from liandan.data.documents.corpus import DataError, Document
 from liandan.data.steps.base import Filter, register
+from liandan.data.steps.options import check_range
 
 UNDETERMINED = "und"  # ISO 639-2 code for text with no language to detect (empty, only digits and symbols)
+# The labels of lid.176 (https://fasttext.cc/docs/en/language-identification.html), which the bundled model
+# answers with; a test compares them with the model's own.
+_LID176_CODES = (
+    "af als am an ar arz as ast av az azb ba bar bcl be bg bh bn bo bpy br bs bxr ca cbk ce ceb ckb co cs cv cy da"
+    " de diq dsb dty dv el eml en eo es et eu fa fi fr frr fy ga gd gl gn gom gu gv he hi hif hr hsb ht hu hy ia id"
+    " ie ilo io is it ja jbo jv ka kk km kn ko krc ku kv kw ky la lb lez li lmo lo lrc lt lv mai mg mhr min mk ml mn"
+    " mr mrj ms mt mwl my myv mzn nah nap nds ne new nl nn no oc or os pa pam pfl pl pms pnb ps pt qu rm ro ru rue"
+    " sa sah sc scn sco sd sh si sk sl so sq sr su sv sw ta te tg th tk tl tr tt tyv ug uk ur uz vec vep vi vls vo"
+    " wa war wuu xal xmf yi yo yue zh"
+)
+LID176_LANGUAGES = frozenset(_LID176_CODES.split())
+KNOWN_LANGUAGES = LID176_LANGUAGES | {UNDETERMINED}
 _KANA = re.compile("[\u3040-\u30ff\u31f0-\u31ff]")
 _LETTER = re.compile(r"[^\W\d_]")
 
@@ -27,10 +40,10 @@ class Language(Filter):
 
     def __init__(self, languages: list[str] = [], min_score: float = 0.0, sample_chars: int = 2000):  # noqa: B006
         super().__init__()
-        self.languages = frozenset(code.lower() for code in languages)
+        self.languages = frozenset(check_language_codes("languages", languages))
+        check_range("min_score", min_score, 0, 1)  # a probability
         self.min_score = float(min_score)
-        if sample_chars < 1:
-            raise ValueError(f"sample_chars must be positive, got {sample_chars}")
+        check_range("sample_chars", sample_chars, 1)
         self.sample_chars = sample_chars
         self._detector: Any = None
         _load_package()  # fail at configuration time, not on the first document
@@ -68,6 +81,22 @@ class Language(Filter):
     def __getstate__(self) -> dict[str, Any]:
         # The loaded model does not pickle; a worker process loads its own on first use.
         return {**self.__dict__, "_detector": None}
+
+
+def check_language_codes(option: str, languages: list[str]) -> list[str]:
+    """`languages` lower-cased, each a code the identifier answers with; TypeError or ValueError (naming
+    `option`) if not."""
+    if isinstance(languages, str):
+        raise TypeError(f"{option} = {languages!r} must be a list of language codes, like ['en', 'zh']")
+    codes = [str(code).lower() for code in languages]
+    unknown = [code for code in codes if code not in KNOWN_LANGUAGES]
+    if unknown:
+        what = "is not a language code" if len(unknown) == 1 else "are not language codes"
+        raise ValueError(
+            f"{option} = {list(languages)!r}: {', '.join(map(repr, unknown))} {what} of fastText lid.176; use ISO 639"
+            f" codes such as 'en', 'zh', 'de', 'fr', 'ja' ('{UNDETERMINED}': no language found)"
+        )
+    return codes
 
 
 def _load_package() -> Any:

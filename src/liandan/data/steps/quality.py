@@ -28,6 +28,7 @@ import numpy as np
 from liandan.data.documents.corpus import Document
 from liandan.data.documents.text import CJK_CLASS, is_mostly_cjk, words
 from liandan.data.steps.base import Filter, register
+from liandan.data.steps.options import check_range
 
 TERMINAL_PUNCTUATION = (".", "!", "?", '"', "”", "。", "！", "？", "…", "」", "』", "．", "｡")
 BULLETS = ("•", "‣", "⁃", "◦", "▪", "●", "○", "■", "□", "►", "➢", "–", "-", "*", "·")
@@ -44,6 +45,19 @@ _NO_LETTER = re.compile(r"[\d_]+")  # a word (letter/digit run) with no letter i
 def _on(threshold: Any) -> bool:
     """Whether a rule is switched on: None and False switch it off (0 is a real threshold)."""
     return threshold is not None and threshold is not False
+
+
+def _check_limits(fractions: dict[str, Any], non_negative: dict[str, Any]) -> None:
+    """Shares (of lines, words, characters) lie in [0, 1]; counts, lengths and per-word ratios are >= 0."""
+    for option, value in fractions.items():
+        check_range(option, value, 0, 1)
+    for option, value in non_negative.items():
+        check_range(option, value, 0)
+
+
+def _check_order(low: str, low_value: Any, high: str, high_value: Any) -> None:
+    if _on(low_value) and _on(high_value) and low_value > high_value:
+        raise ValueError(f"{low} = {low_value} is above {high} = {high_value}: every document would be dropped")
 
 
 def nonblank_lines(text: str) -> list[str]:
@@ -91,6 +105,15 @@ class GopherQuality(Filter):
         stop_words: list[str] = list(GOPHER_STOP_WORDS),  # noqa: B006 - never mutated
     ):
         super().__init__()
+        _check_limits(
+            {"max_bullet_lines": max_bullet_lines, "max_ellipsis_lines": max_ellipsis_lines,
+             "min_alphabetic_words": min_alphabetic_words},
+            {"min_words": min_words, "max_words": max_words, "min_mean_word_length": min_mean_word_length,
+             "max_mean_word_length": max_mean_word_length, "max_symbol_word_ratio": max_symbol_word_ratio,
+             "min_stop_words": min_stop_words},
+        )  # fmt: skip
+        _check_order("min_words", min_words, "max_words", max_words)
+        _check_order("min_mean_word_length", min_mean_word_length, "max_mean_word_length", max_mean_word_length)
         self.min_words, self.max_words = min_words, max_words
         self.min_mean_word_length, self.max_mean_word_length = min_mean_word_length, max_mean_word_length
         self.max_symbol_word_ratio = max_symbol_word_ratio
@@ -174,6 +197,12 @@ class GopherRepetition(Filter):
         max_duplicate_ngram_chars: dict[Any, float | None] | None = DUPLICATE_NGRAM_CHARS,
     ):
         super().__init__()
+        _check_limits(
+            {"max_duplicate_lines": max_duplicate_lines, "max_duplicate_paragraphs": max_duplicate_paragraphs,
+             "max_duplicate_line_chars": max_duplicate_line_chars,
+             "max_duplicate_paragraph_chars": max_duplicate_paragraph_chars},
+            {},
+        )  # fmt: skip
         self.max_duplicate_lines, self.max_duplicate_line_chars = max_duplicate_lines, max_duplicate_line_chars
         self.max_duplicate_paragraphs = max_duplicate_paragraphs
         self.max_duplicate_paragraph_chars = max_duplicate_paragraph_chars
@@ -214,10 +243,16 @@ class GopherRepetition(Filter):
 
 def _by_n(limits: dict[Any, float | None], option: str) -> dict[int, float]:
     """{n: limit} with int keys (TOML tables have string keys), sorted, switched-off entries left out."""
+    usage = f"{option} must map n-gram sizes (1 or more) to fractions, like {{2 = 0.2}}, got {limits!r}"
     try:
-        return {int(n): float(limit) for n, limit in sorted(limits.items(), key=lambda kv: int(kv[0])) if _on(limit)}
+        by_n = {int(n): limit for n, limit in sorted(limits.items(), key=lambda kv: int(kv[0])) if _on(limit)}
     except (TypeError, ValueError, AttributeError):
-        raise ValueError(f"{option} must map n-gram sizes to fractions, like {{2 = 0.2}}, got {limits!r}") from None
+        raise ValueError(usage) from None
+    for n, limit in by_n.items():
+        if n < 1 or isinstance(limit, bool) or not isinstance(limit, (int, float)):
+            raise ValueError(usage)
+        check_range(f"{option}.{n}", limit, 0, 1)
+    return {n: float(limit) for n, limit in by_n.items()}
 
 
 def _top_ngram_share(lengths: np.ndarray, total: int, n: int, first: np.ndarray, counts: np.ndarray) -> float:
@@ -276,6 +311,11 @@ class C4Quality(Filter):
         remove_citations: bool = True,
     ):
         super().__init__()
+        _check_limits(
+            {},
+            {"min_words_per_line": min_words_per_line, "min_sentences": min_sentences,
+             "max_word_length": max_word_length},
+        )  # fmt: skip
         self.terminal_punctuation = terminal_punctuation
         self.min_words_per_line, self.min_sentences = min_words_per_line, min_sentences
         self.max_word_length = max_word_length
@@ -372,6 +412,11 @@ class FineWebQuality(Filter):
         max_new_line_ratio: float | None = 0.3,
     ):
         super().__init__()
+        _check_limits(
+            {"min_line_punct_ratio": min_line_punct_ratio, "max_short_line_ratio": max_short_line_ratio,
+             "max_char_duplicates_ratio": max_char_duplicates_ratio},
+            {"short_line_length": short_line_length, "max_new_line_ratio": max_new_line_ratio},
+        )  # fmt: skip
         self.min_line_punct_ratio = min_line_punct_ratio
         self.max_short_line_ratio, self.short_line_length = max_short_line_ratio, short_line_length
         self.max_char_duplicates_ratio = max_char_duplicates_ratio
