@@ -7,6 +7,7 @@ to a JSON file beside the output; the progress to stderr."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -52,11 +53,9 @@ def cmd_prefs(args: argparse.Namespace, overrides: list[str]) -> int:
     if not path.exists():
         raise ConfigError(f"liandan prefs: no such run or checkpoint: {path}")
     task = _task(args)
-    import torch
-
     from liandan.checkpoint.info import resolve_checkpoint
     from liandan.checkpoint.verify import CheckpointError
-    from liandan.evaluate.loading import load_for_eval
+    from liandan.evaluate.loading import evaluation_device, load_for_eval
     from liandan.evaluate.preferences import (
         PrefsSummary,
         SamplingSettings,
@@ -68,7 +67,7 @@ def cmd_prefs(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.evaluate.runner import generation_room
     from liandan.evaluate.tasks import split_items
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = evaluation_device(args.device)
     try:
         model, tokenizer, config = load_for_eval(path, tokenizer=args.tokenizer, device=device)
     except CheckpointError as err:
@@ -128,6 +127,8 @@ def _check(args: argparse.Namespace) -> None:
 
     if args.samples < 2:
         raise ConfigError(f"--samples = {args.samples}: a pair needs two replies, sample at least 2")
+    if not math.isfinite(args.temperature):
+        raise ConfigError(f"--temperature = {args.temperature}: must be a finite number above 0")
     if args.temperature <= 0:
         raise ConfigError(f"--temperature = {args.temperature}: must be above 0 (at 0 every sample is the same)")
     if args.top_k is not None and args.top_k < 2:
