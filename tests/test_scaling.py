@@ -351,6 +351,9 @@ def test_cli_missing_file_is_one_line():
         (["fit", "{good}", "--confidence", "95"], ["--confidence = 95.0"]),
         (["optimal"], ["give --flops C"]),
         (["optimal", "--flops", "-1"], ["--flops = '-1'"]),
+        # negative numbers in the forms argparse would take for options reach the tool's own check
+        (["optimal", "--flops", "-1e21"], ["--flops = '-1e21'", "expected a positive number"]),
+        (["fit", "{good}", "--predict-n", "-7B"], ["--predict-n = '-7B'"]),
         (["optimal", "--law", "{bad}", "--flops", "1e20"], ["not valid JSON"]),
         (["optimal", "--law", "{nolaw}", "--flops", "1e20"], ["needs numbers E, A, B, alpha and beta"]),
         (
