@@ -217,6 +217,8 @@ def test_bad_input_is_refused_in_one_line_and_writes_nothing(chat_run, tmp_path)
         assert not out.exists() and not summary_path(out).exists()
     wrong_name = liandan_here("prefs", run, "--task", task_file, "--out", tmp_path / "p.json")
     assert wrong_name.returncode == 2 and "name it *.jsonl" in wrong_name.stderr
+    under_a_file = liandan_here("prefs", run, "--task", task_file, "--out", task_file / "p.jsonl")
+    assert under_a_file.returncode == 2 and f"{task_file} is not a directory" in under_a_file.stderr
 
 
 def test_the_file_is_written_whole_or_not_at_all(tmp_path):

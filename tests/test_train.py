@@ -336,7 +336,9 @@ def test_cuda_asked_for_where_there_is_none_is_one_user_error_the_supervisor_doe
     done = run_liandan("train", config, timeout=300)  # under the supervisor
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("liandan: error:")]
-    assert errors == ["liandan: error: run.device = 'cuda' but no CUDA device is available; use --run.device=cpu or auto"]
+    assert errors == [
+        "liandan: error: run.device = 'cuda' but no CUDA device is available; use --run.device=cpu or auto"
+    ]
     assert "Traceback" not in done.stderr and "restart" not in done.stderr
 
 

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from liandan.config import ConfigError
+from liandan.run.files import check_output
 from liandan.run.remote import is_url
 
 
@@ -137,6 +138,8 @@ def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if overrides:
         raise ConfigError(f"unrecognised argument '{overrides[0]}'")
+    if not is_url(args.out):  # said before the sources are read, not after
+        check_output(args.out, directory=True, makes_parents=True)
     from liandan.data.documents.readers import files_in_directory
 
     names = []
@@ -256,7 +259,7 @@ def cmd_chat(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.config import DataSection
     from liandan.data.pipeline.chat import prepare_chat_store
 
-    out = Path(args.out)
+    out = check_output(args.out, directory=True, makes_parents=True)
     if (out / "manifest.json").is_file() and not args.overwrite:
         raise ConfigError(f"{out} already holds a token store; pass --overwrite to replace it")
     cfg = DataSection(paths=list(args.paths), tokenizer=args.tokenizer, bpe_vocab_size=args.bpe_vocab_size,

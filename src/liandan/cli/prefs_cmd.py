@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from liandan.config import ConfigError
+from liandan.run.files import check_output
 
 
 def add_commands(sub) -> None:
@@ -143,8 +144,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--items {args.items}: choose one of {', '.join(ITEM_SPLITS)}")
     if not args.out.endswith(".jsonl"):
         raise ConfigError(f"--out {args.out}: the preference file is written as .jsonl; name it *.jsonl")
-    if Path(args.out).parent and not Path(args.out).parent.is_dir():
-        raise ConfigError(f"--out {args.out}: no such directory: {Path(args.out).parent}")
+    check_output(args.out)
 
 
 def _task(args: argparse.Namespace):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from liandan.config import ConfigError
+from liandan.run.files import atomic_write, check_output
 
 Encoder = Callable[[list[str]], list[list[int]]]
 
@@ -51,6 +52,8 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"unrecognised argument '{overrides[0]}'")
     if args.max_docs < 0:
         raise ConfigError(f"--max-docs = {args.max_docs} must be 0 (all) or more")
+    if args.json:
+        check_output(args.json)
     name, encode = load_encoder(args.tokenizer)
     rows = fertility(_documents(args), encode)
     if not rows:
@@ -59,7 +62,7 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"tokenizer {name}: per token, over {sum(r.documents for r in rows):,} document(s)")
     _print_table(rows + languages if len({r.source for r in rows}) > 1 else rows)
     if args.json:
-        Path(args.json).write_text(json.dumps({"tokenizer": name, "rows": [r.as_dict() for r in rows],
+        atomic_write(Path(args.json), json.dumps({"tokenizer": name, "rows": [r.as_dict() for r in rows],
                                                "languages": [r.as_dict() for r in languages]}, indent=1))  # fmt: skip
         print(f"wrote {args.json}")
     return 0
@@ -76,12 +79,15 @@ def cmd_extend(args: argparse.Namespace, overrides: list[str]) -> int:
     source = Path(args.tokenizer)
     if not source.is_file():
         raise ConfigError(f"{args.tokenizer}: no such tokenizer.json")
+    check_output(args.out)
+    if args.weights_out:
+        check_output(args.weights_out, makes_parents=True)
     checkpoint = _checkpoint_dir(args.checkpoint) if args.checkpoint else None  # found before anything is written
     try:
         extension = extend_tokenizer(source.read_text(), (text for _, text in _documents(args)), args.add)
     except (DataError, ValueError) as err:
         raise ConfigError(f"{args.tokenizer}: {str(err).splitlines()[0]}") from None
-    Path(args.out).write_text(extension.tokenizer_json)
+    atomic_write(Path(args.out), extension.tokenizer_json)
     added = len(extension.sources)
     print(f"added {added} token(s) to {args.tokenizer} (ids {extension.old_size}..{extension.old_size + added - 1}),"
           f" every earlier id kept: {args.out}")  # fmt: skip
