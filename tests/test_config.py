@@ -54,6 +54,10 @@ def test_resolved_config_round_trips(tmp_path):
         ("--train.seq_len=4096", ["train.seq_len = 4096", "model.max_seq_len = 2048"]),
         ("--parallel.dp_shard=0", ["parallel.dp_shard = 0"]),
         ("model.dim", ["must look like --section.key=value"]),
+        # a list or table that does not parse is refused, not taken as the string typed
+        ('--eval.samples=["hi",', ["--eval.samples=", "not a valid TOML list or table", "end of document"]),
+        ('--data.paths=["a" "b"]', ["--data.paths=", "Unclosed array (at character 6)"]),
+        ("--model.llama={dim=1", ["--model.llama=", "Unclosed inline table"]),
     ],
 )
 def test_bad_values_name_key_value_and_what_is_allowed(override, words):

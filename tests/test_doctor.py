@@ -396,3 +396,12 @@ def test_a_checkpoint_directory_write_is_judged_on_its_own_rate():
     assert (
         "writes to /x at 20" in slow["findings"][0]["what"] and "checkpoint saves there will be slow" in slow["summary"]
     )
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_checks(tmp_path):
+    (tmp_path / "t.toml").write_text("")
+    done = liandan_here("doctor", "--json", tmp_path / "t.toml" / "x.json")
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert done.stderr.strip().splitlines() == [
+        f"liandan: error: cannot write {tmp_path}/t.toml/x.json: {tmp_path}/t.toml is not a directory"
+    ]

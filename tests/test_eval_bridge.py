@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import MICRO_MODEL, faults_planned, run_liandan, write_corpus
+from helpers import MICRO_MODEL, faults_planned, liandan_here, run_liandan, write_corpus
 from liandan.checkpoint.verify import CheckpointError
 from liandan.evaluate import scoring
 from liandan.evaluate.loading import load_for_eval
@@ -161,6 +161,23 @@ def test_lm_eval_command_runs_a_local_task(run, tasks):
     done = run_liandan("lm-eval", run, "--tasks", "local_choice", "--include_path", tasks, "--limit", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "local_choice" in done.stdout and "acc" in done.stdout
+
+
+def test_lm_eval_without_tasks_is_refused_in_one_line(run):
+    done = liandan_here("lm-eval", run, "--limit", "2")
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "liandan: error: liandan lm-eval needs --tasks, e.g. --tasks hellaswag (`lm-eval ls tasks` lists them)"
+    ]
+
+
+@pytest.mark.slow
+def test_lm_eval_with_an_unknown_task_is_refused_in_one_line(run, tasks):
+    done = run_liandan("lm-eval", run, "--tasks", "local_choice,no_such_task", "--include_path", tasks)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("liandan: error:")]
+    assert errors == ["liandan: error: lm-eval: Tasks not found: no_such_task"], done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
 
 
 def test_the_bridge_refuses_what_it_cannot_do():

@@ -129,6 +129,15 @@ def test_data_dir_option_and_a_missing_data_dir_in_one_line(tmp_path):
     assert "--data-dir" in lines[0]
 
 
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_evaluation(tmp_path):
+    (tmp_path / "t.toml").write_text("")
+    done = liandan_here("eval", tmp_path, "--tasks=cloze_zh", "--json", tmp_path / "t.toml" / "x.json")
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"liandan: error: cannot write {tmp_path}/t.toml/x.json: {tmp_path}/t.toml is not a directory"
+    ]
+
+
 def test_short_items_skip_contamination_and_a_slow_regex_is_one_line(tiny_run, tmp_path):
     """A task whose items are all shorter than an n-gram is scored and said unchecked; `^(a+)+$` (which
     Python's re takes exponential time over) finishes; `^(a|aa)+$` on a long reference is one line that

@@ -51,6 +51,9 @@ def test_sampler_draws_only_from_the_top_k():
     drawn = Sampler(temperature=1.0, top_k=2, seed=0).choose(logits)
     assert set(drawn.tolist()) == {1, 2}
     assert set(Sampler(temperature=50.0, seed=0).choose(logits).tolist()) == {0, 1, 2, 3, 4}
+    for temperature in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="must be a finite number, at least 0"):
+            Sampler(temperature=temperature)
 
 
 def test_prompt_seeds_draw_each_prompt_alike_alone_or_batched_with_or_without_the_cache(trained_run):
@@ -86,3 +89,17 @@ def test_errors_are_one_line(trained_run, tmp_path):
     assert missing.returncode == 2 and "no such run or checkpoint" in missing.stderr
     bad = liandan_here("generate", trained_run, "x", "--top-k=0")
     assert bad.returncode == 2 and "--top-k" in bad.stderr
+    refused = {
+        ("--temperature=nan",): "--temperature = nan must be a finite number",
+        ("--temperature=inf",): "--temperature = inf must be a finite number",
+        ("--device", "bogus"): "--device bogus: not a device",
+        ("--device", "meta"): "--device meta: the meta device holds no weights",
+        ("--device", "cuda:99"): "--device cuda:99: this machine has",
+    }
+    if not torch.cuda.is_available():
+        refused["--device", "cuda"] = "--device cuda: this machine has no cuda device"
+    for flags, expected in refused.items():
+        done = liandan_here("generate", trained_run, "x", "--max-new-tokens=2", *flags)
+        assert done.returncode == 2 and done.stdout == "", (flags, done.stderr)
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"liandan: error: {expected}"), (flags, done.stderr)

@@ -293,6 +293,10 @@ def test_malformed_records_are_counted_and_reported(tmp_path):
         + b'{"text": "bad \xff byte"}\n'
         + ("\n".join(good[6:]) + "\n").encode()
     )
+    (tmp_path / "t.toml").write_text("")
+    refused = liandan_here("data", "inspect", path, "--out", tmp_path / "t.toml" / "report")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout  # refused before any source is read
+    assert f"cannot write {tmp_path}/t.toml/report: {tmp_path}/t.toml is not a directory" in refused.stderr
     done = liandan_here("data", "inspect", path, "--out", tmp_path / "report")
     assert done.returncode == 0, done.stderr
     assert "mixed: 3 record(s) skipped" in done.stdout

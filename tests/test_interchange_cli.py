@@ -121,6 +121,17 @@ def test_bad_paths_are_one_line_errors(tmp_path):
         assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
 
 
+def test_an_export_path_that_cannot_be_written_is_one_line(trained, tmp_path):
+    _, run = trained
+    (tmp_path / "t.toml").write_text("")
+    (tmp_path / "ck").mkdir()
+    for out, kind, said in ((tmp_path / "t.toml" / "x.safetensors", "--consolidated", "t.toml is not a directory"),
+                            (tmp_path / "ck", "--consolidated", "it is a directory; name a file in it"),
+                            (tmp_path / "t.toml", "--hf", "it is a file, not a directory")):  # fmt: skip
+        _one_line_error(liandan_here("export", run, out, kind), f"cannot write {out}: ", said)
+    assert list((tmp_path / "ck").iterdir()) == []
+
+
 def _one_line_error(done, *words):
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()

@@ -202,6 +202,10 @@ def test_bad_input_is_refused_in_one_line_and_writes_nothing(chat_run, tmp_path)
         (run, tmp_path / "missing.toml"): "task file not found",
         (run, task_file, "-k", "1"): "sample at least 2",
         (run, task_file, "--temperature=0"): "must be above 0",
+        (run, task_file, "--temperature=nan"): "--temperature = nan: must be a finite number",
+        (run, task_file, "--device=bogus"): "--device bogus: not a device",
+        (run, task_file, "--device=meta"): "--device meta: the meta device holds no weights",
+        (run, task_file, "--device=cuda:99"): "--device cuda:99: this machine has",
         (run, task_file, "--pairs-per-prompt=0"): "--pairs-per-prompt = 0 must be at least 1",
         (run, task_file, "--items=test"): "--items test: choose one of train, heldout, all",
         (pretrained / "run", task_file): "its tokenizer has no chat markers",
@@ -213,6 +217,8 @@ def test_bad_input_is_refused_in_one_line_and_writes_nothing(chat_run, tmp_path)
         assert not out.exists() and not summary_path(out).exists()
     wrong_name = liandan_here("prefs", run, "--task", task_file, "--out", tmp_path / "p.json")
     assert wrong_name.returncode == 2 and "name it *.jsonl" in wrong_name.stderr
+    under_a_file = liandan_here("prefs", run, "--task", task_file, "--out", task_file / "p.jsonl")
+    assert under_a_file.returncode == 2 and f"{task_file} is not a directory" in under_a_file.stderr
 
 
 def test_the_file_is_written_whole_or_not_at_all(tmp_path):

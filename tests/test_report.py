@@ -202,6 +202,11 @@ def test_a_bad_run_path_is_one_line(tmp_path, capsys):
         capsys.readouterr().err
         == f"liandan: error: {tmp_path / 'report.txt'}: the report is an HTML file; name it with .html\n"
     )
+    (tmp_path / "t.toml").write_text("")
+    assert main(["report", str(run), "-o", str(tmp_path / "t.toml" / "x.html")]) == 2
+    assert capsys.readouterr().err == (
+        f"liandan: error: cannot write {tmp_path}/t.toml/x.html: {tmp_path}/t.toml is not a directory\n"
+    )
 
 
 def test_an_event_without_a_step_is_marked_at_the_step_logged_before_it():

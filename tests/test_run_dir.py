@@ -16,6 +16,7 @@ from liandan.run import (
     atomic_file,
     atomic_write,
     atomic_write_json,
+    check_output,
     dumps_json,
     parse_partial_step_dir,
     parse_step_dir,
@@ -26,6 +27,29 @@ from liandan.run import (
     step_dir_name,
     temporary,
 )
+
+
+def test_an_output_path_that_cannot_be_written_is_one_line_before_any_work(tmp_path):
+    from liandan.config import ConfigError
+
+    (tmp_path / "t.toml").write_text("")
+    (tmp_path / "ck").mkdir()
+    refused = {
+        (tmp_path / "t.toml" / "x.json", False, True): f"cannot write {tmp_path}/t.toml/x.json: {tmp_path}/t.toml is "
+        "not a directory",
+        (tmp_path / "t.toml" / "a" / "x.json", False, True): f"{tmp_path}/t.toml is not a directory",
+        (tmp_path / "ck", False, True): f"cannot write {tmp_path}/ck: it is a directory; name a file in it",
+        (tmp_path / "t.toml", True, True): f"cannot write {tmp_path}/t.toml: it is a file, not a directory",
+        (tmp_path / "new" / "x.json", False, False): f"no such directory {tmp_path}/new",
+    }
+    for (path, directory, makes_parents), message in refused.items():
+        with pytest.raises(ConfigError) as info:
+            check_output(path, directory=directory, makes_parents=makes_parents)
+        assert message in str(info.value) and "\n" not in str(info.value)
+    assert check_output(tmp_path / "ck" / "x.json") == tmp_path / "ck" / "x.json"
+    assert check_output(tmp_path / "ck", directory=True) == tmp_path / "ck"
+    assert check_output(tmp_path / "new" / "deeper" / "x.json", makes_parents=True)
+    assert not (tmp_path / "new").exists()  # a check makes nothing
 
 
 def test_atomic_write_replaces_whole_or_not_at_all(tmp_path):

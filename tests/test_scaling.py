@@ -349,8 +349,13 @@ def test_cli_missing_file_is_one_line():
         (["fit", "{good}", "--predict-n", "lots"], ["--predict-n = 'lots'"]),
         (["fit", "{good}", "--predict-n", "1e9", "--predict-d", "1e9", "--predict-flops", "1e20"], ["at most two"]),
         (["fit", "{good}", "--confidence", "95"], ["--confidence = 95.0"]),
+        (["fit", "{good}", "--save", "{few}/law.json"], ["cannot write", "few.csv is not a directory"]),
+        (["fit", "{good}", "--save", "{empty_dir}"], ["cannot write", "it is a directory; name a file in it"]),
         (["optimal"], ["give --flops C"]),
         (["optimal", "--flops", "-1"], ["--flops = '-1'"]),
+        # negative numbers in the forms argparse would take for options reach the tool's own check
+        (["optimal", "--flops", "-1e21"], ["--flops = '-1e21'", "expected a positive number"]),
+        (["fit", "{good}", "--predict-n", "-7B"], ["--predict-n = '-7B'"]),
         (["optimal", "--law", "{bad}", "--flops", "1e20"], ["not valid JSON"]),
         (["optimal", "--law", "{nolaw}", "--flops", "1e20"], ["needs numbers E, A, B, alpha and beta"]),
         (

@@ -77,6 +77,7 @@ def test_a_tokenizer_trained_on_english_spends_more_tokens_on_chinese(tmp_path, 
         (["byte", "missing.jsonl"], "missing.jsonl: no such file or directory"),
         (["byte", "{en}", "--max-docs", "-1"], "--max-docs = -1 must be 0 (all) or more"),
         (["{dir}", "{en}"], "holds neither tokenizer.json nor tokenizer.model"),
+        (["byte", "{en}", "--json", "{bad}/x.json"], "bad.json is not a directory"),
     ],
 )
 def test_bad_inputs_end_in_one_line(tmp_path, capsys, argv, words):
@@ -97,6 +98,20 @@ def test_records_the_readers_skip_are_counted_not_silently_left_out(tmp_path, ca
     shown = capsys.readouterr().out
     assert "over 5 document(s)" in shown
     assert "mixed: 3 record(s) skipped: " in shown and "malformed JSON" in shown and "invalid UTF-8" in shown
+
+
+def test_an_extension_path_that_cannot_be_written_is_one_line_before_the_work(tmp_path, capsys):
+    en, _ = write_sources(tmp_path)
+    (tmp_path / "t.toml").write_text("")
+    (tmp_path / "tokenizer.json").write_text("{}")  # never read: the paths out are checked first
+    for flag in ("--out", "--weights-out"):
+        paths = {"--out": tmp_path / "out.json", "--weights-out": tmp_path / "w.safetensors"}
+        paths[flag] = tmp_path / "t.toml" / "x"
+        argv = ["tokenizer", "extend", tmp_path / "tokenizer.json", en, "--add", "5"]
+        argv += ["--out", paths["--out"], "--checkpoint", tmp_path, "--weights-out", paths["--weights-out"]]
+        assert main([str(a) for a in argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"liandan: error: cannot write {tmp_path}/t.toml/x: {tmp_path}/t.toml is not a directory"]
 
 
 # -- extending a tokenizer ----------------------------------------------------------------------------------

@@ -327,6 +327,21 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused_before_any_worker_star
     assert not (tmp_path / "runs").exists()  # no run directory claimed, no data tokenized
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_cuda_asked_for_where_there_is_none_is_one_user_error_the_supervisor_does_not_restart(tmp_path, corpus):
+    from helpers import run_liandan
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(tiny_config(tmp_path / "runs", corpus, "--run.device=cuda").to_toml())
+    done = run_liandan("train", config, timeout=300)  # under the supervisor
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("liandan: error:")]
+    assert errors == [
+        "liandan: error: run.device = 'cuda' but no CUDA device is available; use --run.device=cpu or auto"
+    ]
+    assert "Traceback" not in done.stderr and "restart" not in done.stderr
+
+
 def test_a_run_that_ends_in_order_leaves_no_lock_file(tmp_path, corpus):
     from helpers import run_liandan
 

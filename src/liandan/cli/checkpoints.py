@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from liandan.checkpoint.verify import CheckpointError
-from liandan.run import MANIFEST, META, RunDir, partial_step_dirs, step_dir_name, step_dirs
+from liandan.run import MANIFEST, META, RunDir, check_output, partial_step_dirs, step_dir_name, step_dirs
 from liandan.run.remote import is_url, locate
 
 
@@ -90,11 +90,11 @@ def cmd_export(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.data.tokens.tokenizer import ByteTokenizer
     from liandan.evaluate.loading import checkpoint_chat, checkpoint_tokenizer
 
+    out = check_output(args.out, directory=args.hf, makes_parents=True)  # a typo costs no loading
     given = locate(args.checkpoint)
     source = resolve_checkpoint(given)
     model, meta = load_model(source)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    out = Path(args.out)
     missing_tokenizer, chat = False, None
     try:
         if args.consolidated:

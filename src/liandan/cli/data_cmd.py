@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from liandan.config import ConfigError
+from liandan.run.files import check_output
 from liandan.run.remote import is_url
 
 
@@ -138,6 +139,8 @@ def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if overrides:
         raise ConfigError(f"unrecognised argument '{overrides[0]}'")
+    if not is_url(args.out):  # said before the sources are read, not after
+        check_output(args.out, directory=True, makes_parents=True)
     from liandan.data.documents.readers import files_in_directory
 
     names = []
@@ -265,7 +268,7 @@ def cmd_chat(args: argparse.Namespace, overrides: list[str]) -> int:
     lowest = next(f for f in dataclasses.fields(DataSection) if f.name == "bpe_vocab_size").metadata["min"]
     if args.bpe_vocab_size < lowest:
         raise ConfigError(f"--bpe-vocab-size = {args.bpe_vocab_size} is too small; it must be >= {lowest}")
-    out = Path(args.out)
+    out = check_output(args.out, directory=True, makes_parents=True)
     if (out / "manifest.json").is_file() and not args.overwrite:
         raise ConfigError(f"{out} already holds a token store; pass --overwrite to replace it")
     cfg = DataSection(paths=list(args.paths), tokenizer=args.tokenizer, bpe_vocab_size=args.bpe_vocab_size,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from liandan.cli import doctor_resume_cmd
 from liandan.config import ConfigError, load_config
-from liandan.run.files import atomic_write_json
+from liandan.run.files import atomic_write_json, check_output
 
 HIDDEN = argparse.SUPPRESS
 
@@ -51,6 +51,8 @@ def cmd_doctor(args: argparse.Namespace, overrides: list[str]) -> int:
     cfg = load_config(args.config, overrides)
     if args.nproc < 1:
         raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
+    if args.json:
+        check_output(args.json)
     from liandan.doctor.bisect import parse_suspects
 
     suspects = parse_suspects(args.bisect) if args.bisect is not None else None

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from liandan.config import ConfigError, load_config
-from liandan.run.files import atomic_write_json
+from liandan.run.files import atomic_write_json, check_output
 
 
 def add_commands(sub) -> None:
@@ -54,6 +54,8 @@ def cmd_eval(args: argparse.Namespace, overrides: list[str]) -> int:
     run = run_dir_of(path)
     if args.record and run is None:  # said before the work, not after it
         raise ConfigError(f"--record: {args.path} is not in a run directory (no config.toml above it)")
+    if args.json:
+        check_output(args.json)
     extra = [*([f"--eval.tasks={json.dumps(args.tasks.split(','))}"] if args.tasks else []),
              *([f"--eval.limit={args.limit}"] if args.limit is not None else [])]  # fmt: skip
     cfg = load_config(run / "config.toml" if run else None, [*overrides, *extra])

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from liandan.config import ConfigError
+from liandan.run.files import atomic_write, check_output
 
 _SUFFIX = {"k": 1e3, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
 
@@ -198,6 +199,8 @@ def cmd_fit(args: argparse.Namespace, overrides: list[str]) -> int:
 
     _no_overrides(overrides)
     _check_confidence(args.confidence)
+    if args.save:
+        check_output(args.save)
     if args.bootstrap < 0:
         raise ConfigError(f"--bootstrap = {args.bootstrap} must be 0 or more")
     predict = {
@@ -284,7 +287,7 @@ def cmd_fit(args: argparse.Namespace, overrides: list[str]) -> int:
 
     if args.save:
         path = Path(args.save)
-        path.write_text(json.dumps(scaling_fit.fit_to_dict(result, args.confidence), indent=2) + "\n")
+        atomic_write(path, json.dumps(scaling_fit.fit_to_dict(result, args.confidence), indent=2) + "\n")
         console.print(f"saved: {path}")
     return 0
 

@@ -6,6 +6,7 @@ The texts go to stdout, one block per sample; what was cut to fit the model's wi
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -33,11 +34,9 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
     path = Path(args.path)
     if not path.exists():
         raise ConfigError(f"liandan generate: no such run or checkpoint: {path}")
-    import torch
+    from liandan.evaluate.loading import evaluation_device, load_for_eval
 
-    from liandan.evaluate.loading import load_for_eval
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = evaluation_device(args.device)
     model, tokenizer, _ = load_for_eval(path, tokenizer=args.tokenizer, device=device)
     for text in generate_texts(model, tokenizer, args, say=lambda line: print(line, file=sys.stderr)):
         print(text)
@@ -47,8 +46,8 @@ def cmd_generate(args: argparse.Namespace, overrides: list[str]) -> int:
 def _check(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens = {args.max_new_tokens} must be at least 1")
-    if args.temperature < 0:
-        raise ConfigError(f"--temperature = {args.temperature} must be at least 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise ConfigError(f"--temperature = {args.temperature} must be a finite number, at least 0")
     if args.top_k < 1:
         raise ConfigError(f"--top-k = {args.top_k} must be at least 1")
     if args.num_samples < 1:

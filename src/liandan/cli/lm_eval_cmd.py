@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 
 from liandan.checkpoint.verify import CheckpointError
+from liandan.config import ConfigError
+
+# lm-eval's ValueErrors that are the user's: a task named that it does not know, or none at all
+TASK_ERRORS = ("Tasks not found", "No tasks specified")
 
 
 def add_commands(sub) -> None:
@@ -23,12 +27,15 @@ def add_commands(sub) -> None:
 
 
 def cmd_lm_eval(args: argparse.Namespace, overrides: list[str]) -> int:
+    rest = list(args.lm_eval_args)
+    asks_help = "-h" in rest or "--help" in rest
+    if not asks_help and not any(a.split("=", 1)[0] in ("--tasks", "--config") for a in rest):
+        raise ConfigError("liandan lm-eval needs --tasks, e.g. --tasks hellaswag (`lm-eval ls tasks` lists them)")
     import liandan.evaluate.lm_eval_bridge  # noqa: F401 - registers the "liandan" model (needs the extra)
 
     checkpoint = Path(args.checkpoint)
     if not checkpoint.exists():
         raise CheckpointError(f"no such run or checkpoint: {checkpoint}")
-    rest = list(args.lm_eval_args)
     if "--model" in rest or any(a.startswith("--model=") for a in rest):
         raise CheckpointError("liandan lm-eval sets --model itself; pass lm-eval's other arguments")
     model_args = f"checkpoint={checkpoint}"
@@ -45,6 +52,13 @@ def cmd_lm_eval(args: argparse.Namespace, overrides: list[str]) -> int:
         rest += ["--device", "auto"]  # lm-eval's own default is cuda:0, even on a machine without one
     from lm_eval.__main__ import cli_evaluate
 
-    sys.argv = ["lm-eval", "run", "--model", "liandan", *rest]
-    cli_evaluate()
+    argv, sys.argv = sys.argv, ["lm-eval", "run", "--model", "liandan", *rest]
+    try:
+        cli_evaluate()
+    except ValueError as err:
+        if not str(err).startswith(TASK_ERRORS):
+            raise
+        raise ConfigError(f"lm-eval: {err}") from None
+    finally:
+        sys.argv = argv
     return 0

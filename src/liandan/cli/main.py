@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -150,9 +151,20 @@ class _Commands:
         return self.sub.add_parser(name, help=COMMANDS[name][1], **kwargs)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, to which any word that starts with a minus and a digit is a value, not an option:
+    `--flops -1e21` and `--predict-n -7B` reach the command's own check of the number (argparse takes only
+    -1 and -1.5 for negative numbers). No liandan option looks like a number. Its subparsers are of this class
+    too (argparse makes them of the parser's own)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
+
+
 def _parser(command: str | None = None) -> argparse.ArgumentParser:
     """Every command, with the arguments of `command`'s: its module is the only one imported."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="liandan",
         description="Pretrain a language model from raw text. Config keys can be overridden as --section.key=value.",
     )

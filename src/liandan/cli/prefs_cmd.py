@@ -7,10 +7,12 @@ to a JSON file beside the output; the progress to stderr."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
 from liandan.config import ConfigError
+from liandan.run.files import check_output
 
 
 def add_commands(sub) -> None:
@@ -52,10 +54,8 @@ def cmd_prefs(args: argparse.Namespace, overrides: list[str]) -> int:
     if not path.exists():
         raise ConfigError(f"liandan prefs: no such run or checkpoint: {path}")
     task = _task(args)
-    import torch
-
     from liandan.checkpoint.info import resolve_checkpoint
-    from liandan.evaluate.loading import load_for_eval
+    from liandan.evaluate.loading import evaluation_device, load_for_eval
     from liandan.evaluate.preferences import (
         PrefsSummary,
         SamplingSettings,
@@ -67,7 +67,7 @@ def cmd_prefs(args: argparse.Namespace, overrides: list[str]) -> int:
     from liandan.evaluate.runner import generation_room
     from liandan.evaluate.tasks import split_items
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = evaluation_device(args.device)
     model, tokenizer, config = load_for_eval(path, tokenizer=args.tokenizer, device=device)
     checkpoint = resolve_checkpoint(path)
     template, notes = template_of_checkpoint(checkpoint, config, tokenizer, args.chat_template)
@@ -124,6 +124,8 @@ def _check(args: argparse.Namespace) -> None:
 
     if args.samples < 2:
         raise ConfigError(f"--samples = {args.samples}: a pair needs two replies, sample at least 2")
+    if not math.isfinite(args.temperature):
+        raise ConfigError(f"--temperature = {args.temperature}: must be a finite number above 0")
     if args.temperature <= 0:
         raise ConfigError(f"--temperature = {args.temperature}: must be above 0 (at 0 every sample is the same)")
     if args.top_k is not None and args.top_k < 2:
@@ -138,8 +140,7 @@ def _check(args: argparse.Namespace) -> None:
         raise ConfigError(f"--items {args.items}: choose one of {', '.join(ITEM_SPLITS)}")
     if not args.out.endswith(".jsonl"):
         raise ConfigError(f"--out {args.out}: the preference file is written as .jsonl; name it *.jsonl")
-    if Path(args.out).parent and not Path(args.out).parent.is_dir():
-        raise ConfigError(f"--out {args.out}: no such directory: {Path(args.out).parent}")
+    check_output(args.out)
 
 
 def _task(args: argparse.Namespace):

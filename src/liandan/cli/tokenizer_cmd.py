@@ -15,6 +15,7 @@ from pathlib import Path
 
 from liandan.cli.data_cmd import say_skipped
 from liandan.config import ConfigError
+from liandan.run.files import atomic_write, check_output
 
 Encoder = Callable[[list[str]], list[list[int]]]
 
@@ -52,6 +53,8 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"unrecognised argument '{overrides[0]}'")
     if args.max_docs < 0:
         raise ConfigError(f"--max-docs = {args.max_docs} must be 0 (all) or more")
+    if args.json:
+        check_output(args.json)
     name, encode = load_encoder(args.tokenizer)
     read_stats: dict = {}
     rows = fertility(_documents(args, read_stats), encode)
@@ -62,7 +65,7 @@ def cmd_report(args: argparse.Namespace, overrides: list[str]) -> int:
     print(f"tokenizer {name}: per token, over {sum(r.documents for r in rows):,} document(s)")
     _print_table(rows + languages if len({r.source for r in rows}) > 1 else rows)
     if args.json:
-        Path(args.json).write_text(json.dumps({"tokenizer": name, "rows": [r.as_dict() for r in rows],
+        atomic_write(Path(args.json), json.dumps({"tokenizer": name, "rows": [r.as_dict() for r in rows],
                                                "languages": [r.as_dict() for r in languages]}, indent=1))  # fmt: skip
         print(f"wrote {args.json}")
     return 0
@@ -79,6 +82,9 @@ def cmd_extend(args: argparse.Namespace, overrides: list[str]) -> int:
     source = Path(args.tokenizer)
     if not source.is_file():
         raise ConfigError(f"{args.tokenizer}: no such tokenizer.json")
+    check_output(args.out)
+    if args.weights_out:
+        check_output(args.weights_out, makes_parents=True)
     checkpoint = _checkpoint_dir(args.checkpoint) if args.checkpoint else None  # found before anything is written
     read_stats: dict = {}
     try:
@@ -91,7 +97,7 @@ def cmd_extend(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"{args.tokenizer}: no new token to add: the text's frequent pieces are already in its"
                           " vocabulary; nothing written")  # fmt: skip
     grown = _grow_checkpoint(args, checkpoint, extension) if checkpoint is not None else None  # may still fail
-    Path(args.out).write_text(extension.tokenizer_json)
+    atomic_write(Path(args.out), extension.tokenizer_json)
     print(f"added {added} token(s) to {args.tokenizer} (ids {extension.old_size}..{extension.old_size + added - 1}),"
           f" every earlier id kept: {args.out}")  # fmt: skip
     if grown is not None:

@@ -77,14 +77,19 @@ def parse_override(item: str) -> tuple[str, str, Any]:
         raise ConfigError(f"override '{item}' must look like --section.key=value")
     dotted, value_text = text.split("=", 1)
     section, key = dotted.split(".", 1)
-    return section, key, _parse_value(value_text)
+    return section, key, _parse_value(dotted, value_text)
 
 
-def _parse_value(text: str) -> Any:
-    """A TOML literal (1e-3, true, [\"a\", \"b\"], \"quoted\") or else the bare string."""
+def _parse_value(dotted: str, text: str) -> Any:
+    """A TOML literal (1e-3, true, [\"a\", \"b\"], \"quoted\") or else the bare string. A list or table that
+    does not parse is a mistake (an unclosed bracket, a missing quote), never the string it was typed as."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as err:
+        if text.lstrip().startswith(("[", "{")):
+            # TOML counts columns from the start of "v = ": count them from the start of the value instead
+            where = re.sub(r"at line 1, column (\d+)", lambda m: f"at character {int(m[1]) - 4}", str(err))
+            raise ConfigError(f"--{dotted}={text}: not a valid TOML list or table: {where}") from None
         return text
 
 

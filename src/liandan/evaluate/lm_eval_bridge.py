@@ -31,6 +31,7 @@ except ModuleNotFoundError as err:  # keeps `name`, by which the CLI names the e
 
 from torch import nn
 
+from liandan.config import ConfigError
 from liandan.data.tokens.tokenizer import Tokenizer
 from liandan.evaluate import scoring
 
@@ -58,22 +59,19 @@ class LiandanLM(TemplateLM):
         super().__init__()
         unknown = sorted(name for name, value in others.items() if value is not None)  # lm-eval passes unset ones
         if unknown:
-            raise ValueError(f"unknown argument(s) of the liandan model: {', '.join(unknown)}")
+            raise ConfigError(f"unknown argument(s) of the liandan model: {', '.join(unknown)}")
         if (checkpoint is None) == (model is None):
             raise ValueError("LiandanLM needs either checkpoint=PATH or model= and tokenizer=")
         if model is None:
             import torch
 
-            from liandan.evaluate.loading import load_for_eval
+            from liandan.evaluate.loading import evaluation_device, load_for_eval
 
             dtypes = {None: None, "fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                       "bfloat16": torch.bfloat16}  # fmt: skip
             if dtype not in dtypes:
-                raise ValueError(f"dtype = {dtype!r} must be one of fp32, bf16")
-            if device in (None, "auto"):
-                device = "cuda" if torch.cuda.is_available() else "cpu"
-            elif str(device).startswith("cuda") and not torch.cuda.is_available():
-                raise ValueError(f"device = {device!r} but this machine has no CUDA device; use device=cpu or auto")
+                raise ConfigError(f"dtype = {dtype!r} must be one of fp32, bf16")
+            device = evaluation_device(None if device == "auto" else str(device or ""), flag="device")
             model, tokenizer, _ = load_for_eval(checkpoint, tokenizer=tokenizer, device=device, dtype=dtypes[dtype])
         elif tokenizer is None or isinstance(tokenizer, (str, Path)):
             raise ValueError("LiandanLM(model=...) needs the model's tokenizer object as tokenizer=")
@@ -151,7 +149,7 @@ class LiandanLM(TemplateLM):
     def _generation_settings(self, kwargs: dict) -> tuple[list[str], int]:
         kwargs = dict(kwargs or {})
         if kwargs.get("do_sample") or float(kwargs.get("temperature") or 0) > 0:
-            raise ValueError("the liandan model generates greedily: set do_sample = false and temperature = 0")
+            raise ConfigError("the liandan model generates greedily: set do_sample = false and temperature = 0")
         until = kwargs.get("until") or []
         until = [until] if isinstance(until, str) else list(until)
         max_new = int(kwargs.get("max_gen_toks") or kwargs.get("max_new_tokens") or self.max_gen_toks)
@@ -162,9 +160,9 @@ def _positive_int(name: str, value: Any) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} = {value!r} must be a positive integer") from None
+        raise ConfigError(f"{name} = {value!r} must be a positive integer") from None
     if number < 1:
-        raise ValueError(f"{name} = {value!r} must be a positive integer")
+        raise ConfigError(f"{name} = {value!r} must be a positive integer")
     return number
 
 

@@ -27,6 +27,31 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 
+def evaluation_device(requested: str | None, flag: str = "--device") -> torch.device:
+    """Where a command runs a checkpoint's model: `requested` (cpu, cuda, cuda:1, or another accelerator this
+    machine has), or by default cuda when there is one, else the CPU. ConfigError, in one line, for what is no
+    device, is not on this machine, or holds no data (meta)."""
+    if not requested:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise ConfigError(f"{flag} {requested}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type == "meta":
+        raise ConfigError(f"{flag} {requested}: the meta device holds no weights to run; use cpu or cuda")
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None or accelerator.type != device.type:
+        built = " (this torch was built without CUDA)" if device.type == "cuda" and torch.version.cuda is None else ""
+        raise ConfigError(f"{flag} {requested}: this machine has no {device.type} device{built}; use cpu")
+    count = torch.accelerator.device_count()
+    if device.index is not None and device.index >= count:
+        raise ConfigError(f"{flag} {requested}: this machine has {count} {device.type} device(s), "
+                          f"{device.type}:0 to {device.type}:{count - 1}")  # fmt: skip
+    return device
+
+
 def load_for_eval(
     run_or_ckpt: str | Path,
     *,

@@ -14,6 +14,7 @@ answers. Nothing here is a collective of its own.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -363,8 +364,8 @@ class Sampler:
         self, temperature: float = 1.0, top_k: int | None = None, seed: int = 0,
         prompt_seeds: Sequence[int] | None = None,
     ):  # fmt: skip
-        if temperature < 0:
-            raise ValueError(f"temperature = {temperature} must be at least 0")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise ValueError(f"temperature = {temperature} must be a finite number, at least 0")
         if top_k is not None and top_k < 1:
             raise ValueError(f"top_k = {top_k} must be at least 1")
         self.temperature, self.top_k = temperature, top_k

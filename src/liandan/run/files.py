@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from liandan.config import ConfigError
+
 TMP_SUFFIX = ".tmp"
 
 
@@ -127,3 +129,26 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
     as a supervisor's events; loggers that write every step keep their file open)."""
     with naming(path), open(path, "a", encoding="utf-8") as handle:
         handle.write(dumps_json(record) + "\n")
+
+
+def check_output(path: Path | str, *, directory: bool = False, makes_parents: bool = False) -> Path:
+    """`path`, once it is known that a file (or with `directory`, a directory) can be written there: checked
+    before the work whose result goes there, so a mistyped output path costs no evaluation. ConfigError in one
+    line when a directory stands where the file goes (or a file where the directory goes), a file stands where
+    one of its parent directories goes, its directory does not exist (unless the writer `makes_parents`), or
+    the nearest existing parent cannot be written in."""
+    path = Path(path)
+    if directory and path.exists() and not path.is_dir():
+        raise ConfigError(f"cannot write {path}: it is a file, not a directory")
+    if not directory and path.is_dir():
+        raise ConfigError(f"cannot write {path}: it is a directory; name a file in it")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"cannot write {path}: {parent} is not a directory")
+    if parent != path.parent and not makes_parents:
+        raise ConfigError(f"cannot write {path}: no such directory {path.parent}")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"cannot write {path}: no permission to write in {parent}")
+    return path

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from liandan.config import ConfigError
-from liandan.run import RunDir, atomic_write
+from liandan.run import RunDir, atomic_write, check_output
 from liandan.track import report_tax
 from liandan.track.marks import CATEGORIES, Mark, incident_marks
 from liandan.track.plot import VALIDATION_COLOUR, draw_comparison, draw_run, png_bytes
@@ -92,8 +92,7 @@ def write_report(runs: Sequence[tuple[Path, list[str]]], out: Path) -> list[Path
     out = Path(out)
     if out.suffix.lower() not in (".html", ".htm"):
         raise ConfigError(f"{out}: the report is an HTML file; name it with .html")
-    if not out.parent.is_dir():
-        raise ConfigError(f"{out.parent}: no such directory for the report")
+    check_output(out)
     data = [gather(path, lines) for path, (_, lines) in zip(paths, runs, strict=True)]
     written = [out]
     for run in data:

@@ -113,7 +113,7 @@ def init_distributed(device: str = "auto", backend: str = "auto", timeout_s: flo
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("run.device = 'cuda' but no CUDA device is available")
+            raise ConfigError("run.device = 'cuda' but no CUDA device is available; use --run.device=cpu or auto")
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
