@@ -146,3 +146,8 @@ def test_inspect_command_takes_the_expected_languages(tmp_path):
     assert "flag: 30% of documents are in zh, which is not among the expected (en)" in done.stdout
     data = json.loads((tmp_path / "report" / "report.json").read_text(encoding="utf-8"))
     assert data["sources"]["web"]["languages"] == {"en": 0.7, "zh": 0.3}
+    done = liandan_here("data", "inspect", path, "--out", tmp_path / "other", "--languages", "en,english")
+    assert done.returncode == 2 and not (tmp_path / "other").exists()
+    expected = ("liandan: error: --languages = ['en', 'english']: 'english' is not a language code of fastText"
+                " lid.176; use ISO 639 codes such as 'en', 'zh', 'de', 'fr', 'ja' ('und': no language found)")  # fmt: skip
+    assert done.stderr.strip().splitlines() == [expected]

@@ -142,6 +142,13 @@ def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
     if not is_url(args.out):  # said before the sources are read, not after
         check_output(args.out, directory=True, makes_parents=True)
     from liandan.data.documents.readers import files_in_directory
+    from liandan.data.steps.langid import check_language_codes
+
+    languages = [code.strip() for code in (args.languages or "").split(",") if code.strip()]
+    try:  # a code the identifier never answers with would flag every source's whole text as foreign
+        languages = check_language_codes("--languages", languages)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
     names = []
     for name in args.paths:  # a directory stands for the data files directly in it, each a source
@@ -159,7 +166,6 @@ def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
         )
     tokenizer = HFTokenizer.load(args.tokenizer) if args.tokenizer else None
     baseline = Path(args.baseline) if args.baseline else None
-    languages = [code.strip().lower() for code in (args.languages or "").split(",") if code.strip()]
     with _report_dir(args.out) as out:
         report = inspect_sources(
             sources,
