@@ -257,7 +257,9 @@ def test_hostile_and_malformed_requests_get_one_line_json_errors(server):
             assert isinstance(body, dict) and "\n" not in body["error"] and body["error"], (path, body)
     posts = [(b"{not json", 400), (b"[1, 2]", 400), (json.dumps({"runs": ["../x"]}).encode(), 400),
              (json.dumps({"runs": [FAULTY] * 13}).encode(), 400), (json.dumps({"runs": [FAULTY], "max_points": 1e9})
-             .encode(), 400), (b" " * (1 << 17), 413)]  # fmt: skip
+             .encode(), 400), (b" " * (1 << 17), 413), (b'{"runs": ["\\ud800"]}', 400),
+             (json.dumps({"runs": [FAULTY], "key": "\ud800"}).encode(), 400),
+             (json.dumps({"runs": [FAULTY], "key": "a\u0000"}).encode(), 400)]  # fmt: skip
     for body, expected in posts:
         status, answer = server.request("/api/compare", "POST", body, {"Content-Type": "application/json"})
         assert status == expected and "\n" not in answer["error"], (body[:40], status, answer)

@@ -106,6 +106,10 @@ class Dashboard:
         """A run name the store knows, or a 400 (not a plain name) or 404 (no such run)."""
         if not isinstance(name, str) or not name or len(name.encode("utf-8", "replace")) > 255:
             raise bad(f"not a run name: {str(name)[:60]!r}")
+        try:  # JSON admits lone surrogates (\ud800), which no file name can hold
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad(f"not a run name: {name[:60]!r}") from None
         try:  # what `liandan train` accepts (`炼丹-1`, `my run`), and nothing that is a path
             check_run_name(name)
         except ConfigError:
@@ -182,6 +186,7 @@ class Dashboard:
         points = question.get("max_points", DEFAULT_POINTS)
         if not isinstance(key, str) or not isinstance(x, str):
             raise bad("key and x must be strings")
+        check_key(key)  # as a curve's is: a compared key is no looser
         if isinstance(points, bool) or not isinstance(points, int) or not 1 <= points <= MAX_POINTS:
             raise bad(f"max_points must be a whole number from 1 to {MAX_POINTS}")
         x = parse_x(x)
