@@ -103,6 +103,8 @@ def test_missing_and_broken_config_files(tmp_path):
 
 def test_bad_nproc(config):
     assert_one_line_error(run_liandan("train", config, "--nproc=0"), "--nproc = 0")
+    # a typo of 1000 for 10 starts no process: one interpreter each would swamp the machine
+    assert_one_line_error(run_liandan("train", config, "--nproc=100000"), "--nproc = 100000 is more local processes")
 
 
 def test_config_command(config):

@@ -242,6 +242,7 @@ def test_one_rank_alone_writes_its_report(tmp_path, capsys):
         (["--doctor.golden_size=8"], "doctor.golden_size = 8 is too small; it must be >= 16"),
         (["--doctor.prefligth=false"], "unknown key 'doctor.prefligth' (did you mean 'doctor.preflight'?)"),
         (["--nproc=0"], "--nproc = 0 must be at least 1"),
+        (["--nproc=100000"], "--nproc = 100000 is more local processes than this machine can hold"),
         (["--nproc=2", "--bisect=0,7"], "--bisect: rank 7 is not among the 2 rank(s) of --nproc 2"),
         (["--bisect=no-such-host"], "--bisect: no rank runs on host 'no-such-host'"),
         (["--bisect=,"], "--bisect ',' names no rank or host"),

@@ -49,8 +49,11 @@ def cmd_doctor(args: argparse.Namespace, overrides: list[str]) -> int:
             raise ConfigError(f"liandan doctor --resume CONFIG takes one config; '{args.config}' is one too many")
         return doctor_resume_cmd.cmd_resume(args, overrides)
     cfg = load_config(args.config, overrides)
-    if args.nproc < 1:
-        raise ConfigError(f"--nproc = {args.nproc} must be at least 1")
+    from liandan.common.layout import local_nproc_refusal
+
+    refusal = local_nproc_refusal(args.nproc)
+    if refusal:
+        raise ConfigError(refusal)
     if args.json:
         check_output(args.json)
     from liandan.doctor.bisect import parse_suspects

@@ -16,6 +16,7 @@ dims inside it, and the ranks of one pipeline group read the same data.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -81,6 +82,20 @@ class Layout:
         if layout.kind != kind or str(layout) != text.strip():
             raise ValueError(f"'{text}' is not a parallel layout: its sizes make '{layout}'")
         return layout
+
+
+def local_nproc_refusal(nproc: int) -> str | None:
+    """Why `--nproc` local processes cannot run here, or None: fewer than one, or more than four per CPU core
+    (at least 8), which no accelerator host needs (each of its devices has cores of its own) and which a typo
+    (1000 for 10) would otherwise start, one interpreter and process group each."""
+    if nproc < 1:
+        return f"--nproc = {nproc} must be at least 1"
+    cores = os.cpu_count() or 1
+    most = max(8, 4 * cores)
+    if nproc > most:
+        return (f"--nproc = {nproc} is more local processes than this machine can hold ({cores} CPU cores: at most"
+                f" {most}); run more nodes instead")  # fmt: skip
+    return None
 
 
 def resolve_layout(cfg: ParallelSection, world_size: int) -> Layout:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from liandan.common.layout import batch_split_refusal, resolve_layout
+from liandan.common.layout import batch_split_refusal, local_nproc_refusal, resolve_layout
 from liandan.config import Config, ConfigError, load_config
 from liandan.resilience.launch import Start, how_started
 from liandan.run.errors import DEVICE_FAULT_EXIT, RunStopped
@@ -83,8 +83,9 @@ def run_training(
     source = cfg.checkpoint.init_from
     if source and "://" not in source and not Path(source).exists():  # before any data is tokenized
         raise ConfigError(f"checkpoint.init_from = {source}: no such file or directory")
-    if nproc < 1:
-        raise ConfigError(f"--nproc = {nproc} must be at least 1")
+    refusal = local_nproc_refusal(nproc)
+    if refusal:
+        raise ConfigError(refusal)
     if not os.environ.get("WORLD_SIZE") and not os.environ.get(NNODES):  # all ranks here: known now
         try:
             layout = resolve_layout(cfg.parallel, nproc)
