@@ -294,6 +294,11 @@ def exported(tmp_path) -> Path:
             {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
             id="rope_parameters-linear",
         ),
+        pytest.param("num_attention_heads", 0, id="no-heads"),  # was a ZeroDivisionError
+        pytest.param("hidden_size", "abc", id="width-a-string"),  # was int()'s message, naming no field
+        pytest.param("hidden_size", 64.5, id="width-a-fraction"),  # was cut to 64 silently
+        pytest.param("rms_norm_eps", "x", id="eps-a-string"),
+        pytest.param("initializer_range", -0.02, id="negative-init"),
     ],
 )
 def test_import_refuses_unsupported_config(exported, field, value):

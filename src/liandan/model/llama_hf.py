@@ -23,6 +23,7 @@ The file handling (safetensors, shards, state-dict checks) is model-agnostic and
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -304,6 +305,22 @@ def args_from_hf_config(config: dict, where: Path | str = "config.json") -> Mode
             raise ValueError(f"{where}: required field {field} is missing")
         return config[field]
 
+    def whole(field: str, default: int | None = None) -> int:
+        """A positive whole number (JSON's, not a string or 64.5), or `default` when absent or null."""
+        value = config.get(field)
+        if value is None and default is not None:
+            return default
+        value = need(field)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{where}: {field} = {value!r} must be a positive whole number")
+        return value
+
+    def positive(field: str, default: float) -> float:
+        value = config.get(field, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"{where}: {field} = {value!r} must be a positive number")
+        return float(value)
+
     model_type = config.get("model_type")
     if model_type not in ARCHITECTURES:
         raise ValueError(f"{where}: model_type {model_type!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
@@ -321,10 +338,10 @@ def args_from_hf_config(config: dict, where: Path | str = "config.json") -> Mode
     if config.get("mlp_bias"):
         raise ValueError(f"{where}: mlp_bias is true; liandan's feed-forward projections have no bias")
 
-    dim = int(need("hidden_size"))
-    n_heads = int(need("num_attention_heads"))
-    n_kv_heads = int(config.get("num_key_value_heads") or n_heads)
-    head_dim = int(config.get("head_dim") or dim // n_heads)
+    dim = whole("hidden_size")
+    n_heads = whole("num_attention_heads")
+    n_kv_heads = whole("num_key_value_heads", n_heads)
+    head_dim = whole("head_dim", max(1, dim // n_heads))
     if head_dim % 2:
         raise ValueError(f"{where}: head_dim {head_dim} is odd; rotary embeddings need an even head size")
     if n_heads % n_kv_heads:
@@ -332,28 +349,28 @@ def args_from_hf_config(config: dict, where: Path | str = "config.json") -> Mode
             f"{where}: num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv_heads}"
         )
     default_positions = 2048 if model_type == "llama" else 32768
-    positions = int(config.get("max_position_embeddings") or default_positions)
-    n_layers = int(need("num_hidden_layers"))
-    ffn_dim = int(need("intermediate_size"))
+    positions = whole("max_position_embeddings", default_positions)
+    n_layers = whole("num_hidden_layers")
+    ffn_dim = whole("intermediate_size")
     moe = (
         llama_hf_moe.args_fields(config, model_type, n_layers, Path(where))
         if model_type in llama_hf_moe.ARCHITECTURES
         else {}
     )
     return ModelArgs(
-        vocab_size=int(need("vocab_size")),
+        vocab_size=whole("vocab_size"),
         dim=dim,
         n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
         ffn_dim=ffn_dim,
-        norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        norm_eps=positive("rms_norm_eps", 1e-6),
         **_rope_settings(config, Path(where)),
         max_seq_len=_sliding_window(config, model_type, positions, n_layers, Path(where)),
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         qk_norm=model_type in _QK_NORM or (glm and bool(config.get("use_qk_norm"))),
         qkv_bias=model_type == "qwen2" or (glm and bool(config.get("attention_bias"))),
-        init_std=float(config.get("initializer_range", 0.02)),
+        init_std=positive("initializer_range", 0.02),
         **moe,
     )
