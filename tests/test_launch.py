@@ -114,6 +114,20 @@ def test_launch_refuses_a_layout_the_world_cannot_take(config, capsys):
     assert "tp" in capsys.readouterr().err
 
 
+def test_launch_refuses_what_is_not_a_host(config, capsys):
+    for hosts, bad in (("a:22,b", "a:22"), ("a b,c", "a b"), ("a;rm -rf /,b", "a;rm -rf /")):
+        assert main(["launch", str(config), "--nodes", "2", "--gpus-per-node", "1", f"--hosts={hosts}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"liandan: error: --hosts: {bad!r} is not a host name or address (the port goes to --port)"]
+    assert (
+        main(
+            ["launch", str(config), "--nodes", "3", "--gpus-per-node", "1", "--hosts=gpu-01.cluster,10.0.0.2,[fe80::1]"]
+        )
+        == 0
+    )
+    assert "LIANDAN_RDZV_ENDPOINT=gpu-01.cluster:" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_two_nodes_started_from_the_printed_commands(config):
     """Two "nodes" on this machine, each a shell running one printed line: their supervisors meet, start one

@@ -12,6 +12,7 @@ so that `--nproc` inside a Slurm allocation never silently starts a single proce
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 from collections.abc import Mapping
@@ -21,6 +22,10 @@ from typing import Literal
 
 from liandan.config import ConfigError
 from liandan.run.worker_env import NNODES, NODE_NAME, RDZV_ENDPOINT, RDZV_ID, NodeEnv, WorkerEnv
+
+# a host name (dot-separated labels) or IPv4 address, or a bracketed IPv6 address
+_LABEL = r"[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+_HOST = re.compile(rf"{_LABEL}(?:\.{_LABEL})*|\[[0-9A-Fa-f:.]+\]")
 
 DEFAULT_PORT = 29400  # torchrun's customary rendezvous port
 TEMPLATE = "liandan.sbatch"
@@ -103,6 +108,9 @@ class LaunchPlan:
         the rendezvous). Nodes are named by their host, or node0, node1... where hosts repeat."""
         if len(hosts) != self.nodes:
             raise ConfigError(f"--hosts names {len(hosts)} host(s) for --nodes = {self.nodes}")
+        for host in hosts:  # the first becomes host:port for every node; a mistake would show only on the cluster
+            if not _HOST.fullmatch(host):
+                raise ConfigError(f"--hosts: {host!r} is not a host name or address (the port goes to --port)")
         names = hosts if len(set(hosts)) == len(hosts) else [f"node{k}" for k in range(self.nodes)]
         endpoint = f"{hosts[0]}:{self.port}"
         lines = []
