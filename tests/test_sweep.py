@@ -3,6 +3,7 @@ trial stopped at once, and sweep-file mistakes as one line."""
 
 import csv
 import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -151,16 +152,16 @@ def sweep_curve(spec):
 
 @pytest.mark.slow
 def test_trials_that_cannot_run_stop_the_sweep(base, tmp_path, capsys):
-    """Each value passes on its own, together they make a head size of 9: every trial fails before it
-    starts, and after three in a row the sweep stops with the reason."""
-    body = '[params]\n"model.dim" = { choices = [36] }\n"model.n_heads" = { choices = [4] }\n'
+    """A tokenizer that is not there passes the config's checks and fails every trial as it starts: after
+    three in a row the sweep stops with the reason."""
+    body = '[params]\n"data.tokenizer" = { choices = ["/nonexistent/tokenizer.json"] }\n'
     sweep = write_sweep(tmp_path, base, body)
     assert main(["sweep", str(sweep)]) == 1
     captured = capsys.readouterr()
     assert captured.err.strip().splitlines() == [
         (
-            "liandan: error: sweep stopped: 3 trials in a row failed; the last: config refused: head size"
-            " model.dim / model.n_heads = 9 must be even for rotary embeddings"
+            "liandan: error: sweep stopped: 3 trials in a row failed; the last: exit code 2: liandan: error:"
+            " tokenizer file not found: /nonexistent/tokenizer.json"
         )
     ]
     rows = read_csv(tmp_path / "out" / "sweep" / "trials.csv")
@@ -274,6 +275,10 @@ def test_pruners_by_name(base, tmp_path):
         ('[params]\n"optim.lr" = { low = 1e-4, high = 1e-2, log = true, step = 1e-4 }\n', ["`step` is not supported"]),
         ('[params]\n"model.attention" = { low = 1, high = 2 }\n', ["model.attention is not a number"]),
         ('[params]\n"model.dim" = { choices = [32, 33] }\n', ["value 33 is refused", "divisible by model.n_heads"]),
+        (
+            '[params]\n"model.dim" = { choices = [36] }\n"model.n_heads" = { choices = [4] }\n',  # together: 9
+            ['params."model.dim" value 36 is refused', "model.dim / model.n_heads = 9 must be even"],
+        ),
         ('[params]\n"optim.lr" = { low = 1e-4, hihg = 1e-2 }\n', ["unknown key 'hihg'"]),
         ('[params]\n"run.name" = { choices = ["a", "b"] }\n', ["run.name is set by the sweep"]),
         ('pruner = "asha"\n[params]\n"optim.lr" = { low = 1e-4, high = 1e-2 }\n', ["pruner = 'asha'", "hyperband"]),
@@ -299,6 +304,25 @@ def test_sweep_file_mistakes_are_one_line(base, tmp_path, capsys, body, words):
     for word in words:
         assert word in lines[0]
     assert not (tmp_path / "out").exists()  # nothing ran
+
+
+def test_params_may_mend_what_the_base_alone_gets_wrong(base, tmp_path):
+    """Every trial sets every param: a base whose warm-up exceeds its steps is fine when the warm-up is swept
+    below them, and a width is judged with the swept head count, not the base's."""
+    long_warmup = tmp_path / "long-warmup.toml"
+    long_warmup.write_text(re.sub(r"(?m)^warmup_steps = .*$", "warmup_steps = 30", base.read_text()))
+    body = """[params]
+    "schedule.warmup_steps" = { low = 2, high = 8, step = 2 }
+    """
+    spec = load_sweep(write_sweep(tmp_path, long_warmup, body, "warmup.toml"))
+    assert spec.base_config.schedule.warmup_steps == 2 and spec.base_config.train.steps == 20
+    body = """[params]
+    "model.dim" = { choices = [30] }
+    "model.n_heads" = { choices = [5] }
+    "model.n_kv_heads" = { choices = [1] }
+    """
+    assert set(load_sweep(write_sweep(tmp_path, base, body, "width.toml")).params) == {
+        "model.dim", "model.n_heads", "model.n_kv_heads"}  # fmt: skip
 
 
 def test_sweep_file_mistake_through_a_real_process(tmp_path):

@@ -188,10 +188,17 @@ def load_sweep(path: str | Path, trials: int | None = None, target_dim: int | No
         if item[2:].split("=", 1)[0] in SET_BY_SWEEP:
             raise ConfigError(f"{path}: override {item!r}: the sweep sets {item[2:].split('=', 1)[0]} for each trial")
     base = Path(v["base"])
+    params = {key: _distribution(path, key, value, overrides) for key, value in v["params"].items()}
+    # Every trial sets every param: the base is judged with them set (at their first values), so that a param
+    # may mend what the base alone gets wrong (a warm-up the base's steps cannot hold, heads of another width).
+    first = {key: d.choices[0] if isinstance(d, CategoricalDistribution) else d.low for key, d in params.items()}
     try:
         base_config = load_config(base, overrides)
     except ConfigError as err:
-        raise ConfigError(f"{path}: base {base} with the overrides: {err}") from None
+        try:
+            base_config = load_config(base, [*overrides, *(override(k, value) for k, value in first.items())])
+        except ConfigError:
+            raise ConfigError(f"{path}: base {base} with the overrides: {err}") from None
     same = ("study", "storage", "trials", "direction", "metric", "pruner", "pruner_options", "report_every", "seed",
             "target_dim")  # fmt: skip
     spec = SweepSpec(
@@ -199,14 +206,15 @@ def load_sweep(path: str | Path, trials: int | None = None, target_dim: int | No
         base=base,
         overrides=list(overrides),
         output_dir=Path(v["output_dir"]),
-        params={key: _distribution(path, key, value, overrides) for key, value in v["params"].items()},
+        params=params,
         base_config=base_config,
         **{k: v[k] for k in same},
     )
-    for key, d in spec.params.items():  # each value on its own must be one the run config accepts
+    for key, d in spec.params.items():  # each value, the other params at their first, must be one runs accept
+        others = [override(k, value) for k, value in first.items() if k != key]
         for value in d.choices if isinstance(d, CategoricalDistribution) else (d.low, d.high):
             try:
-                load_config(base, [*overrides, override(key, value)])
+                load_config(base, [*overrides, *others, override(key, value)])
             except ConfigError as err:
                 raise ConfigError(f'{path}: params."{key}" value {value!r} is refused: {err}') from None
     make_pruner(spec)  # its options are checked now, not at the first trial
