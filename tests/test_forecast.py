@@ -366,6 +366,7 @@ def assert_one_line_error(done, *words):
 def test_cli_bad_input(runs, tmp_path):
     assert_one_line_error(liandan_here("forecast", tmp_path), "not a run directory")
     assert_one_line_error(liandan_here("forecast", runs["cosine"], "--upto=10"), "a forecast needs at least")
+    assert_one_line_error(liandan_here("forecast", runs["cosine"], "--upto=-5"), "--upto = -5 must be a step")
     assert_one_line_error(liandan_here("forecast", "--backtest", runs["cosine"], "--fractions=0,2"), "--fractions")
 
 

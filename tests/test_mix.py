@@ -251,7 +251,13 @@ def test_bad_input_gets_one_line(corpus):
     done = liandan_here("mix", config, "--out", root / "bad", "--design-only", "--train.steps=4", check=True)
     assert "p000-natural" in done.stdout and "p005-dirichlet" in done.stdout  # 3 sources: 12 proxies by default
     done = liandan_here("mix", config, "--out", root / "bad", "--design-only", "--train.steps=4", "--seed=1")
-    assert done.returncode == 2 and "holds the proxies of another swarm (its seed differ" in done.stderr
+    assert done.returncode == 2 and "holds the proxies of another swarm (its seed differs)" in done.stderr
+    (root / "a-file").write_text("")
+    done = liandan_here("mix", config, "--out", root / "a-file", "--design-only", "--train.steps=4")
+    assert (
+        done.returncode == 2
+        and done.stderr.strip() == f"liandan: error: cannot write {root / 'a-file'}: it is a file, not a directory"
+    )
     for args, message in [
         (["--larger", "model.dim"], "give KEY=VALUE"),
         (["--larger", "run.seed=3"], "liandan mix sets run.seed for each validation run"),

@@ -53,6 +53,8 @@ def cmd_forecast(args: argparse.Namespace, overrides: list[str]) -> int:
         raise ConfigError(f"forecast takes no config overrides (got {overrides[0]})")
     if not 0.0 < args.confidence < 1.0:
         raise ConfigError(f"--confidence = {args.confidence} must lie between 0 and 1")
+    if args.upto is not None and args.upto < 1:
+        raise ConfigError(f"--upto = {args.upto} must be a step, 1 or more")
     options = {"confidence": args.confidence}
     if args.backtest:
         if args.reference or args.fail_if_worse or args.upto is not None:

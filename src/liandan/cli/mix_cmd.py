@@ -11,6 +11,7 @@ from typing import Any
 
 from liandan.config import ConfigError
 from liandan.plan.mixture_check import ZERO
+from liandan.run.files import check_output
 
 
 def add_commands(sub) -> None:
@@ -95,6 +96,7 @@ def cmd_mix(args: argparse.Namespace, overrides: list[str]) -> int:
     runs = args.runs if args.runs is not None else mx.default_runs(len(sources))
     proxies = mx.design_swarm(natural, runs, args.concentration, args.seed, cfg.data.weights)
     out = Path(args.out) if args.out else Path(cfg.run.output_dir) / f"mix-{config.stem}"
+    check_output(out, directory=True, makes_parents=True)
     swarm = Swarm(config, list(overrides), sources, proxies, out, args.seed, args.concentration)
     swarm.claim()
 

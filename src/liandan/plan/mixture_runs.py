@@ -124,11 +124,12 @@ class Swarm:
                 raise ConfigError(f"{path} is not a liandan mix design; use another --out") from None
             mine = self.identity()
             if held != mine:
-                differ = ", ".join(k for k in mine if held.get(k) != mine[k])
+                keys = [k for k in mine if held.get(k) != mine[k]]
+                differ = f"{', '.join(keys)} {'differs' if len(keys) == 1 else 'differ'}"
                 if self.runs_dir != "proxies":
                     raise ConfigError(f"{self.proxies_dir} holds the validation runs of another recommendation or"
-                                      f" size (its {differ} differ); remove it or use another --out")  # fmt: skip
-                raise ConfigError(f"{self.out} holds the proxies of another swarm (its {differ} differ);"
+                                      f" size (its {differ}); remove it or use another --out")  # fmt: skip
+                raise ConfigError(f"{self.out} holds the proxies of another swarm (its {differ});"
                                   " use another --out")  # fmt: skip
         path.parent.mkdir(parents=True, exist_ok=True)
         design = {"identity": self.identity(), "proxies": [p.to_dict() for p in self.proxies]}
