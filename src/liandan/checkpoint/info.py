@@ -3,11 +3,17 @@ newest one, and what `liandan ckpt info` shows. The manager (`manager.py`) saves
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from liandan.checkpoint.verify import MANIFEST, CheckpointError, complete_checkpoints, total_bytes, verify
+from liandan.checkpoint.verify import (
+    MANIFEST,
+    CheckpointError,
+    complete_checkpoints,
+    read_meta,
+    total_bytes,
+    verify,
+)
 from liandan.run import META, RunDir, step_dirs
 from liandan.run.remote import RemotePath, locate
 
@@ -38,19 +44,6 @@ def describe_checkpoint(path: Path, checksums: bool = True) -> dict[str, Any]:
         info["verified"] = False
         info["error"] = str(err)
     return info
-
-
-def read_meta(path: Path) -> dict[str, Any]:
-    """A checkpoint's meta.json; CheckpointError, naming the checkpoint, when it is missing or not a JSON object."""
-    try:
-        meta = json.loads((locate(path) / META).read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: file {META} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: file {META} is not JSON: {err}") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{path}: file {META} is not a JSON object")
-    return meta
 
 
 def run_checkpoint_root(run_dir: Path) -> Path:

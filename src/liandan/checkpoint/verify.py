@@ -103,16 +103,23 @@ def verify(directory: Path, checksums: bool = True) -> None:
         _check_meta(directory)
 
 
+def read_meta(path: Path) -> dict:
+    """A checkpoint's meta.json; CheckpointError, naming the checkpoint, when it is missing or not a JSON object."""
+    try:
+        meta = json.loads((locate(path) / META).read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: file {META} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: file {META} is not JSON: {err}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: file {META} is not a JSON object")
+    return meta
+
+
 def _check_meta(directory: Path) -> None:
     """meta.json must say which step it is: a file changed together with its checksum passes the manifest,
     and resuming from it would otherwise fail outside the fallback to an older checkpoint."""
-    try:
-        meta = json.loads((directory / META).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{directory}: file {META} is not JSON: {err}") from None
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{directory}: file {META} is not a JSON object")
-    step = meta.get("step")
+    step = read_meta(directory).get("step")
     if type(step) is not int or step < 0:
         raise CheckpointError(f"{directory}: file {META} does not give the step as a whole number (step: {step!r})")
 
