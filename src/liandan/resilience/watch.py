@@ -79,8 +79,11 @@ class WorkerWatch:
         until = time.time() + PEER_EXIT_S
         while not self.signals.first and (left := until - time.time()) > 0:
             if all(proc.poll() is not None for _, proc in attempt.procs):
-                return
+                break
             self.clock.wait(min(POLL_S, left))
+        # The failure is judged again over every exit seen by now: a rank killed just after the watch polled it
+        # and before it polled a peer that the kill took down was seen after its casualty.
+        self._exited(attempt)
 
     def _exited(self, attempt: Attempt) -> bool:
         """Whether the attempt is over: every rank done, or one failed (whose exit is then recorded)."""
