@@ -320,6 +320,18 @@ def test_import_refuses_checkpoint_that_does_not_match_config(exported):
         import_hf(exported)
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_import_refuses_weights_that_are_not_finite(exported, value):
+    from safetensors.torch import load_file, save_file
+
+    path = exported / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = value
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj\.weight holds 1 NaN or infinite"):
+        import_hf(exported)
+
+
 def test_export_refuses_state_dict_that_does_not_match_args(tmp_path):
     model = make_model()
     state_dict = dict(model.state_dict())
@@ -335,6 +347,8 @@ def test_export_refuses_state_dict_that_does_not_match_args(tmp_path):
 def test_missing_paths_raise_file_not_found(tmp_path, exported):
     with pytest.raises(FileNotFoundError, match="nowhere"):
         import_hf(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match="config.json is a file: name the directory"):
+        import_hf(exported / "config.json")
     with pytest.raises(FileNotFoundError, match="nothing.safetensors"):
         load_consolidated(tmp_path / "nothing.safetensors")
     (exported / "model.safetensors").unlink()

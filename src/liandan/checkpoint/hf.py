@@ -357,6 +357,8 @@ def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
     from safetensors.torch import load_file
 
     model_dir = Path(model_dir)
+    if model_dir.exists() and not model_dir.is_dir():
+        raise ValueError(f"{model_dir} is a file: name the directory that holds config.json and the weights")
     if not model_dir.is_dir():
         raise FileNotFoundError(f"model directory not found: {model_dir}")
     config = _read_config(model_dir)
@@ -383,6 +385,10 @@ def import_hf(model_dir: Path) -> tuple[dict[str, torch.Tensor], Any]:
                 shape = shapes[key] if index is None else shapes[key][1:]
                 if tuple(tensor.shape) != shape:
                     raise ValueError(f"{path}: {hf_name} has shape {tuple(tensor.shape)}, config.json implies {shape}")
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    bad = int((~torch.isfinite(tensor)).sum())
+                    # a model with a NaN weight gives NaN logits everywhere: found here, not at the first step
+                    raise ValueError(f"{path}: {hf_name} holds {bad} NaN or infinite value(s) of {tensor.numel()}")
                 if index is None:
                     state_dict[key] = tensor
                 else:
