@@ -97,8 +97,11 @@ def test_two_fsdp_ranks_roll_back_a_planted_collapse_together(tmp_path, corpus):
 def test_a_stop_policy_stops_the_run_at_the_collapse(tmp_path, corpus):
     from liandan.run import RunStopped
 
-    with pytest.raises(RunStopped, match="router collapse"):
+    with pytest.raises(RunStopped, match="router collapse") as stopped:
         train(tmp_path, corpus, "--guard.on_collapse=stop", fault=f"collapse@router:{PLANTED}")
+    [run_dir] = [p for p in tmp_path.iterdir() if (p / "events.jsonl").is_file()]
+    [event] = read_run(run_dir).of_kind("train_stopped")  # the run shows as stopped, not interrupted
+    assert event["error"] == str(stopped.value) and event["cause"] == "user error"
 
 
 def test_the_drill_refuses_a_layer_without_a_router(tmp_path, corpus):

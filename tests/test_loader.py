@@ -316,6 +316,22 @@ def test_an_out_of_range_token_id_ends_a_supervised_run_at_once(corpus, tmp_path
     assert listed.returncode == 0 and "stopped" in listed.stdout and "running" not in listed.stdout, listed.stdout
 
 
+@pytest.mark.slow
+def test_an_unsupervised_run_that_stops_on_a_user_error_shows_as_stopped(corpus, tmp_path):
+    store = _store_with_foreign_ids(tmp_path / "foreign", corpus["alpha"], 60000)
+    config = tmp_path / "run.toml"
+    cfg = tiny_config(tmp_path / "runs", write_corpus(tmp_path), f'--data.stores=["{store.path}"]', "--run.name=ids",
+                      "--resilience.supervise=false")  # fmt: skip
+    config.write_text(cfg.to_toml())
+    done = run_liandan("train", config, env=environment_without(), timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    [stopped] = read_run(tmp_path / "runs" / "ids").of_kind("train_stopped")
+    assert stopped["cause"] == "user error" and stopped["error"] == last.removeprefix("liandan: error: ")
+    listed = run_liandan("runs", tmp_path / "runs")
+    assert listed.returncode == 0 and "stopped" in listed.stdout and "interrupted" not in listed.stdout, listed.stdout
+
+
 def test_trainer_trains_on_a_mixture_of_stores_and_resumes(stores, tmp_path):
     from liandan.train import Trainer
 

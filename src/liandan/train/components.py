@@ -13,6 +13,7 @@ runs here, before the trainer exists.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,14 +27,19 @@ import torch.distributed as dist
 from liandan.checkpoint import snapshots
 from liandan.checkpoint.manager import CheckpointManager
 from liandan.checkpoint.resume import can_resume
+from liandan.checkpoint.saving import SaveError
+from liandan.checkpoint.verify import CheckpointError
 from liandan.common.layout import Layout, batch_split_refusal, resolve_layout
 from liandan.config import Config, ConfigError
+from liandan.data.documents.corpus import DataError
 from liandan.data.pipeline.chat import prepare_chat_store
 from liandan.data.pipeline.preferences import prepare_preference_store
 from liandan.data.pipeline.prepare import open_prepared, open_stores, prepare_store
 from liandan.data.tokens.loader import Batch, PackedLoader
 from liandan.data.tokens.pairs import PairLoader
+from liandan.plugins import PluginError
 from liandan.run import RunDir, RunLock, holds_progress, lock_run_dir
+from liandan.run.errors import DeviceFault, RunStopped
 from liandan.run.worker_env import WorkerEnv
 from liandan.track import FanOut, JsonlLogger, MetricsLogger, NullLogger
 from liandan.track.store import StoreLogger
@@ -44,6 +50,9 @@ from liandan.train.hardware import resolve_dtype
 from liandan.train.heartbeat import Heartbeat
 from liandan.train.parallelize import build_mesh, dp_coordinates
 from liandan.train.train_module import TrainModule
+
+# Errors that a restart cannot mend: the command line says them in one line and exits 2 (4: a faulty device).
+STOPPING_ERRORS = (ConfigError, DataError, CheckpointError, PluginError, RunStopped)
 
 
 class StepLoader(Protocol):
@@ -170,23 +179,24 @@ def build_components(
     room = RunDir.of(path, cfg.checkpoint.dir)
     env.say(f"run directory: {room.path}")
     files, store_logger = file_loggers(cfg, room, env)
-    heartbeat = Heartbeat(room, env.dist.rank)
-    heartbeat.enable_stack_dumps()
-    heartbeat.beat(0, "startup")
-    data = build_data(cfg, env, room, resuming, loader)
-    if module is None:
-        module = build_train_module(cfg, env, data.tokenizer)
-    elif not isinstance(module, TrainModule):
-        module = module(env, data.tokenizer)
-    parts = Components(cfg, env, room, resuming, holder[0], files, store_logger, heartbeat, data, module,
-                       None, None, [], env.say)  # type: ignore[arg-type]  # fmt: skip
-    parts.checkpoints, parts.snapshots = build_checkpointer(cfg, room, env, parts.event)
-    # A callback handed in replaces a registered one of its class (a caller's own forecast, configured otherwise).
-    registered = [c for c in build_callbacks(cfg) if not any(type(c) is type(own) for own in callbacks)]
-    parts.callbacks = in_order([*registered, *callbacks])
-    for callback in parts.callbacks:
-        callback.name = callback.name or type(callback).__name__
-    return parts
+    with stops_recorded(files):  # from here on the run directory is this run's
+        heartbeat = Heartbeat(room, env.dist.rank)
+        heartbeat.enable_stack_dumps()
+        heartbeat.beat(0, "startup")
+        data = build_data(cfg, env, room, resuming, loader)
+        if module is None:
+            module = build_train_module(cfg, env, data.tokenizer)
+        elif not isinstance(module, TrainModule):
+            module = module(env, data.tokenizer)
+        parts = Components(cfg, env, room, resuming, holder[0], files, store_logger, heartbeat, data, module,
+                           None, None, [], env.say)  # type: ignore[arg-type]  # fmt: skip
+        parts.checkpoints, parts.snapshots = build_checkpointer(cfg, room, env, parts.event)
+        # A callback handed in replaces a registered one of its class (a caller's own forecast, configured otherwise).
+        registered = [c for c in build_callbacks(cfg) if not any(type(c) is type(own) for own in callbacks)]
+        parts.callbacks = in_order([*registered, *callbacks])
+        for callback in parts.callbacks:
+            callback.name = callback.name or type(callback).__name__
+        return parts
 
 
 def build_environment(cfg: Config, say: Callable[[str], None] = print) -> Environment:
@@ -308,6 +318,27 @@ def build_checkpointer(cfg: Config, room: RunDir, env: Environment,
     if c.memory_every and owner and handed:
         held = snapshots.MemorySnapshots(handed, env.dist.rank, env.dist.world_size, owner, str(env.layout))
     return checkpoints, held
+
+
+@contextlib.contextmanager
+def stops_recorded(files: MetricsLogger):
+    """Within it, an error a restart cannot mend is recorded in the run's events (`record_stop`)."""
+    try:
+        yield
+    except BaseException as err:
+        record_stop(files, err)
+        raise
+
+
+def record_stop(files: MetricsLogger, err: BaseException) -> None:
+    """An unsupervised run that ends on an error a restart cannot mend (a bad config or input, a run stopped by
+    its own rules) says so in its events, so that it shows as stopped rather than interrupted. A supervisor
+    records its workers' itself; checkpoints that were not being saved are recorded where that is found."""
+    if not isinstance(err, STOPPING_ERRORS) or isinstance(err, SaveError) or WorkerEnv.from_env().supervised:
+        return
+    cause = "device fault" if isinstance(err, DeviceFault) else "user error"
+    with contextlib.suppress(OSError):  # the error itself is said in any case
+        files.log_event("train_stopped", error=str(err), cause=cause)
 
 
 def file_loggers(cfg: Config, room: RunDir, env: Environment) -> tuple[MetricsLogger, StoreLogger | None]:

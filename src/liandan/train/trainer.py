@@ -34,7 +34,7 @@ from liandan.run.worker_env import WorkerEnv
 from liandan.track import ConsoleLogger, FanOut, MetricsLogger, NullLogger, plot_run
 from liandan.track.exporters import open_exporters
 from liandan.train.callbacks import Callback
-from liandan.train.components import Components, build_components
+from liandan.train.components import Components, build_components, record_stop, stops_recorded
 from liandan.train.context import RunProgress, StepOutput, TrainContext, TrainResult
 from liandan.train.distributed import shutdown_distributed
 from liandan.train.hardware import datasheet_fp8_peak_flops, device_peak_flops
@@ -80,20 +80,21 @@ class Trainer:
             peaks = self.env.max_over_ranks([self.module.init_peak.host_bytes, self.module.init_peak.device_bytes])
             self.files.log_event("model_built", meta_init=cfg.train.meta_init, host_peak_bytes=peaks[0],
                                  device_peak_bytes=peaks[1])  # fmt: skip
-        ring = cfg.guard.ring_size if cfg.guard.enabled else 0
-        self._check_ring(ring)
-        self.rollback = Rollback(self.module, self.checkpoints, lambda: self.progress.step, self.resume_state,
-                                 self.rewind, ring)  # fmt: skip
-        services = {
-            "logger": lambda: self.logger, "phase": self.phase, "notify": self.notify,
-            "save_checkpoint": self.save_checkpoint, "stop_if_unsaved": self.stop_if_unsaved,
-            "stop_for_preemption": self.stop_for_preemption, "resume_state": self.resume_state,
-        }  # fmt: skip
-        self.ctx = TrainContext(parts, self.progress, self.result, self.rollback, services, 0.0, 0.0)
-        self._resume_or_init()
-        self._measure_peaks()
-        self.logger = self._make_logger()
-        self._say_model()
+        with stops_recorded(self.files):
+            ring = cfg.guard.ring_size if cfg.guard.enabled else 0
+            self._check_ring(ring)
+            self.rollback = Rollback(self.module, self.checkpoints, lambda: self.progress.step, self.resume_state,
+                                     self.rewind, ring)  # fmt: skip
+            services = {
+                "logger": lambda: self.logger, "phase": self.phase, "notify": self.notify,
+                "save_checkpoint": self.save_checkpoint, "stop_if_unsaved": self.stop_if_unsaved,
+                "stop_for_preemption": self.stop_for_preemption, "resume_state": self.resume_state,
+            }  # fmt: skip
+            self.ctx = TrainContext(parts, self.progress, self.result, self.rollback, services, 0.0, 0.0)
+            self._resume_or_init()
+            self._measure_peaks()
+            self.logger = self._make_logger()
+            self._say_model()
 
     def _optimizer_state_bytes(self):
         """Bytes of optimizer state per parameter by role, from the `[optim]` plug-in (None for a train module
@@ -201,6 +202,7 @@ class Trainer:
             self.notify("on_train_end", result)
         except BaseException as err:
             self.notify("on_error", err)
+            record_stop(self.files, err)
             raise
         self._finish(result, first_step, (steps - first_step) * self.tokens_per_step)
         return result
