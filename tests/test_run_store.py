@@ -376,6 +376,10 @@ def test_liandan_runs_on_a_project(tmp_path, capsys):
     assert "project directory not found" in capsys.readouterr().err
     (tmp_path / "empty").mkdir()
     assert main(["runs", str(tmp_path / "empty")]) == 0 and "no runs in" in capsys.readouterr().out
+    assert main(["runs", str(tmp_path / "empty"), "--json"]) == 0 and json.loads(capsys.readouterr().out) == []
+    assert list((tmp_path / "empty").iterdir()) == []  # no store is left in a directory that holds no runs
+    assert main(["runs", str(project / "one" / "config.toml")]) == 2
+    assert "is a file, not a project directory" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -30,17 +30,26 @@ def add_commands(sub) -> None:
 
 
 def cmd_runs(args: argparse.Namespace, overrides: list[str]) -> int:
+    from liandan.run.layout import project_store
     from liandan.track.store import RunStore, StoreError, is_run_dir
 
     if overrides:
         raise ConfigError(f"runs takes no config overrides (got {overrides[0]})")
     project = Path(args.dir)
+    if project.exists() and not project.is_dir():
+        raise ConfigError(f"{project} is a file, not a project directory (the parent of run directories)")
     if not project.is_dir():
         raise ConfigError(f"project directory not found: {project} (the parent of run directories, run.output_dir)")
-    if is_run_dir(project) and not any(is_run_dir(p) for p in project.iterdir() if p.is_dir()):
+    holds_runs = any(is_run_dir(p) for p in project.iterdir() if p.is_dir())
+    if is_run_dir(project) and not holds_runs:
         raise ConfigError(f"{project} is a run directory; its project directory is {project.resolve().parent}")
     if args.compare is not None and len(args.compare) < 2:
         raise ConfigError("--compare takes two or more run names")
+    if not holds_runs and not project_store(project).exists():  # no store is made where there is nothing to keep
+        if args.compare:
+            raise ConfigError(f"no runs in {project}, so none named {args.compare[0]!r}")
+        print("[]" if args.json else f"no runs in {project}")
+        return 0
     try:
         with RunStore(project) as store:
             store.rebuild() if args.rebuild else store.sync()
