@@ -117,7 +117,9 @@ def _error_line(done) -> str:
     return line
 
 
-def test_skipped_says_in_one_line_when_there_is_nothing_to_list(guarded_run, tmp_path):
+def test_skipped_says_in_one_line_when_there_is_nothing_to_list_and_lists_none_when_none_was_skipped(
+    guarded_run, tmp_path
+):
     assert "not a run directory" in _error_line(liandan_here("skipped", tmp_path / "nowhere"))
     run = tmp_path / "copy"
     run.mkdir()
@@ -133,7 +135,9 @@ def test_skipped_says_in_one_line_when_there_is_nothing_to_list(guarded_run, tmp
     meta["loader"]["skipped"] = []
     (saved / "meta.json").write_text(json.dumps(meta))
     (run / "events.jsonl").write_text("")
-    assert "the guard skipped no batches in" in _error_line(liandan_here("skipped", run))
+    none = liandan_here("skipped", run, "--export", tmp_path / "none.jsonl", check=True).stdout.splitlines()
+    assert none[0] == f"0 skipped batch(es) of {run} (newest checkpoint step-00000040): the guard skipped none"
+    assert none[1:] == [f"wrote 0 document(s) of 0 skipped batch(es) to {tmp_path / 'none.jsonl'}"]
 
     # Rollbacks in the events: one before the checkpoint that the run undid (it resumed from before it and
     # trained those batches after all), one after the checkpoint, not saved in any yet.
