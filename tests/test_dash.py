@@ -265,6 +265,14 @@ def test_hostile_and_malformed_requests_get_one_line_json_errors(server):
         assert status == expected and "\n" not in answer["error"], (body[:40], status, answer)
     status, answer = server.request("/api/runs", headers={"Host": "attacker.example"})  # DNS rebinding
     assert status == 403, answer
+    # A body shorter than its Content-Length: answered once the wait for the rest is over, not held open.
+    with socket.create_connection((server.host, server.port), timeout=30) as client:
+        client.sendall(b"POST /api/compare HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 100\r\n\r\n{\"runs\": [")  # fmt: skip
+        answer = client.makefile("rb").read()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 "), answer
+    assert "did not arrive within" in json.loads(body)["error"]
 
 
 @pytest.mark.slow

@@ -19,7 +19,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.base import BaseHTTPMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -28,6 +28,7 @@ from liandan.track.dash.api import MAX_BODY, MAX_POINTS, MAX_STEP, ApiError, Das
 STATIC = Path(__file__).resolve().parent / "static"
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1", "[::1]")
 STREAM_S = 60.0  # the longest one event stream stays open
+BODY_S = 5.0  # the longest a request body may take to arrive (a comparison's is a few hundred bytes)
 
 
 def plotly_bundle() -> Path:
@@ -80,10 +81,16 @@ def create_app(dash: Dashboard, token: str | None = None, loopback: bool = True)
 
     async def compare(request: Request) -> Response:
         body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > MAX_BODY:
-                raise ApiError(413, f"request body over {MAX_BODY} bytes")
+        try:
+            async with asyncio.timeout(BODY_S):  # a body shorter than its Content-Length would hold the request
+                async for chunk in request.stream():
+                    body += chunk
+                    if len(body) > MAX_BODY:
+                        raise ApiError(413, f"request body over {MAX_BODY} bytes")
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {BODY_S:.0f}s") from None
+        except ClientDisconnect:
+            return Response(status_code=400)  # the client left: nobody reads an answer
         return JSONResponse(await run_in_threadpool(dash.compare, body), headers={"Cache-Control": "no-store"})
 
     async def stream(request: Request) -> Response:
