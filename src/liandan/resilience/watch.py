@@ -79,18 +79,21 @@ class WorkerWatch:
         until = time.time() + PEER_EXIT_S
         while not self.signals.first and (left := until - time.time()) > 0:
             if all(proc.poll() is not None for _, proc in attempt.procs):
-                break
+                return
             self.clock.wait(min(POLL_S, left))
-        # The failure is judged again over every exit seen by now: a rank killed just after the watch polled it
-        # and before it polled a peer that the kill took down was seen after its casualty.
-        self._exited(attempt)
 
     def _exited(self, attempt: Attempt) -> bool:
         """Whether the attempt is over: every rank done, or one failed (whose exit is then recorded)."""
-        for rank, proc in attempt.procs:
-            code = proc.poll()
-            if code is not None and (rank or 0) not in attempt.exits:
-                attempt.exits[rank or 0] = (self.clock.deaths.get(proc.pid, time.time()), code)
+        # The ranks are polled one after another: a rank that was alive when polled may be killed and take down
+        # a peer polled after it, whose error exit would then be all there is to see. So when one has failed,
+        # they are polled again at once: a rank that ended before that failure was seen has ended by now.
+        for sweep in range(2):
+            for rank, proc in attempt.procs:
+                code = proc.poll()
+                if code is not None and (rank or 0) not in attempt.exits:
+                    attempt.exits[rank or 0] = (self.clock.deaths.get(proc.pid, time.time()), code)
+            if not any(code != 0 for _, code in attempt.exits.values()):
+                break
         failed = first_failure(attempt.exits)
         if failed:
             attempt.failed_at, attempt.failed_rank, attempt.exit_code = failed
