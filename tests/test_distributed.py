@@ -185,3 +185,37 @@ def test_torchrun_launch_listens_on_loopback_only(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]
     assert seen and {address for address, _ in seen} == {"127.0.0.1"}, seen
+
+
+@pytest.mark.slow
+def test_workers_end_with_a_launcher_that_is_killed(tmp_path):
+    """torchrun's agent ends its workers when it is stopped, but not when it is killed outright, nor the workers
+    it was still starting when it was stopped: each worker ends with its launcher instead."""
+    import signal
+    import time
+
+    from helpers import process_tree, wait_for_step
+    from liandan.resilience.processes import alive
+
+    config = tmp_path / "tiny.toml"
+    config.write_text(tiny_config(tmp_path / "runs", write_corpus(tmp_path), "--train.steps=100000",
+                                  "--checkpoint.every=0", "--run.name=orphans").to_toml())  # fmt: skip
+    launcher = start_liandan("train", config, "--nproc=2", "--resilience.supervise=false", quiet=True,
+                             env=environment_without())  # fmt: skip
+    workers = []
+    try:
+        wait_for_step(tmp_path / "runs" / "orphans", 1, launcher)
+        workers = [pid for pid in process_tree(launcher.pid) if pid != launcher.pid]
+        assert len(workers) >= 2, workers
+        launcher.kill()
+        launcher.wait()
+        deadline = time.time() + 30
+        while any(alive(pid) for pid in workers) and time.time() < deadline:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in workers), [pid for pid in workers if alive(pid)]
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -1,6 +1,10 @@
 import os
 import sys
 
+from liandan.run.worker_env import end_with_launcher
+
+end_with_launcher()  # first, before the imports: a launcher stopped while starting this worker takes it along
+
 from liandan.cli.main import main
 
 code = main()

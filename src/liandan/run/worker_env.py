@@ -28,7 +28,8 @@ import dataclasses
 import os
 import signal
 import socket
-from collections.abc import Mapping
+import sys
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,8 @@ PREEMPT_REQUEST = signal.SIGUSR2
 EXTERNAL_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 ERROR_DIR = "LIANDAN_ERROR_DIR"  # where a worker leaves its user error, for its launcher to print once
 CRASHED = ".crashed"  # in ERROR_DIR, rank-N.crashed: when (time.time()) a worker crashed
+# -- set by launch_local only, and taken out of the environment by the worker that reads it (`end_with_launcher`)
+LAUNCHER_PID = "LIANDAN_LAUNCHER_PID"  # the process that started the worker: the worker ends when it does
 # -- WorkerEnv: from the user's environment, passed through
 NODE_NAME = "LIANDAN_NODE_NAME"  # this node's name (default: Slurm's, else the host name)
 CACHE_DIR = "LIANDAN_CACHE_DIR"  # liandan's cache (measured CPU peaks); default $XDG_CACHE_HOME/liandan
@@ -177,6 +180,23 @@ class WorkerEnv:
         return dataclasses.replace(
             self, supervised=True, attempt=number, faults=self.faults if number == 0 else None, **fields
         )
+
+
+def end_with_launcher(environ: MutableMapping[str, str] = os.environ) -> None:
+    """In a worker that `launch_local` started, have the kernel end this process with SIGKILL when its launcher
+    ends. torchrun's agent ends the workers it knows when it is stopped, but a launcher stopped while it was
+    still starting them (or killed outright) knows none, and they would train on alone. The variable is taken
+    out of the environment, so that no process this one starts takes the launcher for its own. Linux only."""
+    launcher = environ.pop(LAUNCHER_PID, "")
+    if not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    set_parent_death_signal = 1  # PR_SET_PDEATHSIG, <linux/prctl.h>
+    if ctypes.CDLL(None, use_errno=True).prctl(set_parent_death_signal, signal.SIGKILL) != 0:
+        return
+    if os.getppid() != int(launcher):  # it ended before this worker asked
+        os._exit(1)
 
 
 def node_name(environ: Mapping[str, str] | None = None) -> str:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from liandan.config import ConfigError
 from liandan.run import atomic_write, rank_file, rank_files
 from liandan.run.errors import DEVICE_FAULT_EXIT
-from liandan.run.worker_env import ERROR_DIR, NODE_ADDR, NodeEnv, WorkerEnv
+from liandan.run.worker_env import ERROR_DIR, LAUNCHER_PID, NODE_ADDR, NodeEnv, WorkerEnv
 from liandan.train.stores import (
     LOOPBACK,
     RENDEZVOUS_BACKEND,
@@ -164,6 +164,7 @@ def launch_local(
                       f"--rdzv-id={uuid.uuid4()}", f"--local-addr={LOOPBACK}", "--nnodes=1"]  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="liandan-errors-") as errors:
         os.environ.update(WorkerEnv(error_dir=Path(errors)).to_env())  # the workers inherit it
+        os.environ[LAUNCHER_PID] = str(os.getpid())  # and end when this process does (`end_with_launcher`)
         where = rendezvous
         parser = get_args_parser()
         parser.allow_abbrev = False  # the worker's own options (--nproc=...) are not torchrun's abbreviated
@@ -183,6 +184,7 @@ def launch_local(
             return 1, f"worker rank {rank} failed with exit code {info.exitcode}; its output is above"
         finally:
             os.environ.pop(ERROR_DIR, None)
+            os.environ.pop(LAUNCHER_PID, None)
 
 
 def report_worker_error(message: str) -> bool:
