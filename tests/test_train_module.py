@@ -135,6 +135,20 @@ def test_a_custom_loader_and_train_module_train_checkpoint_and_resume_exactly(tm
     assert again.module.optimizers.scheduler_state() == parts.module.optimizers.scheduler_state()
 
 
+def test_a_custom_loader_without_validation_trains_through_the_evaluations_and_says_why_there_is_no_loss(tmp_path):
+    cfg = _config(tmp_path, "--train.eval_every=2", "--checkpoint.enabled=false")
+    said: list[str] = []
+    parts = build_components(cfg, loader=CountingLoader(cfg.run.seed, cfg.train.global_batch),
+                             module=lambda env, tokenizer: TwoPartModule(cfg, env.device), say=said.append)  # fmt: skip
+    trainer = Trainer(parts)
+    try:
+        result = trainer.train()
+    finally:
+        trainer.close()
+    assert len(_losses(result.run_dir)) == 8 and result.val_loss is None
+    assert said.count("no validation loss: the loader (CountingLoader) has no `validation`") == 1
+
+
 @pytest.fixture
 def toy_optimizer():
     plugins.register(Plugin("optimizer", "sgdm", "toy_optimizer:SGDM", options="toy_optimizer:SgdmOptions"))

@@ -131,8 +131,7 @@ class EvalCallback(Callback):
         loss = ctx.validation_loss()
         if loss is None:  # no number rather than a made-up one: a 0.0 would read as a perfect model
             if not self.said_none:
-                ctx.say(f"no validation loss: the token stores hold no window out (data.val_fraction ="
-                        f" {ctx.cfg.data.val_fraction}, or fewer held-out windows than data-parallel ranks)")  # fmt: skip
+                ctx.say(self.why_no_loss(ctx))
                 self.said_none = True
             return
         ctx.result.val_loss = loss
@@ -141,6 +140,13 @@ class EvalCallback(Callback):
         if by_source and ctx.dist.is_main:
             ctx.logger.log_metrics(step, {f"val/{source}/loss": value for source, value in by_source.items()})
         ctx.notify("on_eval", step, loss)
+
+    @staticmethod
+    def why_no_loss(ctx: TrainContext) -> str:
+        if not hasattr(ctx.loader, "validation"):
+            return f"no validation loss: the loader ({type(ctx.loader).__name__}) has no `validation`"
+        return (f"no validation loss: the token stores hold no window out (data.val_fraction ="
+                f" {ctx.cfg.data.val_fraction}, or fewer held-out windows than data-parallel ranks)")  # fmt: skip
 
     @staticmethod
     def losses_by_source(ctx: TrainContext) -> dict[str, float]:

@@ -197,8 +197,12 @@ class TrainContext:
 
     def validation_loss(self) -> float | None:
         """The mean loss over `train.eval_batches` validation batches, over all ranks; None, on every rank
-        alike, when the stores hold no window out (`data.val_fraction = 0`, or too few windows for the ranks)."""
-        batches = self.loader.validation(self.cfg.train.eval_batches, self.micro_batch)
+        alike, when the stores hold no window out (`data.val_fraction = 0`, or too few windows for the ranks) or
+        the loader, one passed from Python, has no `validation`."""
+        validation = getattr(self.loader, "validation", None)
+        if validation is None:
+            return None
+        batches = validation(self.cfg.train.eval_batches, self.micro_batch)
         if not batches:
             return None
         return self.mean_over_ranks(self.module.eval_batch(batches))
