@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import free_port, run_liandan, tiny_config, write_corpus
+from helpers import free_port, read_run, run_liandan, tiny_config, train_named, write_corpus
 from liandan.common.layout import Layout, resolve_layout
 from liandan.config import ConfigError, load_config
 from liandan.model import ModelArgs, Transformer
@@ -287,3 +287,22 @@ def test_train_refuses_a_pipeline_it_cannot_run_before_any_worker_starts(tmp_pat
         " per step (train.global_batch / data-parallel ranks, or train.micro_batch)"
     )
     assert not (tmp_path / "runs").exists()  # nothing tokenized, no run directory
+
+
+@pytest.mark.slow
+def test_validation_batches_short_of_held_out_windows_run_through_the_pipeline_as_one_process(tmp_path):
+    # 9 held-out windows (int(3238 * 0.003)) in batches of the 4 sequences a step runs: 4, 4 and a last of 1,
+    # a shape the schedule's stages were not built for, and fewer sequences than its 2 micro-batches
+    config = tmp_path / "tiny.toml"
+    cfg = tiny_config(tmp_path / "runs", write_corpus(tmp_path), "--train.steps=2", "--schedule.warmup_steps=0",
+                      "--train.eval_every=1", "--data.val_fraction=0.003", "--run.name=",
+                      "--resilience.supervise=false")  # fmt: skip
+    config.write_text(cfg.to_toml())
+    losses = {}
+    for name, nproc, layout in [("one", 1, []), ("pp", 2, ["--parallel.pp=2"])]:
+        done = train_named(config, name, nproc, *layout)
+        assert done.returncode == 0, done.stderr[-3000:]
+        losses[name] = [e["loss"] for e in read_run(tmp_path / "runs" / name).of_kind("eval")]
+    assert len(losses["pp"]) == 2
+    # one process averages the same three batches; the pipeline's training step adds in another order
+    assert losses["pp"] == pytest.approx(losses["one"], rel=1e-5)

@@ -140,6 +140,7 @@ class PipelineTrainModule(CausalLMTrainModule):
         if refusal:
             raise ConfigError(refusal)
         self.microbatches = par.pp_microbatches or n_stages
+        self.rows = t.micro_batch or t.global_batch // layout.dp_size  # the batch shape the stages are built for
         self.init_peak = PeakMemory(device, reset=t.meta_init).start()
         torch.manual_seed(cfg.run.seed)  # every rank builds the same whole model, then keeps its stages
         plan = None
@@ -236,8 +237,10 @@ class PipelineTrainModule(CausalLMTrainModule):
         kwargs = self._stage_kwargs(batch)
         if train:
             self.schedule.step(batch.inputs, target=batch.targets, losses=losses, return_outputs=False, **kwargs)
-        elif self.schedule_name in V_SHAPED:
-            # torch 2.13's V schedules still hand gradients between a rank's two stages in `eval` (and fail)
+        elif self.schedule_name in V_SHAPED or len(batch.inputs) != self.rows:
+            # torch 2.13's V schedules still hand gradients between a rank's two stages in `eval` (and fail);
+            # and a schedule's stages receive only the shape they were built for, which the last validation
+            # batch, short of held-out windows, does not have
             losses = self._forward_only(batch, kwargs)
         else:
             self.schedule.eval(batch.inputs, target=batch.targets, losses=losses, return_outputs=False, **kwargs)
@@ -257,7 +260,9 @@ class PipelineTrainModule(CausalLMTrainModule):
 
     def _forward_only(self, batch: Batch, kwargs: dict) -> list[torch.Tensor]:
         """Each micro-batch through the stages in order, the hidden states sent point to point between the
-        ranks that run neighbouring stages: the last stage's scaled losses, on its rank."""
+        ranks that run neighbouring stages: the last stage's scaled losses, on its rank. A batch of any number
+        of sequences: each micro-batch's loss is weighted by its share of them, as one forward of the whole
+        batch would average it, and the empty ones of a batch shorter than the micro-batches are skipped."""
         n_stages = self.pp * self.per_rank
         local = dict(zip(self.stage_ids, self.model_parts, strict=True))
         owner = [dist.get_global_rank(self.pp_group, stage_of_rank(s, self.pp, self.schedule_name))
@@ -269,6 +274,9 @@ class PipelineTrainModule(CausalLMTrainModule):
         for m in range(self.microbatches):
             extra = {key: chunks[1 + i][m] for i, key in enumerate(kwargs)}
             hidden = chunks[0][m]
+            if not len(hidden):
+                continue
+            share = len(hidden) * self.microbatches / len(batch.inputs)  # 1.0 exactly for an even split
             for stage in range(n_stages):
                 if stage not in local:
                     continue
@@ -278,7 +286,7 @@ class PipelineTrainModule(CausalLMTrainModule):
                     dist.recv(hidden, src=owner[stage - 1], group=self.pp_group)
                 out = local[stage](hidden, **extra)
                 if stage == n_stages - 1:
-                    losses.append(self._loss(out, batch.targets))
+                    losses.append(self._loss(out, batch.targets) * share)
                 elif owner[stage + 1] != owner[stage]:
                     dist.send(out.contiguous(), dst=owner[stage + 1], group=self.pp_group)
                 hidden = out
