@@ -90,6 +90,14 @@ def test_import_hf_then_continue_training(trained, exported, tmp_path):
                         "--model.llama.rope_theta=500000", "--train.steps=1", "--schedule.warmup_steps=1",
                         "--checkpoint.every=0")  # fmt: skip
     _one_line_error(wrong, "checkpoint.init_from", "model.rope_theta = 500000.0 (checkpoint: 10000.0)")
+    # A tokenizer of the same size trained on other text fits every tensor and gives the tokens other ids.
+    other = write_corpus(tmp_path, n_docs=12)
+    foreign = run_liandan("train", config, "--run.name=foreign-tokenizer", f'--data.paths=["{other}"]',
+                          f"--checkpoint.init_from={tmp_path / 'imported'}", "--train.steps=1",
+                          "--schedule.warmup_steps=1", "--checkpoint.every=0")  # fmt: skip
+    tokenizer = tmp_path / "imported" / "tokenizer.json"
+    _one_line_error(foreign, f"checkpoint.init_from = {tmp_path / 'imported'} was trained with the tokenizer {tokenizer}",
+                    f"train with --data.tokenizer={tokenizer}")  # fmt: skip
 
 
 @pytest.mark.slow

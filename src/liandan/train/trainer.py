@@ -42,6 +42,7 @@ from liandan.train.optimizers import optimizer_plugin
 from liandan.train.parallelize import reshard
 from liandan.train.preemption import Preempted, StepAbandoned
 from liandan.train.rollback import Rollback, available_host_memory, ranks_on_this_host, ring_refusal, state_bytes
+from liandan.train.tokenizer_check import check_init_tokenizer
 
 __all__ = ["StepOutput", "TrainResult", "Trainer"]
 
@@ -387,13 +388,16 @@ class Trainer:
         """Load `init_from` into the model parts (the train module's, or `parts`: a DPO reference)."""
         what = "model weights" if parts is None else "the reference's weights"
         if is_weight_source(source):
+            check_init_tokenizer(source, None, self.parts.data, self.say)
             self._init_from_weights(source, None if parts is None else parts[0], what)
             return
         if not source.exists():
             raise ConfigError(f"checkpoint.init_from = {source}: no such file or directory")
         if not (source / META).is_file():
             raise ConfigError(f"checkpoint.init_from = {source}: no checkpoint there ({META} missing)")
-        self._check_model(read_meta(source), f"checkpoint.init_from = {source}")
+        meta = read_meta(source)
+        self._check_model(meta, f"checkpoint.init_from = {source}")
+        check_init_tokenizer(source, meta, self.parts.data, self.say)
         self.checkpoints.load(source, self.module.model_parts if parts is None else parts)
         self.say(f"initialised {what} from {source}")
         self.parts.event("initialised", path=str(source))

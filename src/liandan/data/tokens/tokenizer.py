@@ -103,6 +103,12 @@ class HFTokenizer:
         return xxhash.xxh64_hexdigest(self._tok.to_str().encode("utf-8"))
 
 
+def moved_tokens(base: dict[str, int], extended: dict[str, int]) -> list[tuple[int, str, int | None]]:
+    """The tokens of `base` that `extended` gives another id or lacks, as (id in base, token, id in extended or
+    None), by id: none when `extended` keeps every token of `base` where it was, whatever it appends after."""
+    return sorted((i, token, extended.get(token)) for token, i in base.items() if extended.get(token) != i)
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, special_tokens: Sequence[str] = (),
               piece_chars: int = 1 << 20) -> HFTokenizer:  # fmt: skip
     """Byte-level BPE (GPT-2 style pre-tokenisation, no unknown tokens), trained on `texts`. Deterministic for
