@@ -98,6 +98,12 @@ def test_import_hf_then_continue_training(trained, exported, tmp_path):
     tokenizer = tmp_path / "imported" / "tokenizer.json"
     _one_line_error(foreign, f"checkpoint.init_from = {tmp_path / 'imported'} was trained with the tokenizer {tokenizer}",
                     f"train with --data.tokenizer={tokenizer}")  # fmt: skip
+    # A run's checkpoint: its tokenizer is the run's prepared data's, the one its fingerprint names.
+    checkpoint = run / "checkpoints" / "step-00000004"
+    from_run = run_liandan("train", config, "--run.name=foreign-tokenizer-run", f'--data.paths=["{other}"]',
+                           f"--checkpoint.init_from={checkpoint}", "--train.steps=1", "--schedule.warmup_steps=1",
+                           "--checkpoint.every=0")  # fmt: skip
+    _one_line_error(from_run, f"was trained with the tokenizer {run / 'data' / 'tokenizer.json'}")
 
 
 @pytest.mark.slow

@@ -42,15 +42,18 @@ def check_init_tokenizer(source: Path, meta: dict[str, Any] | None, data: Any, s
         return
     where = f"checkpoint.init_from = {source}"
     path = tokenizer_beside(source)
-    if path is None:
+    try:
+        found = HFTokenizer.load(path) if path is not None else None
+    except DataError as err:
+        raise ConfigError(f"{where}: {err}") from None
+    if found is not None and trained_with is not None and found.fingerprint() != trained_with:
+        found = None  # not the tokenizer the checkpoint names: nothing to compare with
+    if found is None:
         if trained_with is not None and stores:
             say(f"warning: {where} was trained with another tokenizer than this run's data, and its tokenizer is"
                 " not beside it to compare: this run's must give the tokens it knows the same ids")  # fmt: skip
         return
-    try:
-        theirs = HFTokenizer.load(path).vocabulary()
-    except DataError as err:
-        raise ConfigError(f"{where}: {err}") from None
+    theirs = found.vocabulary()
     if isinstance(ours, ByteTokenizer):
         raise ConfigError(f"{where} was trained with the tokenizer {path}, not this run's byte tokenizer: train with"
                           f" --data.tokenizer={path}")  # fmt: skip
