@@ -132,7 +132,8 @@ def test_pipeline_report_flags_a_source_in_the_wrong_language(tmp_path):
         "bad_words:extra",
         "frobnicate",
     )
-    assert any("in zh, which is not among the expected (en)" in f for f in summary["report"]["flags"])
+    assert any(f.startswith("en: ") and "in zh, which is not among the expected (en)" in f
+               for f in summary["report"]["flags"])  # fmt: skip
     data = json.loads((tmp_path / "out" / "report" / "report.json").read_text(encoding="utf-8"))
     assert data["sources"]["en"]["languages"] == pytest.approx({"en": 2 / 3, "zh": 1 / 3}, abs=1e-5)
 
@@ -143,7 +144,7 @@ def test_inspect_command_takes_the_expected_languages(tmp_path):
     path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts), encoding="utf-8")
     done = liandan_here("data", "inspect", path, "--out", tmp_path / "report", "--languages", "en")
     assert done.returncode == 0, done.stderr
-    assert "flag: 30% of documents are in zh, which is not among the expected (en)" in done.stdout
+    assert "flag: web: 30% of documents are in zh, which is not among the expected (en)" in done.stdout
     data = json.loads((tmp_path / "report" / "report.json").read_text(encoding="utf-8"))
     assert data["sources"]["web"]["languages"] == {"en": 0.7, "zh": 0.3}
     done = liandan_here("data", "inspect", path, "--out", tmp_path / "other", "--languages", "en,english")

@@ -388,7 +388,10 @@ class InspectStage(Stage):
 
 
 def _flag_text(flag: Any) -> str:
-    return getattr(flag, "message", None) or str(flag)
+    """A flag as the console and the summary say it: the source it was raised on, then what was found."""
+    message = getattr(flag, "message", None) or str(flag)
+    source = getattr(flag, "source", None)
+    return f"{source}: {message}" if source else message
 
 
 def pipeline_stages(cfg: PipelineConfig) -> list[Stage]:
