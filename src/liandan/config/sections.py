@@ -13,7 +13,9 @@ from liandan.config.fields import PluginTables, _f, plugin_options, section_dict
 
 @dataclass
 class RunSection:
-    name: str = _f("", "run name, one directory name under output_dir; empty means <config name>-<timestamp>")
+    name: str = _f(
+        "", "run directory name under output_dir; empty: <config file>-<timestamp> (from Python: run-<timestamp>)"
+    )
     output_dir: str = _f("runs", "parent directory of run directories")
     seed: int = _f(1234, "seed for model init, data order and dropout-free RNG use", min=0)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "where to train; auto picks cuda when present")
