@@ -178,7 +178,7 @@ def cmd_inspect(args: argparse.Namespace, overrides: list[str]) -> int:
     say_skipped(read_stats)
     print(f"report: {args.out.rstrip('/')}/report.html ({len(report.flags)} anomaly flag(s))")
     for flag in report.flags:
-        print(f"  flag: {flag.source}: {flag.message}")
+        print(f"  flag: {flag.line()}")
     return 0
 
 

@@ -109,6 +109,10 @@ class Anomaly:
     statistic: str = ""
     example: str = ""
 
+    def line(self) -> str:
+        """The flag as the console and a pipeline's summary say it: the source, then what was found."""
+        return f"{self.source}: {self.message}"
+
 
 @dataclass
 class InspectionReport:

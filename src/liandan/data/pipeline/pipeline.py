@@ -384,14 +384,7 @@ class InspectStage(Stage):
             baseline=Path(cfg.pipeline.baseline) if cfg.pipeline.baseline else None,
             expected_languages=expected_languages(cfg),
         )
-        return {"path": str(layout.report_dir), "flags": [_flag_text(f) for f in report.flags]}
-
-
-def _flag_text(flag: Any) -> str:
-    """A flag as the console and the summary say it: the source it was raised on, then what was found."""
-    message = getattr(flag, "message", None) or str(flag)
-    source = getattr(flag, "source", None)
-    return f"{source}: {message}" if source else message
+        return {"path": str(layout.report_dir), "flags": [f.line() for f in report.flags]}
 
 
 def pipeline_stages(cfg: PipelineConfig) -> list[Stage]:

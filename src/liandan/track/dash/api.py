@@ -104,12 +104,12 @@ class Dashboard:
     # -- runs --------------------------------------------------------------------------------------------
     def check_run(self, name: str) -> str:
         """A run name the store knows, or a 400 (not a plain name) or 404 (no such run)."""
-        if not isinstance(name, str) or not name or len(name.encode("utf-8", "replace")) > 255:
+        try:  # JSON admits lone surrogates (\ud800), which no file name can hold: encoding refuses them
+            too_long = len(name.encode("utf-8")) > 255
+        except (AttributeError, UnicodeEncodeError):  # not a string, or one with a lone surrogate
+            too_long = True
+        if too_long or not name:
             raise bad(f"not a run name: {str(name)[:60]!r}")
-        try:  # JSON admits lone surrogates (\ud800), which no file name can hold
-            name.encode("utf-8")
-        except UnicodeEncodeError:
-            raise bad(f"not a run name: {name[:60]!r}") from None
         try:  # what `liandan train` accepts (`炼丹-1`, `my run`), and nothing that is a path
             check_run_name(name)
         except ConfigError:
