@@ -330,15 +330,16 @@ def stops_recorded(files: MetricsLogger):
         raise
 
 
-def record_stop(files: MetricsLogger, err: BaseException) -> None:
+def record_stop(files: MetricsLogger, err: BaseException, step: int | None = None) -> None:
     """An unsupervised run that ends on an error a restart cannot mend (a bad config or input, a run stopped by
     its own rules) says so in its events, so that it shows as stopped rather than interrupted. A supervisor
-    records its workers' itself; checkpoints that were not being saved are recorded where that is found."""
+    records its workers' itself; checkpoints that were not being saved are recorded where that is found.
+    `step`: the step the run stopped at, when its loop had started."""
     if not isinstance(err, STOPPING_ERRORS) or isinstance(err, SaveError) or WorkerEnv.from_env().supervised:
         return
     cause = "device fault" if isinstance(err, DeviceFault) else "user error"
     with contextlib.suppress(OSError):  # the error itself is said in any case
-        files.log_event("train_stopped", error=str(err), cause=cause)
+        files.log_event("train_stopped", error=str(err), cause=cause, **({} if step is None else {"step": step}))
 
 
 def file_loggers(cfg: Config, room: RunDir, env: Environment) -> tuple[MetricsLogger, StoreLogger | None]:

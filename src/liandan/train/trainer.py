@@ -203,7 +203,7 @@ class Trainer:
             self.notify("on_train_end", result)
         except BaseException as err:
             self.notify("on_error", err)
-            record_stop(self.files, err)
+            record_stop(self.files, err, self.step)
             raise
         self._finish(result, first_step, (steps - first_step) * self.tokens_per_step)
         return result
