@@ -102,7 +102,7 @@ def test_a_stop_policy_stops_the_run_at_the_collapse(tmp_path, corpus):
     [run_dir] = [p for p in tmp_path.iterdir() if (p / "events.jsonl").is_file()]
     [event] = read_run(run_dir).of_kind("train_stopped")  # the run shows as stopped, not interrupted
     assert event["error"] == str(stopped.value) and event["cause"] == "user error"
-    assert f"at step {event['step']}:" in event["error"]  # the step the run stopped at
+    assert f"at step {event['step']}:" in event["error"]  # the last step completed: the router watch stops after it
 
 
 def test_the_drill_refuses_a_layer_without_a_router(tmp_path, corpus):

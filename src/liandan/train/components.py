@@ -334,7 +334,7 @@ def record_stop(files: MetricsLogger, err: BaseException, step: int | None = Non
     """An unsupervised run that ends on an error a restart cannot mend (a bad config or input, a run stopped by
     its own rules) says so in its events, so that it shows as stopped rather than interrupted. A supervisor
     records its workers' itself; checkpoints that were not being saved are recorded where that is found.
-    `step`: the step the run stopped at, when its loop had started."""
+    `step`: the last step the run completed, when its loop had started."""
     if not isinstance(err, STOPPING_ERRORS) or isinstance(err, SaveError) or WorkerEnv.from_env().supervised:
         return
     cause = "device fault" if isinstance(err, DeviceFault) else "user error"
